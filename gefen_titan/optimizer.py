@@ -59,6 +59,11 @@ def build_gefen(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Op
                         "a property of the optimizer, not of a group."
                     )
                 options[key] = value
+        names = group.pop("param_names", None)
+        if names is not None:
+            # Gefen takes names only as (name, tensor) pairs; a bare
+            # "param_names" key would be ignored in favour of positional names.
+            group["params"] = list(zip(names, group["params"], strict=True))
         groups.append(group)
     options.pop("foreach", None)
     # Gefen's fused path is CUDA-only and downgrades itself with a warning per

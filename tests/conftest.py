@@ -1,0 +1,39 @@
+"""Shared, expensive set-up.
+
+Gefen's first step learns block periods and a codebook with ~8 s of
+single-threaded numba per process, so tests that need stepped Gefen state share
+one stepped optimizer per session instead of stepping their own.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gefen_titan  # noqa: F401  (applies patches, registers the dataset)
+
+
+class TinyBlock(nn.Module):
+    """Big enough that Gefen picks a block period > 1 for the matrices."""
+
+    def __init__(self, dim=64):
+        super().__init__()
+        self.attn = nn.Linear(dim, dim, bias=False)
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, 32)
+
+    def forward(self, x):
+        return self.out(self.norm(self.attn(x)))
+
+
+@pytest.fixture(scope="session")
+def gefen_stepped():
+    """(model, container, params before the step) after one Gefen step."""
+    from gefen_titan.optimizer import GefenOptimizersContainer
+
+    torch.manual_seed(0)
+    model = TinyBlock(dim=256)
+    opt = GefenOptimizersContainer.Config(name="Gefen", lr=1e-2).build(model_parts=[model])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(torch.randn(8, 256)).square().mean().backward()
+    opt.step()
+    return model, opt, before
