@@ -1,0 +1,62 @@
+"""Entry point: ``python -m gefen_titan.train --job.config recipes/X.toml``.
+
+The same as ``torchtitan.train.main`` except that the config comes from a
+TOML recipe plus ``--section.key value`` overrides (``gefen_titan.recipe``)
+instead of ``--module/--config`` and tyro. The recipe is read and checked
+before ``config.build()`` creates any process group, so a bad recipe fails
+every rank the same way and at once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from . import _apply_patches  # noqa: F401  (patches applied on package import)
+from .recipe import load_recipe, parse_cli
+
+
+def build_config(argv: list[str] | None = None):
+    path, overrides = parse_cli(sys.argv[1:] if argv is None else argv)
+    return load_recipe(path, overrides).config
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torchtitan.observability import structured_logger as sl
+    from torchtitan.tools.logging import init_logger, logger
+
+    init_logger()
+    config = build_config(argv)
+    sl.init_structured_logger(
+        source="training",
+        output_dir=config.dump_folder,
+        enable=config.debug.enable_structured_logging,
+    )
+
+    trainer = None
+    try:
+        trainer = config.build()
+        if config.checkpoint.create_seed_checkpoint:
+            if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+                raise ValueError("Create a seed checkpoint with a single process (no sharding).")
+            if not config.checkpoint.enable:
+                raise ValueError("checkpoint.enable must be true to create a seed checkpoint.")
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logger.info("Created seed checkpoint")
+        else:
+            trainer.train()
+    except Exception:
+        if trainer:
+            trainer.close()
+        raise
+    else:
+        trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        logger.info("Process group destroyed")
+
+
+if __name__ == "__main__":
+    main()
