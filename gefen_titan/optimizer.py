@@ -21,6 +21,11 @@ from typing import Any, Literal
 import torch
 from torch.optim import Optimizer
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+from torchtitan.components.optimizer.utils import (
+    get_flat_optim_state_dict,
+    init_optim_state,
+    load_flat_optim_state_dict,
+)
 
 __all__ = ["GefenOptimizersContainer", "build_gefen", "OPTIMIZER_NAMES"]
 
@@ -186,6 +191,42 @@ class GefenOptimizersContainer(OptimizersContainer):
         super().__init__(base, model_parts=model_parts)
         # Report the state size once it exists (Gefen allocates on step 1).
         self._size_hook = self.register_step_post_hook(_log_state_size_once)
+        from .reshard import GefenStateAdapter
+
+        self._gefen_state = GefenStateAdapter(self.optimizers)
+
+    # Checkpointing: Gefen state goes through the resharding adapter (compact,
+    # any N->M); other optimizers keep torchtitan's flat FQN-keyed state.
+    # Never run init_optim_state on Gefen: its zero-gradient step would learn
+    # and freeze a codebook and periods from zeros.
+    def state_dict(self) -> dict[str, Any]:
+        loading = self._gefen_state._plan is not None
+        result: dict[str, Any] = {}
+        for optim in self._other_optimizers():
+            init_optim_state(optim)
+            flat = get_flat_optim_state_dict(optim)
+            if loading:  # load into copies: a failed load must change nothing
+                flat = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
+            result.update(flat)
+        result.update(self._gefen_state.state_dict())
+        return result
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._gefen_state.load_state_dict(state_dict)
+        for optim in self._other_optimizers():
+            init_optim_state(optim)
+            load_flat_optim_state_dict(optim, state_dict)
+
+    def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
+        """Called by GefenCheckpointManager on every rank before ``dcp.load``."""
+        self._gefen_state.prepare_load(checkpoint_id, metadata, prefix)
+
+    def abort_load(self) -> None:
+        self._gefen_state.abort_load()
+
+    def _other_optimizers(self) -> list[Optimizer]:
+        gefen = set(map(id, self._gefen_state.optimizers))
+        return [o for o in self.optimizers if id(o) not in gefen]
 
     @staticmethod
     def _resolve_optimizer_factory(name: str) -> Callable[..., Optimizer]:

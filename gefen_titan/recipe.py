@@ -46,7 +46,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.checkpoint import CheckpointManager
 
 from .optimizer import GefenOptimizersContainer
 
@@ -331,6 +331,17 @@ def _as_gefen_optimizer_config(opt: Any) -> GefenOptimizersContainer.Config:
     return new
 
 
+def _as_gefen_checkpoint_config(ckpt: Any) -> Any:
+    """Lift torchtitan's CheckpointManager.Config into ours (same fields), so
+    checkpoint.enable = true routes Gefen state through the resharding loader."""
+    from .checkpoint import GefenCheckpointManager
+
+    if isinstance(ckpt, GefenCheckpointManager.Config) or type(ckpt) is not CheckpointManager.Config:
+        return ckpt
+    values = {f.name: getattr(ckpt, f.name) for f in dataclasses.fields(ckpt) if f.init}
+    return GefenCheckpointManager.Config(**values)
+
+
 def _rebuild_model_spec(config: Any, module: str, flavor: str | None, attn_backend: str | None, where: str) -> None:
     """Rebuild ``model_spec`` from ``<module>.model_registry`` for [model]."""
     spec = config.model_spec
@@ -416,6 +427,7 @@ def load_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] | 
         _rebuild_model_spec(config, module, model.get("flavor"), model.get("attn_backend"), f"{path}: [model]")
 
     config.optimizer = _as_gefen_optimizer_config(config.optimizer)
+    config.checkpoint = _as_gefen_checkpoint_config(config.checkpoint)
     sections = {
         f.name
         for f in dataclasses.fields(type(config))

@@ -1,0 +1,491 @@
+"""Save Gefen state compactly and load it at any data-parallel degree.
+
+The adapter sits behind ``GefenOptimizersContainer.state_dict()`` /
+``load_state_dict()``. Saving hands DCP the state as it is (``format.py``).
+Loading is two-phase because Gefen's per-rank state differs in size:
+
+1. ``prepare_load`` (all ranks, before torchtitan's ``dcp.load``) reads the
+   checkpoint's small records (formats, layouts, codebooks; a few KB per
+   rank) and checks them against the live model. Everyone reads the same
+   bytes, so every rank reaches the same verdict and raises the same error.
+   It then plans this rank's target state: which source ranks overlap its
+   shard, and for each parameter whether the source blocks can be adopted.
+2. torchtitan's ``dcp.load`` asks ``state_dict()`` for destinations: fresh
+   buffers for the codes (with the *live* placements, so DCP reshards them
+   element-wise) and for the block records of the overlapping source ranks.
+   ``load_state_dict`` checks those values, builds the new state aside, and
+   commits on every rank only once all ranks agree; a failure anywhere leaves
+   every live optimizer untouched.
+
+Exactness: a target shard that lies on whole blocks of one source rank, on an
+optimizer whose params all come from that rank, adopts codebook, period,
+magnitudes and ``vmean`` unchanged (same world size, 1->2, 2->4, ...). Other
+shards (merges, uneven splits) are dequantized, re-blocked so each target
+block lies inside one source block where memory allows, and requantized once
+against a codebook merged from the sources' codebooks weighted by use.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from . import format as fmt
+from .codebook import K, merge_codebooks
+from .layout import Region, UnsupportedLayout, param_region, target_period
+from .quant import dequantize, expand_blocks, requantize
+
+__all__ = ["GefenCheckpointError", "GefenStateAdapter"]
+
+# Group hyperparameters carried in the checkpoint and restored on load (torch
+# optimizers restore theirs the same way; the LR scheduler then resets lr).
+_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+class GefenCheckpointError(RuntimeError):
+    """A Gefen checkpoint that cannot be loaded into the live optimizer."""
+
+
+@dataclass
+class _Slot:
+    """One live Gefen parameter on this rank."""
+
+    fqn: str
+    param: torch.Tensor
+    optim: Optimizer
+    opt_id: str
+    group: dict
+    region: Region
+    local_shape: tuple[int, ...]
+
+    @property
+    def device(self) -> torch.device:
+        p = self.param
+        return p.to_local().device if hasattr(p, "to_local") else p.device
+
+
+@dataclass
+class _Source:
+    """One source rank's record of one parameter (from the checkpoint)."""
+
+    label: int
+    start: int
+    length: int
+    period: int
+    step: int
+    vmean_step: int
+    opt_id: str
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.length
+
+
+@dataclass
+class _Plan:
+    checkpoint_id: str
+    prefix: str
+    params: dict[str, dict]  # fqn -> checkpoint param record
+    sources: dict[str, list[_Source]]  # fqn -> source records, by start
+    codebooks: dict[tuple[str, int], torch.Tensor]
+    global_steps: dict[tuple[str, int], int]
+    needed: dict[str, list[_Source]] = field(default_factory=dict)  # fqn -> overlapping
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _is_gefen(optim: Optimizer) -> bool:
+    from gefen import Gefen
+
+    return isinstance(optim, Gefen)
+
+
+def _agree(error: str | None, what: str) -> None:
+    """Raise ``error`` on every rank if any rank has one (no rank hangs)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if error:
+            raise GefenCheckpointError(f"{what}: {error}")
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([1 if error else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() == 0:
+        return
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    lines = sorted({e for e in errors if e})
+    raise GefenCheckpointError(f"{what}: " + "; ".join(lines))
+
+
+class GefenStateAdapter:
+    """Compact, reshardable checkpoint state of the Gefen optimizers of one rank."""
+
+    def __init__(self, optimizers: list[Optimizer]) -> None:
+        self.optimizers = [o for o in optimizers if _is_gefen(o)]
+        self.slots: list[_Slot] = []
+        for optim in self.optimizers:
+            opt_id = None
+            for group in optim.param_groups:
+                for name, p in zip(group["param_names"], group["params"]):
+                    opt_id = opt_id or name
+                    region, local_shape = param_region(name, p)
+                    self.slots.append(_Slot(name, p, optim, "", group, region, local_shape))
+            for slot in self.slots:
+                if slot.optim is optim:
+                    slot.opt_id = opt_id
+        self._plan: _Plan | None = None
+
+    # ------------------------------------------------------------------ save
+    def state_dict(self) -> dict[str, Any]:
+        if self._plan is not None:
+            return self._load_destinations()
+        sd: dict[str, Any] = {fmt.format_key(): json.dumps({"format": fmt.FORMAT, "version": fmt.VERSION})}
+        for optim in self.optimizers:
+            slot0 = next(s for s in self.slots if s.optim is optim)
+            label = slot0.region.label
+            codebook = optim._gefen_codebook
+            if codebook is not None:
+                # Clones: async saves write after the next step mutates state.
+                sd[fmt.codebook_key(slot0.opt_id, label)] = codebook.detach().float().clone()
+            sd[fmt.global_step_key(slot0.opt_id, label)] = torch.tensor([int(optim._gefen_global_step)], dtype=torch.int64)
+        for slot in self.slots:
+            sd.update(self._save_slot(slot))
+        return sd
+
+    def _save_slot(self, slot: _Slot) -> dict[str, Any]:
+        st = slot.optim.state.get(slot.param, {})
+        if "v_row" in st or "factored_step" in st:
+            raise GefenCheckpointError(
+                f"{slot.fqn}: factored second moment (factored_v_2d) is not supported by the "
+                "checkpoint adapter; gefen_titan builds Gefen with factored_v_2d=False"
+            )
+        region = slot.region
+        device = slot.device
+        meta = {
+            "shape": list(slot.param.shape),
+            "optimizer": slot.opt_id,
+            "nshards": region.nshards,
+            "group": {k: float(slot.group[k]) for k in _HYPER},
+        }
+        out: dict[str, Any] = {fmt.param_key(slot.fqn): json.dumps(meta, sort_keys=True)}
+        if "m_codebook" in st:
+            period = int(st["automatic_period"])
+            codes = st["m_codebook"].reshape(slot.local_shape).clone()
+            blocks = torch.cat([st["m_magnitude"].reshape(-1, 1), st["vmean"].reshape(-1, 1)], 1).float().clone()
+            counters = [period, int(st["step"]), int(st.get("vmean_step", st["step"]))]
+        else:
+            codes = torch.zeros(slot.local_shape, dtype=torch.uint8, device=device)
+            blocks = torch.zeros(0, 2, dtype=torch.float32, device=device)
+            counters = [0, 0, 0]
+        out[fmt.codes_key(slot.fqn)] = self._as_global(slot, codes)
+        out[fmt.layout_key(slot.fqn, region.label)] = torch.tensor([region.start, region.length, *counters], dtype=torch.int64)
+        out[fmt.blocks_key(slot.fqn, region.label)] = blocks
+        return out
+
+    @staticmethod
+    def _as_global(slot: _Slot, local: torch.Tensor) -> torch.Tensor:
+        p = slot.param
+        if not hasattr(p, "placements"):
+            return local
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+    # ------------------------------------------------------------------ load
+    def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
+        """Read and check the small records; plan this rank's load.
+
+        Collective: every rank calls it (it runs one small ``dcp.load``).
+        """
+        import torch.distributed.checkpoint as dcp
+
+        keys = metadata.state_dict_metadata
+        ours = {k[len(prefix):]: v for k, v in keys.items() if k.startswith(prefix)}
+        error = self._check_keys(ours, prefix)
+        _agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
+
+        small: dict[str, Any] = {}
+        for key, md in ours.items():
+            if key.startswith((fmt.PREFIX + "layout/", fmt.PREFIX + "codebook/", fmt.PREFIX + "global_step/")):
+                small[prefix + key] = torch.empty(md.size, dtype=md.properties.dtype)
+            elif key.startswith(fmt.PREFIX + "param/") or key == fmt.format_key():
+                small[prefix + key] = ""
+        dcp.load(small, checkpoint_id=checkpoint_id)
+        small = {k[len(prefix):]: v for k, v in small.items()}
+
+        plan, error = None, None
+        try:
+            plan = self._plan_from_records(checkpoint_id, prefix, small, ours)
+        except (GefenCheckpointError, UnsupportedLayout, ValueError, KeyError) as e:
+            error = str(e)
+        _agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
+        self._plan = plan
+
+    def abort_load(self) -> None:
+        self._plan = None
+
+    def _check_keys(self, ours: dict[str, Any], prefix: str) -> str | None:
+        if not self.slots:
+            return None
+        if fmt.format_key() not in ours:
+            foreign = sorted(k for k in ours if k.startswith("state."))[:3]
+            what = (
+                f"it holds another optimizer's state ({', '.join(foreign)} ...)"
+                if foreign
+                else "it holds no Gefen state in the gefen-titan format"
+            )
+            return (
+                f"{what}. To start Gefen fresh from this checkpoint's model, set "
+                "checkpoint.exclude_from_loading = [\"optimizer\"] (and lr_scheduler if needed)"
+            )
+        live = {s.fqn for s in self.slots}
+        saved = {k[len(fmt.PREFIX + "param/"):] for k in ours if k.startswith(fmt.PREFIX + "param/")}
+        missing = sorted(live - saved)
+        if missing:
+            return (
+                f"the checkpoint has no Gefen state for {len(missing)} live parameter(s) "
+                f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}): it was written for "
+                "another model or optimizer grouping"
+            )
+        for s in self.slots:
+            codes = ours.get(fmt.codes_key(s.fqn))
+            if codes is None:
+                return f"{s.fqn}: codes missing from the checkpoint (truncated or foreign checkpoint)"
+            if tuple(codes.size) != tuple(s.param.shape):
+                return (
+                    f"{s.fqn}: checkpoint shape {tuple(codes.size)} != live shape "
+                    f"{tuple(s.param.shape)}: the checkpoint is for another model"
+                )
+        return None
+
+    def _plan_from_records(self, checkpoint_id: str, prefix: str, small: dict[str, Any], ours: dict[str, Any]) -> _Plan:
+        header = json.loads(small[fmt.format_key()])
+        if header.get("format") != fmt.FORMAT or header.get("version") != fmt.VERSION:
+            raise GefenCheckpointError(
+                f"checkpoint format {header} is not {fmt.FORMAT} v{fmt.VERSION}; it was written by "
+                "another gefen-titan version. Load it with that version or exclude the optimizer"
+            )
+        params, sources = {}, {}
+        codebooks, global_steps = {}, {}
+        for slot in self.slots:
+            rec = json.loads(small[fmt.param_key(slot.fqn)])
+            params[slot.fqn] = rec
+            for k in _HYPER:
+                v = rec["group"].get(k)
+                if v is None or not (v == v) or v < 0:
+                    raise GefenCheckpointError(f"{slot.fqn}: hyperparameter {k}={v!r} in the checkpoint is invalid")
+            if not (rec["group"]["beta1"] < 1 and rec["group"]["beta2"] < 1 and rec["group"]["eps"] > 0):
+                raise GefenCheckpointError(f"{slot.fqn}: checkpoint hyperparameters {rec['group']} cannot be represented by Gefen")
+            srcs = []
+            for label in range(int(rec["nshards"])):
+                lk = fmt.layout_key(slot.fqn, label)
+                if lk not in small:
+                    raise GefenCheckpointError(f"{slot.fqn}: record of source rank {label} missing (truncated checkpoint?)")
+                start, length, period, step, vstep = (int(x) for x in small[lk].tolist())
+                src = _Source(label, start, length, period, step, vstep, rec["optimizer"])
+                bk = ours.get(fmt.blocks_key(slot.fqn, label))
+                nblocks = length // period if period else 0
+                if period < 0 or (period and length % period) or bk is None or tuple(bk.size) != (nblocks, 2):
+                    raise GefenCheckpointError(
+                        f"{slot.fqn}: source rank {label} has inconsistent blocks (length {length}, "
+                        f"period {period}, blocks {None if bk is None else tuple(bk.size)})"
+                    )
+                if (period == 0) != (step == 0) or vstep > step or step < 0 or vstep < 0:
+                    raise GefenCheckpointError(
+                        f"{slot.fqn}: source rank {label} counters do not add up (period {period}, step {step}, vmean_step {vstep})"
+                    )
+                srcs.append(src)
+            srcs.sort(key=lambda s: s.start)
+            pos = 0
+            for s in srcs:
+                if s.length and s.start != pos:
+                    raise GefenCheckpointError(f"{slot.fqn}: source shards do not tile the parameter (gap or overlap at element {pos})")
+                pos = s.stop if s.length else pos
+            if pos != slot.param.numel():
+                raise GefenCheckpointError(f"{slot.fqn}: source shards cover {pos} of {slot.param.numel()} elements")
+            steps = {s.step for s in srcs if s.length}
+            if len(steps) > 1:
+                raise GefenCheckpointError(f"{slot.fqn}: source ranks disagree on the step count {sorted(steps)}")
+            sources[slot.fqn] = srcs
+            for s in srcs:
+                key = (s.opt_id, s.label)
+                if s.period and key not in codebooks:
+                    ck = fmt.codebook_key(*key)
+                    if ck not in small:
+                        raise GefenCheckpointError(f"codebook of source rank {s.label} for optimizer {s.opt_id} missing")
+                    cb = small[ck].float()
+                    if cb.numel() != K or not torch.isfinite(cb).all() or cb[0] != -1 or cb[-1] != 1 or (cb[1:] < cb[:-1]).any():
+                        raise GefenCheckpointError(f"codebook of source rank {s.label} ({s.opt_id}) is corrupt (must be {K} sorted finite values from -1 to 1)")
+                    codebooks[key] = cb
+                    gk = fmt.global_step_key(*key)
+                    global_steps[key] = int(small[gk].item()) if gk in small else s.step
+                    if global_steps[key] < s.step:
+                        raise GefenCheckpointError(f"{slot.fqn}: global step {global_steps[key]} < parameter step {s.step}")
+        plan = _Plan(checkpoint_id, prefix, params, sources, codebooks, global_steps)
+        for slot in self.slots:
+            r = slot.region
+            plan.needed[slot.fqn] = [
+                s for s in sources[slot.fqn] if s.length and s.period and s.start < r.stop and r.start < s.stop
+            ]
+        return plan
+
+    def _load_destinations(self) -> dict[str, Any]:
+        plan = self._plan
+        assert plan is not None
+        sd: dict[str, Any] = {}
+        for slot in self.slots:
+            if not plan.needed[slot.fqn]:
+                continue
+            local = torch.empty(slot.local_shape, dtype=torch.uint8, device=slot.device)
+            sd[fmt.codes_key(slot.fqn)] = self._as_global(slot, local)
+            for s in plan.needed[slot.fqn]:
+                sd[fmt.blocks_key(slot.fqn, s.label)] = torch.empty(s.length // s.period, 2, dtype=torch.float32, device=slot.device)
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        plan = self._plan
+        if plan is None:
+            raise GefenCheckpointError(
+                "Gefen state can only be loaded through GefenCheckpointManager (which reads the "
+                "checkpoint's layout first); set the recipe's [checkpoint] as usual"
+            )
+        self._plan = None
+        staged, error = None, None
+        try:
+            staged = self._build(plan, sd)
+        except (GefenCheckpointError, ValueError, KeyError) as e:
+            error = str(e)
+        _agree(error, f"cannot load Gefen optimizer state from {plan.checkpoint_id}")
+        self._commit(plan, staged)
+
+    def _build(self, plan: _Plan, sd: dict[str, Any]) -> dict:
+        """New per-param states and per-optimizer codebooks, nothing committed."""
+        codes_of: dict[str, torch.Tensor] = {}
+        blocks_of: dict[tuple[str, int], torch.Tensor] = {}
+        for slot in self.slots:
+            if not plan.needed[slot.fqn]:
+                continue
+            codes_of[slot.fqn] = _local(sd[fmt.codes_key(slot.fqn)]).reshape(-1)
+            for s in plan.needed[slot.fqn]:
+                b = sd[fmt.blocks_key(slot.fqn, s.label)]
+                if not torch.isfinite(b).all() or (b < 0).any():
+                    raise GefenCheckpointError(f"{slot.fqn}: source rank {s.label} has non-finite or negative magnitudes/vmean (corrupt checkpoint)")
+                blocks_of[(slot.fqn, s.label)] = b
+
+        # One codebook per live optimizer: adopt it when all of the optimizer's
+        # elements on this rank come from one source codebook, else merge.
+        per_optim: dict[int, Counter] = defaultdict(Counter)
+        for slot in self.slots:
+            r = slot.region
+            for s in plan.needed[slot.fqn]:
+                per_optim[id(slot.optim)][(s.opt_id, s.label)] += min(r.stop, s.stop) - max(r.start, s.start)
+        codebooks: dict[int, tuple[torch.Tensor, tuple | None]] = {}
+        for optim in self.optimizers:
+            used = per_optim.get(id(optim))
+            if not used:
+                continue
+            device = next(s.device for s in self.slots if s.optim is optim)
+            if len(used) == 1:
+                (key,) = used
+                codebooks[id(optim)] = (plan.codebooks[key].to(device), key)
+            else:
+                codebooks[id(optim)] = (self._merged_codebook(plan, optim, codes_of).to(device), None)
+
+        states: dict[str, dict] = {}
+        for slot in self.slots:
+            if plan.needed[slot.fqn]:
+                cb, adopted = codebooks[id(slot.optim)]
+                states[slot.fqn] = self._build_slot(plan, slot, codes_of[slot.fqn], blocks_of, cb, adopted)
+        optim_meta = {}
+        for optim in self.optimizers:
+            if id(optim) in codebooks:
+                cb, _ = codebooks[id(optim)]
+                keys = per_optim[id(optim)]
+                optim_meta[id(optim)] = (cb, max(plan.global_steps[k] for k in keys))
+        return {"states": states, "optim": optim_meta}
+
+    def _merged_codebook(self, plan: _Plan, optim: Optimizer, codes_of: dict[str, torch.Tensor]) -> torch.Tensor:
+        codebooks, weights = [], []
+        for slot in self.slots:
+            if slot.optim is not optim:
+                continue
+            r = slot.region
+            codes = codes_of.get(slot.fqn)
+            for s in plan.needed[slot.fqn]:
+                lo, hi = max(r.start, s.start), min(r.stop, s.stop)
+                use = torch.bincount(codes[lo - r.start : hi - r.start].long(), minlength=K).double().cpu()
+                codebooks.append(plan.codebooks[(s.opt_id, s.label)].double().cpu())
+                weights.append(use)
+        return merge_codebooks(codebooks, weights)
+
+    def _build_slot(self, plan, slot, codes, blocks_of, cb, adopted) -> dict:
+        r = slot.region
+        srcs = plan.needed[slot.fqn]
+        step = max(s.step for s in srcs)
+        vstep = max(s.vmean_step for s in srcs)
+        if len(srcs) == 1:
+            s = srcs[0]
+            aligned = s.start <= r.start and r.stop <= s.stop and (r.start - s.start) % s.period == 0 and (r.stop - s.start) % s.period == 0
+            if aligned and adopted == (s.opt_id, s.label):
+                b = blocks_of[(slot.fqn, s.label)]
+                j0, j1 = (r.start - s.start) // s.period, (r.stop - s.start) // s.period
+                return {
+                    "automatic_period": s.period,
+                    "step": step,
+                    "vmean_step": vstep,
+                    "m_codebook": codes.reshape(-1, s.period).clone(),
+                    "m_magnitude": b[j0:j1, 0:1].clone(),
+                    "vmean": b[j0:j1, 1:2].clone(),
+                }
+        period, exact_blocks = target_period(r.start, r.length, [(s.start, s.period) for s in srcs])
+        dense, vmean = [], []
+        for s in srcs:
+            lo, hi = max(r.start, s.start), min(r.stop, s.stop)
+            b = blocks_of[(slot.fqn, s.label)]
+            src_cb = plan.codebooks[(s.opt_id, s.label)].to(codes.device)
+            seg = codes[lo - r.start : hi - r.start]
+            dense.append(dequantize(seg, src_cb, b[:, 0], s.period, start=lo - s.start))
+            vmean.append(expand_blocks(b[:, 1], s.period, lo - s.start, hi - s.start))
+        dense_t = torch.cat(dense)
+        vmean_t = torch.cat(vmean).reshape(-1, period)
+        new_codes, magnitude = requantize(dense_t, cb, period)
+        return {
+            "automatic_period": period,
+            "step": step,
+            "vmean_step": vstep,
+            "m_codebook": new_codes,
+            "m_magnitude": magnitude,
+            # Exact when each target block lies in one source block.
+            "vmean": vmean_t[:, 0:1].clone() if exact_blocks else vmean_t.mean(dim=1, keepdim=True),
+        }
+
+    def _commit(self, plan: _Plan, staged: dict) -> None:
+        for slot in self.slots:
+            st = slot.optim.state[slot.param]
+            name = st.get("name", slot.fqn)
+            for key in list(st):
+                if key not in ("name",) and not key.startswith("_gefen_rank_local"):
+                    del st[key]
+            st["name"] = name
+            if slot.fqn in staged["states"]:
+                st.update(staged["states"][slot.fqn])
+            hyper = plan.params[slot.fqn]["group"]
+            for k in _HYPER:
+                slot.group[k] = hyper[k]
+        for optim in self.optimizers:
+            meta = staged["optim"].get(id(optim))
+            if meta is None:
+                continue
+            cb, global_step = meta
+            optim._gefen_codebook = cb
+            optim._gefen_codebook_by_device = {}
+            optim._gefen_codebook_lut_by_device = {}
+            optim._gefen_global_step = global_step

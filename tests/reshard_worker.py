@@ -1,0 +1,204 @@
+"""One rank of a save-at-N / load-at-M run, launched by tests via torchrun.
+
+A small real model (embedding, MLP blocks with norms, output projection;
+uneven rows at 3 ranks) under FSDP2 on gloo, trained with the real Gefen
+through ``GefenOptimizersContainer``, torchtitan's LR schedulers and our
+``GefenCheckpointManager``. The global batch of every step is a function of
+the step alone and each rank takes its slice, so runs at different world
+sizes see the same gradients (up to the order of the reduction).
+
+modes:
+  ref     train --save-step + --steps steps from a fixed seed, checkpoint at
+          --save-step, dump the optimizer state there and params after each
+          later step
+  resume  build fresh, load --save-step, dump the loaded state, train --steps
+          more steps dumping params
+  corrupt (used by fail-closed tests) build fresh, take one step, try a load
+          and dump whether it raised, the error, and the state before/after
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import gefen_titan  # noqa: F401  (patches, dataset)
+from gefen_titan.checkpoint import GefenCheckpointManager
+from gefen_titan.optimizer import GefenOptimizersContainer
+from torchtitan.components.optimizer import LRSchedulersContainer
+
+VOCAB, DIM, HIDDEN, LAYERS = 512, 128, 384, 2
+GLOBAL_BATCH, SEQ = 12, 32
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(DIM)
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x):
+        return x + self.w2(F.silu(self.w1(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = nn.RMSNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+class TrainState:
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": torch.tensor(self.step)}
+
+    def load_state_dict(self, sd):
+        self.step = int(sd["step"])
+
+
+def batch(step: int, rank: int, world: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    per = GLOBAL_BATCH // world
+    mine = data[rank * per : (rank + 1) * per]
+    return mine[:, :-1], mine[:, 1:]
+
+
+def build(world: int, args):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = Net()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = GefenOptimizersContainer.Config(name="Gefen", lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1).build(
+        model_parts=[model]
+    )
+    sched = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=None, min_lr_factor=0.1).build(
+        optimizers=opt, training_steps=args.save_step + args.steps
+    )
+    train_state = TrainState()
+    ckpt = GefenCheckpointManager.Config(
+        enable=True, folder="ckpt", interval=args.save_step, last_save_model_only=False,
+        keep_latest_k=0, async_mode=args.async_mode,
+    ).build(
+        dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched,
+        states={"train_state": train_state}, sd_adapter=None, base_folder=args.ckpt,
+    )
+    return model, opt, sched, ckpt, train_state
+
+
+def train_step(model, opt, sched, step, rank, world):
+    x, y = batch(step, rank, world)
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    # The global mean loss (ranks hold equal-sized slices).
+    t = loss.detach().clone()
+    dist.all_reduce(t)
+    return float(t) / world
+
+
+def snapshot(opt):
+    """This rank's raw Gefen state, by parameter name."""
+    out = {}
+    for optim in opt.optimizers:
+        cb = optim._gefen_codebook
+        for group in optim.param_groups:
+            for name, p in zip(group["param_names"], group["params"]):
+                st = optim.state.get(p, {})
+                from gefen_titan.reshard.layout import param_region
+
+                region, _ = param_region(name, p)
+                rec = {"start": region.start, "length": region.length, "shape": tuple(p.shape)}
+                if "m_codebook" in st:
+                    rec.update(
+                        period=int(st["automatic_period"]), step=int(st["step"]), vmean_step=int(st["vmean_step"]),
+                        codes=st["m_codebook"].clone(), magnitude=st["m_magnitude"].clone(), vmean=st["vmean"].clone(),
+                        codebook=cb.clone(), global_step=int(optim._gefen_global_step),
+                        lr=float(group["lr"]), beta1=group["beta1"], beta2=group["beta2"],
+                    )
+                out[name] = rec
+    return out
+
+
+def full_params(model):
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["ref", "resume", "corrupt"], required=True)
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--save-step", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--async-mode", default="disabled")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    model, opt, sched, ckpt, train_state = build(world, args)
+    result = {"world": world, "rank": rank, "losses": {}, "params": {}}
+
+    if args.mode == "ref":
+        for step in range(1, args.save_step + args.steps + 1):
+            result["losses"][step] = train_step(model, opt, sched, step, rank, world)
+            train_state.step = step
+            if step == args.save_step:
+                ckpt.save(step)
+                ckpt.maybe_wait_for_saving()
+                result["state"] = snapshot(opt)
+            if step >= args.save_step:
+                result["params"][step] = full_params(model)
+    elif args.mode == "resume":
+        assert ckpt.load(step=args.save_step)
+        assert train_state.step == args.save_step
+        result["state"] = snapshot(opt)
+        result["params"][args.save_step] = full_params(model)
+        for step in range(args.save_step + 1, args.save_step + args.steps + 1):
+            result["losses"][step] = train_step(model, opt, sched, step, rank, world)
+            result["params"][step] = full_params(model)
+    else:
+        train_step(model, opt, sched, 1, rank, world)
+        before = snapshot(opt)
+        try:
+            ckpt.load(step=args.save_step)
+            result["error"] = None
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            result["error"] = f"{type(e).__name__}: {e}"
+            result["traceback"] = traceback.format_exc()
+        result["state_before"] = before
+        result["state"] = snapshot(opt)
+    ckpt.close()
+    torch.save(result, os.path.join(args.out, f"{args.mode}_w{world}_r{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
