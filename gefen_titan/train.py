@@ -23,12 +23,30 @@ def build_config(argv: list[str] | None = None):
     return load_recipe(path, overrides).config
 
 
+def _single_process_env() -> None:
+    """Let ``python -m gefen_titan.train`` run as one rank without torchrun.
+
+    torchtitan reads the torchrun variables unconditionally; with none set we
+    are the whole world.
+    """
+    if "LOCAL_RANK" in os.environ or "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
 def main(argv: list[str] | None = None) -> None:
     from torchtitan.observability import structured_logger as sl
     from torchtitan.tools.logging import init_logger, logger
 
     init_logger()
     config = build_config(argv)
+    _single_process_env()
     sl.init_structured_logger(
         source="training",
         output_dir=config.dump_folder,

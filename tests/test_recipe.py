@@ -45,7 +45,7 @@ def test_recipes_declare_1_2_4_shards():
 def test_debug_recipe_values():
     config = load_recipe(DEBUG, world_size=2).config
     assert config.optimizer.name == "Gefen"
-    assert config.optimizer.lr == pytest.approx(3e-3)
+    assert config.optimizer.lr == pytest.approx(2e-3)
     assert config.optimizer.betas == (0.9, 0.95)
     assert config.model_spec.flavor == "debugmodel"
     assert config.dataloader.dataset == "gefen_tiny"
@@ -54,7 +54,7 @@ def test_debug_recipe_values():
     # [optimizer] name replaced the base function's AdamW catch-all group.
     (group,) = config.optimizer.resolved_param_groups()
     assert group.optimizer_name == "Gefen" and group.pattern == ".*"
-    assert group.optimizer_kwargs["lr"] == pytest.approx(3e-3)
+    assert group.optimizer_kwargs["lr"] == pytest.approx(2e-3)
 
 
 def test_cli_overrides_win_over_recipe():
