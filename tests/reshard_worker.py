@@ -170,12 +170,21 @@ def main():
             result["losses"][step] = train_step(model, opt, sched, step, rank, world)
             train_state.step = step
             if step == args.save_step:
+                # Async saves write while later steps mutate the state in
+                # place: the snapshot must still be what gets read back.
                 ckpt.save(step)
-                ckpt.maybe_wait_for_saving()
                 result["state"] = snapshot(opt)
             if step >= args.save_step:
                 result["params"][step] = full_params(model)
+        ckpt.maybe_wait_for_saving()
     elif args.mode == "resume":
+        # A load must never learn a codebook (seconds of numba per rank).
+        import gefen.quantization
+
+        def _no_learning(*a, **k):
+            raise AssertionError("codebook learning ran during/after a checkpoint load")
+
+        gefen.quantization.exact_dp = _no_learning
         assert ckpt.load(step=args.save_step)
         assert train_state.step == args.save_step
         result["state"] = snapshot(opt)
