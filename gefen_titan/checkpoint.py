@@ -12,12 +12,14 @@ Saving, async modes, ``load_step``, ``exclude_from_loading`` and
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 from torchtitan.components.checkpoint import CheckpointManager
+from torch.distributed.checkpoint.api import CheckpointException
 from torchtitan.components.checkpointer.base import DATALOADER, OPTIMIZER
+
+from .reshard.adapter import unreadable
 
 __all__ = ["GefenCheckpointManager"]
 
@@ -28,38 +30,30 @@ class GefenCheckpointManager(CheckpointManager):
         pass
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-        with self._dataloader_prepared(state_dict, checkpoint_id, from_hf):
-            self._dcp_load_optimizer_prepared(state_dict, checkpoint_id, from_hf, from_quantized)
-
-    @contextlib.contextmanager
-    def _dataloader_prepared(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool):
-        """Data-loader hook (gefen_titan.dataloader): before ``dcp.load``, let a
-        dataloader with ``prepare_load`` see which per-rank entries the
-        checkpoint holds, so a rank resuming at another DP degree can read
-        every source rank's entry; ``abort_load`` afterwards, also on failure."""
-        dataloader = self.states.get(DATALOADER)
-        if from_hf or DATALOADER not in state_dict or not hasattr(dataloader, "prepare_load"):
-            yield
-            return
-        from torch.distributed.checkpoint import FileSystemReader
-
-        dataloader.prepare_load(FileSystemReader(checkpoint_id).read_metadata(), prefix=f"{DATALOADER}.")
-        try:
-            yield
-        finally:
-            dataloader.abort_load()
-
-    def _dcp_load_optimizer_prepared(
-        self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool
-    ) -> None:
-        optimizers = self.states.get(OPTIMIZER)
-        if from_hf or OPTIMIZER not in state_dict or not hasattr(optimizers, "prepare_load"):
+        # Components that must see the checkpoint's layout before DCP asks
+        # them for load destinations: the optimizer container (Gefen's
+        # per-rank state) and the elastic data loader (every source rank's
+        # entry when the data-parallel degree changed).
+        prepared = [
+            (self.states[key], key)
+            for key in (OPTIMIZER, DATALOADER)
+            if not from_hf and key in state_dict and hasattr(self.states.get(key), "prepare_load")
+        ]
+        if not prepared:
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
         from torch.distributed.checkpoint import FileSystemReader
 
         metadata = FileSystemReader(checkpoint_id).read_metadata()
-        optimizers.prepare_load(checkpoint_id, metadata, prefix=f"{OPTIMIZER}.")
         try:
+            for component, key in prepared:
+                if key == OPTIMIZER:
+                    component.prepare_load(checkpoint_id, metadata, prefix=f"{key}.")
+                else:
+                    component.prepare_load(metadata, prefix=f"{key}.")
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        except (CheckpointException, OSError) as e:
+            # A read failure: DCP raises the same CheckpointException on every rank.
+            raise unreadable(checkpoint_id, e) from e
         finally:
-            optimizers.abort_load()
+            for component, _ in prepared:
+                component.abort_load()

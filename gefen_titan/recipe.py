@@ -48,6 +48,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from torchtitan.components.checkpoint import CheckpointManager
 
+from .dataloader import lift_dataloader_config
 from .optimizer import GefenOptimizersContainer
 
 __all__ = ["RecipeError", "Recipe", "load_recipe", "parse_cli", "validate_mesh"]
@@ -428,6 +429,7 @@ def load_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] | 
 
     config.optimizer = _as_gefen_optimizer_config(config.optimizer)
     config.checkpoint = _as_gefen_checkpoint_config(config.checkpoint)
+    config.dataloader = lift_dataloader_config(config.dataloader)
     sections = {
         f.name
         for f in dataclasses.fields(type(config))

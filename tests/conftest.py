@@ -5,6 +5,10 @@ single-threaded numba per process, so tests that need stepped Gefen state share
 one stepped optimizer per session instead of stepping their own.
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -37,3 +41,40 @@ def gefen_stepped():
     model(torch.randn(8, 256)).square().mean().backward()
     opt.step()
     return model, opt, before
+
+
+# ---------------------------------------------------------------- reshard runs
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "reshard_worker.py"
+SAVE_STEP, STEPS = 3, 2
+PAIRS = [(2, 2), (2, 4), (4, 2), (2, 1), (1, 2), (3, 2)]
+_port = [29600]
+
+
+def launch(nproc: int, *args: str) -> None:
+    _port[0] += 1
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master-port={_port[0]}", str(WORKER), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """Reference runs at 1..4 ranks (4 saves async), then every resume."""
+    base = tmp_path_factory.mktemp("reshard")
+    out = base / "out"
+    out.mkdir()
+    for n in sorted({n for n, _ in PAIRS}):
+        (out / f"ref{n}").mkdir()
+        mode = "async" if n == 4 else "disabled"
+        launch(n, "--mode", "ref", "--ckpt", str(base / f"c{n}"), "--out", str(out / f"ref{n}"),
+               "--save-step", str(SAVE_STEP), "--steps", str(STEPS), "--async-mode", mode)
+    for n, m in PAIRS:
+        d = out / f"{n}to{m}"
+        d.mkdir()
+        launch(m, "--mode", "resume", "--ckpt", str(base / f"c{n}"), "--out", str(d),
+               "--save-step", str(SAVE_STEP), "--steps", str(STEPS))
+    return base, out
+
+

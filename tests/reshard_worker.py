@@ -13,8 +13,9 @@ modes:
           later step
   resume  build fresh, load --save-step, dump the loaded state, train --steps
           more steps dumping params
-  corrupt (used by fail-closed tests) build fresh, take one step, try a load
-          and dump whether it raised, the error, and the state before/after
+  corrupt build fresh, take one step, then try to load each checkpoint root
+          of --cases in turn, dumping per case whether it raised, the error,
+          and the state before/after (fail-closed tests)
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -93,7 +93,7 @@ def build(world: int, args):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = GefenOptimizersContainer.Config(name="Gefen", lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1).build(
+    opt = GefenOptimizersContainer.Config(name=args.optimizer, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1).build(
         model_parts=[model]
     )
     sched = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=None, min_lr_factor=0.1).build(
@@ -127,7 +127,7 @@ def snapshot(opt):
     """This rank's raw Gefen state, by parameter name."""
     out = {}
     for optim in opt.optimizers:
-        cb = optim._gefen_codebook
+        cb = getattr(optim, "_gefen_codebook", None)
         for group in optim.param_groups:
             for name, p in zip(group["param_names"], group["params"]):
                 st = optim.state.get(p, {})
@@ -158,6 +158,8 @@ def main():
     ap.add_argument("--save-step", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--async-mode", default="disabled")
+    ap.add_argument("--optimizer", default="Gefen")
+    ap.add_argument("--cases", default="", help="comma-separated checkpoint roots (corrupt mode)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -194,15 +196,16 @@ def main():
             result["params"][step] = full_params(model)
     else:
         train_step(model, opt, sched, 1, rank, world)
-        before = snapshot(opt)
-        try:
-            ckpt.load(step=args.save_step)
-            result["error"] = None
-        except Exception as e:  # noqa: BLE001 - the test inspects it
-            result["error"] = f"{type(e).__name__}: {e}"
-            result["traceback"] = traceback.format_exc()
-        result["state_before"] = before
-        result["state"] = snapshot(opt)
+        result["cases"] = {}
+        for case in args.cases.split(","):
+            before = snapshot(opt)
+            ckpt.folder = os.path.join(case, "ckpt")
+            try:
+                ckpt.load(step=args.save_step)
+                error = None
+            except Exception as e:  # noqa: BLE001 - the test inspects it
+                error = f"{type(e).__name__}: {e}"
+            result["cases"][os.path.basename(case)] = {"error": error, "before": before, "after": snapshot(opt)}
     ckpt.close()
     torch.save(result, os.path.join(args.out, f"{args.mode}_w{world}_r{rank}.pt"))
     dist.barrier()

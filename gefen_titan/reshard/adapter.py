@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
 from . import format as fmt
@@ -41,7 +42,7 @@ from .codebook import K, merge_codebooks
 from .layout import Region, UnsupportedLayout, param_region, target_period
 from .quant import dequantize, expand_blocks, requantize
 
-__all__ = ["GefenCheckpointError", "GefenStateAdapter"]
+__all__ = ["GefenCheckpointError", "GefenStateAdapter", "unreadable"]
 
 # Group hyperparameters carried in the checkpoint and restored on load (torch
 # optimizers restore theirs the same way; the LR scheduler then resets lr).
@@ -50,6 +51,19 @@ _HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
 
 class GefenCheckpointError(RuntimeError):
     """A Gefen checkpoint that cannot be loaded into the live optimizer."""
+
+
+def unreadable(checkpoint_id: str, error: Exception) -> GefenCheckpointError:
+    # DCP's CheckpointException wraps per-rank tracebacks: name the root cause.
+    import re
+
+    causes = re.findall(r"^\s*([\w.]+(?:Error|Exception): .+)$", str(error), re.M)
+    cause = causes[-1] if causes else f"{type(error).__name__}: {str(error).strip()[:200]}"
+    return GefenCheckpointError(
+        f"cannot read checkpoint {checkpoint_id} ({cause[:300]}): a file is "
+        "missing, truncated or unreadable. Restore it, or resume from another step with "
+        "checkpoint.load_step. Nothing was loaded into the optimizer."
+    )
 
 
 @dataclass
@@ -147,6 +161,8 @@ class GefenStateAdapter:
     def state_dict(self) -> dict[str, Any]:
         if self._plan is not None:
             return self._load_destinations()
+        if not self.slots:
+            return {}
         sd: dict[str, Any] = {fmt.format_key(): json.dumps({"format": fmt.FORMAT, "version": fmt.VERSION})}
         for optim in self.optimizers:
             slot0 = next(s for s in self.slots if s.optim is optim)
@@ -218,7 +234,10 @@ class GefenStateAdapter:
                 small[prefix + key] = torch.empty(md.size, dtype=md.properties.dtype)
             elif key.startswith(fmt.PREFIX + "param/") or key == fmt.format_key():
                 small[prefix + key] = ""
-        dcp.load(small, checkpoint_id=checkpoint_id)
+        try:
+            dcp.load(small, checkpoint_id=checkpoint_id)
+        except (Exception, CheckpointException) as e:  # DCP raises it on every rank
+            raise unreadable(checkpoint_id, e) from e
         small = {k[len(prefix):]: v for k, v in small.items()}
 
         plan, error = None, None
@@ -235,7 +254,8 @@ class GefenStateAdapter:
     def _check_keys(self, ours: dict[str, Any], prefix: str) -> str | None:
         if not self.slots:
             return None
-        if fmt.format_key() not in ours:
+        saved = {k[len(fmt.PREFIX + "param/"):] for k in ours if k.startswith(fmt.PREFIX + "param/")}
+        if fmt.format_key() not in ours or not saved:
             foreign = sorted(k for k in ours if k.startswith("state."))[:3]
             what = (
                 f"it holds another optimizer's state ({', '.join(foreign)} ...)"
@@ -247,7 +267,6 @@ class GefenStateAdapter:
                 "checkpoint.exclude_from_loading = [\"optimizer\"] (and lr_scheduler if needed)"
             )
         live = {s.fqn for s in self.slots}
-        saved = {k[len(fmt.PREFIX + "param/"):] for k in ours if k.startswith(fmt.PREFIX + "param/")}
         missing = sorted(live - saved)
         if missing:
             return (
