@@ -89,7 +89,10 @@ def build(world: int, args):
 
     torch.manual_seed(0)
     model = Net()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    if args.hsdp:  # replicate x shard: replicas hold identical Gefen state
+        mesh = init_device_mesh("cpu", (args.hsdp, world // args.hsdp), mesh_dim_names=("dp_replicate", "dp_shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -159,6 +162,7 @@ def main():
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--async-mode", default="disabled")
     ap.add_argument("--optimizer", default="Gefen")
+    ap.add_argument("--hsdp", type=int, default=0, help="replicate degree (HSDP) instead of plain FSDP")
     ap.add_argument("--cases", default="", help="comma-separated checkpoint roots (corrupt mode)")
     args = ap.parse_args()
     dist.init_process_group("gloo")

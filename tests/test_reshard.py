@@ -122,3 +122,38 @@ def test_every_resume_continues_training(runs):
         ref, res = _load(runs, n, m)
         assert sorted(res[0]["losses"]) == list(range(SAVE_STEP + 1, SAVE_STEP + STEPS + 1))
         assert all(math.isfinite(v) for v in res[0]["losses"].values())
+
+
+@pytest.fixture(scope="module")
+def hsdp(runs, tmp_path_factory):
+    """HSDP 2 replicas x 2 shards at 4 ranks, resumed as plain FSDP at 2."""
+    from conftest import launch
+
+    base = tmp_path_factory.mktemp("hsdp")
+    (base / "ref").mkdir()
+    (base / "res").mkdir()
+    launch(4, "--mode", "ref", "--hsdp", "2", "--ckpt", str(base / "c"), "--out", str(base / "ref"),
+           "--save-step", str(SAVE_STEP), "--steps", str(STEPS))
+    launch(2, "--mode", "resume", "--ckpt", str(base / "c"), "--out", str(base / "res"),
+           "--save-step", str(SAVE_STEP), "--steps", str(STEPS))
+    return base
+
+
+def test_hsdp_replicas_write_once_and_reload_exactly(hsdp):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ref = load_run(str(hsdp / "ref"), "ref", 4)
+    res = load_run(str(hsdp / "res"), "resume", 2)
+    md = FileSystemReader(str(hsdp / "c" / "ckpt" / f"step-{SAVE_STEP}")).read_metadata()
+    labels = {k.rsplit("/", 1)[1] for k in md.state_dict_metadata if "gefen/records/" in k}
+    assert labels == {"0", "1"}  # one record per shard, not per replica
+    # Ranks 0,1 are replica 0 (shards 0,1); 2,3 replica 1 with identical state.
+    for name, rec in ref[0]["state"].items():
+        assert torch.equal(rec["codes"], ref[2]["state"][name]["codes"])
+    for shard in (0, 1):
+        for name, rec in ref[shard]["state"].items():
+            got = res[shard]["state"][name]
+            for key in ("period", "step", "vmean_step", "global_step"):
+                assert got[key] == rec[key], (name, key)
+            for key in ("codes", "magnitude", "vmean", "codebook"):
+                assert torch.equal(got[key], rec[key]), (name, key)

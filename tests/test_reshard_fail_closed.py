@@ -32,15 +32,42 @@ def _edited(src: Path, dst: Path, edit) -> None:
     torch_save_to_dcp(str(full), str(dst / "ckpt" / STEP_DIR))
 
 
-def _set_meta(key, field, value):
+def _set_hyper(fqn, name, value):
     def edit(opt):
-        meta = json.loads(opt[key])
-        node = meta
-        *path, last = field
-        for part in path:
-            node = node[part]
-        node[last] = value
-        opt[key] = json.dumps(meta)
+        for key in [k for k in opt if k.startswith("gefen/optimizer/")]:
+            meta = json.loads(opt[key])
+            for rec in meta["params"]:
+                if rec["fqn"] == fqn:
+                    rec["group"][name] = value
+            opt[key] = json.dumps(meta)
+
+    return edit
+
+
+def _record(opt, fqn):
+    """(records key of source rank 0's table, row of ``fqn``)."""
+    for key in [k for k in opt if k.startswith("gefen/optimizer/")]:
+        names = [rec["fqn"] for rec in json.loads(opt[key])["params"]]
+        if fqn in names:
+            return key.replace("gefen/optimizer/", "gefen/records/"), 1 + names.index(fqn)
+    raise KeyError(fqn)
+
+
+def _set_record(fqn, rank, column, fn):
+    def edit(opt):
+        key, row = _record(opt, fqn)
+        key = f"{key}/{rank}"
+        opt[key][row, column] = fn(int(opt[key][row, column]))
+
+    return edit
+
+
+def _nan_blocks(fqn, rank):
+    def edit(opt):
+        key, row = _record(opt, fqn)
+        table = opt[f"{key}/{rank}"]
+        b0, nb = int(table[row, 5]), int(table[row, 6])
+        opt[f"{key}/{rank}".replace("/records/", "/blocks/")][b0 : b0 + nb] = float("nan")
 
     return edit
 
@@ -58,13 +85,13 @@ def _drop(key):
 
 CASES = {
     "format": (_set("gefen/format", lambda v: json.dumps({"format": "gefen-titan", "version": 99})), "v1"),
-    "other_model": (_drop("gefen/param/output.weight"), "no Gefen state for 1 live parameter"),
+    "other_model": (_drop("gefen/codes/output.weight"), "no Gefen state for 1 live parameter"),
     "shape": (_set("gefen/codes/output.weight", lambda v: v[:256].clone()), "the checkpoint is for another model"),
-    "nonfinite": (_set("gefen/blocks/layers.0.w1.weight/1", lambda v: v.fill_(float("nan"))), "non-finite"),
-    "counters": (_set("gefen/layout/layers.1.w2.weight/0", lambda v: v.index_fill(0, torch.tensor([4]), 99)), "counters do not add up"),
-    "hyper": (_set_meta("gefen/param/norm.weight", ("group", "beta1"), 1.5), "cannot be represented"),
+    "nonfinite": (_nan_blocks("layers.0.w1.weight", 1), "non-finite"),
+    "counters": (_set_record("layers.1.w2.weight", 0, 4, lambda v: 99), "counters do not add up"),
+    "hyper": (_set_hyper("norm.weight", "beta1", 1.5), "cannot be represented"),
     "codebook": (_set("gefen/codebook/tok_embeddings.weight/0", lambda v: v.flip(0)), "codebook of source rank 0"),
-    "gap": (_set("gefen/layout/layers.0.w2.weight/1", lambda v: v.index_fill(0, torch.tensor([0]), int(v[0]) + 128)), "do not tile"),
+    "gap": (_set_record("layers.0.w2.weight", 1, 0, lambda v: v + 128), "do not tile"),
 }
 
 

@@ -95,6 +95,7 @@ class _Source:
     step: int
     vmean_step: int
     opt_id: str
+    block0: int = 0  # first row of this parameter in the source rank's blocks
 
     @property
     def stop(self) -> int:
@@ -110,6 +111,7 @@ class _Plan:
     codebooks: dict[tuple[str, int], torch.Tensor]
     global_steps: dict[tuple[str, int], int]
     needed: dict[str, list[_Source]] = field(default_factory=dict)  # fqn -> overlapping
+    block_rows: dict[tuple[str, int], int] = field(default_factory=dict)  # (opt, rank) -> rows
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -145,12 +147,19 @@ class GefenStateAdapter:
     def __init__(self, optimizers: list[Optimizer]) -> None:
         self.optimizers = [o for o in optimizers if _is_gefen(o)]
         self.slots: list[_Slot] = []
+        # A layout we cannot checkpoint (TP shards) must not stop training
+        # without checkpoints: refuse at save/load time instead.
+        self._unsupported: str | None = None
         for optim in self.optimizers:
             opt_id = None
             for group in optim.param_groups:
                 for name, p in zip(group["param_names"], group["params"]):
                     opt_id = opt_id or name
-                    region, local_shape = param_region(name, p)
+                    try:
+                        region, local_shape = param_region(name, p)
+                    except UnsupportedLayout as e:
+                        self._unsupported = self._unsupported or str(e)
+                        region, local_shape = Region(0, 1, 0, p.numel()), tuple(p.shape)
                     self.slots.append(_Slot(name, p, optim, "", group, region, local_shape))
             for slot in self.slots:
                 if slot.optim is optim:
@@ -163,47 +172,51 @@ class GefenStateAdapter:
             return self._load_destinations()
         if not self.slots:
             return {}
+        if self._unsupported:
+            raise GefenCheckpointError(f"cannot checkpoint Gefen state: {self._unsupported}")
         sd: dict[str, Any] = {fmt.format_key(): json.dumps({"format": fmt.FORMAT, "version": fmt.VERSION})}
         for optim in self.optimizers:
-            slot0 = next(s for s in self.slots if s.optim is optim)
-            label = slot0.region.label
-            codebook = optim._gefen_codebook
-            if codebook is not None:
-                # Clones: async saves write after the next step mutates state.
-                sd[fmt.codebook_key(slot0.opt_id, label)] = codebook.detach().float().clone()
-            sd[fmt.global_step_key(slot0.opt_id, label)] = torch.tensor([int(optim._gefen_global_step)], dtype=torch.int64)
-        for slot in self.slots:
-            sd.update(self._save_slot(slot))
+            sd.update(self._save_optimizer(optim))
         return sd
 
-    def _save_slot(self, slot: _Slot) -> dict[str, Any]:
-        st = slot.optim.state.get(slot.param, {})
-        if "v_row" in st or "factored_step" in st:
-            raise GefenCheckpointError(
-                f"{slot.fqn}: factored second moment (factored_v_2d) is not supported by the "
-                "checkpoint adapter; gefen_titan builds Gefen with factored_v_2d=False"
+    def _save_optimizer(self, optim: Optimizer) -> dict[str, Any]:
+        slots = [s for s in self.slots if s.optim is optim]
+        opt_id, label = slots[0].opt_id, slots[0].region.label
+        device = slots[0].device
+        out: dict[str, Any] = {}
+        meta = {"nshards": slots[0].region.nshards, "params": []}
+        records = [[int(optim._gefen_global_step), len(slots), 0, 0, 0, 0, 0]]
+        blocks, nblocks = [], 0
+        for slot in slots:
+            st = slot.optim.state.get(slot.param, {})
+            if "v_row" in st or "factored_step" in st:
+                raise GefenCheckpointError(
+                    f"{slot.fqn}: factored second moment (factored_v_2d) is not supported by the "
+                    "checkpoint adapter; gefen_titan builds Gefen with factored_v_2d=False"
+                )
+            meta["params"].append(
+                {"fqn": slot.fqn, "shape": list(slot.param.shape), "group": {k: float(slot.group[k]) for k in _HYPER}}
             )
-        region = slot.region
-        device = slot.device
-        meta = {
-            "shape": list(slot.param.shape),
-            "optimizer": slot.opt_id,
-            "nshards": region.nshards,
-            "group": {k: float(slot.group[k]) for k in _HYPER},
-        }
-        out: dict[str, Any] = {fmt.param_key(slot.fqn): json.dumps(meta, sort_keys=True)}
-        if "m_codebook" in st:
-            period = int(st["automatic_period"])
-            codes = st["m_codebook"].reshape(slot.local_shape).clone()
-            blocks = torch.cat([st["m_magnitude"].reshape(-1, 1), st["vmean"].reshape(-1, 1)], 1).float().clone()
-            counters = [period, int(st["step"]), int(st.get("vmean_step", st["step"]))]
-        else:
-            codes = torch.zeros(slot.local_shape, dtype=torch.uint8, device=device)
-            blocks = torch.zeros(0, 2, dtype=torch.float32, device=device)
-            counters = [0, 0, 0]
-        out[fmt.codes_key(slot.fqn)] = self._as_global(slot, codes)
-        out[fmt.layout_key(slot.fqn, region.label)] = torch.tensor([region.start, region.length, *counters], dtype=torch.int64)
-        out[fmt.blocks_key(slot.fqn, region.label)] = blocks
+            r = slot.region
+            if "m_codebook" in st:
+                # Clones: an async save writes after the next step has
+                # mutated the state in place.
+                codes = st["m_codebook"].reshape(slot.local_shape).clone()
+                b = torch.cat([st["m_magnitude"].reshape(-1, 1), st["vmean"].reshape(-1, 1)], 1).float()
+                period, step, vstep = int(st["automatic_period"]), int(st["step"]), int(st.get("vmean_step", st["step"]))
+            else:
+                codes = torch.zeros(slot.local_shape, dtype=torch.uint8, device=device)
+                b = torch.zeros(0, 2, dtype=torch.float32, device=device)
+                period, step, vstep = 0, 0, 0
+            records.append([r.start, r.length, period, step, vstep, nblocks, b.shape[0]])
+            blocks.append(b)
+            nblocks += b.shape[0]
+            out[fmt.codes_key(slot.fqn)] = self._as_global(slot, codes)
+        out[fmt.optimizer_key(opt_id)] = json.dumps(meta, sort_keys=True)
+        out[fmt.records_key(opt_id, label)] = torch.tensor(records, dtype=torch.int64)
+        out[fmt.blocks_key(opt_id, label)] = torch.cat(blocks).to(device)
+        if optim._gefen_codebook is not None:
+            out[fmt.codebook_key(opt_id, label)] = optim._gefen_codebook.detach().float().clone()
         return out
 
     @staticmethod
@@ -225,14 +238,14 @@ class GefenStateAdapter:
 
         keys = metadata.state_dict_metadata
         ours = {k[len(prefix):]: v for k, v in keys.items() if k.startswith(prefix)}
-        error = self._check_keys(ours, prefix)
+        error = self._unsupported or self._check_keys(ours, prefix)
         _agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
 
         small: dict[str, Any] = {}
         for key, md in ours.items():
-            if key.startswith((fmt.PREFIX + "layout/", fmt.PREFIX + "codebook/", fmt.PREFIX + "global_step/")):
+            if key.startswith((fmt.PREFIX + "records/", fmt.PREFIX + "codebook/")):
                 small[prefix + key] = torch.empty(md.size, dtype=md.properties.dtype)
-            elif key.startswith(fmt.PREFIX + "param/") or key == fmt.format_key():
+            elif key.startswith(fmt.PREFIX + "optimizer/") or key == fmt.format_key():
                 small[prefix + key] = ""
         try:
             dcp.load(small, checkpoint_id=checkpoint_id)
@@ -254,7 +267,7 @@ class GefenStateAdapter:
     def _check_keys(self, ours: dict[str, Any], prefix: str) -> str | None:
         if not self.slots:
             return None
-        saved = {k[len(fmt.PREFIX + "param/"):] for k in ours if k.startswith(fmt.PREFIX + "param/")}
+        saved = {k[len(fmt.PREFIX + "codes/"):] for k in ours if k.startswith(fmt.PREFIX + "codes/")}
         if fmt.format_key() not in ours or not saved:
             foreign = sorted(k for k in ours if k.startswith("state."))[:3]
             what = (
@@ -292,10 +305,20 @@ class GefenStateAdapter:
                 f"checkpoint format {header} is not {fmt.FORMAT} v{fmt.VERSION}; it was written by "
                 "another gefen-titan version. Load it with that version or exclude the optimizer"
             )
+        # Every saved parameter: which optimizer, its index there, its record.
+        where: dict[str, tuple[str, int, dict, int]] = {}
+        for key, value in small.items():
+            if key.startswith(fmt.PREFIX + "optimizer/"):
+                opt_id = key[len(fmt.PREFIX + "optimizer/"):]
+                meta = json.loads(value)
+                for i, rec in enumerate(meta["params"]):
+                    where[rec["fqn"]] = (opt_id, i, rec, int(meta["nshards"]))
         params, sources = {}, {}
-        codebooks, global_steps = {}, {}
+        codebooks, global_steps, block_rows = {}, {}, {}
         for slot in self.slots:
-            rec = json.loads(small[fmt.param_key(slot.fqn)])
+            if slot.fqn not in where:
+                raise GefenCheckpointError(f"{slot.fqn}: no record in the checkpoint (another model or optimizer grouping)")
+            opt_id, index, rec, nshards = where[slot.fqn]
             params[slot.fqn] = rec
             for k in _HYPER:
                 v = rec["group"].get(k)
@@ -304,56 +327,60 @@ class GefenStateAdapter:
             if not (rec["group"]["beta1"] < 1 and rec["group"]["beta2"] < 1 and rec["group"]["eps"] > 0):
                 raise GefenCheckpointError(f"{slot.fqn}: checkpoint hyperparameters {rec['group']} cannot be represented by Gefen")
             srcs = []
-            for label in range(int(rec["nshards"])):
-                lk = fmt.layout_key(slot.fqn, label)
-                if lk not in small:
-                    raise GefenCheckpointError(f"{slot.fqn}: record of source rank {label} missing (truncated checkpoint?)")
-                start, length, period, step, vstep = (int(x) for x in small[lk].tolist())
-                src = _Source(label, start, length, period, step, vstep, rec["optimizer"])
-                bk = ours.get(fmt.blocks_key(slot.fqn, label))
-                nblocks = length // period if period else 0
-                if period < 0 or (period and length % period) or bk is None or tuple(bk.size) != (nblocks, 2):
+            for label in range(nshards):
+                rk = fmt.records_key(opt_id, label)
+                if rk not in small:
+                    raise GefenCheckpointError(f"{slot.fqn}: records of source rank {label} missing (truncated checkpoint?)")
+                table = small[rk]
+                start, length, period, step, vstep, block0, nblocks = (int(x) for x in table[1 + index].tolist())
+                bk = ours.get(fmt.blocks_key(opt_id, label))
+                rows = bk.size[0] if bk is not None else -1
+                block_rows[(opt_id, label)] = rows
+                if (
+                    period < 0 or (period and (length % period or nblocks != length // period))
+                    or (not period and nblocks) or block0 < 0 or block0 + nblocks > rows
+                ):
                     raise GefenCheckpointError(
                         f"{slot.fqn}: source rank {label} has inconsistent blocks (length {length}, "
-                        f"period {period}, blocks {None if bk is None else tuple(bk.size)})"
+                        f"period {period}, blocks {block0}+{nblocks} of {rows})"
                     )
                 if (period == 0) != (step == 0) or vstep > step or step < 0 or vstep < 0:
                     raise GefenCheckpointError(
                         f"{slot.fqn}: source rank {label} counters do not add up (period {period}, step {step}, vmean_step {vstep})"
                     )
-                srcs.append(src)
+                srcs.append(_Source(label, start, length, period, step, vstep, opt_id, block0))
+                key = (opt_id, label)
+                if key not in global_steps:
+                    global_steps[key] = int(table[0, 0])
+                if global_steps[key] < step:
+                    raise GefenCheckpointError(f"{slot.fqn}: global step {global_steps[key]} < parameter step {step}")
+                if period and key not in codebooks:
+                    ck = fmt.codebook_key(*key)
+                    if ck not in small:
+                        raise GefenCheckpointError(f"codebook of source rank {label} for optimizer {opt_id} missing")
+                    cb = small[ck].float()
+                    if cb.numel() != K or not torch.isfinite(cb).all() or cb[0] != -1 or cb[-1] != 1 or (cb[1:] < cb[:-1]).any():
+                        raise GefenCheckpointError(f"codebook of source rank {label} ({opt_id}) is corrupt (must be {K} sorted finite values from -1 to 1)")
+                    codebooks[key] = cb
             srcs.sort(key=lambda s: s.start)
             pos = 0
-            for s in srcs:
-                if s.length and s.start != pos:
+            for src in srcs:
+                if src.length and src.start != pos:
                     raise GefenCheckpointError(f"{slot.fqn}: source shards do not tile the parameter (gap or overlap at element {pos})")
-                pos = s.stop if s.length else pos
+                pos = src.stop if src.length else pos
             if pos != slot.param.numel():
                 raise GefenCheckpointError(f"{slot.fqn}: source shards cover {pos} of {slot.param.numel()} elements")
-            steps = {s.step for s in srcs if s.length}
+            steps = {src.step for src in srcs if src.length}
             if len(steps) > 1:
                 raise GefenCheckpointError(f"{slot.fqn}: source ranks disagree on the step count {sorted(steps)}")
             sources[slot.fqn] = srcs
-            for s in srcs:
-                key = (s.opt_id, s.label)
-                if s.period and key not in codebooks:
-                    ck = fmt.codebook_key(*key)
-                    if ck not in small:
-                        raise GefenCheckpointError(f"codebook of source rank {s.label} for optimizer {s.opt_id} missing")
-                    cb = small[ck].float()
-                    if cb.numel() != K or not torch.isfinite(cb).all() or cb[0] != -1 or cb[-1] != 1 or (cb[1:] < cb[:-1]).any():
-                        raise GefenCheckpointError(f"codebook of source rank {s.label} ({s.opt_id}) is corrupt (must be {K} sorted finite values from -1 to 1)")
-                    codebooks[key] = cb
-                    gk = fmt.global_step_key(*key)
-                    global_steps[key] = int(small[gk].item()) if gk in small else s.step
-                    if global_steps[key] < s.step:
-                        raise GefenCheckpointError(f"{slot.fqn}: global step {global_steps[key]} < parameter step {s.step}")
         plan = _Plan(checkpoint_id, prefix, params, sources, codebooks, global_steps)
         for slot in self.slots:
             r = slot.region
             plan.needed[slot.fqn] = [
-                s for s in sources[slot.fqn] if s.length and s.period and s.start < r.stop and r.start < s.stop
+                src for src in sources[slot.fqn] if src.length and src.period and src.start < r.stop and r.start < src.stop
             ]
+        plan.block_rows = block_rows
         return plan
 
     def _load_destinations(self) -> dict[str, Any]:
@@ -365,12 +392,17 @@ class GefenStateAdapter:
                 continue
             local = torch.empty(slot.local_shape, dtype=torch.uint8, device=slot.device)
             sd[fmt.codes_key(slot.fqn)] = self._as_global(slot, local)
-            for s in plan.needed[slot.fqn]:
-                sd[fmt.blocks_key(slot.fqn, s.label)] = torch.empty(s.length // s.period, 2, dtype=torch.float32, device=slot.device)
+            for src in plan.needed[slot.fqn]:
+                key = fmt.blocks_key(src.opt_id, src.label)
+                if key not in sd:  # a source rank's blocks of the whole optimizer, read once
+                    rows = plan.block_rows[(src.opt_id, src.label)]
+                    sd[key] = torch.empty(rows, 2, dtype=torch.float32, device=slot.device)
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         plan = self._plan
+        if plan is None and not self.slots:
+            return
         if plan is None:
             raise GefenCheckpointError(
                 "Gefen state can only be loaded through GefenCheckpointManager (which reads the "
@@ -394,7 +426,7 @@ class GefenStateAdapter:
                 continue
             codes_of[slot.fqn] = _local(sd[fmt.codes_key(slot.fqn)]).reshape(-1)
             for s in plan.needed[slot.fqn]:
-                b = sd[fmt.blocks_key(slot.fqn, s.label)]
+                b = sd[fmt.blocks_key(s.opt_id, s.label)][s.block0 : s.block0 + s.length // s.period]
                 if not torch.isfinite(b).all() or (b < 0).any():
                     raise GefenCheckpointError(f"{slot.fqn}: source rank {s.label} has non-finite or negative magnitudes/vmean (corrupt checkpoint)")
                 blocks_of[(slot.fqn, s.label)] = b
