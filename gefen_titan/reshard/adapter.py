@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 from . import format as fmt
 from .codebook import K, merge_codebooks
 from .layout import Region, UnsupportedLayout, param_region, target_period
-from .quant import dequantize, expand_blocks, requantize
+from .quant import Segment, block_mean_segments, dequantize_segments, requantize
 
 __all__ = ["GefenCheckpointError", "GefenStateAdapter", "unreadable"]
 
@@ -496,26 +496,23 @@ class GefenStateAdapter:
                     "m_magnitude": b[j0:j1, 0:1].clone(),
                     "vmean": b[j0:j1, 1:2].clone(),
                 }
-        period, exact_blocks = target_period(r.start, r.length, [(s.start, s.period) for s in srcs])
-        dense, vmean = [], []
+        period, _ = target_period(r.start, r.length, [(s.start, s.period) for s in srcs])
+        # The sources' overlaps tile this shard in order: one segment each, one kernel launch for all.
+        segments = []
         for s in srcs:
             lo, hi = max(r.start, s.start), min(r.stop, s.stop)
             b = blocks_of[(slot.fqn, s.label)]
             src_cb = plan.codebooks[(s.opt_id, s.label)].to(codes.device)
-            seg = codes[lo - r.start : hi - r.start]
-            dense.append(dequantize(seg, src_cb, b[:, 0], s.period, start=lo - s.start))
-            vmean.append(expand_blocks(b[:, 1], s.period, lo - s.start, hi - s.start))
-        dense_t = torch.cat(dense)
-        vmean_t = torch.cat(vmean).reshape(-1, period)
-        new_codes, magnitude = requantize(dense_t, cb, period)
+            segments.append(Segment(hi - lo, s.period, lo - s.start, src_cb, b[:, 0], b[:, 1]))
+        new_codes, magnitude = requantize(dequantize_segments(codes, segments), cb, period)
         return {
             "automatic_period": period,
             "step": step,
             "vmean_step": vstep,
             "m_codebook": new_codes,
             "m_magnitude": magnitude,
-            # Exact when each target block lies in one source block.
-            "vmean": vmean_t[:, 0:1].clone() if exact_blocks else vmean_t.mean(dim=1, keepdim=True),
+            # Exact (the source block's value) where a target block lies in one source block.
+            "vmean": block_mean_segments(segments, period),
         }
 
     def _commit(self, plan: _Plan, staged: dict) -> None:
