@@ -129,7 +129,7 @@ def _kernels():
 
 
 # ------------------------------------------------------------------ segments
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: compare by identity
 class Segment:
     """``length`` consecutive elements of one source shard.
 
