@@ -71,6 +71,14 @@ def _worker(args) -> None:
     def full_params():
         return {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
 
+    def next_update():
+        """Step SAVE_STEP + 1: the weights before it and the update it made."""
+        before = full_params()
+        set_grads(SAVE_STEP + 1)
+        opt.step()
+        after = full_params()
+        return {"before": before, "update": {n: after[n] - before[n] for n in names}}
+
     def state_obj():
         if args.method == "gefen-x GefenDCPState":
             from gefen import GefenDCPState
@@ -94,12 +102,7 @@ def _worker(args) -> None:
         dcp.save({"optimizer": state_obj(), "model": dict(model.named_parameters())}, checkpoint_id=args.ckpt, **kwargs)
         dist.barrier()
         result["save_s"] = time.perf_counter() - t0
-        before = full_params()
-        set_grads(SAVE_STEP + 1)
-        opt.step()
-        after = full_params()
-        result["update"] = {n: (after[n] - before[n]) for n in names}
-        result["before"] = before
+        result.update(next_update())
     else:
         # Weights first and untimed: the figures are the optimizer's alone.
         # The live parameters (model.state_dict() splits the fused wqkv).
@@ -120,12 +123,7 @@ def _worker(args) -> None:
         dist.barrier()
         result["load_s"] = time.perf_counter() - t0
         result["peak_rss_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
-        before = full_params()
-        set_grads(SAVE_STEP + 1)
-        opt.step()
-        after = full_params()
-        result["update"] = {n: (after[n] - before[n]) for n in names}
-        result["before"] = before
+        result.update(next_update())
         state_bytes, numel = opt.state_bytes()
         result["state_bytes_per_param"] = state_bytes / numel
     result["numel"] = sum(p.numel() for p in model.parameters())
