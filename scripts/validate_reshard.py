@@ -313,6 +313,7 @@ def dense_gefen(dumps: list[dict]) -> dict[str, dict]:
                                      "global_steps": set(), "lrs": set()})
             if not rec["length"]:
                 continue
+            e["lrs"].add(rec["hyper"]["lr"])
             if "codes" not in rec:
                 e["missing"] += rec["length"]
                 e["regions"].append((rank, rec["start"], rec["length"], 0, rec["optimizer"]))
@@ -326,7 +327,6 @@ def dense_gefen(dumps: list[dict]) -> dict[str, dict]:
             e["steps"].add(rec["step"])
             e["vsteps"].add(rec["vmean_step"])
             e["global_steps"].add(d["codebooks"][rec["optimizer"]]["global_step"])
-            e["lrs"].add(rec["hyper"]["lr"])
             e["regions"].append((rank, rec["start"], rec["length"], p, rec["optimizer"]))
     return out
 
@@ -387,6 +387,8 @@ def compare_state(ref_dumps: list[dict], res_dumps: list[dict]) -> dict[str, Any
     num = {"m": 0.0, "v": 0.0, "u": 0.0}
     den = {"m": 0.0, "v": 0.0, "u": 0.0}
     worst_update, exact_elems, exact_broken, total, missing = 0.0, 0, [], 0, 0
+    counters: list[str] = []
+    lrs: list[str] = []
     for fqn, r in ref.items():
         s = res.get(fqn)
         if s is None:
@@ -394,11 +396,10 @@ def compare_state(ref_dumps: list[dict], res_dumps: list[dict]) -> dict[str, Any
         total += r["m"].numel()
         missing += s["missing"]
         if s["steps"] != r["steps"] or s["vsteps"] != r["vsteps"] or s["global_steps"] != r["global_steps"]:
-            problems.append(f"{fqn}: step counters after load {sorted(s['steps'])}/{sorted(s['vsteps'])}/"
-                            f"{sorted(s['global_steps'])} != saved {sorted(r['steps'])}/{sorted(r['vsteps'])}/"
-                            f"{sorted(r['global_steps'])} (step/vmean_step/global_step)")
+            counters.append(f"{fqn}: {sorted(s['steps'])}/{sorted(s['vsteps'])}/{sorted(s['global_steps'])} "
+                            f"!= saved {sorted(r['steps'])}/{sorted(r['vsteps'])}/{sorted(r['global_steps'])}")
         if s["lrs"] != r["lrs"]:
-            problems.append(f"{fqn}: learning rate after load {sorted(s['lrs'])} != at the save {sorted(r['lrs'])}")
+            lrs.append(f"{fqn}: {sorted(s['lrs'])} != saved {sorted(r['lrs'])}")
         for sl in promised.get(fqn, []):
             exact_elems += sl.stop - sl.start
             if not (torch.equal(s["m"][sl], r["m"][sl]) and torch.equal(s["v"][sl], r["v"][sl])):
@@ -416,6 +417,11 @@ def compare_state(ref_dumps: list[dict], res_dumps: list[dict]) -> dict[str, Any
         worst_update = max(worst_update, _rel(u_res, u_ref))
     if missing:
         problems.append(f"{missing} of {total} Gefen elements have no optimizer state after the load")
+    if counters:
+        problems.append(f"step counters (step/vmean_step/global_step) differ after the load for {len(counters)} "
+                        f"of {len(ref)} Gefen parameters, e.g. {counters[0]}")
+    if lrs:
+        problems.append(f"learning rate differs after the load for {len(lrs)} of {len(ref)} Gefen parameters, e.g. {lrs[0]}")
     if exact_broken:
         problems.append(f"state not bit-exact where the adapter promises it ({', '.join(sorted(set(exact_broken))[:3])})")
 
