@@ -4,10 +4,10 @@ adapter promises, and a broken resume (optimizer state dropped) makes the
 script fail, naming the pair and the figure.
 
 Small settings (``CI_SETTINGS``: save at step 4, 3 more steps, global batch
-8 of local 2). The reference runs are kept in a session cache shared with
-tests/test_recipe_regression.py (the reference at 2 ranks is the curve of
-llama_gefen.toml and llama_gefen_dp2.toml, the one at 4 that of
-llama_gefen_dp4.toml), so each is trained once per session.
+8 of local 2). The reference runs (at 1, 2 and 4 ranks: every size of the
+pairs) are kept in a session cache shared with tests/test_recipe_regression.py
+(they are the runs of llama_gefen_dp1.toml, llama_gefen.toml = llama_gefen_dp2.toml
+and llama_gefen_dp4.toml), so each is trained once per session.
 """
 
 from __future__ import annotations
