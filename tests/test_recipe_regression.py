@@ -121,28 +121,9 @@ def _check_built(proc, world_size):
     assert built["checkpoint"] == "GefenCheckpointManager.Config"
 
 
-# Known rot (torchtitan 0.3.0 + torch 2.13): the recipe leaves
-# parallelism.spmd_backend at torchtitan's default "spmd_types", and
-# fully_shard then refuses the model's parameters. The CPU recipes set
-# "partial_dtensor"; the same line in the GPU recipe makes it build (next
-# test). Reported as an expected failure until the recipe is fixed, and only
-# for this exact error: any other failure fails the test.
-SPMD_TYPES_ERROR = "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh"
-
-
 @pytest.mark.parametrize("recipe,world_size", GPU_RECIPES.items())
 def test_gpu_recipe_builds_as_shipped(recipe, world_size):
-    proc = _build(f"recipes/{recipe}", world_size)
-    if proc.returncode != 0 and SPMD_TYPES_ERROR in proc.stderr:
-        pytest.xfail(f"recipes/{recipe}: parallelism.spmd_backend = 'spmd_types' (the default) does not build "
-                     "with torch 2.13's fully_shard; set spmd_backend = \"partial_dtensor\" in the recipe")
-    _check_built(proc, world_size)
-
-
-@pytest.mark.parametrize("recipe,world_size", GPU_RECIPES.items())
-def test_gpu_recipe_builds_with_partial_dtensor(recipe, world_size):
-    proc = _build(f"recipes/{recipe}", world_size, {"parallelism": {"spmd_backend": "partial_dtensor"}})
-    _check_built(proc, world_size)
+    _check_built(_build(f"recipes/{recipe}", world_size), world_size)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--build"]:
