@@ -38,7 +38,6 @@ import os
 import sys
 import types
 import typing
-from pathlib import Path
 from typing import Any
 
 if sys.version_info >= (3, 11):

@@ -39,7 +39,6 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def state_bytes_per_param(ranks: list[dict]) -> float:
     total, numel = 0, 0
-    seen_cb = set()
     for r, rank in enumerate(ranks):
         for rec in rank["state"].values():
             numel += rec["length"]
