@@ -46,10 +46,7 @@ class GefenCheckpointManager(CheckpointManager):
         metadata = FileSystemReader(checkpoint_id).read_metadata()
         try:
             for component, key in prepared:
-                if key == OPTIMIZER:
-                    component.prepare_load(checkpoint_id, metadata, prefix=f"{key}.")
-                else:
-                    component.prepare_load(metadata, prefix=f"{key}.")
+                component.prepare_load(checkpoint_id, metadata, prefix=f"{key}.")
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
         except (CheckpointException, OSError) as e:
             # A read failure: DCP raises the same CheckpointException on every rank.

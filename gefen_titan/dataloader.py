@@ -365,8 +365,11 @@ class ElasticTextDataLoader(HuggingFaceTextDataLoader):
 
     # -- DCP: which keys a load reads -------------------------------------
 
-    def prepare_load(self, metadata: Any, prefix: str = "dataloader.") -> None:
+    def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str = "dataloader.") -> None:
         """Before ``dcp.load``: name the entries this rank must read.
+
+        (The hook's signature is shared with the optimizer container's, see
+        ``GefenCheckpointManager.dcp_load``; only the metadata is needed here.)
 
         Same degree: nothing changes (this rank reads ``dp_rank_{r}`` as in
         torchtitan). Another degree: read ``world_size`` and, for

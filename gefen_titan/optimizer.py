@@ -35,6 +35,21 @@ __all__ = ["GefenOptimizersContainer", "build_gefen", "OPTIMIZER_NAMES"]
 # foreach path.
 _IMPL_KEYS = ("fused", "foreach")
 
+# Gefen constructor options that apply to the whole optimizer (the container
+# fills them in from [optimizer] for every Gefen group; see Config).
+_GEFEN_OPTION_KEYS = (
+    "factored_v_2d",
+    "force_1d_period_one",
+    "period_one_substrings",
+    "codebook_refresh_every",
+    "deterministic",
+)
+
+# Pinned off: FSDP2-sharded 2-D params always use the block second moment
+# (Gefen cannot factor a shard), and keeping one layout at every world size
+# (1 rank included) is what lets a checkpoint move between DP degrees.
+FACTORED_V_2D = False
+
 
 def build_gefen(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Optimizer:
     """Build ``gefen.Gefen`` from torchtitan-style param groups.
@@ -49,7 +64,7 @@ def build_gefen(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Op
     """
     from gefen import Gefen
 
-    global_keys = _IMPL_KEYS + tuple(GEFEN_GLOBAL_OPTIONS)
+    global_keys = _IMPL_KEYS + _GEFEN_OPTION_KEYS
     options: dict[str, Any] = {}
     groups = []
     for group in param_groups:
@@ -78,19 +93,6 @@ def build_gefen(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Op
         options["period_one_substrings"] = tuple(options["period_one_substrings"])
     return Gefen(groups, **options, **factory_kwargs)
 
-
-# Gefen constructor options that apply to the whole optimizer, with the
-# defaults we run with. ``factored_v_2d`` is pinned off: FSDP2-sharded 2-D
-# params always use the block second moment (Gefen cannot factor a shard), and
-# keeping one layout at every world size (1 rank included) is what lets a
-# checkpoint move between data-parallel degrees.
-GEFEN_GLOBAL_OPTIONS: dict[str, Any] = {
-    "factored_v_2d": False,
-    "force_1d_period_one": True,
-    "period_one_substrings": (),
-    "codebook_refresh_every": 0,
-    "deterministic": False,
-}
 
 OPTIMIZER_NAMES = ("Gefen", "AdamW", "Adam")
 
@@ -135,20 +137,18 @@ class GefenOptimizersContainer(OptimizersContainer):
                 raise ValueError("optimizer.codebook_refresh_every must be >= 0")
 
         def hyperparameters(self) -> dict[str, Any]:
-            """kwargs of the catch-all group for ``name``."""
-            kwargs: dict[str, Any] = {
+            """kwargs of the catch-all group for ``name`` (Gefen-wide options
+            are added by the container to every Gefen group)."""
+            return {
                 "lr": self.lr,
                 "betas": tuple(self.betas),
                 "eps": self.eps,
                 "weight_decay": self.weight_decay,
             }
-            if self.name == "Gefen":
-                kwargs.update(self.gefen_options())
-            return kwargs
 
         def gefen_options(self) -> dict[str, Any]:
             return {
-                "factored_v_2d": GEFEN_GLOBAL_OPTIONS["factored_v_2d"],
+                "factored_v_2d": FACTORED_V_2D,
                 "force_1d_period_one": self.force_1d_period_one,
                 "period_one_substrings": tuple(self.period_one_substrings),
                 "codebook_refresh_every": self.codebook_refresh_every,

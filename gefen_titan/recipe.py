@@ -90,10 +90,6 @@ class Recipe:
     description: str = ""
 
 
-def _err(path: str, key: str, msg: str) -> RecipeError:
-    return RecipeError(f"{path}: [{key}] {msg}" if key else f"{path}: {msg}")
-
-
 def _read_toml(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
@@ -388,6 +384,17 @@ def _base_config(module: str, base_config: str, path: str) -> Any:
     return fn()
 
 
+def _own_section(data: dict[str, Any], name: str, known: tuple[str, ...], path: str) -> dict[str, Any]:
+    """Pop one of the sections the recipe layer itself interprets ([job], [model])."""
+    table = data.pop(name, {})
+    if not isinstance(table, dict):
+        raise RecipeError(f"{path}: {name} must be a [{name}] section")
+    for key in table:
+        if key not in known:
+            raise RecipeError(f"{path}: [{name}] {key}: unknown key (known: {', '.join(known)})")
+    return table
+
+
 def load_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] | None = None, *, world_size: int | None = None) -> Recipe:
     """Read a recipe, apply ``overrides`` (section -> key -> value) on top.
 
@@ -397,12 +404,7 @@ def load_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] | 
     data = _read_recipe_data(path)
     _merge(data, overrides or {}, path)
 
-    job = data.pop("job", {})
-    if not isinstance(job, dict):
-        raise RecipeError(f"{path}: job must be a [job] section")
-    for key in job:
-        if key not in JOB_KEYS:
-            raise RecipeError(f"{path}: [job] {key}: unknown key (known: {', '.join(JOB_KEYS)})")
+    job = _own_section(data, "job", JOB_KEYS, path)
     module = job.get("module", "llama3")
     base_config = job.get("base_config")
     if not isinstance(module, str) or not isinstance(base_config, str):
@@ -415,12 +417,8 @@ def load_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] | 
     if config.hf_assets_path.startswith(BUILTIN_PREFIX):
         config.hf_assets_path = _builtin_asset(config.hf_assets_path, f"{path}: [job] hf_assets_path")
 
-    model = data.pop("model", {})
-    if not isinstance(model, dict):
-        raise RecipeError(f"{path}: model must be a [model] section")
+    model = _own_section(data, "model", MODEL_KEYS, path)
     for key in model:
-        if key not in MODEL_KEYS:
-            raise RecipeError(f"{path}: [model] {key}: unknown key (known: {', '.join(MODEL_KEYS)})")
         if not isinstance(model[key], str):
             raise RecipeError(f"{path}: [model] {key}: expected a string, got {model[key]!r}")
     if model:

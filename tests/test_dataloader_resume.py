@@ -507,7 +507,7 @@ def _save_ranks(loaders, path):
 def _load_ranks(loaders, path):
     md = FileSystemReader(path).read_metadata()
     for dl in loaders:
-        dl.prepare_load(md, prefix="dataloader.")
+        dl.prepare_load("unused", md, prefix="dataloader.")
         try:
             dcp.load({"dataloader": dl}, checkpoint_id=path)
         finally:

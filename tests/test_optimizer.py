@@ -89,7 +89,7 @@ def test_lr_scheduler_drives_gefen_groups():
     assert lrs[0] < lrs[1] < lrs[2] <= 1e-2  # warmup ramps Gefen's lr
 
 
-def test_gefen_step_uses_scheduled_lr(gefen_stepped):
+def test_gefen_step_moves_weights_with_compact_state(gefen_stepped):
     """One real Gefen step through the container moves the weights, with state
     of ~1 byte per param for the matrices (block period > 1)."""
     model, opt, before = gefen_stepped

@@ -105,13 +105,12 @@ class _Source:
 @dataclass
 class _Plan:
     checkpoint_id: str
-    prefix: str
     params: dict[str, dict]  # fqn -> checkpoint param record
     sources: dict[str, list[_Source]]  # fqn -> source records, by start
     codebooks: dict[tuple[str, int], torch.Tensor]
     global_steps: dict[tuple[str, int], int]
+    block_rows: dict[tuple[str, int], int]  # (opt, rank) -> rows of its blocks entry
     needed: dict[str, list[_Source]] = field(default_factory=dict)  # fqn -> overlapping
-    block_rows: dict[tuple[str, int], int] = field(default_factory=dict)  # (opt, rank) -> rows
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -163,7 +162,7 @@ class GefenStateAdapter:
                     self.slots.append(_Slot(name, p, optim, "", group, region, local_shape))
             for slot in self.slots:
                 if slot.optim is optim:
-                    slot.opt_id = opt_id
+                    slot.opt_id = opt_id  # the first parameter's name
         self._plan: _Plan | None = None
 
     # ------------------------------------------------------------------ save
@@ -238,7 +237,7 @@ class GefenStateAdapter:
 
         keys = metadata.state_dict_metadata
         ours = {k[len(prefix):]: v for k, v in keys.items() if k.startswith(prefix)}
-        error = self._unsupported or self._check_keys(ours, prefix)
+        error = self._unsupported or self._check_keys(ours)
         _agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
 
         small: dict[str, Any] = {}
@@ -255,7 +254,7 @@ class GefenStateAdapter:
 
         plan, error = None, None
         try:
-            plan = self._plan_from_records(checkpoint_id, prefix, small, ours)
+            plan = self._plan_from_records(checkpoint_id, small, ours)
         except (GefenCheckpointError, UnsupportedLayout, ValueError, KeyError) as e:
             error = str(e)
         _agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
@@ -264,7 +263,7 @@ class GefenStateAdapter:
     def abort_load(self) -> None:
         self._plan = None
 
-    def _check_keys(self, ours: dict[str, Any], prefix: str) -> str | None:
+    def _check_keys(self, ours: dict[str, Any]) -> str | None:
         if not self.slots:
             return None
         saved = {k[len(fmt.PREFIX + "codes/"):] for k in ours if k.startswith(fmt.PREFIX + "codes/")}
@@ -298,7 +297,7 @@ class GefenStateAdapter:
                 )
         return None
 
-    def _plan_from_records(self, checkpoint_id: str, prefix: str, small: dict[str, Any], ours: dict[str, Any]) -> _Plan:
+    def _plan_from_records(self, checkpoint_id: str, small: dict[str, Any], ours: dict[str, Any]) -> _Plan:
         header = json.loads(small[fmt.format_key()])
         if header.get("format") != fmt.FORMAT or header.get("version") != fmt.VERSION:
             raise GefenCheckpointError(
@@ -374,13 +373,12 @@ class GefenStateAdapter:
             if len(steps) > 1:
                 raise GefenCheckpointError(f"{slot.fqn}: source ranks disagree on the step count {sorted(steps)}")
             sources[slot.fqn] = srcs
-        plan = _Plan(checkpoint_id, prefix, params, sources, codebooks, global_steps)
+        plan = _Plan(checkpoint_id, params, sources, codebooks, global_steps, block_rows)
         for slot in self.slots:
             r = slot.region
             plan.needed[slot.fqn] = [
                 src for src in sources[slot.fqn] if src.length and src.period and src.start < r.stop and r.start < src.stop
             ]
-        plan.block_rows = block_rows
         return plan
 
     def _load_destinations(self) -> dict[str, Any]:
@@ -529,10 +527,10 @@ class GefenStateAdapter:
             for k in _HYPER:
                 slot.group[k] = hyper[k]
         for optim in self.optimizers:
-            meta = staged["optim"].get(id(optim))
-            if meta is None:
-                continue
-            cb, global_step = meta
+            # No saved state for any of its params (a checkpoint written before
+            # the first step): back to a fresh optimizer, which learns its
+            # codebook on its next step.
+            cb, global_step = staged["optim"].get(id(optim), (None, 0))
             optim._gefen_codebook = cb
             optim._gefen_codebook_by_device = {}
             optim._gefen_codebook_lut_by_device = {}
