@@ -27,6 +27,8 @@ from torchtitan.components.optimizer.utils import (
     load_flat_optim_state_dict,
 )
 
+from . import gefen_state as gs
+
 __all__ = ["GefenOptimizersContainer", "build_gefen", "OPTIMIZER_NAMES"]
 
 # Keys torchtitan's container puts into every param group from
@@ -127,6 +129,28 @@ class GefenOptimizersContainer(OptimizersContainer):
         deterministic: bool = False
         """Gefen: replica-exact arithmetic on CUDA at some speed cost."""
 
+        blocking: Literal["agreed", "per_rank"] = "agreed"
+        """How Gefen's block periods and codebook are chosen on the first step.
+
+        ``"agreed"`` (default): from global statistics, the same on every rank
+        (``gefen_titan.blocking``), so the state is a function of the model
+        alone: the same recipe trains the same optimizer at any mesh, and a
+        checkpoint (format v2) resumes bit-exactly at any FSDP / TP / HSDP /
+        pipeline layout. Costs one small all-gather and one 4096-bin
+        all-reduce on step 1; periods are limited to divisors of the row
+        length (and of the TP cuts), which can make blocks finer than
+        gefen-x would choose (a few hundredths of a byte per parameter).
+        ``"per_rank"``: gefen-x's own behaviour, each rank learns from its
+        shard (format v1); resumes at another layout requantize, and TP
+        layouts cannot be checkpointed."""
+
+        max_tensor_parallel_degree: int = 1
+        """Agreed blocking: the largest tensor-parallel degree a checkpoint of
+        this run must resume at. Blocks then never cross the last-dim cut of
+        any TP degree that divides it (the live layout's cuts always count).
+        A resume at a TP degree not declared here is refused unless the
+        periods happen to fit."""
+
         def __post_init__(self) -> None:
             if self.name not in OPTIMIZER_NAMES:
                 raise ValueError(
@@ -135,6 +159,20 @@ class GefenOptimizersContainer(OptimizersContainer):
                 )
             if self.codebook_refresh_every < 0:
                 raise ValueError("optimizer.codebook_refresh_every must be >= 0")
+            if self.blocking not in ("agreed", "per_rank"):
+                raise ValueError(f"optimizer.blocking must be 'agreed' or 'per_rank', got {self.blocking!r}")
+            if self.max_tensor_parallel_degree < 1:
+                raise ValueError("optimizer.max_tensor_parallel_degree must be >= 1")
+            if self.blocking == "agreed" and self.codebook_refresh_every > 0:
+                raise ValueError(
+                    "optimizer.codebook_refresh_every > 0 relearns the codebook on each rank from its own "
+                    "gradient shard, which breaks agreed blocking; set it to 0, or set "
+                    "optimizer.blocking = \"per_rank\"")
+            if self.blocking == "agreed" and not self.force_1d_period_one:
+                raise ValueError(
+                    "optimizer.force_1d_period_one = false lets gefen-x block 1-D parameters across FSDP "
+                    "shard cuts, which agreed blocking cannot align; keep it true, or set "
+                    "optimizer.blocking = \"per_rank\"")
 
         def hyperparameters(self) -> dict[str, Any]:
             """kwargs of the catch-all group for ``name`` (Gefen-wide options
@@ -189,18 +227,40 @@ class GefenOptimizersContainer(OptimizersContainer):
         )
         self.config = config
         super().__init__(base, model_parts=model_parts)
+        for optim in self.gefen_optimizers:
+            if gs.options(optim)["capturable"]:
+                raise ValueError(
+                    "Gefen capturable=True keeps its step counters on the device, and gefen_titan "
+                    "checkpoints only host counters: remove capturable from "
+                    "optimizer.optimizer_factory_kwargs_by_name")
         # Report the state size once it exists (Gefen allocates on step 1).
-        self._size_hook = self.register_step_post_hook(_log_state_size_once)
-        from .reshard import GefenStateAdapter
+        # A flag, not a self-removing hook: torch iterates the hook dict.
+        self._size_logged = False
+        self.register_step_post_hook(_log_state_size_once)
+        from .reshard import AgreedStateAdapter, PerRankStateAdapter
 
-        self._gefen_state = GefenStateAdapter(self.optimizers)
+        self.blocking = config.blocking
+        if config.blocking == "agreed":
+            from .blocking import AgreedBlocking
 
-    # Checkpointing: Gefen state goes through the resharding adapter (compact,
+            self._agreement: AgreedBlocking | None = AgreedBlocking(config.max_tensor_parallel_degree)
+            # One hook for the container, not one per optimizer: every rank
+            # must join the agreement's collectives, also a rank whose stage
+            # holds no Gefen parameter.
+            self.register_step_pre_hook(_agree_before_first_step)
+            self.register_step_post_hook(_count_empty_shards)
+            self._gefen_state: Any = AgreedStateAdapter(self.optimizers)
+        else:
+            self._agreement = None
+            self._gefen_state = PerRankStateAdapter(self.optimizers)
+        self._loading: Any = None  # the adapter reading the checkpoint being loaded
+
+    # Checkpointing: Gefen state goes through the resharding adapters (compact,
     # any N->M); other optimizers keep torchtitan's flat FQN-keyed state.
     # Never run init_optim_state on Gefen: its zero-gradient step would learn
     # and freeze a codebook and periods from zeros.
     def state_dict(self) -> dict[str, Any]:
-        loading = self._gefen_state._plan is not None
+        loading = self._loading is not None
         result: dict[str, Any] = {}
         for optim in self._other_optimizers():
             init_optim_state(optim)
@@ -208,21 +268,63 @@ class GefenOptimizersContainer(OptimizersContainer):
             if loading:  # load into copies: a failed load must change nothing
                 flat = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
             result.update(flat)
-        result.update(self._gefen_state.state_dict())
+        result.update((self._loading or self._gefen_state).state_dict())
         return result
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._gefen_state.load_state_dict(state_dict)
+        adapter = self._loading
+        if adapter is None and self._gefen_state.optimizers:
+            from .reshard import GefenCheckpointError
+
+            raise GefenCheckpointError(
+                "Gefen state can only be loaded through GefenCheckpointManager (which reads the "
+                "checkpoint's records first); set the recipe's [checkpoint] as usual")
+        if adapter is not None:
+            adapter.load_state_dict(state_dict)
+            self._loading = None
         for optim in self._other_optimizers():
             init_optim_state(optim)
             load_flat_optim_state_dict(optim, state_dict)
+        if self._agreement is not None:
+            # A restored codebook means the agreement is in the checkpoint;
+            # one that was saved before the first step still needs it. Every
+            # rank must decide alike (ranks without Gefen params included).
+            self._agreement.needed = not _any_rank(any(gs.codebook(o) is not None for o in self.gefen_optimizers))
 
+    # LoadPreparer (gefen_titan.checkpoint): GefenCheckpointManager calls these
+    # on every rank around torchtitan's dcp.load.
     def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
-        """Called by GefenCheckpointManager on every rank before ``dcp.load``."""
-        self._gefen_state.prepare_load(checkpoint_id, metadata, prefix)
+        """Pick the adapter for the checkpoint's format and let it plan the load."""
+        from .reshard import AgreedStateAdapter, PerRankStateAdapter, checkpoint_blocking
+
+        from .reshard import agree
+
+        # Collective on every rank, also on ranks without Gefen parameters.
+        has_gefen = bool(self._gefen_state.optimizers)
+        blocking = checkpoint_blocking(checkpoint_id, metadata, prefix, has_gefen)
+        error = None
+        if has_gefen and blocking != self.blocking:
+            error = (
+                f"it was written with optimizer.blocking = \"{blocking}\" (format "
+                f"v{2 if blocking == 'agreed' else 1}) and the recipe sets \"{self.blocking}\"; resume "
+                f"with optimizer.blocking = \"{blocking}\" (or start the optimizer fresh with "
+                "checkpoint.exclude_from_loading = [\"optimizer\"])")
+        agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
+        adapter = AgreedStateAdapter(self.optimizers) if blocking == "agreed" else PerRankStateAdapter(self.optimizers)
+        adapter.prepare_load(checkpoint_id, metadata, prefix)
+        self._loading = adapter
 
     def abort_load(self) -> None:
-        self._gefen_state.abort_load()
+        self._loading = None
+
+    @property
+    def snapshot_on_save(self) -> bool:
+        return getattr(self._gefen_state, "snapshot_on_save", True)
+
+    @snapshot_on_save.setter
+    def snapshot_on_save(self, value: bool) -> None:
+        if hasattr(self._gefen_state, "snapshot_on_save"):
+            self._gefen_state.snapshot_on_save = value
 
     def _other_optimizers(self) -> list[Optimizer]:
         gefen = set(map(id, self._gefen_state.optimizers))
@@ -246,29 +348,53 @@ class GefenOptimizersContainer(OptimizersContainer):
             for group in optim.param_groups:
                 for p in group["params"]:
                     numel += _local(p).numel()
-                    for value in optim.state.get(p, {}).values():
-                        if isinstance(value, torch.Tensor):
-                            state_bytes += _local(value).nbytes
-            codebook = getattr(optim, "_gefen_codebook", None)
-            if isinstance(codebook, torch.Tensor):
-                state_bytes += codebook.nbytes
+            if gs.is_gefen(optim):
+                state_bytes += sum(_local(t).nbytes for t in gs.state_tensors(optim))
+            else:
+                for group in optim.param_groups:
+                    for p in group["params"]:
+                        for value in optim.state.get(p, {}).values():
+                            if isinstance(value, torch.Tensor):
+                                state_bytes += _local(value).nbytes
         return state_bytes, numel
 
     @property
     def gefen_optimizers(self) -> list[Optimizer]:
-        from gefen import Gefen
-
-        return [o for o in self.optimizers if isinstance(o, Gefen)]
+        return [o for o in self.optimizers if gs.is_gefen(o)]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _any_rank(flag: bool) -> bool:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _agree_before_first_step(container: GefenOptimizersContainer, args: Any, kwargs: Any) -> None:
+    container._agreement.maybe_agree(container.gefen_optimizers)
+
+
+def _count_empty_shards(container: GefenOptimizersContainer, args: Any, kwargs: Any) -> None:
+    for optim in container.gefen_optimizers:
+        for _, p, _ in gs.named_params(optim):
+            if p.grad is not None and _local(p).numel() == 0:
+                gs.count_empty_shard_step(optim, p)
+
+
 def _log_state_size_once(container: GefenOptimizersContainer, args: Any, kwargs: Any) -> None:
     from torchtitan.tools.logging import logger
 
-    container._size_hook.remove()
+    if container._size_logged:
+        return
+    container._size_logged = True
     state_bytes, numel = container.state_bytes()
     if numel:
         logger.info(

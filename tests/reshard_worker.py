@@ -1,5 +1,8 @@
 """One rank of a save-at-N / load-at-M run, launched by tests via torchrun.
 
+Per-rank blocking (format v1, ``--blocking per_rank``) by default here: the
+agreed default is covered by ``agreed_worker.py``.
+
 A small real model (embedding, MLP blocks with norms, output projection;
 uneven rows at 3 ranks) under FSDP2 on gloo, trained with the real Gefen
 through ``GefenOptimizersContainer``, torchtitan's LR schedulers and our
@@ -96,7 +99,8 @@ def build(world: int, args):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = GefenOptimizersContainer.Config(name=args.optimizer, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1).build(
+    opt = GefenOptimizersContainer.Config(name=args.optimizer, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                                          blocking=args.blocking).build(
         model_parts=[model]
     )
     sched = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=None, min_lr_factor=0.1).build(
@@ -128,24 +132,24 @@ def train_step(model, opt, sched, step, rank, world):
 
 def snapshot(opt):
     """This rank's raw Gefen state, by parameter name."""
-    out = {}
-    for optim in opt.optimizers:
-        cb = getattr(optim, "_gefen_codebook", None)
-        for group in optim.param_groups:
-            for name, p in zip(group["param_names"], group["params"]):
-                st = optim.state.get(p, {})
-                from gefen_titan.reshard.layout import param_region
+    from gefen_titan import gefen_state as gs
+    from gefen_titan.reshard.layout import param_region
 
-                region, _ = param_region(name, p)
-                rec = {"start": region.start, "length": region.length, "shape": tuple(p.shape)}
-                if "m_codebook" in st:
-                    rec.update(
-                        period=int(st["automatic_period"]), step=int(st["step"]), vmean_step=int(st["vmean_step"]),
-                        codes=st["m_codebook"].clone(), magnitude=st["m_magnitude"].clone(), vmean=st["vmean"].clone(),
-                        codebook=cb.clone(), global_step=int(optim._gefen_global_step),
-                        lr=float(group["lr"]), beta1=group["beta1"], beta2=group["beta2"],
-                    )
-                out[name] = rec
+    out = {}
+    for optim in opt.gefen_optimizers:
+        cb = gs.codebook(optim)
+        for name, p, group in gs.named_params(optim):
+            st = gs.read(optim, p)
+            region, _ = param_region(name, p)
+            rec = {"start": region.start, "length": region.length, "shape": tuple(p.shape)}
+            if st is not None:
+                rec.update(
+                    period=st.period, step=st.step, vmean_step=st.vmean_step,
+                    codes=st.codes.clone(), magnitude=st.magnitude.clone(), vmean=st.vmean.clone(),
+                    codebook=cb.clone(), global_step=gs.global_step(optim),
+                    lr=float(group["lr"]), beta1=group["beta1"], beta2=group["beta2"],
+                )
+            out[name] = rec
     return out
 
 
@@ -162,6 +166,7 @@ def main():
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--async-mode", default="disabled")
     ap.add_argument("--optimizer", default="Gefen")
+    ap.add_argument("--blocking", default="per_rank", choices=["per_rank", "agreed"])
     ap.add_argument("--hsdp", type=int, default=0, help="replicate degree (HSDP) instead of plain FSDP")
     ap.add_argument("--cases", default="", help="comma-separated checkpoint roots (corrupt mode)")
     args = ap.parse_args()
@@ -187,10 +192,13 @@ def main():
         # A load must never learn a codebook (seconds of numba per rank).
         import gefen.quantization
 
+        import gefen_titan.codebook_solver
+
         def _no_learning(*a, **k):
             raise AssertionError("codebook learning ran during/after a checkpoint load")
 
         gefen.quantization.exact_dp = _no_learning
+        gefen_titan.codebook_solver.solve_codebook = _no_learning
         assert ckpt.load(step=args.save_step)
         assert train_state.step == args.save_step
         result["state"] = snapshot(opt)

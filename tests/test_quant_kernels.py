@@ -251,7 +251,7 @@ def block_mean_segments_cases(device):
 
 def _build_slot(device, region, sources, g):
     """The adapter's own slot rebuild on synthetic records."""
-    from gefen_titan.reshard.adapter import GefenStateAdapter, _Source
+    from gefen_titan.reshard.adapter import PerRankStateAdapter as GefenStateAdapter, _Source
     from gefen_titan.reshard.layout import Region
 
     srcs, codebooks, blocks_of = [], {}, {}

@@ -37,34 +37,14 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
+from .. import gefen_state as gs
 from . import format as fmt
 from .codebook import K, merge_codebooks
+from .common import HYPER as _HYPER, GefenCheckpointError, agree as _agree, check_codebook, check_hyper, unreadable
 from .layout import Region, UnsupportedLayout, param_region, target_period
 from .quant import Segment, block_mean_segments, dequantize_segments, requantize
 
-__all__ = ["GefenCheckpointError", "GefenStateAdapter", "unreadable"]
-
-# Group hyperparameters carried in the checkpoint and restored on load (torch
-# optimizers restore theirs the same way; the LR scheduler then resets lr).
-_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
-
-
-class GefenCheckpointError(RuntimeError):
-    """A Gefen checkpoint that cannot be loaded into the live optimizer."""
-
-
-def unreadable(checkpoint_id: str, error: Exception) -> GefenCheckpointError:
-    # DCP's CheckpointException wraps per-rank tracebacks: name the root cause.
-    import re
-
-    causes = re.findall(r"^\s*([\w.]+(?:Error|Exception): .+)$", str(error), re.M)
-    cause = causes[-1] if causes else f"{type(error).__name__}: {str(error).strip()[:200]}"
-    return GefenCheckpointError(
-        f"cannot read checkpoint {checkpoint_id} ({cause[:300]}): a file is "
-        "missing, truncated or unreadable. Restore it, or resume from another step with "
-        "checkpoint.load_step. Nothing was loaded into the optimizer."
-    )
-
+__all__ = ["PerRankStateAdapter"]
 
 @dataclass
 class _Slot:
@@ -117,34 +97,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _is_gefen(optim: Optimizer) -> bool:
-    from gefen import Gefen
-
-    return isinstance(optim, Gefen)
-
-
-def _agree(error: str | None, what: str) -> None:
-    """Raise ``error`` on every rank if any rank has one (no rank hangs)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        if error:
-            raise GefenCheckpointError(f"{what}: {error}")
-        return
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    flag = torch.tensor([1 if error else 0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() == 0:
-        return
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    lines = sorted({e for e in errors if e})
-    raise GefenCheckpointError(f"{what}: " + "; ".join(lines))
-
-
-class GefenStateAdapter:
-    """Compact, reshardable checkpoint state of the Gefen optimizers of one rank."""
+class PerRankStateAdapter:
+    """Format v1: each rank's own codebook and periods (``optimizer.blocking = "per_rank"``)."""
 
     def __init__(self, optimizers: list[Optimizer]) -> None:
-        self.optimizers = [o for o in optimizers if _is_gefen(o)]
+        self.optimizers = [o for o in optimizers if gs.is_gefen(o)]
         self.slots: list[_Slot] = []
         # A layout we cannot checkpoint (TP shards) must not stop training
         # without checkpoints: refuse at save/load time instead.
@@ -152,7 +109,7 @@ class GefenStateAdapter:
         for optim in self.optimizers:
             opt_id = None
             for group in optim.param_groups:
-                for name, p in zip(group["param_names"], group["params"]):
+                for name, p in zip(group["param_names"], group["params"], strict=True):
                     opt_id = opt_id or name
                     try:
                         region, local_shape = param_region(name, p)
@@ -173,7 +130,7 @@ class GefenStateAdapter:
             return {}
         if self._unsupported:
             raise GefenCheckpointError(f"cannot checkpoint Gefen state: {self._unsupported}")
-        sd: dict[str, Any] = {fmt.format_key(): json.dumps({"format": fmt.FORMAT, "version": fmt.VERSION})}
+        sd: dict[str, Any] = {fmt.format_key(): json.dumps({"format": fmt.FORMAT, "version": fmt.V1, "blocking": "per_rank"})}
         for optim in self.optimizers:
             sd.update(self._save_optimizer(optim))
         return sd
@@ -184,25 +141,23 @@ class GefenStateAdapter:
         device = slots[0].device
         out: dict[str, Any] = {}
         meta = {"nshards": slots[0].region.nshards, "params": []}
-        records = [[int(optim._gefen_global_step), len(slots), 0, 0, 0, 0, 0]]
+        records = [[gs.global_step(optim), len(slots), 0, 0, 0, 0, 0]]
         blocks, nblocks = [], 0
         for slot in slots:
-            st = slot.optim.state.get(slot.param, {})
-            if "v_row" in st or "factored_step" in st:
-                raise GefenCheckpointError(
-                    f"{slot.fqn}: factored second moment (factored_v_2d) is not supported by the "
-                    "checkpoint adapter; gefen_titan builds Gefen with factored_v_2d=False"
-                )
+            try:
+                st = gs.read(slot.optim, slot.param)
+            except ValueError as e:
+                raise GefenCheckpointError(f"{slot.fqn}: {e}") from e
             meta["params"].append(
                 {"fqn": slot.fqn, "shape": list(slot.param.shape), "group": {k: float(slot.group[k]) for k in _HYPER}}
             )
             r = slot.region
-            if "m_codebook" in st:
+            if st is not None:
                 # Clones: an async save writes after the next step has
                 # mutated the state in place.
-                codes = st["m_codebook"].reshape(slot.local_shape).clone()
-                b = torch.cat([st["m_magnitude"].reshape(-1, 1), st["vmean"].reshape(-1, 1)], 1).float()
-                period, step, vstep = int(st["automatic_period"]), int(st["step"]), int(st.get("vmean_step", st["step"]))
+                codes = st.codes.reshape(slot.local_shape).clone()
+                b = torch.cat([st.magnitude.reshape(-1, 1), st.vmean.reshape(-1, 1)], 1).float()
+                period, step, vstep = st.period, st.step, st.vmean_step
             else:
                 codes = torch.zeros(slot.local_shape, dtype=torch.uint8, device=device)
                 b = torch.zeros(0, 2, dtype=torch.float32, device=device)
@@ -214,8 +169,8 @@ class GefenStateAdapter:
         out[fmt.optimizer_key(opt_id)] = json.dumps(meta, sort_keys=True)
         out[fmt.records_key(opt_id, label)] = torch.tensor(records, dtype=torch.int64)
         out[fmt.blocks_key(opt_id, label)] = torch.cat(blocks).to(device)
-        if optim._gefen_codebook is not None:
-            out[fmt.codebook_key(opt_id, label)] = optim._gefen_codebook.detach().float().clone()
+        if gs.codebook(optim) is not None:
+            out[fmt.codebook_key(opt_id, label)] = gs.codebook(optim).detach().float().clone()
         return out
 
     @staticmethod
@@ -299,9 +254,9 @@ class GefenStateAdapter:
 
     def _plan_from_records(self, checkpoint_id: str, small: dict[str, Any], ours: dict[str, Any]) -> _Plan:
         header = json.loads(small[fmt.format_key()])
-        if header.get("format") != fmt.FORMAT or header.get("version") != fmt.VERSION:
+        if header.get("format") != fmt.FORMAT or header.get("version") != fmt.V1:
             raise GefenCheckpointError(
-                f"checkpoint format {header} is not {fmt.FORMAT} v{fmt.VERSION}; it was written by "
+                f"checkpoint format {header} is not {fmt.FORMAT} v{fmt.V1}; it was written by "
                 "another gefen-titan version. Load it with that version or exclude the optimizer"
             )
         # Every saved parameter: which optimizer, its index there, its record.
@@ -319,12 +274,7 @@ class GefenStateAdapter:
                 raise GefenCheckpointError(f"{slot.fqn}: no record in the checkpoint (another model or optimizer grouping)")
             opt_id, index, rec, nshards = where[slot.fqn]
             params[slot.fqn] = rec
-            for k in _HYPER:
-                v = rec["group"].get(k)
-                if v is None or not (v == v) or v < 0:
-                    raise GefenCheckpointError(f"{slot.fqn}: hyperparameter {k}={v!r} in the checkpoint is invalid")
-            if not (rec["group"]["beta1"] < 1 and rec["group"]["beta2"] < 1 and rec["group"]["eps"] > 0):
-                raise GefenCheckpointError(f"{slot.fqn}: checkpoint hyperparameters {rec['group']} cannot be represented by Gefen")
+            check_hyper(slot.fqn, rec["group"])
             srcs = []
             for label in range(nshards):
                 rk = fmt.records_key(opt_id, label)
@@ -357,10 +307,7 @@ class GefenStateAdapter:
                     ck = fmt.codebook_key(*key)
                     if ck not in small:
                         raise GefenCheckpointError(f"codebook of source rank {label} for optimizer {opt_id} missing")
-                    cb = small[ck].float()
-                    if cb.numel() != K or not torch.isfinite(cb).all() or cb[0] != -1 or cb[-1] != 1 or (cb[1:] < cb[:-1]).any():
-                        raise GefenCheckpointError(f"codebook of source rank {label} ({opt_id}) is corrupt (must be {K} sorted finite values from -1 to 1)")
-                    codebooks[key] = cb
+                    codebooks[key] = check_codebook(small[ck], f"codebook of source rank {label} ({opt_id})")
             srcs.sort(key=lambda s: s.start)
             pos = 0
             for src in srcs:
@@ -515,14 +462,11 @@ class GefenStateAdapter:
 
     def _commit(self, plan: _Plan, staged: dict) -> None:
         for slot in self.slots:
-            st = slot.optim.state[slot.param]
-            name = st.get("name", slot.fqn)
-            for key in list(st):
-                if key not in ("name",) and not key.startswith("_gefen_rank_local"):
-                    del st[key]
-            st["name"] = name
-            if slot.fqn in staged["states"]:
-                st.update(staged["states"][slot.fqn])
+            new = staged["states"].get(slot.fqn)
+            gs.write(slot.optim, slot.param, None if new is None else gs.ParamState(
+                period=new["automatic_period"], step=new["step"], vmean_step=new["vmean_step"],
+                codes=new["m_codebook"].contiguous(), magnitude=new["m_magnitude"].contiguous(),
+                vmean=new["vmean"].contiguous()))
             hyper = plan.params[slot.fqn]["group"]
             for k in _HYPER:
                 slot.group[k] = hyper[k]
@@ -531,7 +475,5 @@ class GefenStateAdapter:
             # the first step): back to a fresh optimizer, which learns its
             # codebook on its next step.
             cb, global_step = staged["optim"].get(id(optim), (None, 0))
-            optim._gefen_codebook = cb
-            optim._gefen_codebook_by_device = {}
-            optim._gefen_codebook_lut_by_device = {}
-            optim._gefen_global_step = global_step
+            gs.set_codebook(optim, cb)
+            gs.set_global_step(optim, global_step)
