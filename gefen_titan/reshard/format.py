@@ -28,7 +28,8 @@ PREFIX = "gefen/"
 # version -> [(key pattern, value, written by)]; the doc's tables are these rows.
 KEYS: dict[int, list[tuple[str, str, str]]] = {
     2: [
-        ("gefen/format", 'str (json) {"format", "version"}', "every rank (same)"),
+        ("gefen/format", 'str (json) {"format": "gefen-titan", "version": 2, "blocking": "agreed"}',
+         "every rank (same)"),
         ("gefen/optimizer/{opt}",
          'str (json): "blocking", "deterministic", "global_step", and per parameter in order: '
          '"fqn", "shape", "period" (0: no state yet), "step", "vmean_step", "group" (lr, beta1, '
@@ -41,7 +42,8 @@ KEYS: dict[int, list[tuple[str, str, str]]] = {
         ("gefen/vmean/{fqn}", "fp32, the block grid with the parameter's placements", "DTensor: each its shard"),
     ],
     1: [
-        ("gefen/format", 'str (json) {"format", "version"}', "every rank (same)"),
+        ("gefen/format", 'str (json) {"format": "gefen-titan", "version": 1} (newer writers add '
+         '"blocking": "per_rank")', "every rank (same)"),
         ("gefen/optimizer/{opt}", "str (json): nshards, and per parameter in order: fqn, global shape, "
          "group hyperparameters", "every rank of the optimizer (same)"),
         ("gefen/codes/{fqn}", "uint8, the parameter's global shape and placements", "DTensor: each its shard"),
@@ -94,3 +96,10 @@ def blocks_key(opt: str, label: int) -> str:
 
 def codebook_key(opt: str, label: int) -> str:
     return _key(1, 5, opt=opt, r=label)
+
+
+def key_table(version: int) -> str:
+    """The markdown key table of a version, as ``docs/checkpoint_format.md`` shows it."""
+    rows = ["| key | value | written by |", "|---|---|---|"]
+    rows += [f"| `{key}` | {value} | {by} |" for key, value, by in KEYS[version]]
+    return "\n".join(rows)
