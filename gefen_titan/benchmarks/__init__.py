@@ -1,0 +1,1 @@
+"""Benchmarks behind the thin command lines in ``scripts/`` (figures in the README)."""
