@@ -562,3 +562,43 @@ def test_factored_v_2d_false_gives_block_vmean():
     contract(set(w) == VMEAN_KEYS | SCRATCH_KEYS, "factored_v_2d=False no longer gives 2-D params block vmean")
     contract(b["automatic_period"] == 1 and tuple(b["m_codebook"].shape) == (8, 1),
              "force_1d_period_one no longer gives a 1-D param period 1 / [n, 1] state")
+
+
+def test_presets_that_agreed_blocking_relies_on():
+    """gefen_titan.blocking pre-sets periods and the codebook before step 1.
+
+    With ``state[p]["automatic_period"]`` and ``_gefen_codebook`` set, Gefen must
+    take the period as given and learn nothing; an empty local shard must be a
+    no-op that keeps no state (gefen_state.count_empty_shard_step advances its
+    counters instead); the scoring helper and fallback switch must exist.
+    """
+    from gefen import partitioning, quantization
+
+    w = nn.Parameter(torch.randn(8, 64))
+    opt = Gefen([("w", w)], fused=False)
+    cb = torch.linspace(-1, 1, 256)
+    opt.state[w]["automatic_period"] = 16
+    opt._gefen_codebook = cb.clone()
+    w.grad = torch.randn(8, 64)
+    saved = quantization.exact_dp
+    quantization.exact_dp = lambda *a, **k: (_ for _ in ()).throw(AssertionError("learned"))
+    try:
+        opt.step()
+    finally:
+        quantization.exact_dp = saved
+    st = opt.state[w]
+    contract(st["automatic_period"] == 16 and tuple(st["m_codebook"].shape) == (32, 16),
+             "a pre-set automatic_period is no longer honoured on the first step")
+    contract(torch.equal(opt._gefen_codebook, cb), "a pre-set _gefen_codebook was replaced")
+    empty = nn.Parameter(torch.randn(0, 64))
+    opt2 = Gefen([("e", empty)], fused=False)
+    opt2._gefen_codebook = cb.clone()
+    empty.grad = torch.zeros(0, 64)
+    opt2.step()
+    contract(set(opt2.state[empty]) == {"name"}, "an empty local shard now keeps Gefen state")
+    contract(partitioning._finalize_period_results([(1, 0.0), (2, 0.5), (4, 0.6)], False) == 1
+             and partitioning._finalize_period_results([(1, 0.0), (8, 0.5), (16, 0.4)], False) == 16,
+             "gefen.partitioning._finalize_period_results changed its scoring")
+    contract(isinstance(partitioning.MEMORY_SAFE_FALLBACK, bool), "partitioning.MEMORY_SAFE_FALLBACK is gone")
+    contract(opt.capturable is False and hasattr(opt, "_force_2d_period_one") and hasattr(opt, "_deterministic"),
+             "constructor options read by gefen_state.options() moved")
