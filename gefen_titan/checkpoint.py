@@ -46,7 +46,8 @@ class GefenCheckpointManager(CheckpointManager):
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
-        optimizer = self.states.get(OPTIMIZER)
+        # A disabled manager returns from __init__ before it keeps any states.
+        optimizer = getattr(self, "states", {}).get(OPTIMIZER)
         if optimizer is not None and hasattr(type(optimizer), "snapshot_on_save"):
             # Async saves write after later steps mutate Gefen's state in
             # place: its entries must be copies, not views.
