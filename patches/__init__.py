@@ -24,6 +24,7 @@ from . import (
     dist_set_timeout,
     gloo_barrier,
     gloo_reduce_op,
+    pp_presplit_step,
 )
 from ._util import PatchTargetChanged
 
@@ -48,6 +49,7 @@ PATCHES: tuple[ModuleType, ...] = (
     dist_set_timeout,
     gloo_barrier,
     gloo_reduce_op,
+    pp_presplit_step,
 )
 
 _lock = threading.Lock()

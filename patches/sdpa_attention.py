@@ -24,6 +24,33 @@ Why it is needed
     ``FlexAttention.Config`` (inner attention) in the built model config with
     ``ScaledDotProductAttention.Config``.
 
+Tensor parallelism
+    The replacement keeps the Flex config's ``sharding_config`` (and
+    ``param_init``). torchtitan's ``update_from_config`` runs *before*
+    overrides and gives every inner attention a ``LocalMapConfig``
+    (``set_gqa_inner_attention_local_map``): ``Module.parallelize`` then wraps
+    its ``forward`` in ``local_map`` over the TP mesh, q/k/v/out ``Shard(2)``
+    (heads), so SDPA runs on each rank's heads as plain tensors and the output
+    is a head-sharded DTensor again (the ``spmd_types`` backend uses the
+    spmd ``local_map`` instead). The first
+    version of this override built a bare ``ScaledDotProductAttention.Config()``
+    and so dropped that local_map; with TP > 1 SDPA then received DTensors and
+    the first forward failed on CPU with::
+
+        NotImplementedError: Operator
+        aten._scaled_dot_product_flash_attention_for_cpu.default does not have
+        a sharding strategy registered.
+
+    (forcing the MATH backend failed too, on mixed Tensor/DTensor operands).
+    Measured on a 2-rank gloo TP mesh: output and q/k/v grads equal to
+    single-device SDPA (max |diff| 0.0; tests/test_meshes_cpu.py allows 1e-6
+    for the grads); FSDP 2 x TP 2 step-1 loss equal to FSDP 2's on the same
+    data (8.08185 both). The same holds where the override is active on
+    CUDA (``cpu_only=False``): the kernel only ever sees local tensors, whether
+    or not DTensor has a strategy for it. Placements the inner attention does
+    not declare are not handled here: a model whose inner attention has no
+    sharding config gets DTensor's own SDPA rules, as upstream.
+
 Semantics
     SDPA is plain causal attention (``is_causal=True``): in sequences packed
     from several documents, tokens attend across document boundaries, where
@@ -38,7 +65,8 @@ Scope
 
 Upstream status
     Deliberate upstream change (torchtitan 0.3.0 dropped SDPA for LMs); FlexAttention
-    CPU backward is unsupported as of torch 2.13.
+    CPU backward is unsupported as of torch 2.13. Carrying ``sharding_config``
+    over is what torchtitan's own overrides do (e.g. ``overrides/fused_swiglu``).
 """
 
 from __future__ import annotations
@@ -62,6 +90,13 @@ except TypeError as e:  # grew required fields upstream
         f"gefen_titan.patches.sdpa_attention: ScaledDotProductAttention.Config() "
         f"can no longer be built without arguments: {e}"
     ) from e
+for _cls in (FlexAttention.Config, ScaledDotProductAttention.Config):
+    if not {"param_init", "sharding_config"} <= set(getattr(_cls, "__dataclass_fields__", {})):
+        raise PatchTargetChanged(
+            f"gefen_titan.patches.sdpa_attention: {_cls.__qualname__} no longer has "
+            "the Module.Config fields param_init/sharding_config this override carries over"
+        )
+del _cls
 
 
 def _no_accelerator() -> bool:
@@ -78,7 +113,27 @@ def _no_accelerator() -> bool:
 def sdpa_attention(cfg: FlexAttention.Config, *, cpu_only: bool = True):
     if cpu_only and not _no_accelerator():
         return cfg
-    return ScaledDotProductAttention.Config()
+    return _sdpa_config_like(cfg)
+
+
+def _sdpa_config_like(cfg: FlexAttention.Config) -> ScaledDotProductAttention.Config:
+    """An SDPA config that keeps ``cfg``'s ``Module.Config`` fields.
+
+    ``sharding_config`` is what makes tensor parallelism work: torchtitan's
+    ``update_from_config`` (run *before* overrides) installs on the inner
+    attention a ``LocalMapConfig`` whose ``Module.parallelize`` wraps
+    ``forward`` in ``local_map`` (heads ``Shard(2)`` on TP; k/v ``Replicate``
+    on CP, grads ``Partial`` there). Dropping it hands head-sharded DTensors
+    to ``F.scaled_dot_product_attention`` directly, which on CPU fails with
+    ``NotImplementedError: Operator
+    aten._scaled_dot_product_flash_attention_for_cpu.default does not have a
+    sharding strategy registered``. ``param_init`` is carried for completeness
+    (attention has no parameters). Flex-only fields (``block_size``,
+    ``kernel_options``) have no SDPA meaning and are dropped.
+    """
+    return ScaledDotProductAttention.Config(
+        param_init=cfg.param_init, sharding_config=cfg.sharding_config
+    )
 
 
 def use_sdpa_attention(config, *, cpu_only: bool = True) -> int:
@@ -88,15 +143,16 @@ def use_sdpa_attention(config, *, cpu_only: bool = True) -> int:
     if cpu_only and not _no_accelerator():
         return 0
     hits = [
-        (parent, attr)
+        (cfg, parent, attr)
         for _fqn, cfg, parent, attr in config.traverse(FlexAttention.Config)
         if type(cfg) is FlexAttention.Config
     ]
-    for parent, attr in hits:
+    for cfg, parent, attr in hits:
         if parent is None:
             raise ValueError("use_sdpa_attention: the root config is itself FlexAttention")
+        new = _sdpa_config_like(cfg)
         if isinstance(parent, list):
-            parent[attr] = ScaledDotProductAttention.Config()
+            parent[attr] = new
         else:
-            setattr(parent, attr, ScaledDotProductAttention.Config())
+            setattr(parent, attr, new)
     return len(hits)

@@ -408,3 +408,101 @@ def test_two_gloo_ranks_end_to_end(tmp_path):
         join=True,
     )
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+
+
+# ------------------------------------------------- sdpa override under TP
+
+
+def test_sdpa_override_keeps_the_tp_local_map():
+    """The trainer sets sharding configs (update_from_config) before overrides
+    run; the SDPA config must keep the inner attention's local_map, or TP runs
+    hand head-sharded DTensors to SDPA ("... does not have a sharding strategy
+    registered")."""
+    import importlib
+
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    sdpa = importlib.import_module(f"{PKG}.sdpa_attention")
+    cfg = llama3_debugmodel()
+    cfg.parallelism.tensor_parallel_degree = 2
+    cfg.model_spec.model.update_from_config(config=cfg)
+    before = [l.attention.inner_attention.sharding_config for l in cfg.model_spec.model.layers]
+    assert all(sc is not None and sc.local_map is not None for sc in before)
+    apply_overrides(OverrideConfig(imports=[f"{PKG}.sdpa_attention.sdpa_attention"]), cfg)
+    after = [l.attention.inner_attention for l in cfg.model_spec.model.layers]
+    assert all(type(a) is ScaledDotProductAttention.Config for a in after)
+    assert [a.sharding_config for a in after] == before
+    # Python helper form: the same carry-over.
+    cfg = llama3_debugmodel()
+    cfg.model_spec.model.update_from_config(config=cfg)
+    flex = [l.attention.inner_attention for l in cfg.model_spec.model.layers]
+    assert all(type(f) is FlexAttention.Config for f in flex)
+    assert sdpa.use_sdpa_attention(cfg.model_spec) == len(flex)
+    assert [l.attention.inner_attention.sharding_config for l in cfg.model_spec.model.layers] == [
+        f.sharding_config for f in flex
+    ]
+
+
+# -------------------------------------------------------- pp_presplit_step
+
+
+class _FakeSchedule:
+    """Just what PipelineScheduleSingle.step touches, with a recording
+    _step_microbatches."""
+
+    _has_backward = False
+    _n_microbatches = 2
+    _args_chunk_spec = None
+    _kwargs_chunk_spec = None
+
+    def __init__(self):
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+        self._stage = SimpleNamespace(has_backward=None, is_last=False,
+                                      clear_runtime_states=lambda: None)
+        self._split = PipelineScheduleSingle._split_inputs.__get__(self)
+        self.calls = []
+
+    def _split_inputs(self, args, kwargs=None):
+        return self._split(args, kwargs)
+
+    def _step_microbatches(self, arg_mbs=None, kwarg_mbs=None, target_mbs=None,
+                           losses=None, return_outputs=True, loss_kwargs=None):
+        self.calls.append((arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs))
+
+
+def test_pp_step_takes_presplit_microbatches():
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+    )
+
+    for cls in (PipelineScheduleSingle, PipelineScheduleMulti):
+        assert P._util.is_marked(cls.__dict__["step"]), cls
+    assert P.pp_presplit_step.apply() is True  # idempotent
+    assert not P._util.is_marked(PipelineScheduleSingle.step.__wrapped_original__)
+
+    step = PipelineScheduleSingle.step
+    fake = _FakeSchedule()
+    x0, x1 = torch.zeros(2, 3), torch.ones(2, 3)
+    losses = []
+    step(fake, arg_mbs=[(x0,), (x1,)], kwarg_mbs=[{}, {}], target_mbs=["t0", "t1"],
+         losses=losses, loss_kwargs={"global_valid_tokens": 7}, return_outputs=False)
+    ((args, kwargs, targets, got_losses, ret, lkw),) = fake.calls
+    assert args[0][0] is x0 and args[1][0] is x1  # passed through, not re-split
+    assert kwargs == [{}, {}] and targets == ["t0", "t1"] and got_losses is losses
+    assert ret is False and lkw == {"global_valid_tokens": 7}
+    assert "_step_microbatches" not in vars(fake)  # the per-call swap is undone
+    assert fake._stage.has_backward is False
+
+    # Middle stages pass no arg_mbs; whole-batch calls are upstream's split.
+    step(fake, kwarg_mbs=[{}, {}])
+    assert fake.calls[-1][0] is None
+    step(fake, torch.arange(8.0).view(4, 2))
+    assert [a[0].shape for a in fake.calls[-1][0]] == [(2, 2), (2, 2)]
+    with pytest.raises(ValueError, match="cannot be mixed"):
+        step(fake, x0, arg_mbs=[(x0,), (x1,)])
+    with pytest.raises(ValueError, match="cannot be mixed"):
+        step(fake, arg_mbs=[(x0,), (x1,)], target=x0)
