@@ -50,7 +50,7 @@ from torchtitan.components.checkpoint import CheckpointManager
 from .dataloader import lift_dataloader_config
 from .optimizer import GefenOptimizersContainer
 
-__all__ = ["RecipeError", "Recipe", "load_recipe", "parse_cli", "validate_mesh"]
+__all__ = ["RecipeError", "Recipe", "declared_world_size", "load_recipe", "parse_cli", "validate_mesh"]
 
 JOB_KEYS = ("module", "base_config", "extends", "description", "dump_folder", "hf_assets_path")
 MODEL_KEYS = ("flavor", "attn_backend")
@@ -123,6 +123,22 @@ def _read_recipe_data(path: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
     job.pop("extends")
     _merge(base, data, path)
     return base
+
+
+def declared_world_size(path: str | os.PathLike, fill: int = 2) -> int:
+    """Processes a recipe's mesh needs: the product of its declared degrees.
+
+    ``data_parallel_shard_degree = -1`` (FSDP over whatever is left) counts as
+    ``fill``; the other degrees default to 1.
+    """
+    par = _read_recipe_data(str(path)).get("parallelism", {})
+    shard = int(par.get("data_parallel_shard_degree", -1))
+    world = fill if shard < 0 else shard
+    for key in ("data_parallel_replicate_degree", "context_parallel_degree", "tensor_parallel_degree",
+                "pipeline_parallel_degree", "expert_parallel_degree"):
+        if key != "expert_parallel_degree":  # EP borrows from the others, adds no ranks
+            world *= max(1, int(par.get(key, 1)))
+    return world
 
 
 def _type_name(tp: Any) -> str:

@@ -48,10 +48,9 @@ def cpu_recipes() -> list[Path]:
 
 
 def nproc_of(recipe: Path) -> int:
-    from gefen_titan.recipe import _read_recipe_data
+    from gefen_titan.recipe import declared_world_size
 
-    degree = _read_recipe_data(str(recipe)).get("parallelism", {}).get("data_parallel_shard_degree", -1)
-    return degree if degree > 0 else 2
+    return declared_world_size(recipe)
 
 
 def settings_for(recipe: Path, stored: dict | None = None) -> vr.Settings:

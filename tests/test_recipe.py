@@ -15,17 +15,11 @@ RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
 DEBUG = str(ROOT / "recipes" / "llama_gefen.toml")
 
 
-def _declared_dp(path):
-    import tomllib
-
-    with open(path, "rb") as f:
-        return tomllib.load(f).get("parallelism", {}).get("data_parallel_shard_degree", -1)
-
-
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_every_shipped_recipe_parses(path):
-    dp = _declared_dp(path)
-    world = dp if dp > 0 else 2
+    from gefen_titan.recipe import declared_world_size
+
+    world = declared_world_size(path)
     recipe = load_recipe(path, world_size=world)
     config = recipe.config
     assert isinstance(config, Trainer.Config)
@@ -38,7 +32,9 @@ def test_every_shipped_recipe_parses(path):
 
 
 def test_recipes_declare_1_2_4_shards():
-    declared = {_declared_dp(p) for p in RECIPES}
+    from gefen_titan.recipe import _read_recipe_data
+
+    declared = {_read_recipe_data(str(p)).get("parallelism", {}).get("data_parallel_shard_degree", -1) for p in RECIPES}
     assert {1, 2, 4} <= declared
 
 
