@@ -59,7 +59,7 @@ __all__ = ["AgreedBlocking", "BlockingError", "row_unit", "candidate_periods", "
 
 HIST_BINS = gs.K * 16  # gefen-x: num_codebooks * 16
 # Bound the fp64 temporaries of the period statistics (elements per chunk).
-_STATS_CHUNK = 1 << 24
+_STATS_CHUNK = 1 << 22
 
 
 class BlockingError(RuntimeError):
@@ -182,8 +182,13 @@ def block_variance_sums(grad: torch.Tensor, periods: list[int], unit: int) -> to
 
     Gefen's measure is sqrt(mean over blocks of the within-block population
     variance of grad², grad² taken in fp32); the mean needs the global block
-    count, so ranks exchange sums. Chunks are cut at multiples of the row
-    unit, which every candidate divides.
+    count, so ranks exchange sums. Per block, var = E[x²] - E[x]² from the
+    block's sums of x and x² (fp64); each candidate's block sums are built
+    from those of the largest smaller candidate that divides it, so all
+    candidates together cost about two passes over the shard instead of one
+    each. Every block lies inside one shard, so its sums do not depend on the
+    layout. Chunks are cut at multiples of the row unit, which every
+    candidate divides.
     """
     flat = grad.detach().reshape(-1)
     out = torch.zeros(len(periods), dtype=torch.float64, device=flat.device)
@@ -192,8 +197,16 @@ def block_variance_sums(grad: torch.Tensor, periods: list[int], unit: int) -> to
     step = max(unit, (_STATS_CHUNK // unit) * unit)
     for start in range(0, flat.numel(), step):
         sq = flat[start:start + step].float().square().double()
+        sums = {1: (sq, sq * sq)}
         for i, p in enumerate(periods):
-            out[i] += sq.view(-1, p).var(dim=1, correction=0).sum()
+            if p == 1:
+                continue  # a one-element block has no variance
+            q = max(d for d in sums if p % d == 0)
+            s1, s2 = sums[q]
+            s1, s2 = s1.view(-1, p // q).sum(dim=1), s2.view(-1, p // q).sum(dim=1)
+            sums[p] = (s1, s2)
+            mean = s1 / p
+            out[i] += (s2 / p - mean * mean).clamp_min_(0).sum()
     return out
 
 
