@@ -1,29 +1,46 @@
-"""Opt-in hook for ``scripts/validate_reshard.py``: dump state around checkpoints.
+"""Opt-in hook for the reshard validation (``gefen_titan.validation``): dump state around checkpoints.
 
 A torchtitan config override (``torchtitan.config.override``) that swaps the
 recipe's ``GefenCheckpointManager`` for a subclass which, after a successful
-load and after the saves of chosen steps, writes this rank's raw training
-state to ``<dir>/<kind>-<step>-rank<r>.pt``:
+load and after the saves of chosen steps, writes the raw training state to
+``<dir>``. What it writes follows the run's ``optimizer.blocking``:
 
-* every parameter's local shard (and where it lies in the flattened
-  parameter),
-* every Gefen parameter's state exactly as the optimizer holds it (uint8
-  codes, per-block magnitude and ``vmean``, period, step counters) plus each
-  Gefen optimizer's codebook and global step,
-* the tensors of any other optimizer's state (AdamW groups of mixed recipes),
-* the wall time of the save or load (DCP call included, the dump excluded).
+* **agreed** (checkpoint format v2): the *global* state, so that a load at
+  another layout can be compared with the save bit for bit. Every entry of
+  the optimizer container's ``state_dict()`` (what the checkpoint stores:
+  Gefen's codes, magnitudes and ``vmean`` as DTensors with the parameter's
+  placements, its JSON records and codebook, and the flat state of any other
+  optimizer, e.g. the AdamW groups of mixed recipes) is gathered with
+  ``full_tensor()``, and so is every parameter; besides, every rank's live
+  facts (each Gefen parameter's period, step counters and hyperparameters,
+  each Gefen optimizer's codebook and global step) are gathered from all
+  ranks. One rank per distinct set of entries writes
+  ``<kind>-<step>-global-rank<r>.pt`` (rank 0 only, unless pipeline stages
+  hold different parameters). This is collective: every rank takes part.
+* **per_rank** (format v1): each rank's own picture,
+  ``<kind>-<step>-rank<r>.pt``: every parameter's local shard and where it
+  lies in the flattened parameter (``gefen_titan.reshard.layout.param_region``),
+  every Gefen parameter's state as the optimizer holds it plus each Gefen
+  optimizer's codebook and global step, and the tensors of any other
+  optimizer's state.
+
+Both record the wall time of the save or load (DCP call included, the dump
+excluded). Gefen's private state is read through ``gefen_titan.gefen_state``
+only.
 
 Nothing is active unless a run lists it, e.g.::
 
     --override.imports '["gefen_titan.patches.sdpa_attention.sdpa_attention",
                          ["gefen_titan.validate_hooks.dump_state", {"dir": "/tmp/d", "save_steps": [4]}]]'
 
-It reads the live objects only; training, saving and loading are torchtitan's
-and ``GefenCheckpointManager``'s, unchanged.
+It reads the live objects only (copies are written, nothing is changed);
+training, saving and loading are torchtitan's and ``GefenCheckpointManager``'s,
+unchanged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -34,9 +51,15 @@ from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER, TRAIN_STAT
 from torchtitan.config import override
 from torchtitan.config.override import derive
 
+from . import gefen_state as gs
 from .checkpoint import GefenCheckpointManager
+from .reshard.common import HYPER
 
-__all__ = ["DumpingCheckpointManager", "dump_state"]
+__all__ = ["DumpingCheckpointManager", "dump_state", "DUMP_VERSION"]
+
+# Bumped when the dump layout changes (part of a reference run's identity, so
+# a reference cache never hands old dumps to a new validator).
+DUMP_VERSION = 2
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -50,11 +73,35 @@ def _region(fqn: str, p: torch.Tensor) -> tuple[int, int]:
     return region.start, region.length
 
 
+def _dist() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    _, world = _dist()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _opt_id(optim: Any) -> str:
+    """A Gefen optimizer's name in the checkpoint: its first parameter's FQN."""
+    return next((name for name, _, _ in gs.named_params(optim)), "")
+
+
 class DumpingCheckpointManager(GefenCheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(GefenCheckpointManager.Config):
         dump_dir: str = ""
-        """Folder for the per-rank dumps (created if missing)."""
+        """Folder for the dumps (created if missing)."""
 
         dump_save_steps: list[int] = field(default_factory=list)
         """Steps whose save is followed by a dump (every load is dumped)."""
@@ -85,79 +132,171 @@ class DumpingCheckpointManager(GefenCheckpointManager):
 
     # ------------------------------------------------------------------ dump
     def _dump(self, kind: str, step: int, seconds: float) -> None:
-        import torch.distributed as dist
-
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        out: dict[str, Any] = {"kind": kind, "step": step, "rank": rank, "world": world, "seconds": seconds}
-        out["params"] = self._params()
         container = self.states.get(OPTIMIZER)
-        out["gefen"], out["codebooks"] = self._gefen_state(container)
-        out["other_optim"] = self._other_state(container)
         os.makedirs(self._dump_dir, exist_ok=True)
-        torch.save(out, os.path.join(self._dump_dir, f"{kind}-{step}-rank{rank}.pt"))
+        if getattr(container, "blocking", None) == "agreed":
+            self._dump_global(container, kind, step, seconds)
+        else:
+            self._dump_rank(container, kind, step, seconds)
 
-    def _params(self) -> dict[str, dict[str, Any]]:
+    def _model_params(self) -> list[tuple[str, torch.Tensor]]:
         wrapper = self.states.get(MODEL)
         parts = getattr(wrapper, "model", [])
         parts = parts if isinstance(parts, list) else [parts]
-        out = {}
-        for part in parts:
-            for fqn, p in part.named_parameters():
-                start, length = _region(fqn, p)
-                out[fqn] = {"shape": tuple(p.shape), "start": start, "length": length,
-                            "local": _local(p).detach().reshape(-1).float().cpu().clone()}
-        return out
+        return [(fqn, p) for part in parts for fqn, p in part.named_parameters()]
 
-    @staticmethod
-    def _gefen_state(container: Any) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-        adapter = getattr(container, "_gefen_state", None)
-        if adapter is None:
-            return {}, {}
-        state, codebooks = {}, {}
-        for slot in adapter.slots:
-            st = slot.optim.state.get(slot.param, {})
-            rec: dict[str, Any] = {"shape": tuple(slot.param.shape), "start": slot.region.start,
-                                   "length": slot.region.length, "optimizer": slot.opt_id,
-                                   "hyper": {k: float(slot.group[k]) for k in ("lr", "beta1", "beta2", "eps")}}
-            if "m_codebook" in st:
+    # ---------------------------------------------------- agreed: global state
+    def _dump_global(self, container: Any, kind: str, step: int, seconds: float) -> None:
+        rank, world = _dist()
+        sd = _optimizer_entries(container)
+        params = self._model_params()
+        # The lowest rank of each distinct set of entries writes (pipeline
+        # stages hold different ones; everything else has one set: rank 0).
+        names = sorted(sd) + ["param:" + n for n, _ in params]
+        digest = hashlib.sha1("\n".join(names).encode()).hexdigest()
+        everyone = _all_gather({"rank": rank, "digest": digest, "seconds": seconds, "live": _live_facts(container)})
+        writer = min(e["rank"] for e in everyone if e["digest"] == digest) == rank
+        out: dict[str, Any] = {
+            "kind": kind, "step": step, "rank": rank, "world": world, "blocking": "agreed",
+            "dump_version": DUMP_VERSION, "seconds": [e["seconds"] for e in everyone],
+            "live": [e["live"] for e in everyone],
+            "covers": [e["rank"] for e in everyone if e["digest"] == digest],
+            "params": {}, "state": {},
+        }
+        # Collective: every rank of a mesh gathers its entries in the same order.
+        for fqn, p in params:
+            t = _full(p)
+            if writer:
+                out["params"][fqn] = t
+        for key, value in sd.items():
+            if isinstance(value, torch.Tensor):
+                t = _full(value)
+                if writer:
+                    out["state"][key] = t
+            elif writer:
+                out["state"][key] = value
+        if writer:
+            torch.save(out, os.path.join(self._dump_dir, f"{kind}-{step}-global-rank{rank}.pt"))
+
+    # ------------------------------------------------- per_rank: this rank only
+    def _dump_rank(self, container: Any, kind: str, step: int, seconds: float) -> None:
+        rank, world = _dist()
+        out: dict[str, Any] = {"kind": kind, "step": step, "rank": rank, "world": world, "seconds": seconds,
+                               "blocking": "per_rank", "dump_version": DUMP_VERSION}
+        out["params"] = {}
+        for fqn, p in self._model_params():
+            start, length = _region(fqn, p)
+            out["params"][fqn] = {"shape": tuple(p.shape), "start": start, "length": length,
+                                  "local": _local(p).detach().reshape(-1).float().cpu().clone()}
+        out["gefen"], out["codebooks"] = _rank_gefen_state(container)
+        out["other_optim"] = _rank_other_state(container)
+        torch.save(out, os.path.join(self._dump_dir, f"{kind}-{step}-rank{rank}.pt"))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+
+
+def _gefen_optimizers(container: Any) -> list[Any]:
+    return [] if container is None else [o for o in container.optimizers if gs.is_gefen(o)]
+
+
+def _other_optimizers(container: Any) -> list[Any]:
+    return [] if container is None else [o for o in container.optimizers if not gs.is_gefen(o)]
+
+
+def _optimizer_entries(container: Any) -> dict[str, Any]:
+    """What a checkpoint of the optimizer holds now: the container's ``state_dict()``.
+
+    Collective (the Gefen part checks that the ranks agree). Where another
+    optimizer holds no state yet (its state was not loaded), the container
+    would create it with a zero-gradient step; the dump must change nothing,
+    so then the entries are built from those optimizers that hold state plus
+    the Gefen adapter's own entries, which is what ``state_dict()`` returns
+    less the state it would create.
+    """
+    if container is None:
+        return {}
+    others = _other_optimizers(container)
+    if all(o.state for o in others):
+        return container.state_dict()
+    from torchtitan.components.optimizer.utils import get_flat_optim_state_dict
+
+    from .reshard import AgreedStateAdapter
+
+    sd: dict[str, Any] = {}
+    for optim in others:
+        if optim.state:
+            sd.update(get_flat_optim_state_dict(optim))
+    sd.update(AgreedStateAdapter(container.optimizers).state_dict())
+    return sd
+
+
+def _live_facts(container: Any) -> dict[str, Any]:
+    """This rank's live Gefen facts: per parameter its period, counters and
+    hyperparameters; per optimizer its codebook and global step."""
+    params: dict[str, dict[str, Any]] = {}
+    optimizers: dict[str, dict[str, Any]] = {}
+    for optim in _gefen_optimizers(container):
+        opt_id = _opt_id(optim)
+        cb = gs.codebook(optim)
+        optimizers[opt_id] = {"codebook": None if cb is None else cb.detach().float().cpu().clone(),
+                              "global_step": gs.global_step(optim)}
+        for fqn, p, group in gs.named_params(optim):
+            st = gs.read(optim, p)
+            if st is not None:
+                period, step, vstep, has_state = st.period, st.step, st.vmean_step, True
+            else:  # never stepped, or an empty local shard (counters kept by gefen_titan)
+                period = gs.period(optim, p) or 0
+                step, vstep = gs.empty_shard_counters(optim, p)
+                has_state = False
+            params[fqn] = {"optimizer": opt_id, "period": int(period), "step": int(step), "vmean_step": int(vstep),
+                           "has_state": has_state, "local_numel": _local(p).numel(),
+                           "hyper": {k: float(group[k]) for k in HYPER}}
+    return {"params": params, "optimizers": optimizers}
+
+
+def _rank_gefen_state(container: Any) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    state, codebooks = {}, {}
+    for optim in _gefen_optimizers(container):
+        opt_id = _opt_id(optim)
+        cb = gs.codebook(optim)
+        codebooks[opt_id] = {"codebook": None if cb is None else cb.detach().float().cpu().clone(),
+                             "global_step": gs.global_step(optim)}
+        for fqn, p, group in gs.named_params(optim):
+            start, length = _region(fqn, p)
+            rec: dict[str, Any] = {"shape": tuple(p.shape), "start": start, "length": length, "optimizer": opt_id,
+                                   "hyper": {k: float(group[k]) for k in ("lr", "beta1", "beta2", "eps")}}
+            st = gs.read(optim, p)
+            if st is not None:
                 rec.update(
-                    period=int(st["automatic_period"]), step=int(st["step"]),
-                    vmean_step=int(st.get("vmean_step", st["step"])),
-                    codes=st["m_codebook"].reshape(-1).cpu().clone(),
-                    magnitude=st["m_magnitude"].reshape(-1).float().cpu().clone(),
-                    vmean=st["vmean"].reshape(-1).float().cpu().clone(),
+                    period=st.period, step=st.step, vmean_step=st.vmean_step,
+                    codes=st.codes.reshape(-1).cpu().clone(),
+                    magnitude=st.magnitude.reshape(-1).float().cpu().clone(),
+                    vmean=st.vmean.reshape(-1).float().cpu().clone(),
                 )
-            state[slot.fqn] = rec
-            cb = getattr(slot.optim, "_gefen_codebook", None)
-            if slot.opt_id not in codebooks:
-                codebooks[slot.opt_id] = {
-                    "codebook": None if cb is None else cb.detach().float().cpu().clone(),
-                    "global_step": int(getattr(slot.optim, "_gefen_global_step", 0)),
-                }
-        return state, codebooks
+            state[fqn] = rec
+    return state, codebooks
 
-    @staticmethod
-    def _other_state(container: Any) -> dict[str, dict[str, Any]]:
-        if container is None or not hasattr(container, "_other_optimizers"):
-            return {}
-        out = {}
-        for optim in container._other_optimizers():
-            for group in optim.param_groups:
-                names = group.get("param_names") or [None] * len(group["params"])
-                for name, p in zip(names, group["params"]):
-                    st = optim.state.get(p, {})
-                    if name is None:
-                        continue
-                    start, length = _region(name, p)
-                    rec: dict[str, Any] = {"shape": tuple(p.shape), "start": start, "length": length}
-                    for key, value in st.items():
-                        if isinstance(value, torch.Tensor) and value.numel() == p.numel():
-                            rec[key] = _local(value).detach().reshape(-1).float().cpu().clone()
-                        elif isinstance(value, torch.Tensor) and value.numel() == 1:
-                            rec[key] = float(value)
-                    out[name] = rec
-        return out
+
+def _rank_other_state(container: Any) -> dict[str, dict[str, Any]]:
+    out = {}
+    for optim in _other_optimizers(container):
+        for group in optim.param_groups:
+            names = group.get("param_names") or [None] * len(group["params"])
+            for name, p in zip(names, group["params"]):
+                st = optim.state.get(p, {})
+                if name is None:
+                    continue
+                start, length = _region(name, p)
+                rec: dict[str, Any] = {"shape": tuple(p.shape), "start": start, "length": length}
+                for key, value in st.items():
+                    if isinstance(value, torch.Tensor) and value.numel() == p.numel():
+                        rec[key] = _local(value).detach().reshape(-1).float().cpu().clone()
+                    elif isinstance(value, torch.Tensor) and value.numel() == 1:
+                        rec[key] = float(value)
+                out[name] = rec
+    return out
 
 
 @override(

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from gefen_titan import reference_curves as urc  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import update_reference_curves as urc  # noqa: E402
 
 CPU_RECIPES = urc.cpu_recipes()
 GPU_RECIPES = {"llama3_8b_gefen.toml": 8}  # recipe -> world size it is built for
