@@ -188,6 +188,73 @@ def _same_build(a: dict[str, Any], b: dict[str, Any]) -> str | None:
     return None
 
 
+def _chunks(docs: Iterator[tuple[str, int]], size: int) -> Iterator[tuple[list[str], int]]:
+    """Documents in lists of ``size``, each with the input bytes read after it."""
+    texts: list[str] = []
+    at = 0
+    for text, at in docs:
+        texts.append(text)
+        if len(texts) == size:
+            yield texts, at
+            texts = []
+    if texts:
+        yield texts, at
+
+
+_worker_tokenizer: Any = None
+
+
+def _worker_init(tokenizer: Any) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _encode(texts: list[str], tokenizer: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, flat ids) of ``texts`` as torchtitan's text dataset encodes them."""
+    tok = tokenizer if tokenizer is not None else _worker_tokenizer
+    ids = [tok.encode(t, add_bos=True, add_eos=True) for t in texts]
+    lengths = np.fromiter((len(x) for x in ids), dtype="<i8", count=len(ids))
+    flat = np.fromiter((t for x in ids for t in x), dtype=np.int64, count=int(lengths.sum()))
+    return lengths, flat
+
+
+class _Encoder:
+    """Tokenizes chunks in order, in this process or in a pool of ``workers``.
+    At most ``2 * workers`` chunks are in flight, so memory does not grow with
+    the corpus. Workers are forked where the platform can (they only run the
+    tokenizer, and a spawned one would spend seconds importing torch first),
+    else spawned with the tokenizer pickled to each."""
+
+    def __init__(self, tokenizer: Any, workers: int):
+        self.tokenizer, self.workers, self.pool = tokenizer, workers, None
+
+    def __enter__(self) -> _Encoder:
+        if self.workers > 1:
+            import multiprocessing
+
+            methods = multiprocessing.get_all_start_methods()
+            ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+            self.pool = ctx.Pool(self.workers, initializer=_worker_init, initargs=(self.tokenizer,))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+
+    def map(self, chunks: Iterator[tuple[list[str], int]]) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+        if self.pool is None:
+            for texts, at in chunks:
+                yield (*_encode(texts, self.tokenizer), at)
+            return
+        while True:
+            window = [c for _, c in zip(range(2 * self.workers), chunks)]
+            if not window:
+                return
+            for (lengths, flat), (_, at) in zip(self.pool.map(_encode, [t for t, _ in window]), window):
+                yield lengths, flat, at
+
+
 def build_indexed_dataset(
     sources: Iterable[str | os.PathLike],
     tokenizer: Any,
@@ -197,19 +264,21 @@ def build_indexed_dataset(
     progress: bool = True,
     overwrite: bool = False,
     restart: bool = False,
+    workers: int = 1,
 ) -> BuildResult:
     """Tokenize ``sources`` into the dataset directory ``out`` (see the module doc).
 
     Rerunning after an interruption resumes; rerunning after success returns
     at once (``built=False``). ``overwrite`` replaces a finished dataset built
-    from other inputs; ``restart`` discards an unfinished build.
+    from other inputs; ``restart`` discards an unfinished build. ``workers``
+    processes tokenize chunks in parallel; the bytes do not depend on it.
     """
     begin = time.monotonic()
     out = Path(out)
     files = source_files(sources)
     plan = _plan(files, tokenizer)
-    if chunk_documents < 1:
-        raise ValueError(f"chunk_documents must be >= 1, got {chunk_documents}")
+    if chunk_documents < 1 or workers < 1:
+        raise ValueError(f"chunk_documents and workers must be >= 1, got {chunk_documents} and {workers}")
 
     if (out / INDEX_FILE).is_file():
         info_path = out / BUILD_INFO_FILE
@@ -263,18 +332,8 @@ def build_indexed_dataset(
         _, at = next(docs)
     if bar is not None:
         bar.update(at)
-    with open(tok_path, "ab") as ftok, open(len_path, "ab") as flen:
-        while True:
-            texts = []
-            for text, at_ in docs:
-                texts.append(text)
-                if len(texts) == chunk_documents:
-                    break
-            if not texts:
-                break
-            ids = [tokenizer.encode(t, add_bos=True, add_eos=True) for t in texts]
-            lengths = np.fromiter((len(x) for x in ids), dtype="<i8", count=len(ids))
-            flat = np.fromiter((t for x in ids for t in x), dtype=np.int64, count=int(lengths.sum()))
+    with _Encoder(tokenizer, workers) as encoder, open(tok_path, "ab") as ftok, open(len_path, "ab") as flen:
+        for lengths, flat, at_ in encoder.map(_chunks(docs, chunk_documents)):
             if flat.size and (flat.min() < 0 or flat.max() >= plan["vocab_size"]):
                 raise IndexedDataError(
                     f"the tokenizer produced id {int(flat.max())}, outside its vocab size {plan['vocab_size']}"
@@ -284,7 +343,7 @@ def build_indexed_dataset(
             for f in (ftok, flen):
                 f.flush()
                 os.fsync(f.fileno())
-            state["documents"] += len(texts)
+            state["documents"] += len(lengths)
             state["tokens"] += int(flat.size)
             _write_json(partial / PROGRESS_FILE, {"plan": plan, **state})
             if bar is not None:
@@ -403,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default="builtin://tokenizer",
                     help="Hugging Face tokenizer directory, as [job] hf_assets_path (default: the one shipped here)")
     ap.add_argument("--chunk-documents", type=int, default=4096, help="documents per resumable chunk")
+    ap.add_argument("--workers", type=int, default=1, help="tokenizer processes (the output does not depend on it)")
     ap.add_argument("--overwrite", action="store_true", help="replace a finished dataset built from other inputs")
     ap.add_argument("--restart", action="store_true", help="discard an unfinished build instead of resuming it")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -416,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tokenizer = HuggingFaceTokenizer(tokenizer_path=path)
         r = build_indexed_dataset(args.inputs, tokenizer, args.out, chunk_documents=args.chunk_documents,
-                                  progress=not args.quiet, overwrite=args.overwrite, restart=args.restart)
+                                  progress=not args.quiet, overwrite=args.overwrite, restart=args.restart,
+                                  workers=args.workers)
     except (IndexedDataError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -114,6 +114,13 @@ def test_round_trip_and_determinism(tmp_path, sources, tok):
     assert not Path(f"{tmp_path / 'ds'}.partial").exists()
 
 
+def test_parallel_tokenizing_gives_the_same_bytes(tmp_path, sources, tok):
+    paths, _ = sources
+    build_indexed_dataset(paths, tok, tmp_path / "one", chunk_documents=6, progress=False)
+    r = build_indexed_dataset(paths, tok, tmp_path / "two", chunk_documents=6, progress=False, workers=2)
+    assert r.built and _files(tmp_path / "one") == _files(tmp_path / "two")
+
+
 def test_embedded_corpus_builds_in_seconds_and_deterministically(tmp_path, tok):
     begin = time.monotonic()
     ds = cached_dataset(data.DEFAULT_DATASET_PATH, tok, tmp_path / "cache")
