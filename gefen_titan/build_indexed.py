@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gzip
-import hashlib
 import json
 import os
 import shutil
@@ -437,7 +436,7 @@ def cached_dataset(source: str | os.PathLike, tokenizer: Any, cache_dir: str | o
     if not source.is_file():
         raise IndexedDataError(f"{source}: not a file (expected a .jsonl, .jsonl.gz or .txt file, or a token dataset directory)")
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    content = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    content = file_sha256(source)[:12]
     name = source.name.split(".")[0]
     out = cache / "indexed" / f"{name}-{content}-{tokenizer_identity(tokenizer)[0][:12]}"
     with _locked(out.with_name(out.name + ".lock")):

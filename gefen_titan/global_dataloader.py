@@ -42,12 +42,12 @@ from .build_indexed import cached_dataset
 from .global_order import GlobalSampleOrder
 from .indexed_dataset import IndexedDataset
 
-__all__ = ["DATALOADER_KEY", "STATE_KEY", "DataOrderError", "GlobalOrderDataLoader", "open_dataset"]
+__all__ = ["RECIPE_SETTING", "STATE_KEY", "DataOrderError", "GlobalOrderDataLoader", "open_dataset"]
 
 STATE_KEY = "global_order"
 """The dataloader's one state entry (a dict of plain values)."""
 
-DATALOADER_KEY = 'dataloader.loader = "global_order"'
+RECIPE_SETTING = 'dataloader.loader = "global_order"'
 """How recipes choose this loader; named in errors."""
 
 STATE_VERSION = 1
@@ -200,7 +200,7 @@ class GlobalOrderDataLoader(BaseDataLoader):
         kind = "per-rank (torchtitan / elastic loader)" if any(n.startswith("dp_rank_") for n in names) else "no"
         raise DataOrderError(
             f"{checkpoint_id} holds {kind} data loader state, not a global-order position: it was "
-            f"written without {DATALOADER_KEY}. Resume with the loader it was written with, or set "
+            f"written without {RECIPE_SETTING}. Resume with the loader it was written with, or set "
             "checkpoint.exclude_from_loading = [\"dataloader\"] to start the global order from its "
             "first sample (documents already trained on are then seen again)."
         )
@@ -215,7 +215,7 @@ class GlobalOrderDataLoader(BaseDataLoader):
         if not isinstance(saved, dict):
             raise DataOrderError(
                 f"the checkpoint's data loader state has no {STATE_KEY!r} entry (keys: "
-                f"{sorted(state_dict)}); it was written without {DATALOADER_KEY}. Set "
+                f"{sorted(state_dict)}); it was written without {RECIPE_SETTING}. Set "
                 "checkpoint.exclude_from_loading = [\"dataloader\"] to start the data order over."
             )
         if int(saved.get("version", -1)) != STATE_VERSION:

@@ -22,8 +22,8 @@ A dataset is a directory (built by ``gefen_titan.build_indexed``):
     and of ``tokens.bin``), then ``num_documents + 1`` little-endian int64
     token offsets: document ``d`` is ``tokens[offsets[d]:offsets[d + 1]]``.
 ``build_info.json``
-    What it was built from, for people (sources, tokenizer path, times);
-    never read back.
+    What it was built from (sources, tokenizer path, times), for people; read
+    back only by the builder, to tell whether a rerun asks for the same build.
 
 Opening checks the magic, version, the sizes of both files against the header,
 the offsets' end points and hash (8 bytes per document; the tokens are not

@@ -22,6 +22,10 @@ overrides its fields section by section, with torchtitan's own names::
     [training]                           # any Trainer.Config section, its
     steps = 20                           # fields by their dataclass names
 
+    [dataloader]                         # loader picks the class: "elastic"
+    loader = "global_order"              # (default) or "global_order"; the
+                                         # other keys are its fields
+
 The loader is generic: it walks the dataclass instances the base function
 built (which may be subclasses of the declared field types, e.g. a
 ``HuggingFaceTextDataLoader.Config`` where ``BaseDataLoader.Config`` is
