@@ -22,6 +22,10 @@ overrides its fields section by section, with torchtitan's own names::
     [training]                           # any Trainer.Config section, its
     steps = 20                           # fields by their dataclass names
 
+    [dataloader]                         # loader picks the class: "elastic"
+    loader = "global_order"              # (default) or "global_order"; the
+                                         # other keys are its fields
+
 The loader is generic: it walks the dataclass instances the base function
 built (which may be subclasses of the declared field types, e.g. a
 ``HuggingFaceTextDataLoader.Config`` where ``BaseDataLoader.Config`` is
@@ -47,10 +51,18 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from torchtitan.components.checkpoint import CheckpointManager
 
-from .dataloader import lift_dataloader_config
+from .dataloader import ElasticTextDataLoader, lift_dataloader_config
+from .global_dataloader import GlobalOrderDataLoader
 from .optimizer import GefenOptimizersContainer
 
 __all__ = ["RecipeError", "Recipe", "declared_world_size", "load_recipe", "parse_cli", "validate_mesh"]
+
+# ``[dataloader] loader = "..."`` picks the data loader class; the section's
+# other keys are that class's fields.
+DATALOADERS = {
+    "elastic": ElasticTextDataLoader.Config,  # torchtitan's text loader + on_dp_change (the default)
+    "global_order": GlobalOrderDataLoader.Config,  # DP-invariant global batches (docs/data_order.md)
+}
 
 JOB_KEYS = ("module", "base_config", "extends", "description", "dump_folder", "hf_assets_path")
 MODEL_KEYS = ("flavor", "attn_backend")
@@ -354,6 +366,52 @@ def _as_gefen_checkpoint_config(ckpt: Any) -> Any:
     return GefenCheckpointManager.Config(**values)
 
 
+def _choose_dataloader(current: Any, kind: Any, where: str) -> Any:
+    """``[dataloader] loader``: keep ``current`` if it is already of that kind,
+    else a fresh config of the chosen class (its defaults, then the section's keys)."""
+    if kind not in DATALOADERS:
+        raise RecipeError(f"{where}: must be one of {list(DATALOADERS)}, got {kind!r}")
+    cls = DATALOADERS[kind]
+    return current if type(current) is cls else cls()
+
+
+def _check_global_order_batch(config: Any, path: str, world_size: int | None) -> None:
+    """A global-order recipe must fix the global batch, divisible at this DP size.
+
+    The loader's batches are the same samples at every DP size only if a step
+    is the same number of samples at every DP size (the trainer otherwise
+    makes it local_batch_size x dp degree). torchtitan also asserts the
+    divisibility, but only once the process group exists.
+    """
+    if not isinstance(config.dataloader, GlobalOrderDataLoader.Config):
+        return
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    p, t = config.parallelism, config.training
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        others = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree
+        shard = world_size // others
+    dp = p.data_parallel_replicate_degree * shard
+    local, gbs = t.local_batch_size, t.global_batch_size
+    if gbs <= 0:
+        raise RecipeError(
+            f"{path}: [training] global_batch_size: [dataloader] loader = \"global_order\" needs a fixed "
+            "global batch (samples per optimizer step), so that a resume at another data-parallel size "
+            f"reads the same batches; set it, e.g. global_batch_size = {local * dp} (local_batch_size "
+            f"{local} x dp degree {dp}; a multiple of it for gradient accumulation)"
+        )
+    if gbs % (local * dp):
+        fits = [b for b in range(1, gbs // dp + 1) if gbs % (b * dp) == 0] if gbs % dp == 0 else []
+        hint = (f"local_batch_size values that fit: {', '.join(map(str, fits))}" if fits
+                else f"no local_batch_size fits: make global_batch_size a multiple of {dp}")
+        raise RecipeError(
+            f"{path}: [training] global_batch_size {gbs} is not a multiple of local_batch_size {local} x "
+            f"data-parallel degree {dp} = {local * dp}: the global batch cannot be cut into equal rank "
+            f"slices at this size ({hint})"
+        )
+
+
 def _rebuild_model_spec(config: Any, module: str, flavor: str | None, attn_backend: str | None, where: str) -> None:
     """Rebuild ``model_spec`` from ``<module>.model_registry`` for [model]."""
     spec = config.model_spec
@@ -443,6 +501,9 @@ def load_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] | 
     config.optimizer = _as_gefen_optimizer_config(config.optimizer)
     config.checkpoint = _as_gefen_checkpoint_config(config.checkpoint)
     config.dataloader = lift_dataloader_config(config.dataloader)
+    loader_table = data.get("dataloader")
+    if isinstance(loader_table, dict) and "loader" in loader_table:
+        config.dataloader = _choose_dataloader(config.dataloader, loader_table.pop("loader"), f"{path}: [dataloader] loader")
     sections = {
         f.name
         for f in dataclasses.fields(type(config))
@@ -471,6 +532,7 @@ def load_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] | 
         description=str(job.get("description", "")),
     )
     validate_mesh(config, path, world_size)
+    _check_global_order_batch(config, path, world_size)
     return recipe
 
 

@@ -1,4 +1,6 @@
-"""Opt-in hook for the reshard validation (``gefen_titan.validation``): dump state around checkpoints.
+"""Opt-in hooks for the reshard validation (``gefen_titan.validation``) and the resume tests.
+
+``dump_state``: dump state around checkpoints.
 
 A torchtitan config override (``torchtitan.config.override``) that swaps the
 recipe's ``GefenCheckpointManager`` for a subclass which, after a successful
@@ -36,11 +38,20 @@ Nothing is active unless a run lists it, e.g.::
 It reads the live objects only (copies are written, nothing is changed);
 training, saving and loading are torchtitan's and ``GefenCheckpointManager``'s,
 unchanged.
+
+``record_batches``: with the global-order loader, every rank appends, for each
+microbatch it reads, the stream position and the global sample ids to
+``<dir>/batches-dp<M>-rank<r>.jsonl``; a run's global batches can then be
+compared with another run's at another DP size::
+
+    --override.imports '["gefen_titan.patches.sdpa_attention.sdpa_attention",
+                         ["gefen_titan.validate_hooks.record_batches", {dir = "/tmp/b"}]]'
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -53,9 +64,10 @@ from torchtitan.config.override import derive
 
 from . import gefen_state as gs
 from .checkpoint import GefenCheckpointManager
+from .global_dataloader import GlobalOrderDataLoader
 from .reshard.common import HYPER
 
-__all__ = ["DumpingCheckpointManager", "dump_state", "DUMP_VERSION"]
+__all__ = ["DumpingCheckpointManager", "RecordingGlobalOrderDataLoader", "dump_state", "record_batches", "DUMP_VERSION"]
 
 # Bumped when the dump layout changes (part of a reference run's identity, so
 # a reference cache never hands old dumps to a new validator).
@@ -306,3 +318,34 @@ def _rank_other_state(container: Any) -> dict[str, dict[str, Any]]:
 )
 def dump_state(cfg: GefenCheckpointManager.Config, *, dir: str, save_steps: list[int] | None = None):  # noqa: A002
     return derive(cfg, DumpingCheckpointManager.Config, dump_dir=dir, dump_save_steps=list(save_steps or []))
+
+
+class RecordingGlobalOrderDataLoader(GlobalOrderDataLoader):
+    """The global-order loader, writing down which samples each microbatch holds."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GlobalOrderDataLoader.Config):
+        record_dir: str = ""
+        """Folder for ``batches-dp<M>-rank<r>.jsonl`` (created if missing)."""
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        os.makedirs(config.record_dir, exist_ok=True)
+        self._record = os.path.join(config.record_dir, f"batches-dp{self.dp_world_size}-rank{self.dp_rank}.jsonl")
+
+    def batch_at(self, start: int):
+        batch = super().batch_at(start)
+        row = {"start": start, "dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size,
+               "sample_ids": self.rank_sample_ids(start).tolist()}
+        with open(self._record, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        return batch
+
+
+@override(
+    target=GlobalOrderDataLoader.Config,
+    exact=True,
+    description="record the global sample ids of every microbatch each rank reads",
+)
+def record_batches(cfg: GlobalOrderDataLoader.Config, *, dir: str):  # noqa: A002
+    return derive(cfg, RecordingGlobalOrderDataLoader.Config, record_dir=dir)

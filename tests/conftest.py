@@ -5,6 +5,7 @@ single-threaded numba per process, so tests that need stepped Gefen state share
 one stepped optimizer per session instead of stepping their own.
 """
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,15 @@ class TinyBlock(nn.Module):
 
     def forward(self, x):
         return self.out(self.norm(self.attn(x)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def token_cache(tmp_path_factory):
+    """Token datasets tokenized on first use (the global-order loader's
+    gefen_tiny) go to this session's temp dir, not ~/.cache; runs started
+    from tests inherit it."""
+    os.environ.setdefault("GEFEN_TITAN_CACHE", str(tmp_path_factory.mktemp("token_cache")))
+    return os.environ["GEFEN_TITAN_CACHE"]
 
 
 @pytest.fixture(scope="session")
