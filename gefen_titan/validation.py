@@ -207,10 +207,11 @@ def run_identity(recipe: str, nproc: int, overrides: list[str]) -> str:
 
 
 def recipe_imports(recipe: str) -> list[Any]:
-    from gefen_titan.recipe import load_recipe
+    from gefen_titan.recipe import declared_world_size, load_recipe
 
-    overrides = {"parallelism": {"data_parallel_shard_degree": -1}}  # any mesh: only [override] is read
-    imports = load_recipe(resolve_recipe(recipe), overrides, world_size=1).config.override.imports
+    # Only [override] is read: any world size the recipe's own mesh accepts.
+    path = resolve_recipe(recipe)
+    imports = load_recipe(path, world_size=declared_world_size(path)).config.override.imports
     return [e if isinstance(e, str) else [e[0], dict(e[1])] for e in imports]
 
 
