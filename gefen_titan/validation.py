@@ -155,9 +155,19 @@ class Settings:
 
     def overrides(self, nproc: int) -> list[str]:
         """Overrides every run gets (reference and resume alike)."""
+        from gefen_titan.recipe import _read_recipe_data
+
+        # The data-parallel shard degree takes what the recipe's other
+        # degrees (TP, PP, CP, replicate) leave of the processes.
+        par = _read_recipe_data(resolve_recipe(self.recipe)).get("parallelism", {})
+        others = 1
+        for key in ("data_parallel_replicate_degree", "context_parallel_degree", "tensor_parallel_degree",
+                    "pipeline_parallel_degree"):
+            others *= max(1, int(par.get(key, 1)))
+        shard = nproc // others if nproc % others == 0 else nproc
         args = [
             "--training.steps", str(self.total_steps),
-            "--parallelism.data_parallel_shard_degree", str(nproc),
+            "--parallelism.data_parallel_shard_degree", str(shard),
             "--checkpoint.enable", "true",
             "--checkpoint.interval", str(self.steps_before),
             "--checkpoint.keep_latest_k", "0",
