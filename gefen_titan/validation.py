@@ -828,13 +828,14 @@ def loss_band(references: dict[int, Run], settings: Settings) -> dict[str, float
 def pair_loss_band(source: int, target: int, band: float) -> float:
     """The loss tolerance of one pair N->M.
 
-    The hook for the data order: today the elastic loader's document order
+    The hook for the data order: the elastic loader's document order
     depends on the DP size, so only N->N resumes read the reference's very
     batches (and must match it exactly, 0.0); N->M gets the measured band.
-    When the data order is made DP-invariant, an N->M resume reads the same
-    batches too, and this is where its tolerance tightens: its losses then
-    differ from the reference's only by the order of the gradient
-    reductions (measure that band; it is not 0).
+    With a DP-invariant order (``loader = "global_order"``,
+    docs/data_order.md) an N->M resume reads the same batches too, and this
+    is where its tolerance would tighten: its losses then differ from the
+    reference's only by the order of the gradient sums (measure that band;
+    it is not 0). Not done yet: every N->M pair gets the band.
     """
     return 0.0 if source == target else band
 
