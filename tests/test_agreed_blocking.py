@@ -125,8 +125,15 @@ def test_recipes_that_would_break_agreement_are_refused(kw, match):
 
 
 def test_per_rank_blocking_keeps_gefens_own_learning():
-    opt = _container(nn.Linear(8, 8), blocking="per_rank", codebook_refresh_every=5)
-    assert opt.blocking == "per_rank"
+    """The opt-out accepts what agreed blocking refuses and installs no agreement hook."""
+    model = nn.Linear(64, 64)
+    opt = _container(model, blocking="per_rank", codebook_refresh_every=5)
+    assert opt.blocking == "per_rank" and opt._agreement is None
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    (optim,) = opt.gefen_optimizers
+    # gefen-x learned them itself, on its own step.
+    assert gs.codebook(optim) is not None and gs.period(optim, model.weight) is not None
 
 
 def test_capturable_refused_at_construction():
