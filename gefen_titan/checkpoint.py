@@ -20,6 +20,7 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpointer.base import DATALOADER, OPTIMIZER
 
 from .reshard import unreadable
+from .storage import read_metadata
 
 __all__ = ["GefenCheckpointManager", "LoadPreparer"]
 
@@ -61,10 +62,8 @@ class GefenCheckpointManager(CheckpointManager):
         ]
         if not prepared:
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
-        from torch.distributed.checkpoint import FileSystemReader
-
         try:
-            metadata = FileSystemReader(checkpoint_id).read_metadata()
+            metadata = read_metadata(checkpoint_id)
         except (OSError, CheckpointException) as e:
             raise unreadable(checkpoint_id, e) from e
         try:

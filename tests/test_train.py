@@ -68,11 +68,22 @@ def test_checkpoints_saved_on_interval_and_resumed(run):
     assert sorted(curve) == [7, 8]
 
 
-def test_module_entry_runs_single_process_without_torchrun(tmp_path):
-    """``python -m gefen_titan.train`` with no torchrun variables is one rank."""
+def test_module_entry_single_process_resumes_from_fsspec_url(tmp_path):
+    """``python -m gefen_titan.train`` with no torchrun variables is one rank;
+    a checkpoint folder given as an fsspec URL (as torchtitan allows) is
+    written by torchtitan and read back by our manager and adapters."""
+    url = f"file://{tmp_path}/ckpt"
     cmd = [sys.executable, "-m", "gefen_titan.train", "--job.config", "recipes/llama_gefen_dp1.toml",
-           "--training.steps", "2", "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path)]
+           "--checkpoint.enable", "true", "--checkpoint.folder", url, "--checkpoint.interval", "2",
+           "--job.dump_folder", str(tmp_path / "dump")]
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert sorted(losses(proc.stdout + proc.stderr)) == [1, 2]
+    logs = []
+    for steps in ("2", "3"):
+        proc = subprocess.run([*cmd, "--training.steps", steps], cwd=ROOT, capture_output=True, text=True,
+                              timeout=600, env=env)
+        logs.append(proc.stdout + proc.stderr)
+        assert proc.returncode == 0, logs[-1][-4000:]
+    assert sorted(losses(logs[0])) == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-2", "step-3"]
+    assert f"Loading the checkpoint from {url}/step-2" in logs[1]
+    assert sorted(losses(logs[1])) == [3]

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
 from .. import gefen_state as gs
+from ..storage import storage_reader
 from . import format as fmt
 from .codebook import K, merge_codebooks
 from .common import HYPER as _HYPER, GefenCheckpointError, agree as _agree, check_codebook, check_hyper, unreadable
@@ -202,7 +203,7 @@ class PerRankStateAdapter:
             elif key.startswith(fmt.PREFIX + "optimizer/") or key == fmt.format_key():
                 small[prefix + key] = ""
         try:
-            dcp.load(small, checkpoint_id=checkpoint_id)
+            dcp.load(small, storage_reader=storage_reader(checkpoint_id))
         except (Exception, CheckpointException) as e:  # DCP raises it on every rank
             raise unreadable(checkpoint_id, e) from e
         small = {k[len(prefix):]: v for k, v in small.items()}

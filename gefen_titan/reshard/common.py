@@ -81,12 +81,14 @@ def read_small(checkpoint_id: str, metadata: Any, prefix: str, tensors: list[str
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from ..storage import storage_reader
+
     md = metadata.state_dict_metadata
     small: dict[str, Any] = {prefix + k: torch.empty(md[prefix + k].size, dtype=md[prefix + k].properties.dtype)
                              for k in tensors}
     small.update({prefix + k: "" for k in strings})
     try:
-        dcp.load(small, checkpoint_id=checkpoint_id)
+        dcp.load(small, storage_reader=storage_reader(checkpoint_id))
     except (Exception, CheckpointException) as e:  # DCP raises it on every rank
         raise unreadable(checkpoint_id, e) from e
     return {k[len(prefix):]: v for k, v in small.items()}
