@@ -70,8 +70,9 @@ from .reshard.common import HYPER
 __all__ = ["DumpingCheckpointManager", "RecordingGlobalOrderDataLoader", "dump_state", "record_batches", "DUMP_VERSION"]
 
 # Bumped when the dump layout changes (part of a reference run's identity, so
-# a reference cache never hands old dumps to a new validator).
-DUMP_VERSION = 2
+# a reference cache never hands old dumps to a new validator). 3: global-order
+# runs also record their batches (``record_batches``).
+DUMP_VERSION = 3
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
