@@ -1,21 +1,17 @@
 """gefen-titan: the Gefen optimizer inside torchtitan, with elastic checkpoints.
 
-Importing the package applies our torchtitan patches (``gefen_titan.patches``,
-shipped from the top-level ``patches/`` folder) once, in this one place, and
-registers the embedded default dataset. Both are idempotent; the patches refuse
-to run against a torchtitan or torch they were not written for.
+Importing the package changes nothing outside it: a trainer that only wants
+the optimizer container or the checkpoint manager gets exactly those. The
+torchtitan / torch patches that CPU (gloo) training needs
+(``gefen_titan.patches``, shipped from the top-level ``patches/`` folder) are
+applied by the entry points that train (``gefen_titan.train``) or by an
+explicit ``gefen_titan.patches.apply_all()``; the embedded dataset is
+registered by the data loader that reads it.
 """
 
-from .patches import apply_all as _apply_patches
+from .checkpoint import GefenCheckpointManager
+from .optimizer import GefenOptimizersContainer
+from .recipe import RecipeError, load_recipe
 
-_apply_patches()
-
-from .data import register_datasets as _register_datasets  # noqa: E402
-
-_register_datasets()
-
-from .optimizer import GefenOptimizersContainer  # noqa: E402
-from .recipe import load_recipe, RecipeError  # noqa: E402
-
-__all__ = ["GefenOptimizersContainer", "load_recipe", "RecipeError"]
+__all__ = ["GefenCheckpointManager", "GefenOptimizersContainer", "RecipeError", "load_recipe"]
 __version__ = "0.1.0"

@@ -15,7 +15,7 @@ disk, and no network is touched. A map-style dataset also means torchtitan
 splits documents across data-parallel ranks in disjoint contiguous blocks
 (``split_dataset_by_node``) and checkpoints a plain sample index.
 
-Usage: ``register_datasets()`` (also run by ``import gefen_titan``), then set
+Usage: ``register_datasets()`` (the elastic data loader runs it), then set
 ``dataloader.dataset = "gefen_tiny"``; ``dataloader.dataset_path`` may name
 another ``.jsonl`` or ``.jsonl.gz`` file, and ``hf_assets_path`` may be
 ``DEFAULT_TOKENIZER_PATH``.
@@ -112,7 +112,8 @@ def register_datasets() -> None:
 
     torchtitan looks the name up in a module-level dict when the dataloader
     is built, so this must have run in every rank's process before that;
-    ``import gefen_titan`` does it.
+    ``ElasticTextDataLoader`` does it. Call it yourself to read ``gefen_tiny``
+    through torchtitan's own ``HuggingFaceTextDataLoader``.
     """
     from torchtitan.hf_datasets import text_datasets
 

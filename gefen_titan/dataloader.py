@@ -49,6 +49,8 @@ from torchtitan.hf_datasets.text_datasets import (
 )
 from torchtitan.tools.logging import logger
 
+from .data import register_datasets
+
 __all__ = [
     "ON_DP_CHANGE_KEY",
     "PASS_KEY",
@@ -339,6 +341,8 @@ class ElasticTextDataLoader(HuggingFaceTextDataLoader):
         snapshot_every_n_steps: int | None = 1,
         **kwargs,
     ):
+        # torchtitan resolves dataset names in its DATASETS registry.
+        register_datasets()
         # HuggingFaceTextDataLoader.__init__ with our dataset class.
         dataset = ElasticTextDataset(
             dataset_name=config.dataset,

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from . import _apply_patches  # noqa: F401  (patches applied on package import)
+from . import patches
 from .recipe import load_recipe, parse_cli
 
 
@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     from torchtitan.tools.logging import init_logger, logger
 
     init_logger()
+    # Before any torchtitan component is built; a no-op for what CUDA does not need.
+    patches.apply_all()
     config = build_config(argv)
     _single_process_env()
     sl.init_structured_logger(

@@ -38,7 +38,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import gefen_titan  # noqa: F401  (patches)
+from gefen_titan import patches
+
+patches.apply_all()  # CPU / gloo FSDP2
 from gefen_titan import gefen_state as gs
 from gefen_titan.checkpoint import GefenCheckpointManager
 from gefen_titan.optimizer import GefenOptimizersContainer

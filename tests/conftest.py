@@ -14,7 +14,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-import gefen_titan  # noqa: F401  (applies patches, registers the dataset)
+from gefen_titan import data, patches
+
+# In-process tests build torchtitan components on CPU: what train.py does first.
+patches.apply_all()
+data.register_datasets()
 
 
 class TinyBlock(nn.Module):

@@ -32,7 +32,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import gefen_titan  # noqa: F401  (patches, dataset)
+from gefen_titan import patches
+
+patches.apply_all()  # CPU / gloo FSDP2
 from gefen_titan.checkpoint import GefenCheckpointManager
 from gefen_titan.optimizer import GefenOptimizersContainer
 from torchtitan.components.optimizer import LRSchedulersContainer

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-import gefen_titan  # noqa: F401  (patches, dataset registration)
 from gefen_titan import data
 from gefen_titan.build_indexed import build_indexed_dataset
 from gefen_titan.global_dataloader import STATE_KEY, DataOrderError, GlobalOrderDataLoader

@@ -28,7 +28,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 
-import gefen_titan  # noqa: F401  (patches, dataset registration)
 from gefen_titan import data
 from gefen_titan.checkpoint import GefenCheckpointManager
 from gefen_titan.global_dataloader import GlobalOrderDataLoader

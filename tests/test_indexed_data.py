@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import gefen_titan  # noqa: F401  (patches, dataset registration)
 from gefen_titan import data
 from gefen_titan.build_indexed import (
     LENGTHS_FILE,

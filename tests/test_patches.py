@@ -43,6 +43,30 @@ def gloo_world(tmp_path_factory):
 
 
 # --------------------------------------------------------------------- apply_all
+def test_importing_the_package_patches_nothing():
+    """``import gefen_titan`` (and its optimizer container and checkpoint
+    manager) leaves torch and torchtitan as they are; only ``apply_all()``
+    or the training entry point patches."""
+    code = textwrap.dedent("""
+        import torch.distributed as dist
+        import torchtitan.tools.utils as tu
+        from torchtitan.hf_datasets import text_datasets
+        before = (tu.device_type, getattr(dist, "set_timeout", None))
+        import gefen_titan
+        from gefen_titan import GefenCheckpointManager, GefenOptimizersContainer, patches
+        import gefen_titan.train, gefen_titan.recipe, gefen_titan.reshard, gefen_titan.validation
+        assert patches.applied() == {}, patches.applied()
+        assert (tu.device_type, getattr(dist, "set_timeout", None)) == before
+        assert "gefen_tiny" not in text_datasets.DATASETS
+        patches.apply_all()
+        assert patches.applied()["dist_set_timeout"] and dist.set_timeout is not None
+        print("ok")
+    """)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
 
 
 def test_apply_all_reports_every_patch(applied):

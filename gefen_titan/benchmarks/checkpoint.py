@@ -45,7 +45,9 @@ def _worker(args) -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    import gefen_titan  # noqa: F401  (patches)
+    from gefen_titan import patches
+
+    patches.apply_all()  # CPU / gloo FSDP2
     from gefen_titan.optimizer import GefenOptimizersContainer
     from torchtitan.models.llama3 import model_registry
 
