@@ -77,7 +77,7 @@ __all__ = [
     "PairResult", "Run", "Settings",
     "choose_backend", "compare_global_state", "compare_state", "evaluate", "loss_band", "pair_loss_band",
     "parse_pairs", "parse_sets", "reference_run", "resume_run", "run_identity", "second_difference_noise",
-    "table", "toml_value", "validate",
+    "table", "imports_flag", "validate",
 ]
 
 # ---------------------------------------------------------------- tolerances
@@ -122,19 +122,12 @@ def parse_losses(log: str) -> dict[int, float]:
     return out
 
 
-def toml_value(value: Any) -> str:
-    """A CLI override value the recipe loader reads back as TOML."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"cannot write {value!r} as TOML")
+def imports_flag(imports: list[Any]) -> list[str]:
+    """``--override.imports`` with these entries (a target, or [target,
+    kwargs]), in torchtitan's CLI form (``target`` / ``target={json}``)."""
+    from torchtitan.config.override import format_cli_imports
+
+    return ["--override.imports", *format_cli_imports([e if isinstance(e, str) else (e[0], e[1]) for e in imports])]
 
 
 def dir_bytes(path: Path) -> int:
@@ -195,27 +188,29 @@ def resolve_recipe(recipe: str) -> str:
 
 
 def run_identity(recipe: str, nproc: int, overrides: list[str]) -> str:
-    """What a run computes: the merged recipe tables plus overrides, with the
-    fields that do not change training (description, dump folder) left out,
-    and the version of the state dumps it holds.
+    """What a run computes: the merged recipe tables plus the recipe flags of
+    the overrides, with the fields that do not change training (description,
+    dump folder) left out, the other (torchtitan) flags as given, and the
+    version of the state dumps it holds.
 
     Two recipes that resolve to the same tables (``llama_gefen.toml`` at 2
     ranks and ``llama_gefen_dp2.toml``) are the same run.
     """
-    from gefen_titan.recipe import _merge, _read_recipe_data, parse_cli
+    from gefen_titan.recipe import _merge, _read_recipe_data
+    from gefen_titan.recipe_cli import parse_cli
     from gefen_titan.validate_hooks import DUMP_VERSION
 
     recipe = resolve_recipe(recipe)
     data = _read_recipe_data(recipe)
-    _, ov = parse_cli(["--job.config", recipe, *overrides])
-    _merge(data, ov, recipe)
+    cl = parse_cli(["--job.config", recipe, *overrides])
+    _merge(data, cl.overrides, recipe)
     job = data.get("job", {})
     for key in ("description", "dump_folder", "extends"):
         job.pop(key, None)
     par = data.setdefault("parallelism", {})
     if par.get("data_parallel_shard_degree", -1) == -1:
         par["data_parallel_shard_degree"] = nproc
-    blob = json.dumps({"nproc": nproc, "tables": data, "dumps": DUMP_VERSION}, sort_keys=True, default=str)
+    blob = json.dumps({"nproc": nproc, "tables": data, "flags": cl.args, "dumps": DUMP_VERSION}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -259,7 +254,7 @@ def launch(settings: Settings, nproc: int, folder: Path, extra: list[str], *, sa
         f"--master-port={free_port()}", str(ROOT / "train.py"),
         "--job.config", resolve_recipe(settings.recipe), "--job.dump_folder", str(folder),
         *settings.overrides(nproc), *extra,
-        "--override.imports", toml_value(imports),
+        *imports_flag(imports),
     ]
     if not quiet:
         print(f"  $ torchrun --nproc_per_node={nproc} train.py ... --job.dump_folder {folder} {' '.join(extra)}", flush=True)

@@ -45,11 +45,12 @@ def _port():
 
 
 def torchrun(nproc, dump, record):
-    imports = ('["gefen_titan.patches.sdpa_attention.sdpa_attention", '
-               f'["gefen_titan.validate_hooks.record_batches", {{dir = "{record}"}}]]')
+    # torchtitan's --override.imports form: targets, kwargs as target={json}
+    imports = ["gefen_titan.patches.sdpa_attention.sdpa_attention",
+               "gefen_titan.validate_hooks.record_batches=" + json.dumps({"dir": str(record)})]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master-port={_port()}",
            str(ROOT / "train.py"), "--job.config", RECIPE, "--job.dump_folder", str(dump),
-           "--training.steps", str(STEPS), "--checkpoint.interval", str(K), "--override.imports", imports]
+           "--training.steps", str(STEPS), "--checkpoint.interval", str(K), "--override.imports", *imports]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     log = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
     assert proc.returncode == 0, log[-4000:]
