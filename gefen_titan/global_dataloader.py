@@ -106,6 +106,17 @@ class GlobalOrderDataLoader(BaseDataLoader):
         """Where files are tokenized on first use ("" = $GEFEN_TITAN_CACHE, else
         ~/.cache/gefen_titan)."""
 
+        def __post_init__(self) -> None:
+            from . import data
+
+            # open_dataset reads dataset_path alone when it is set: another
+            # dataset name would be dropped without a word.
+            if self.dataset_path and self.dataset != data.DATASET_NAME:
+                raise ValueError(
+                    f"dataloader.dataset = {self.dataset!r} is not read when dataloader.dataset_path is set "
+                    "(the global-order loader reads the token dataset at dataset_path); leave dataset out"
+                )
+
     def __init__(
         self,
         config: Config,

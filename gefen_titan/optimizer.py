@@ -9,12 +9,15 @@ the LR schedulers, which drive ``group["lr"]`` exactly as for AdamW.
 
 Its ``Config`` adds a shorthand that older torchtitan TOML users know
 (``[optimizer] name = "Gefen"``, ``lr = ...``): with no explicit
-``param_groups`` the shorthand becomes one catch-all group.
+``param_groups`` the shorthand becomes one catch-all group; with them, it is
+the default of every group (a group states only what differs), so no key of
+the section goes unused without ``check_param_groups`` saying so.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -29,7 +32,7 @@ from torchtitan.components.optimizer.utils import (
 
 from . import gefen_state as gs
 
-__all__ = ["GefenOptimizersContainer", "build_gefen", "OPTIMIZER_NAMES"]
+__all__ = ["GefenOptimizersContainer", "GROUP_DEFAULTS", "OPTIMIZER_NAMES", "ParamGroup", "build_gefen"]
 
 # Keys torchtitan's container puts into every param group from
 # ``implementation``. Gefen takes ``fused`` as a constructor argument (it would
@@ -98,22 +101,72 @@ def build_gefen(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Op
 
 OPTIMIZER_NAMES = ("Gefen", "AdamW", "Adam")
 
+# [optimizer] keys that are the defaults of every param group: ``name`` for a
+# group without ``optimizer_name``, the others for a group of one of
+# OPTIMIZER_NAMES whose ``optimizer_kwargs`` leave them out.
+GROUP_DEFAULTS = ("name", "lr", "betas", "eps", "weight_decay")
+
+# Group-level keys Gefen honours (gefen-x's ``add_param_group`` reads
+# lr/betas/eps/weight_decay and carries any other key along unread;
+# ``build_gefen`` turns ``fused`` into the constructor argument).
+_GEFEN_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "fused")
+
+
+def _group_keys(optimizer_name: str) -> tuple[str, ...]:
+    """The ``optimizer_kwargs`` keys a group of this optimizer honours."""
+    if optimizer_name == "Gefen":
+        return _GEFEN_GROUP_KEYS
+    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[optimizer_name]
+    return tuple(n for n in inspect.signature(cls).parameters if n != "params")
+
+
+def _gefen_group_key_hint(key: str) -> str:
+    if key in _GEFEN_OPTION_KEYS:
+        return f"; it applies to every Gefen group: set optimizer.{key}"
+    if key in ("beta1", "beta2"):
+        return "; set betas = [beta1, beta2]"
+    if key == "foreach":
+        return "; Gefen has no foreach implementation"
+    return "; Gefen constructor options go in optimizer.optimizer_factory_kwargs_by_name.Gefen"
+
+
+@dataclass(kw_only=True, slots=True)
+class ParamGroup(ParamGroupConfig):
+    """torchtitan's ``ParamGroupConfig`` whose unset keys come from [optimizer]."""
+
+    optimizer_name: str | None = None
+    """Optimizer type for this group (None: [optimizer] name)."""
+
+    optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of this group's optimizer. lr, betas, eps and
+    weight_decay left out come from [optimizer] (for Gefen, AdamW, Adam)."""
+
 
 class GefenOptimizersContainer(OptimizersContainer):
     """torchtitan's ``OptimizersContainer`` that also knows ``"Gefen"``."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
+        param_groups: list[ParamGroup] = field(default_factory=list)
+        """Per-parameter-group optimizers, first matching pattern wins (as in
+        torchtitan). Empty: one catch-all group of ``name`` with ``lr``,
+        ``betas``, ``eps``, ``weight_decay``; otherwise those are the
+        defaults of each group (see ``resolved_param_groups``)."""
+
         name: Literal["Gefen", "AdamW", "Adam"] = "Gefen"
-        """Optimizer of the catch-all group used when ``param_groups`` is empty."""
+        """Optimizer of the catch-all group (no param_groups), else of each
+        group without an optimizer_name."""
 
         lr: float = 8e-4
-        """Learning rate (peak; the LR scheduler scales it)."""
+        """Learning rate (peak; the LR scheduler scales it); with param_groups,
+        of each group that sets none."""
 
         betas: tuple[float, float] = (0.9, 0.95)
+        """(Likewise the default of each group.)"""
         eps: float = 1e-8
+        """(Likewise the default of each group.)"""
         weight_decay: float = 0.1
-        """Decoupled (AdamW-style) weight decay."""
+        """Decoupled (AdamW-style) weight decay (likewise a group default)."""
 
         force_1d_period_one: bool = True
         """Gefen: 1-D params (norm weights, biases) keep per-element state.
@@ -194,15 +247,76 @@ class GefenOptimizersContainer(OptimizersContainer):
             }
 
         def resolved_param_groups(self) -> list[ParamGroupConfig]:
-            if self.param_groups:
-                return list(self.param_groups)
-            return [
-                ParamGroupConfig(
-                    pattern=r".*",
-                    optimizer_name=self.name,
-                    optimizer_kwargs=self.hyperparameters(),
-                )
-            ]
+            """The groups the container builds, every key filled in.
+
+            A group without ``optimizer_name`` is of ``name``; a group of
+            Gefen, AdamW or Adam takes ``lr``, ``betas``, ``eps`` and
+            ``weight_decay`` from this section where its ``optimizer_kwargs``
+            leave them out. Other optimizers' groups (a base config's, e.g.
+            DistMuon) are kept as they are.
+            """
+            if not self.param_groups:
+                return [
+                    ParamGroupConfig(
+                        pattern=r".*",
+                        optimizer_name=self.name,
+                        optimizer_kwargs=self.hyperparameters(),
+                    )
+                ]
+            groups = []
+            for g in self.param_groups:
+                name = g.optimizer_name or self.name
+                kwargs = dict(g.optimizer_kwargs)
+                if name in OPTIMIZER_NAMES:
+                    kwargs = {**self.hyperparameters(), **kwargs}
+                groups.append(ParamGroupConfig(pattern=g.pattern, optimizer_name=name, optimizer_kwargs=kwargs))
+            return groups
+
+        def unused_defaults(self) -> list[str]:
+            """The ``GROUP_DEFAULTS`` keys that no param group takes."""
+            if not self.param_groups:
+                return []
+            unused = []
+            if all(g.optimizer_name for g in self.param_groups):
+                unused.append("name")
+            for key in GROUP_DEFAULTS[1:]:
+                if not any((g.optimizer_name or self.name) in OPTIMIZER_NAMES and key not in g.optimizer_kwargs
+                           for g in self.param_groups):
+                    unused.append(key)
+            return unused
+
+        def check_param_groups(self) -> None:
+            """Refuse group settings that would build an optimizer that ignores
+            them: an optimizer no factory knows, an ``optimizer_kwargs`` key
+            the group's optimizer does not read (torch and gefen-x keep unknown
+            group keys without a word), factory kwargs for an optimizer no
+            group uses."""
+            names = set()
+            for i, g in enumerate(self.resolved_param_groups()):
+                where = f"param_groups[{i}]" if self.param_groups else "name"
+                try:
+                    GefenOptimizersContainer._resolve_optimizer_factory(g.optimizer_name)
+                except NotImplementedError:
+                    raise ValueError(
+                        f"{where}: unknown optimizer {g.optimizer_name!r} (known: {', '.join(OPTIMIZER_NAMES)})"
+                    ) from None
+                names.add(g.optimizer_name)
+                if g.optimizer_name not in OPTIMIZER_NAMES:
+                    continue
+                known = _group_keys(g.optimizer_name)
+                for key in g.optimizer_kwargs:
+                    if key not in known:
+                        hint = _gefen_group_key_hint(key) if g.optimizer_name == "Gefen" else ""
+                        raise ValueError(
+                            f"{where} optimizer_kwargs: {g.optimizer_name} does not read {key!r} in a "
+                            f"param group (it reads {', '.join(known)}){hint}"
+                        )
+            for name in self.optimizer_factory_kwargs_by_name:
+                if name not in names:
+                    raise ValueError(
+                        f"optimizer_factory_kwargs_by_name: no param group uses {name!r} "
+                        f"(the groups use {', '.join(sorted(names))})"
+                    )
 
     def __init__(self, config: Config, *, model_parts: list[torch.nn.Module]) -> None:
         groups = config.resolved_param_groups()

@@ -16,8 +16,8 @@ overrides its fields section by section, with torchtitan's own names::
     attn_backend = "sdpa"
 
     [optimizer]                          # GefenOptimizersContainer.Config
-    name = "Gefen"
-    lr = 3e-3
+    name = "Gefen"                       # with [[optimizer.param_groups]]:
+    lr = 3e-3                            #   the defaults of every group
 
     [training]                           # any Trainer.Config section, its
     steps = 20                           # fields by their dataclass names
@@ -31,7 +31,10 @@ built (which may be subclasses of the declared field types, e.g. a
 ``HuggingFaceTextDataLoader.Config`` where ``BaseDataLoader.Config`` is
 declared) and checks every key and value against that instance's type hints.
 Every problem is a ``RecipeError`` naming the file and the key, raised before
-any process group exists, so all ranks fail the same way.
+any process group exists, so all ranks fail the same way; that includes a key
+that would have no effect (``finish_recipe``). ``load_recipe`` is
+``build_recipe`` then ``finish_recipe``; ``gefen_titan.recipe_cli`` parses
+torchtitan's command line over the built config in between.
 """
 
 from __future__ import annotations
@@ -53,9 +56,9 @@ from torchtitan.components.checkpoint import CheckpointManager
 
 from .dataloader import ElasticTextDataLoader, lift_dataloader_config
 from .global_dataloader import GlobalOrderDataLoader
-from .optimizer import GefenOptimizersContainer
+from .optimizer import GROUP_DEFAULTS, GefenOptimizersContainer
 
-__all__ = ["RecipeError", "Recipe", "declared_world_size", "load_recipe", "parse_cli", "validate_mesh"]
+__all__ = ["RecipeError", "Recipe", "build_recipe", "declared_world_size", "finish_recipe", "load_recipe", "validate_mesh"]
 
 # ``[dataloader] loader = "..."`` picks the data loader class; the section's
 # other keys are that class's fields.
@@ -100,6 +103,9 @@ class Recipe:
     flavor: str | None = None
     attn_backend: str | None = None
     description: str = ""
+    set_by: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Where some values were set ("optimizer.lr" -> "x.toml: [optimizer] lr"),
+    for the errors about them: the ``GROUP_DEFAULTS`` and hf_assets_path."""
 
 
 def _read_toml(path: str) -> dict[str, Any]:
@@ -473,7 +479,17 @@ def load_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] | 
     """Read a recipe, apply ``overrides`` (section -> key -> value) on top.
 
     ``world_size`` (default: ``$WORLD_SIZE`` or 1) is checked against the mesh.
+    (``gefen_titan.recipe_cli.load_cli`` is the same with torchtitan's
+    command line parsed over the recipe between the two steps.)
     """
+    recipe = build_recipe(path, overrides)
+    finish_recipe(recipe, world_size)
+    return recipe
+
+
+def build_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] | None = None) -> Recipe:
+    """The config a recipe describes, before the checks of ``finish_recipe``
+    (which need the values the command line may still change)."""
     path = str(path)
     data = _read_recipe_data(path)
     _merge(data, overrides or {}, path)
@@ -488,8 +504,6 @@ def load_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] | 
     for key in _TOP_LEVEL_FROM_JOB:
         if key in job:
             setattr(config, key, _coerce(job[key], hints[key], f"{path}: [job] {key}"))
-    if config.hf_assets_path.startswith(BUILTIN_PREFIX):
-        config.hf_assets_path = _builtin_asset(config.hf_assets_path, f"{path}: [job] hf_assets_path")
 
     model = _own_section(data, "model", MODEL_KEYS, path)
     for key in model:
@@ -522,7 +536,8 @@ def load_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] | 
         if new is not current:
             setattr(config, section, new)
 
-    recipe = Recipe(
+    optimizer_table = data.get("optimizer", {})
+    return Recipe(
         path=path,
         config=config,
         module=module,
@@ -530,10 +545,42 @@ def load_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] | 
         flavor=model.get("flavor") or getattr(config.model_spec, "flavor", None),
         attn_backend=model.get("attn_backend"),
         description=str(job.get("description", "")),
+        set_by={f"optimizer.{k}": f"{path}: [optimizer] {k}" for k in GROUP_DEFAULTS if k in optimizer_table}
+        | ({"hf_assets_path": f"{path}: [job] hf_assets_path"} if "hf_assets_path" in job else {}),
     )
+
+
+def finish_recipe(recipe: Recipe, world_size: int | None = None) -> None:
+    """Resolve what only the final values decide, and refuse what no run can use.
+
+    Runs on the config as the command line left it (``recipe.set_by`` names
+    where a value was set, for the errors), before any process group exists.
+    """
+    config, path = recipe.config, recipe.path
+    if config.hf_assets_path.startswith(BUILTIN_PREFIX):
+        where = recipe.set_by.get("hf_assets_path", f"{path}: [job] hf_assets_path")
+        config.hf_assets_path = _builtin_asset(config.hf_assets_path, where)
+    _check_optimizer(config.optimizer, recipe)
     validate_mesh(config, path, world_size)
     _check_global_order_batch(config, path, world_size)
-    return recipe
+
+
+def _check_optimizer(opt: GefenOptimizersContainer.Config, recipe: Recipe) -> None:
+    """No [optimizer] key set without effect, no group key its optimizer ignores."""
+    try:
+        opt.check_param_groups()
+    except ValueError as e:
+        raise RecipeError(f"{recipe.path}: [optimizer] {e}") from None
+    for key in opt.unused_defaults():
+        where = recipe.set_by.get(f"optimizer.{key}")
+        if where is None:  # a default nobody set: nothing to report
+            continue
+        group_key = "optimizer_name" if key == "name" else f"optimizer_kwargs.{key}"
+        raise RecipeError(
+            f"{where}: has no effect: every [[optimizer.param_groups]] sets its own {group_key}. "
+            f"[optimizer] {key} is the default of the groups that leave it out: leave it out of the "
+            f"groups that should use it, or do not set [optimizer] {key}"
+        )
 
 
 def _merge(data: dict[str, Any], overrides: dict[str, Any], path: str, where: str = "") -> None:
@@ -545,55 +592,6 @@ def _merge(data: dict[str, Any], overrides: dict[str, Any], path: str, where: st
             _merge(sub, value, path, f"{where}{key}.")
         else:
             data[key] = value
-
-
-def _parse_cli_value(text: str) -> Any:
-    """A CLI value as TOML would read it (``4``, ``true``, ``[0.9, 0.95]``),
-    else the plain string (``sdpa``, ``dataloader,optimizer``)."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def parse_cli(argv: list[str]) -> tuple[str, dict[str, Any]]:
-    """Split ``--job.config PATH --section.key value ...`` into (path, overrides).
-
-    Keys use the recipe's names (``--training.steps 20``,
-    ``--parallelism.data_parallel_shard_degree 4``; dashes may stand for
-    underscores as in tyro). A flag with no value means ``true``. The values go
-    through the same checks as the file, so a bad override is a
-    ``RecipeError`` naming the key.
-    """
-    path = None
-    overrides: dict[str, Any] = {}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--") or len(arg) == 2:
-            raise RecipeError(f"command line: unexpected argument {arg!r}; overrides look like --section.key value")
-        key, eq, value = arg[2:].partition("=")
-        key = key.replace("-", "_")
-        if not eq:
-            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                value = argv[i + 1]
-                i += 1
-            else:
-                value = "true"
-        i += 1
-        if key == "job.config":
-            path = value
-            continue
-        parts = key.split(".")
-        if len(parts) < 2 or not all(parts):
-            raise RecipeError(f"command line: --{key}: overrides look like --section.key value")
-        node = overrides
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = _parse_cli_value(value)
-    if path is None:
-        raise RecipeError("command line: --job.config PATH (a TOML recipe, e.g. recipes/llama_gefen.toml) is required")
-    return path, overrides
 
 
 def validate_mesh(config: Any, path: str, world_size: int | None = None) -> None:

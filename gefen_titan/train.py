@@ -1,10 +1,11 @@
 """Entry point: ``python -m gefen_titan.train --job.config recipes/X.toml``.
 
 The same as ``torchtitan.train.main`` except that the config comes from a
-TOML recipe plus ``--section.key value`` overrides (``gefen_titan.recipe``)
-instead of ``--module/--config`` and tyro. The recipe is read and checked
-before ``config.build()`` creates any process group, so a bad recipe fails
-every rank the same way and at once.
+TOML recipe (``--job.config``) instead of ``--module/--config``; the rest of
+the command line is torchtitan's, parsed by tyro over the recipe
+(``gefen_titan.recipe_cli``). The recipe and the flags are read and checked
+before ``config.build()`` creates any process group, so a bad recipe or flag
+fails every rank the same way and at once.
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ import sys
 import torch
 
 from . import patches
-from .recipe import load_recipe, parse_cli
+from .recipe_cli import load_cli
 
 
 def build_config(argv: list[str] | None = None):
-    path, overrides = parse_cli(sys.argv[1:] if argv is None else argv)
-    return load_recipe(path, overrides).config
+    return load_cli(sys.argv[1:] if argv is None else argv).config
 
 
 def _single_process_env() -> None:

@@ -89,7 +89,7 @@ __all__ = [
     "PairResult", "Run", "Settings",
     "choose_backend", "compare_global_state", "compare_state", "evaluate", "global_order_batch", "loss_band", "order_band", "pair_loss_band",
     "parse_pairs", "parse_sets", "reference_run", "resume_run", "run_identity", "second_difference_noise",
-    "table", "toml_value", "validate",
+    "table", "imports_flag", "validate",
 ]
 
 # ---------------------------------------------------------------- tolerances
@@ -137,19 +137,12 @@ def parse_losses(log: str) -> dict[int, float]:
     return out
 
 
-def toml_value(value: Any) -> str:
-    """A CLI override value the recipe loader reads back as TOML."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"cannot write {value!r} as TOML")
+def imports_flag(imports: list[Any]) -> list[str]:
+    """``--override.imports`` with these entries (a target, or [target,
+    kwargs]), in torchtitan's CLI form (``target`` / ``target={json}``)."""
+    from torchtitan.config.override import format_cli_imports
+
+    return ["--override.imports", *format_cli_imports([e if isinstance(e, str) else (e[0], e[1]) for e in imports])]
 
 
 def dir_bytes(path: Path) -> int:
@@ -209,15 +202,17 @@ def resolve_recipe(recipe: str) -> str:
     return str(path.resolve())
 
 
-def merged_tables(recipe: str, overrides: list[str]) -> dict[str, Any]:
-    """The recipe's tables (``extends`` resolved) with ``overrides`` merged in."""
-    from gefen_titan.recipe import _merge, _read_recipe_data, parse_cli
+def merged_tables(recipe: str, overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """The recipe's tables (``extends`` resolved) with the recipe flags of
+    ``overrides`` merged in, and the other (torchtitan) flags as given."""
+    from gefen_titan.recipe import _merge, _read_recipe_data
+    from gefen_titan.recipe_cli import parse_cli
 
     recipe = resolve_recipe(recipe)
     data = _read_recipe_data(recipe)
-    _, ov = parse_cli(["--job.config", recipe, *overrides])
-    _merge(data, ov, recipe)
-    return data
+    cl = parse_cli(["--job.config", recipe, *overrides])
+    _merge(data, cl.overrides, recipe)
+    return data, cl.args
 
 
 def global_order_batch(settings: Settings) -> int | None:
@@ -228,30 +223,38 @@ def global_order_batch(settings: Settings) -> int | None:
     resumed losses are compared with the reference's step by step
     (``order_band``) and the batches themselves are checked (``batches``).
     """
-    data = merged_tables(settings.recipe, settings.overrides(1))
-    if data.get("dataloader", {}).get("loader") != "global_order":
+    from gefen_titan.global_dataloader import GlobalOrderDataLoader
+    from gefen_titan.recipe import build_recipe
+    from gefen_titan.recipe_cli import parse_cli, parse_flags
+
+    # The config the runs build (recipe, then the flags over it), without the
+    # mesh check: this is asked once for all sizes.
+    cl = parse_cli(["--job.config", resolve_recipe(settings.recipe), *settings.overrides(1)])
+    config = parse_flags(build_recipe(cl.path, cl.overrides).config, cl.args)
+    if not isinstance(config.dataloader, GlobalOrderDataLoader.Config):
         return None
-    return int(data.get("training", {}).get("global_batch_size", -1))
+    return int(config.training.global_batch_size)
 
 
 def run_identity(recipe: str, nproc: int, overrides: list[str]) -> str:
-    """What a run computes: the merged recipe tables plus overrides, with the
-    fields that do not change training (description, dump folder) left out,
-    and the version of the state dumps it holds.
+    """What a run computes: the merged recipe tables plus the recipe flags of
+    the overrides, with the fields that do not change training (description,
+    dump folder) left out, the other (torchtitan) flags as given, and the
+    version of the state dumps it holds.
 
     Two recipes that resolve to the same tables (``llama_gefen.toml`` at 2
     ranks and ``llama_gefen_dp2.toml``) are the same run.
     """
     from gefen_titan.validate_hooks import DUMP_VERSION
 
-    data = merged_tables(recipe, overrides)
+    data, flags = merged_tables(recipe, overrides)
     job = data.get("job", {})
     for key in ("description", "dump_folder", "extends"):
         job.pop(key, None)
     par = data.setdefault("parallelism", {})
     if par.get("data_parallel_shard_degree", -1) == -1:
         par["data_parallel_shard_degree"] = nproc
-    blob = json.dumps({"nproc": nproc, "tables": data, "dumps": DUMP_VERSION}, sort_keys=True, default=str)
+    blob = json.dumps({"nproc": nproc, "tables": data, "flags": flags, "dumps": DUMP_VERSION}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -307,7 +310,7 @@ def launch(settings: Settings, nproc: int, folder: Path, extra: list[str], *, sa
         f"--master-port={free_port()}", str(ROOT / "train.py"),
         "--job.config", resolve_recipe(settings.recipe), "--job.dump_folder", str(folder),
         *settings.overrides(nproc), *extra,
-        "--override.imports", toml_value(imports),
+        *imports_flag(imports),
     ]
     if not quiet:
         print(f"  $ torchrun --nproc_per_node={nproc} train.py ... --job.dump_folder {folder} {' '.join(extra)}", flush=True)

@@ -225,9 +225,13 @@ def test_second_difference_noise_measures_batch_noise():
     assert vr.second_difference_noise({1: 8.0, 2: 7.0, 3: 6.0, 4: 5.0}) == 0.0  # a straight line is no noise
 
 
-def test_hook_override_value_reads_back_as_toml():
-    import tomllib
+def test_hook_override_reaches_the_config():
+    """launch's --override.imports tokens parse back, through train.py's
+    command line, to the recipe's imports plus the hook with its kwargs."""
+    from gefen_titan.recipe_cli import load_cli
 
-    value = vr.toml_value(["a.b", ["gefen_titan.validate_hooks.dump_state", {"dir": "/tmp/x y", "save_steps": [4]}]])
-    assert tomllib.loads(f"v = {value}")["v"] == ["a.b", ["gefen_titan.validate_hooks.dump_state",
-                                                         {"dir": "/tmp/x y", "save_steps": [4]}]]
+    recipe = "recipes/llama_gefen.toml"
+    hook = ["gefen_titan.validate_hooks.dump_state", {"dir": "/tmp/x y", "save_steps": [4]}]
+    imports = vr.recipe_imports(recipe)
+    config = load_cli(["--job.config", vr.resolve_recipe(recipe), *vr.imports_flag(imports + [hook])], world_size=2).config
+    assert config.override.imports == imports + [tuple(hook)]
