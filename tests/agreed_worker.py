@@ -18,7 +18,10 @@ bit-identical gradients and every difference in the state is the
 optimizer's. Real Gefen through ``GefenOptimizersContainer`` (agreed
 blocking) and our ``GefenCheckpointManager``.
 
-One launch does, in order, what its flags ask:
+A launch runs one or more jobs, ``JOB [--then JOB ...]`` (``worker_jobs``:
+one process group, each job its own mesh, model and optimizer, its mesh's
+groups destroyed when it ends); each job does, in order, what its flags ask,
+and writes ``TAG_rRANK.pt`` into its ``--out``:
   --ref BASE     steps 1..S+K, checkpoint at S into BASE; dump the global
                  state at S and the full parameters at S..S+K
   --load B1,..   for each checkpoint: fresh model and optimizer, load S, dump
@@ -26,6 +29,7 @@ One launch does, in order, what its flags ask:
   --cases C1,..  for each bad checkpoint: a fresh optimizer (with the case's
                  config overrides) takes one step, tries the load, and dumps
                  the error and its live state before and after
+  --tamper-save  a stepped optimizer whose rank 1 has another codebook saves
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+import worker_jobs
 from gefen_titan import patches
 
 patches.apply_all()  # CPU / gloo FSDP2
@@ -131,6 +135,7 @@ def build(layout: str, world: int, max_tp: int, **config):
             fully_shard(model, mesh=mesh["dp_shard"])
     else:
         raise ValueError(layout)
+    worker_jobs.own(mesh)
     opt = GefenOptimizersContainer.Config(
         name="Gefen", lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, max_tensor_parallel_degree=max_tp, **config
     ).build(model_parts=[model])
@@ -199,7 +204,7 @@ def step(model, opt, sched, s):
     opt.zero_grad()
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layout", default="fsdp")
     ap.add_argument("--ref", default="", help="checkpoint base of an uninterrupted run (saved at S)")
@@ -213,10 +218,10 @@ def main():
     ap.add_argument("--max-tp", type=int, default=2)
     ap.add_argument("--blocking", default="agreed", help="for --ref and --load")
     ap.add_argument("--tamper-save", default="", help="a base to save into after rank 1's codebook is changed")
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
+    return ap
+
+
+def job(args, rank: int, world: int) -> None:
     S, K = args.save_step, args.steps
     results = {"ref": None, "resume": {}, "cases": {}}
 
@@ -243,26 +248,17 @@ def main():
         ckpt.close()
         results["ref"] = res
     if args.load:
-        import gefen.quantization
-
-        import gefen_titan.codebook_solver
-
-        def _no_learning(*a, **k):
-            raise AssertionError("codebook learning ran during/after a checkpoint load")
-
-        saved = gefen.quantization.exact_dp, gefen_titan.codebook_solver.solve_codebook
-        gefen.quantization.exact_dp = gefen_titan.codebook_solver.solve_codebook = _no_learning
-        for base in args.load.split(","):
-            model, opt, sched, ts = fresh(blocking=args.blocking)
-            ckpt = make_ckpt(model, opt, sched, ts, base, S)
-            assert ckpt.load(step=S)
-            res = {"state": global_state(opt), "params": {S: full_params(model)}}
-            for s in range(S + 1, S + K + 1):
-                step(model, opt, sched, s)
-                res["params"][s] = full_params(model)
-            ckpt.close()
-            results["resume"][os.path.basename(base)] = res
-        gefen.quantization.exact_dp, gefen_titan.codebook_solver.solve_codebook = saved
+        with worker_jobs.no_codebook_learning():
+            for base in args.load.split(","):
+                model, opt, sched, ts = fresh(blocking=args.blocking)
+                ckpt = make_ckpt(model, opt, sched, ts, base, S)
+                assert ckpt.load(step=S)
+                res = {"state": global_state(opt), "params": {S: full_params(model)}}
+                for s in range(S + 1, S + K + 1):
+                    step(model, opt, sched, s)
+                    res["params"][s] = full_params(model)
+                ckpt.close()
+                results["resume"][os.path.basename(base)] = res
     for case in filter(None, args.cases.split(",")):
         # A stepped optimizer (with the case's config) tries a bad checkpoint.
         base, *overrides = case.split("|")
@@ -298,9 +294,7 @@ def main():
             results["tamper"] = f"{type(e).__name__}: {e}"
         ckpt.close()
     torch.save(results, os.path.join(args.out, f"{args.tag or args.layout + str(world)}_r{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker_jobs.run(parser(), job))

@@ -10,7 +10,10 @@ through ``GefenOptimizersContainer``, torchtitan's LR schedulers and our
 the step alone and each rank takes its slice, so runs at different world
 sizes see the same gradients (up to the order of the reduction).
 
-modes:
+A launch runs one or more jobs, ``JOB [--then JOB ...]`` (``worker_jobs``:
+one process group, each job its own mesh, model, optimizer and checkpoint
+manager, their groups destroyed when it ends); each job writes
+``MODE_wWORLD_rRANK.pt`` into its ``--out``. Modes:
   ref     train --save-step + --steps steps from a fixed seed, checkpoint at
           --save-step, dump the optimizer state there and params after each
           later step
@@ -32,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import worker_jobs
 from gefen_titan import patches
 
 patches.apply_all()  # CPU / gloo FSDP2
@@ -98,6 +102,7 @@ def build(world: int, args):
         mesh = init_device_mesh("cpu", (args.hsdp, world // args.hsdp), mesh_dim_names=("dp_replicate", "dp_shard"))
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    worker_jobs.own(mesh)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -116,6 +121,7 @@ def build(world: int, args):
         dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched,
         states={"train_state": train_state}, sd_adapter=None, base_folder=args.ckpt,
     )
+    worker_jobs.own(ckpt.pg)  # torchtitan's async-save group (async modes)
     return model, opt, sched, ckpt, train_state
 
 
@@ -159,7 +165,7 @@ def full_params(model):
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["ref", "resume", "corrupt"], required=True)
     ap.add_argument("--ckpt", required=True)
@@ -171,10 +177,10 @@ def main():
     ap.add_argument("--blocking", default="per_rank", choices=["per_rank", "agreed"])
     ap.add_argument("--hsdp", type=int, default=0, help="replicate degree (HSDP) instead of plain FSDP")
     ap.add_argument("--cases", default="", help="comma-separated checkpoint roots (corrupt mode)")
-    args = ap.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
+    return ap
+
+
+def job(args, rank: int, world: int) -> None:
     model, opt, sched, ckpt, train_state = build(world, args)
     result = {"world": world, "rank": rank, "losses": {}, "params": {}}
 
@@ -191,23 +197,14 @@ def main():
                 result["params"][step] = full_params(model)
         ckpt.maybe_wait_for_saving()
     elif args.mode == "resume":
-        # A load must never learn a codebook (seconds of numba per rank).
-        import gefen.quantization
-
-        import gefen_titan.codebook_solver
-
-        def _no_learning(*a, **k):
-            raise AssertionError("codebook learning ran during/after a checkpoint load")
-
-        gefen.quantization.exact_dp = _no_learning
-        gefen_titan.codebook_solver.solve_codebook = _no_learning
-        assert ckpt.load(step=args.save_step)
-        assert train_state.step == args.save_step
-        result["state"] = snapshot(opt)
-        result["params"][args.save_step] = full_params(model)
-        for step in range(args.save_step + 1, args.save_step + args.steps + 1):
-            result["losses"][step] = train_step(model, opt, sched, step, rank, world)
-            result["params"][step] = full_params(model)
+        with worker_jobs.no_codebook_learning():
+            assert ckpt.load(step=args.save_step)
+            assert train_state.step == args.save_step
+            result["state"] = snapshot(opt)
+            result["params"][args.save_step] = full_params(model)
+            for step in range(args.save_step + 1, args.save_step + args.steps + 1):
+                result["losses"][step] = train_step(model, opt, sched, step, rank, world)
+                result["params"][step] = full_params(model)
     else:
         train_step(model, opt, sched, 1, rank, world)
         result["cases"] = {}
@@ -222,9 +219,7 @@ def main():
             result["cases"][os.path.basename(case)] = {"error": error, "before": before, "after": snapshot(opt)}
     ckpt.close()
     torch.save(result, os.path.join(args.out, f"{args.mode}_w{world}_r{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker_jobs.run(parser(), job))

@@ -13,6 +13,9 @@ gradients:
   more steps equal the uninterrupted run at the target layout, bit for bit;
 * fail closed: bad v2 checkpoints, a layout the periods do not fit, a
   ``deterministic`` or blocking mismatch, ranks that disagree at save time.
+
+Five torchrun launches (PLAN: one per world size, 2 twice) run all these
+jobs, each launch several in turn in one process group (``worker_jobs``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_s
 from gefen_titan import gefen_state as gs
 from gefen_titan.blocking import BlockingError, candidate_periods, grid_shape, histogram, row_unit
 from gefen_titan.optimizer import GefenOptimizersContainer
+
+sys.path.insert(0, str(Path(__file__).parent))
+import worker_jobs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "agreed_worker.py"
@@ -144,13 +150,17 @@ def test_capturable_refused_at_construction():
 
 
 # ------------------------------------------------------------------ layouts
-def launch(nproc: int, layout: str, tag: str, out: Path, *args: str) -> None:
+def launch(nproc: int, *jobs: list[str]) -> None:
+    """One torchrun launch of the worker running ``jobs`` in order."""
     _port[0] += 1
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master-port={_port[0]}", str(WORKER), "--layout", layout, "--tag", tag, "--out", str(out),
-           "--save-step", str(S), "--steps", str(K), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+           f"--master-port={_port[0]}", str(WORKER), *worker_jobs.chain(*jobs)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+
+
+def job(layout: str, tag: str, out: Path, *args: str) -> list[str]:
+    return ["--layout", layout, "--tag", tag, "--out", str(out), "--save-step", str(S), "--steps", str(K), *args]
 
 
 def load(out: Path, tag: str) -> list[dict]:
@@ -177,8 +187,8 @@ def merged(ranks: list[dict], kind: str, src: str | None = None) -> dict:
     return {"state": state, "params": params}
 
 
-# (layout, nproc, tag, ref base, loads)
-LAUNCHES = [
+# (layout, nproc, tag, ref base, loads): one worker job each
+RUNS = [
     ("fsdp", 2, "fsdp2", "c_fsdp2", []),
     ("fsdp", 4, "fsdp4", "c_fsdp4", ["c_fsdp2"]),
     ("fsdp", 3, "fsdp3", "c_fsdp3", ["c_fsdp2"]),
@@ -191,21 +201,57 @@ LAUNCHES = [
     ("fsdp", 2, "fsdp2_resume", "", ["c_fsdp2", "c_fsdp4", "c_fsdp3", "c_fsdp1", "c_fsdp_tp4", "c_hsdp4", "c_pp2"]),
     ("fsdp", 4, "fsdp4_resume", "", ["c_fsdp_tp4"]),
 ]
-PAIRS = [(src, tag.split("_resume")[0]) for _, _, tag, _, loads in LAUNCHES for src in loads]
+PAIRS = [(src, tag.split("_resume")[0]) for _, _, tag, _, loads in RUNS for src in loads]
+
+# The launches: torchrun's start-up is most of a launch's cost, so the jobs
+# of one world size share one where the order allows. A job's loads must be
+# saved by an earlier launch or an earlier job of its own; "v1", "notp",
+# "misfit" and "bad" are the fail-closed jobs (`bad` below), and the bad
+# checkpoints "bad" tries are edited, between launches, from c_fsdp2 and
+# c_pp2.
+PLAN = [
+    (2, ["fsdp2", "pp2", "v1", "notp", "misfit"]),
+    (4, ["fsdp4", "fsdp_tp4", "hsdp4", "pp4", "fsdp4_resume"]),
+    (3, ["fsdp3"]),
+    (1, ["fsdp1"]),
+    (2, ["tp2", "fsdp2_resume", "bad"]),
+]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def launched(tmp_path_factory):
+    """Every job of PLAN, launched in order: (base, out, bad checkpoints' root)."""
     base = tmp_path_factory.mktemp("agreed")
-    out = base / "out"
+    out, root = base / "out", base / "bad"
     out.mkdir()
-    for layout, n, tag, ref, loads in LAUNCHES:
+    root.mkdir()
+    jobs = {}
+    for layout, n, tag, ref, loads in RUNS:
         args = []
         if ref:
             args += ["--ref", str(base / ref)]
         if loads:
             args += ["--load", ",".join(str(base / c) for c in loads)]
-        launch(n, layout, tag, out, *args)
+        jobs[tag] = (n, job(layout, tag, out, *args))
+    # A per-rank (format v1) checkpoint, one whose periods assume no TP (a TP
+    # layout then tries it), and every bad checkpoint of CASES.
+    jobs["v1"] = (2, job("fsdp", "v1", out, "--ref", str(base / "c_v1"), "--blocking", "per_rank", "--steps", "0"))
+    jobs["notp"] = (2, job("fsdp", "notp", out, "--ref", str(root / "c_notp"), "--max-tp", "1", "--steps", "0"))
+    jobs["misfit"] = (2, job("tp", "misfit", out, "--cases", str(root / "c_notp")))
+    for n, tags in PLAN:
+        if "bad" in tags:
+            cases = _write_bad_checkpoints(base, root)
+            jobs["bad"] = (2, job("fsdp", "bad", out, "--cases", ",".join(cases),
+                                  "--tamper-save", str(root / "c_tampered")))
+        assert all(jobs[t][0] == n for t in tags), (n, tags)
+        launch(n, *(jobs[t][1] for t in tags))
+    assert set(jobs) == {t for _, tags in PLAN for t in tags}, "a job that PLAN does not launch"
+    return base, out, root
+
+
+@pytest.fixture(scope="module")
+def runs(launched):
+    base, out, _ = launched
     return base, out
 
 
@@ -266,7 +312,7 @@ def test_the_state_is_quantized_and_compact(runs):
 @pytest.mark.parametrize("src, tgt", PAIRS)
 def test_reshard_matrix_is_bit_exact(runs, src, tgt):
     _, out = runs
-    resume_tag = next(tag for _, _, tag, _, loads in LAUNCHES if src in loads and tag.split("_resume")[0] == tgt)
+    resume_tag = next(tag for _, _, tag, _, loads in RUNS if src in loads and tag.split("_resume")[0] == tgt)
     saved = _ref(out, src.removeprefix("c_"))
     loaded = merged(load(out, resume_tag), "resume", src)
     uninterrupted = _ref(out, tgt)
@@ -327,15 +373,9 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def bad(runs, tmp_path_factory):
-    base, _ = runs
-    root = tmp_path_factory.mktemp("bad")
-    out = root / "out"
-    out.mkdir()
-    # A per-rank (format v1) checkpoint, and one whose periods assume no TP.
-    launch(2, "fsdp", "v1", out, "--ref", str(base / "c_v1"), "--blocking", "per_rank", "--steps", "0")
-    launch(2, "fsdp", "notp", out, "--ref", str(root / "c_notp"), "--max-tp", "1", "--steps", "0")
+def _write_bad_checkpoints(base: Path, root: Path) -> list[str]:
+    """The bad checkpoints of CASES under ``root`` (from the saved ones in
+    ``base``), as the worker's ``--cases``."""
     cases = []
     for name, (src, edit, overrides, _) in CASES.items():
         if edit is None:
@@ -349,8 +389,12 @@ def bad(runs, tmp_path_factory):
         else:
             _edited(base / src, dst, edit)
         cases.append(f"{dst}{overrides}")
-    launch(2, "fsdp", "bad", out, "--cases", ",".join(cases), "--tamper-save", str(root / "c_tampered"))
-    launch(2, "tp", "misfit", out, "--cases", str(root / "c_notp"))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def bad(launched):
+    _, out, root = launched
     return load(out, "bad"), load(out, "misfit"), root
 
 

@@ -5,7 +5,9 @@ on gloo: 2->2, 2->4, 4->2, 2->1, 1->2, 3->2.
 Claims asserted where they hold: same layout is bit-exact (state and the
 parameters after more steps); splits on whole blocks are bit-exact state;
 merges are within error bounds. Measured figures are printed (-s) and quoted
-in the README.
+in the README. Also an HSDP 2 x 2 save resumed as plain FSDP at 2. The runs
+are conftest's ``runs``: five launches of ``reshard_worker.py``, several
+jobs each (``RUN_PLAN``).
 """
 
 from __future__ import annotations
@@ -125,18 +127,10 @@ def test_every_resume_continues_training(runs):
 
 
 @pytest.fixture(scope="module")
-def hsdp(runs, tmp_path_factory):
-    """HSDP 2 replicas x 2 shards at 4 ranks, resumed as plain FSDP at 2."""
-    from conftest import launch
-
-    base = tmp_path_factory.mktemp("hsdp")
-    (base / "ref").mkdir()
-    (base / "res").mkdir()
-    launch(4, "--mode", "ref", "--hsdp", "2", "--ckpt", str(base / "c"), "--out", str(base / "ref"),
-           "--save-step", str(SAVE_STEP), "--steps", str(STEPS))
-    launch(2, "--mode", "resume", "--ckpt", str(base / "c"), "--out", str(base / "res"),
-           "--save-step", str(SAVE_STEP), "--steps", str(STEPS))
-    return base
+def hsdp(runs):
+    """HSDP 2 replicas x 2 shards at 4 ranks, resumed as plain FSDP at 2 (`runs`)."""
+    base, _ = runs
+    return base / "hsdp"
 
 
 def test_hsdp_replicas_write_once_and_reload_exactly(hsdp):
