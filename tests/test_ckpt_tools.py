@@ -357,3 +357,17 @@ def test_convert_refuses_what_it_cannot_do(runs, capsys, tmp_path):
     assert rc == 1 and "exists" in report["error"]
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     assert not list(tmp_path.glob("*.partial-*"))
+
+
+def test_to_gefen_refuses_adam_variants_gefen_cannot_represent():
+    from gefen_titan.ckpt.convert import _gefen_group
+    from gefen_titan.ckpt.reader import CkptError
+
+    adamw = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
+             "maximize": False, "decoupled_weight_decay": True}
+    assert _gefen_group("w", adamw) == {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+    assert _gefen_group("w", {**adamw, "decoupled_weight_decay": False, "weight_decay": 0.0})["weight_decay"] == 0
+    for bad, match in (({"amsgrad": True}, "amsgrad"), ({"maximize": True}, "maximize"),
+                       ({"decoupled_weight_decay": False}, "coupled"), ({"betas": (1.0, 0.95)}, "represented")):
+        with pytest.raises(CkptError, match=match):
+            _gefen_group("w", {**adamw, **bad})
