@@ -39,6 +39,8 @@ from gefen_titan.reshard import format as fmt
 ROOT = Path(__file__).resolve().parents[1]
 STEP_RE = re.compile(r"step:\s+(\d+)\s+\S*\s*loss:\s+([0-9.]+)")
 RECIPE = "recipes/llama_gefen_dp1.toml"
+# The tests read and write checkpoints with DCP in this one process, as the tools do.
+pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
 
 
 def start_train(dump: Path, *args: str) -> tuple[subprocess.Popen, Path]:

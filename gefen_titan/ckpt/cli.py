@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -55,11 +56,15 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
 
 
 def _emit(args: argparse.Namespace, report: dict[str, Any], text: str) -> None:
-    if args.json:
-        json.dump(report, sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
-    else:
-        print(text)
+    try:
+        if args.json:
+            json.dump(report, sys.stdout, indent=2, default=str)
+            sys.stdout.write("\n")
+        else:
+            print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _fail(args: argparse.Namespace, message: str) -> int:
