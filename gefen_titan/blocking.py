@@ -55,7 +55,8 @@ from torch.optim import Optimizer
 
 from . import gefen_state as gs
 
-__all__ = ["AgreedBlocking", "BlockingError", "row_unit", "candidate_periods", "grid_shape", "check_period_fits"]
+__all__ = ["AgreedBlocking", "BlockingError", "row_unit", "candidate_periods", "grid_shape", "check_period_fits",
+           "block_variance_sums", "histogram", "period_from_sums"]
 
 HIST_BINS = gs.K * 16  # gefen-x: num_codebooks * 16
 # Bound the fp64 temporaries of the period statistics (elements per chunk).
@@ -121,6 +122,22 @@ def candidate_periods(unit: int) -> list[int]:
             if i != unit // i:
                 large.append(unit // i)
     return small + large[::-1]
+
+
+def period_from_sums(candidates: list[int], sums: torch.Tensor, numel: int, unit: int) -> int:
+    """Gefen's period among ``candidates`` from the global ``block_variance_sums``.
+
+    Gefen's error of a candidate is sqrt(mean over blocks of the within-block
+    variance of grad²); its own scoring (``gefen_state.finalize_period``) and
+    memory-safe fallback (the whole row unit) pick the period. Shared by the
+    agreement and by ``gefen_titan.ckpt.convert`` (which scores the AdamW
+    second moment instead of a gradient's square).
+    """
+    results = [(p, math.sqrt(float(sums[i]) / (numel // p))) for i, p in enumerate(candidates)]
+    best = gs.finalize_period(results)
+    if best == 1 and gs.fallback_enabled():
+        best = unit if unit >= 8 else 1  # gefen-x's fallback: the whole row
+    return best
 
 
 def grid_shape(shape: tuple[int, ...], period: int) -> tuple[int, ...]:
@@ -407,11 +424,7 @@ class AgreedBlocking:
             for r in group:
                 total = total + rows[r, offset:offset + n]
             offset += n
-            results = [(p, math.sqrt(float(total[i]) / (q.param.numel() // p))) for i, p in enumerate(q.candidates)]
-            best = gs.finalize_period(results)
-            if best == 1 and gs.fallback_enabled():
-                best = q.unit if q.unit >= 8 else 1  # gefen-x's fallback: the whole row
-            by_param[id(q)] = best
+            by_param[id(q)] = period_from_sums(q.candidates, total, q.param.numel(), q.unit)
         return [by_param.get(id(q), 1) for q in params]
 
     def _solve(self, counts: torch.Tensor) -> torch.Tensor | None:

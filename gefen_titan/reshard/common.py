@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .. import gefen_state as gs
 
-__all__ = ["GefenCheckpointError", "unreadable", "agree", "HYPER", "check_hyper", "check_codebook", "read_small"]
+__all__ = ["GefenCheckpointError", "root_cause", "unreadable", "agree", "HYPER", "check_hyper", "check_codebook", "read_small"]
 
 # Group hyperparameters carried in the checkpoint and restored on load (torch
 # optimizers restore theirs the same way; the LR scheduler then resets lr).
@@ -27,12 +27,17 @@ class GefenCheckpointError(RuntimeError):
     """A Gefen checkpoint that cannot be loaded into (or saved from) the live optimizer."""
 
 
-def unreadable(checkpoint_id: str, error: Exception) -> GefenCheckpointError:
-    # DCP's CheckpointException wraps per-rank tracebacks: name the root cause.
+def root_cause(error: Exception) -> str:
+    """The innermost ``XError: message`` line of an exception (DCP's
+    CheckpointException wraps per-rank tracebacks)."""
     causes = re.findall(r"^\s*([\w.]+(?:Error|Exception): .+)$", str(error), re.M)
     cause = causes[-1] if causes else f"{type(error).__name__}: {str(error).strip()[:200]}"
+    return cause[:300]
+
+
+def unreadable(checkpoint_id: str, error: Exception) -> GefenCheckpointError:
     return GefenCheckpointError(
-        f"cannot read checkpoint {checkpoint_id} ({cause[:300]}): a file is "
+        f"cannot read checkpoint {checkpoint_id} ({root_cause(error)}): a file is "
         "missing, truncated or unreadable. Restore it, or resume from another step with "
         "checkpoint.load_step. Nothing was loaded into the optimizer."
     )

@@ -1,0 +1,7 @@
+"""``python -m gefen_titan ckpt ...``: the ``gefen-titan`` command without the console script."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

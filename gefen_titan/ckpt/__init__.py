@@ -1,0 +1,20 @@
+"""Offline checkpoint tools: ``gefen-titan ckpt inspect | verify | convert``.
+
+Each runs as one process with no process group and no accelerator, reading
+through ``gefen_titan.storage`` (local folders and fsspec URLs):
+
+* ``inspection``: what a checkpoint holds (format, mesh, per optimizer the
+  parameters with shapes, periods and bytes, codebooks, counters, model and
+  data-loader entries);
+* ``verify``: every file and every byte, every record and tiling, before an
+  expensive job resumes;
+* ``convert``: Gefen (format v2) state to AdamW moments and back, into a new
+  checkpoint that ``train.py`` resumes.
+
+``cli`` is the command line (``gefen-titan ckpt ...``, ``python -m
+gefen_titan.ckpt ...``); docs/ckpt_tools.md describes the commands.
+"""
+
+from .reader import Checkpoint, CkptError
+
+__all__ = ["Checkpoint", "CkptError"]

@@ -1,0 +1,7 @@
+"""``python -m gefen_titan.ckpt inspect|verify|convert ...`` (the same as ``gefen-titan ckpt ...``)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main(prog="python -m gefen_titan.ckpt"))

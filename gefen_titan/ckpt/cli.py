@@ -1,0 +1,113 @@
+"""Command line of the checkpoint tools.
+
+Exit status: 0 the command did what it says (``verify``: the checkpoint is
+sound); 1 the checkpoint is bad, unreadable or cannot be converted (the
+message says what to do; nothing was written); 2 a wrong command line.
+With ``--json`` the report is the only thing on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+DESCRIPTION = "Inspect, verify or convert a gefen-titan / torchtitan DCP checkpoint (one step-N folder)."
+OK, BAD, USAGE = 0, 1, 2
+
+
+def add_commands(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    p = sub.add_parser("inspect", help="what a checkpoint holds, as a table",
+                       description="Format, the mesh it was saved on, per optimizer the parameters with shapes, "
+                                   "periods, bytes, codebooks and step counters, the model and data-loader entries.")
+    p.add_argument("path", metavar="PATH", help="a checkpoint folder, e.g. outputs/llama_gefen/checkpoint/step-10")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    p = sub.add_parser("verify", help="offline integrity check of every file and record",
+                       description="Reads every byte of every file (CRC32 of every stored record), checks the "
+                                   "chunk tiling, Gefen's records, grids and codebooks and non-finite values. "
+                                   "Exit status 0: sound; 1: a problem (the first bad file is named).")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    p = sub.add_parser("convert", help="Gefen state to AdamW moments, or AdamW moments to Gefen state",
+                       description="Writes a new checkpoint (OUT must not exist) with the optimizer state "
+                                   "converted and every other entry copied, which train.py resumes: put it at "
+                                   "<dump_folder>/<checkpoint.folder>/step-N of the run that resumes it.")
+    p.add_argument("path", metavar="PATH", help="the checkpoint to convert")
+    p.add_argument("out", metavar="OUT", help="the new checkpoint folder, e.g. outputs/run_adamw/checkpoint/step-10")
+    p.add_argument("--to", required=True, choices=("adamw", "gefen"), help="the optimizer state to write")
+    p.add_argument("--implementation", default="fused", choices=("fused", "foreach", "for-loop"),
+                   help="--to adamw: torchtitan's optimizer.implementation to record in the AdamW param groups "
+                        "(default: fused, torchtitan's default)")
+    p.add_argument("--max-tensor-parallel-degree", type=int, default=1, metavar="N",
+                   help="--to gefen: periods also fit the last-dim cuts of every TP degree dividing N "
+                        "(the recipe's optimizer.max_tensor_parallel_degree; default 1)")
+    p.add_argument("--period-one-substrings", default="", metavar="A,B",
+                   help="--to gefen: parameter name substrings kept at period 1 (the recipe's "
+                        "optimizer.period_one_substrings)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="--to gefen: mark the state for optimizer.deterministic = true")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _emit(args: argparse.Namespace, report: dict[str, Any], text: str) -> None:
+    try:
+        if args.json:
+            json.dump(report, sys.stdout, indent=2, default=str)
+            sys.stdout.write("\n")
+        else:
+            print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _fail(args: argparse.Namespace, message: str) -> int:
+    if args.json:
+        json.dump({"ok": False, "error": message}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    print(f"error: {message}", file=sys.stderr)
+    return BAD
+
+
+def run(args: argparse.Namespace) -> int:
+    from .reader import CkptError
+
+    try:
+        if args.action == "inspect":
+            from .inspection import inspect_checkpoint, render
+
+            report = inspect_checkpoint(args.path)
+            _emit(args, report, render(report))
+            return OK
+        if args.action == "verify":
+            from .verify import render, verify_checkpoint
+
+            report = verify_checkpoint(args.path)
+            _emit(args, report, render(report))
+            return OK if report["ok"] else BAD
+        if args.action == "convert":
+            from .convert import ConvertOptions, convert, render
+
+            options = ConvertOptions(
+                implementation=args.implementation,
+                max_tensor_parallel_degree=args.max_tensor_parallel_degree,
+                period_one_substrings=tuple(s for s in args.period_one_substrings.split(",") if s),
+                deterministic=args.deterministic)
+            report = convert(args.path, args.out, args.to, options)
+            _emit(args, report, render(report))
+            return OK
+    except CkptError as e:
+        return _fail(args, str(e))
+    raise AssertionError(args.action)
+
+
+def main(argv: list[str] | None = None, prog: str = "gefen-titan ckpt") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    add_commands(parser)
+    return run(parser.parse_args(sys.argv[1:] if argv is None else argv))

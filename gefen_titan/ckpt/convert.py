@@ -1,0 +1,355 @@
+"""``gefen-titan ckpt convert``: Gefen state to AdamW moments, and back.
+
+Gefen's update is Adam's with a quantized first moment and a block second
+moment (docs/gefen_internals.md b): per block of ``period`` elements,
+``m = codebook[code] * magnitude``, ``h = sqrt(vmean) / sqrt(1 - beta2**vmean_step)
++ eps``, ``p -= lr * m / (1 - beta1**step) / h``, with AdamW's decoupled weight
+decay. So the state maps onto torch's AdamW one to one:
+
+* ``--to adamw`` (format v2 only): ``exp_avg`` = the dequantized momentum
+  (``reshard.quant.dequantize``, Gefen's own arithmetic), ``exp_avg_sq`` =
+  each block's ``vmean`` broadcast over its elements, ``step`` = Gefen's
+  ``step``; the hyperparameters of each record become the AdamW param group.
+  AdamW's next step from this state is Gefen's next step except that it
+  keeps the new momentum unquantized and the new second moment per element.
+* ``--to gefen``: the periods are chosen by agreed blocking's rule
+  (``blocking``: candidates = divisors of the row unit, which respects the
+  last-dim cuts of ``--max-tensor-parallel-degree``; Gefen's scoring and
+  fallback), scored on ``exp_avg_sq`` where Gefen scores the first step's
+  grad² (the second moment is the running mean of grad², and it is the
+  quantity Gefen then averages per block); one codebook is solved
+  (``codebook_solver``) from the 4096-bin histogram of block-normalized
+  ``exp_avg``, the values the codes will hold; the momentum is quantized
+  with Gefen's rule (``reshard.quant.requantize``) and ``vmean`` is the
+  block mean of ``exp_avg_sq`` (``reshard.quant.block_mean``);
+  ``step`` = ``vmean_step`` = AdamW's ``step``. The report gives the relative
+  error of both moments.
+
+Every other entry (model, data loader, LR scheduler, train state, other
+optimizers' state) is copied unchanged, so ``train.py`` resumes the result
+as it resumes its own checkpoints. The new checkpoint is written to a
+temporary folder next to ``OUT`` and renamed into place (local folders), so
+a failed conversion leaves nothing behind; ``OUT`` must not exist. Memory:
+the source's non-optimizer entries and the converted state are held in
+memory (about the output checkpoint's size), one parameter's source moments
+at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from .. import storage
+from ..blocking import (block_variance_sums, candidate_periods, grid_shape, histogram, period_from_sums, row_unit,
+                        HIST_BINS)
+from ..codebook_solver import codebook_from_counts
+from ..reshard import format as fmt
+from ..reshard.common import HYPER, GefenCheckpointError, check_hyper, root_cause
+from ..reshard.quant import block_mean, dequantize, expand_blocks, requantize
+from .reader import OPTIMIZER, Checkpoint, CkptError, split_state_key
+from .records import codebook_summary, read_gefen
+
+__all__ = ["ConvertOptions", "convert", "render"]
+
+_ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
+_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    implementation: str = "fused"  # --to adamw: torchtitan's optimizer.implementation
+    max_tensor_parallel_degree: int = 1  # --to gefen: as the recipe's optimizer setting
+    period_one_substrings: tuple[str, ...] = ()
+    deterministic: bool = False
+
+
+def convert(path: str, out: str, to: str, options: ConvertOptions = ConvertOptions()) -> dict[str, Any]:
+    """Convert the checkpoint at ``path`` into a new one at ``out``; the report."""
+    if to not in ("adamw", "gefen"):
+        raise CkptError(f"--to {to!r}: expected adamw or gefen")
+    ck = Checkpoint(path)
+    _check_out(ck.path, out)
+    if to == "adamw":
+        entries, report, replaced = _to_adamw(ck, options)
+    else:
+        entries, report, replaced = _to_gefen(ck, options)
+    copied = [k for k in ck.entries if k not in replaced]
+    state = _nested(ck, copied)
+    for name, value in entries.items():
+        state.setdefault(OPTIMIZER, {})[name] = value
+    _write(state, out)
+    report.update(source=ck.path, out=str(out), to=to, copied_entries=len(copied))
+    return report
+
+
+# ------------------------------------------------------------------ I/O
+def _check_out(source: str, out: str) -> None:
+    out = str(out)
+    same = (out.rstrip("/") == source.rstrip("/") if storage.is_remote(out) else
+            os.path.abspath(out) == os.path.abspath(source))
+    if same:
+        raise CkptError("OUT is the source checkpoint: write the converted checkpoint to a new folder")
+    from torchtitan.tools import filesystem
+
+    if filesystem.exists(out):
+        raise CkptError(f"{out} exists: give a new folder (convert never overwrites a checkpoint)")
+
+
+def _nested(ck: Checkpoint, keys: list[str]) -> dict[str, Any]:
+    """The entries as the saved state dict nested them (the planner data), values read in full."""
+    values = ck.load(keys)
+    state: dict[str, Any] = {}
+    for key in keys:
+        path = ck.entries[key].path
+        if not all(isinstance(p, str) for p in path):
+            raise CkptError(f"{key}: a nested list entry {path} cannot be copied by this tool")
+        d = state
+        for part in path[:-1]:
+            d = d.setdefault(part, {})
+        d[path[-1]] = values[key]
+    return state
+
+
+def _write(state: dict[str, Any], out: str) -> None:
+    out = str(out).rstrip("/")
+    target = out if storage.is_remote(out) else f"{out}.partial-{os.getpid()}"
+    try:
+        if not storage.is_remote(out):
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.save(state, storage_writer=storage.storage_writer(target), no_dist=True)
+        if target != out:
+            os.replace(target, out)
+    except Exception as e:
+        if target != out:
+            shutil.rmtree(target, ignore_errors=True)
+        raise CkptError(f"cannot write {out} ({root_cause(e)}); nothing was written") from e
+
+
+# ------------------------------------------------------------------ Gefen -> AdamW
+def _adamw_group(group: dict[str, float], implementation: str) -> dict[str, Any]:
+    """A torch AdamW param group with Gefen's hyperparameters, keyed as torch writes it."""
+    impl = {"fused": implementation == "fused", "foreach": implementation == "foreach"}
+    dummy = torch.optim.AdamW([torch.zeros(1)], lr=group["lr"], betas=(group["beta1"], group["beta2"]),
+                              eps=group["eps"], weight_decay=group["weight_decay"], **impl)
+    out = {k: v for k, v in dummy.param_groups[0].items() if k != "params"}
+    # torchtitan's LR scheduler adds initial_lr to every group (and recomputes
+    # lr from the recipe on resume); a loading run asks for the key.
+    out["initial_lr"] = group["lr"]
+    return out
+
+
+def _to_adamw(ck: Checkpoint, options: ConvertOptions):
+    gefen = read_gefen(ck)
+    if gefen is None:
+        kinds = sorted({split_state_key(n)[1] for n in ck.optimizer if split_state_key(n)})
+        raise CkptError(f"{ck.path} holds no Gefen state" + (f" (its optimizer state is {', '.join(kinds)})"
+                                                               if kinds else " (no optimizer state at all)")
+                        + ": nothing to convert to AdamW")
+    if gefen.version != fmt.VERSION:
+        raise CkptError(f"{ck.path} is Gefen format v{gefen.version} (per-rank blocking): convert reads format "
+                        f"v{fmt.VERSION} (agreed blocking) only. Resume it with optimizer.blocking = \"per_rank\" "
+                        "instead, or convert a checkpoint of an agreed-blocking run")
+    if gefen.problems:
+        name, what = gefen.problems[0]
+        raise CkptError(f"{ck.path}: the Gefen records are inconsistent ({name}: {what}); run "
+                        "`gefen-titan ckpt verify` on it. Nothing was written")
+    codebook = next(iter(gefen.codebooks.values()), None)
+    opt = ck.optimizer
+    entries: dict[str, Any] = {}
+    steps, notes = Counter(), []
+    for p in gefen.params:
+        numel = math.prod(p.shape)
+        if p.period:
+            vals = ck.load_names(OPTIMIZER, [fmt.codes_key(p.fqn), fmt.magnitude_key(p.fqn), fmt.vmean_key(p.fqn)])
+            codes, mag, vmean = (vals[k(p.fqn)].reshape(-1) for k in (fmt.codes_key, fmt.magnitude_key,
+                                                                          fmt.vmean_key))
+            exp_avg = dequantize(codes, codebook, mag, p.period).view(p.shape)
+            exp_avg_sq = expand_blocks(vmean, p.period, 0, numel).reshape(p.shape).clone()
+        else:  # no state yet (saved before its first step): AdamW's fresh state
+            exp_avg, exp_avg_sq = torch.zeros(p.shape), torch.zeros(p.shape)
+        if p.vmean_step != p.step:
+            notes.append(f"{p.fqn}: vmean_step {p.vmean_step} != step {p.step}; AdamW has one counter (step)")
+        steps[p.step] += 1
+        entries[f"state.{p.fqn}.exp_avg"] = exp_avg
+        entries[f"state.{p.fqn}.exp_avg_sq"] = exp_avg_sq
+        entries[f"state.{p.fqn}.step"] = torch.tensor(float(p.step))
+        for k, v in _adamw_group(p.group, options.implementation).items():
+            entries[f"param_groups.{p.fqn}.{k}"] = v
+    replaced = {e.key for n, e in opt.items() if n.startswith(fmt.PREFIX)}
+    report = {
+        "params": len(gefen.params),
+        "elements": sum(math.prod(p.shape) for p in gefen.params),
+        "steps": {str(k): v for k, v in sorted(steps.items())},
+        "written": "state.{fqn}.exp_avg / exp_avg_sq / step, param_groups.{fqn}.* (AdamW)",
+        "notes": notes,
+        "resume": "--optimizer.name AdamW",
+    }
+    return entries, report, replaced
+
+
+# ------------------------------------------------------------------ AdamW -> Gefen
+def _fixed_period_one(fqn: str, shape: tuple[int, ...], options: ConvertOptions) -> bool:
+    # As AgreedBlocking._fixed_one (force_1d_period_one is always on under agreed blocking).
+    return len(shape) <= 1 or math.prod(shape) == 1 or any(s in fqn.lower() for s in options.period_one_substrings)
+
+
+def _choose_period(fqn: str, shape: tuple[int, ...], exp_avg_sq: torch.Tensor, options: ConvertOptions) -> int:
+    if _fixed_period_one(fqn, shape, options):
+        return 1
+    unit = row_unit(fqn, torch.empty(shape, device="meta"), options.max_tensor_parallel_degree)
+    candidates = candidate_periods(unit)
+    # Gefen scores the within-block variance of grad²; exp_avg_sq is the
+    # running mean of grad², so its square root stands in for the gradient.
+    sums = block_variance_sums(exp_avg_sq.sqrt(), candidates, unit)
+    return period_from_sums(candidates, sums, math.prod(shape), unit)
+
+
+def _gefen_group(fqn: str, group: dict[str, Any]) -> dict[str, float]:
+    if group.get("amsgrad"):
+        raise CkptError(f"{fqn}: amsgrad = True keeps a running max of the second moment, which Gefen has not; "
+                        "only plain Adam/AdamW state converts")
+    if group.get("maximize"):
+        raise CkptError(f"{fqn}: maximize = True has no Gefen equivalent")
+    betas = group.get("betas") or (None, None)
+    out = {"lr": group.get("lr"), "beta1": betas[0], "beta2": betas[1], "eps": group.get("eps"),
+           "weight_decay": group.get("weight_decay")}
+    if out["weight_decay"] and group.get("decoupled_weight_decay") is False:
+        raise CkptError(f"{fqn}: Adam's coupled (L2) weight decay {out['weight_decay']} differs from Gefen's "
+                        "decoupled one; only AdamW, or Adam with weight_decay 0, converts")
+    try:
+        check_hyper(fqn, out)
+    except GefenCheckpointError as e:
+        raise CkptError(str(e)) from e
+    return {k: float(out[k]) for k in HYPER}
+
+
+def _to_gefen(ck: Checkpoint, options: ConvertOptions):
+    if fmt.format_key() in ck.optimizer:
+        raise CkptError(f"{ck.path} already holds Gefen state ({fmt.format_key()}): nothing to convert to Gefen")
+    opt = ck.optimizer
+    states: dict[str, dict[str, Any]] = {}
+    for name, e in opt.items():
+        split = split_state_key(name)
+        if split:
+            states.setdefault(split[0], {})[split[1]] = e
+    if not states:
+        raise CkptError(f"{ck.path} holds no optimizer state (a model-only checkpoint?): nothing to convert")
+    for fqn, st in states.items():
+        if tuple(sorted(st)) != _ADAM_STATE:
+            raise CkptError(f"{fqn}: optimizer state {sorted(st)} is not Adam's {list(_ADAM_STATE)}; only "
+                            "Adam/AdamW state converts to Gefen")
+        if st["exp_avg"].shape != st["exp_avg_sq"].shape:
+            raise CkptError(f"{fqn}: exp_avg and exp_avg_sq differ in shape: run `gefen-titan ckpt verify`")
+    group_names = [n for fqn in states for n in (f"param_groups.{fqn}.{k}" for k in _GROUP_KEYS) if n in opt]
+    small = ck.load_names(OPTIMIZER, group_names + [f"state.{fqn}.step" for fqn in states])
+    groups, steps = {}, {}
+    for fqn in states:
+        groups[fqn] = _gefen_group(fqn, {k: small.get(f"param_groups.{fqn}.{k}") for k in _GROUP_KEYS})
+        step = float(small[f"state.{fqn}.step"])
+        if not (step >= 0 and step == int(step)):
+            raise CkptError(f"{fqn}: AdamW step {step} is not a count")
+        steps[fqn] = int(step)
+    if len({s == 0 for s in steps.values()}) > 1:
+        raise CkptError("some parameters have AdamW step 0 and others not: Gefen's agreed state is all or none")
+
+    def moments(fqn):
+        vals = ck.load_names(OPTIMIZER, [f"state.{fqn}.exp_avg", f"state.{fqn}.exp_avg_sq"])
+        m, v = vals[f"state.{fqn}.exp_avg"].float(), vals[f"state.{fqn}.exp_avg_sq"].float()
+        if not (torch.isfinite(m).all() and torch.isfinite(v).all()) or (v < 0).any():
+            raise CkptError(f"{fqn}: non-finite exp_avg or negative/non-finite exp_avg_sq: the checkpoint is "
+                            "corrupt; run `gefen-titan ckpt verify` on it")
+        return m, v
+
+    # Pass 1: periods and the job's histogram; pass 2 re-reads each
+    # parameter's moments, so only one parameter's are in memory at a time.
+    stepped = any(steps.values())
+    periods, counts = {}, torch.zeros(HIST_BINS, dtype=torch.int64)
+    for fqn in states if stepped else ():
+        m, v = moments(fqn)
+        shape = tuple(m.shape)
+        periods[fqn] = _choose_period(fqn, shape, v, options)
+        counts += histogram(m, periods[fqn])
+    codebook = codebook_from_counts(counts) if stepped else None
+    entries: dict[str, Any] = {}
+    params, err_m, norm_m, err_v, norm_v = [], 0.0, 0.0, 0.0, 0.0
+    for fqn in states:
+        shape = tuple(states[fqn]["exp_avg"].shape)
+        period = periods.get(fqn, 0)
+        params.append({"fqn": fqn, "shape": list(shape), "period": period, "step": steps[fqn],
+                       "vmean_step": steps[fqn], "group": groups[fqn]})
+        if not period:
+            continue
+        m, v = moments(fqn)
+        codes, mag = requantize(m.reshape(-1), codebook, period)
+        vmean = block_mean(v.reshape(-1), period)
+        grid = grid_shape(shape, period)
+        entries[fmt.codes_key(fqn)] = codes.reshape(shape)
+        entries[fmt.magnitude_key(fqn)] = mag.reshape(grid)
+        entries[fmt.vmean_key(fqn)] = vmean.reshape(grid)
+        back_m = dequantize(codes.reshape(-1), codebook, mag.reshape(-1), period)
+        back_v = expand_blocks(vmean.reshape(-1), period, 0, m.numel())
+        err_m += float((back_m.double() - m.reshape(-1).double()).square().sum())
+        norm_m += float(m.double().square().sum())
+        err_v += float((back_v.double() - v.reshape(-1).double()).square().sum())
+        norm_v += float(v.double().square().sum())
+    opt_id = next(iter(states))
+    record = {"blocking": "agreed", "deterministic": bool(options.deterministic),
+              "global_step": max(steps.values()), "params": params}
+    entries[fmt.format_key()] = json.dumps({"format": fmt.FORMAT, "version": fmt.VERSION, "blocking": "agreed"})
+    entries[fmt.optimizer_key(opt_id)] = json.dumps(record, sort_keys=True)
+    if codebook is not None:
+        entries[fmt.codebook_key_v2(opt_id)] = codebook.float().clone()
+    replaced = {opt[n].key for n in opt if split_state_key(n) and split_state_key(n)[0] in states}
+    replaced |= {opt[n].key for n in opt if n.startswith("param_groups.") and
+                 n[len("param_groups."):].rpartition(".")[0] in states}
+    elements = sum(math.prod(p["shape"]) for p in params)
+    state_bytes = sum(t.numel() * t.element_size() for t in entries.values() if isinstance(t, torch.Tensor))
+    report = {
+        "params": len(params),
+        "elements": elements,
+        "periods": {str(k): v for k, v in sorted(Counter(p["period"] for p in params).items())},
+        "steps": {str(k): v for k, v in sorted(Counter(steps.values()).items())},
+        "codebook": codebook_summary(codebook) if codebook is not None else None,
+        "state_bytes_per_param": state_bytes / elements if elements else None,
+        "momentum_relative_rms_error": math.sqrt(err_m / norm_m) if norm_m else 0.0,
+        "second_moment_relative_rms_error": math.sqrt(err_v / norm_v) if norm_v else 0.0,
+        "max_tensor_parallel_degree": options.max_tensor_parallel_degree,
+        "deterministic": bool(options.deterministic),
+        "written": f"Gefen format v{fmt.VERSION} (agreed blocking)",
+        "resume": "--optimizer.name Gefen (agreed blocking, the default)"
+                  + (f" with optimizer.max_tensor_parallel_degree = {options.max_tensor_parallel_degree}"
+                     if options.max_tensor_parallel_degree > 1 else "")
+                  + (" and optimizer.deterministic = true" if options.deterministic else ""),
+        "notes": [],
+    }
+    return entries, report, replaced
+
+
+# ------------------------------------------------------------------ text
+def render(report: dict[str, Any]) -> str:
+    lines = [f"converted {report['source']}", f"     into {report['out']}: {report['written']}",
+             f"          {report['params']} parameters ({report['elements']:,} elements), steps "
+             + ", ".join(f"{k} ({v})" for k, v in report["steps"].items())
+             + f"; {report['copied_entries']} other entries copied unchanged"]
+    if report["to"] == "gefen":
+        lines.append("          periods " + ", ".join(f"{k} ({v})" for k, v in report["periods"].items())
+                     + (f"; {report['state_bytes_per_param']:.3f} bytes/param of state"
+                        if report["state_bytes_per_param"] else ""))
+        lines.append(f"          relative RMS error: momentum {report['momentum_relative_rms_error']:.4f}, "
+                     f"second moment {report['second_moment_relative_rms_error']:.4f} (block mean)")
+    lines.append(f"resume:   train.py with {report['resume']}, this folder as "
+                 "<dump_folder>/<checkpoint.folder>/step-N")
+    lines += [f"note:     {n}" for n in report["notes"][:5]]
+    return "\n".join(lines)

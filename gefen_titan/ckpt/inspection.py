@@ -1,0 +1,335 @@
+"""``gefen-titan ckpt inspect``: what a checkpoint holds, from its metadata and small entries.
+
+Reads the DCP metadata, the Gefen records and codebooks, the counters and
+the data loader's small values; never the large tensors. What it can say
+about the mesh the checkpoint was saved on is what the files record: the
+ranks that wrote data files, the data loader's per-rank entries (the
+data-parallel degree), and how each optimizer tensor was cut into chunks
+(DCP writes one chunk per distinct shard, so replicas, such as HSDP's, and
+pipeline stages are not visible as such).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from ..reshard import format as fmt
+from .reader import MODEL, OPTIMIZER, Checkpoint, Entry, split_state_key
+from .records import GefenState, codebook_summary, read_gefen
+
+__all__ = ["inspect_checkpoint", "render"]
+
+_TORCH_KINDS = {("exp_avg", "exp_avg_sq", "step"): "Adam/AdamW", ("momentum_buffer",): "SGD"}
+_COUNTERS = (("train_state", "step"), ("train_state", "ntokens_seen"), ("lr_scheduler", "last_epoch"),
+             ("dataloader", "world_size"))
+
+
+def _cuts(e: Entry) -> list[int]:
+    """Distinct chunk offsets per dimension: how many pieces each dim was cut into."""
+    if not e.is_tensor or not e.shape:
+        return []
+    return [len({off[d] for off, size in e.chunks if size[d]}) or 1 for d in range(len(e.shape))]
+
+
+def _small_values(ck: Checkpoint) -> dict[str, Any]:
+    keys = [ck.component(c)[n].key for c, n in _COUNTERS if n in ck.component(c)]
+    values = ck.load(keys)
+    return {k: v for k, v in values.items() if isinstance(v, (int, float, str, bool))}
+
+
+def inspect_checkpoint(path: str) -> dict[str, Any]:
+    """The report ``inspect`` prints (``--json`` prints exactly this)."""
+    ck = Checkpoint(path)
+    opt = ck.optimizer
+    gefen = read_gefen(ck)
+    files = [{"name": n, "bytes": _file_bytes(ck, n)} for n in ck.data_files()]
+    report: dict[str, Any] = {
+        "path": ck.path,
+        "format": _format(gefen),
+        "files": files,
+        "total_bytes": sum(f["bytes"] or 0 for f in files),
+        "counters": _small_values(ck),
+        "optimizers": [],
+    }
+    if gefen is not None:
+        report["optimizers"] += _gefen_optimizers(ck, gefen)
+        report["problems"] = [f"{name}: {what}" for name, what in gefen.problems]
+    report["optimizers"] += _torch_optimizers(ck)
+    report["mesh"] = _mesh(ck, report["counters"])
+    model = [e for e in ck.entries.values() if e.component == MODEL]
+    report["model"] = {
+        "tensors": len(model),
+        "elements": sum(e.numel for e in model if e.is_tensor),
+        "bytes": sum(e.payload_bytes for e in model if e.is_tensor),
+        "dtypes": dict(Counter(str(e.dtype).replace("torch.", "") for e in model if e.is_tensor)),
+    }
+    report["other"] = [{"key": e.key, "stored_bytes": e.stored_bytes,
+                        **({"shape": list(e.shape), "dtype": str(e.dtype)} if e.is_tensor else {})}
+                       for e in ck.entries.values() if e.component not in (MODEL, OPTIMIZER)]
+    if not opt:
+        report["note"] = "no optimizer state (a model-only checkpoint)"
+    return report
+
+
+def _file_bytes(ck: Checkpoint, name: str) -> int | None:
+    from .. import storage
+
+    return storage.file_size(ck.path, name)
+
+
+def _format(gefen: GefenState | None) -> dict[str, Any] | None:
+    if gefen is None:
+        return None
+    return {"name": fmt.FORMAT, "version": gefen.version,
+            "blocking": gefen.header.get("blocking", "per_rank" if gefen.version == fmt.V1 else None)}
+
+
+def _gefen_optimizers(ck: Checkpoint, gefen: GefenState) -> list[dict[str, Any]]:
+    opt = ck.optimizer
+    books = ck.load_names(OPTIMIZER, list(gefen.codebooks)) if gefen.codebooks else {}
+    out = []
+    for o in gefen.optimizers:
+        params = []
+        for p in o.params:
+            if gefen.version == fmt.VERSION:
+                names = [fmt.codes_key(p.fqn), fmt.magnitude_key(p.fqn), fmt.vmean_key(p.fqn)]
+            else:
+                names = [fmt.codes_key(p.fqn)]
+            entries = [opt[n] for n in names if n in opt]
+            row = {"fqn": p.fqn, "shape": list(p.shape), "period": p.period, "step": p.step,
+                   "vmean_step": p.vmean_step, "group": p.group,
+                   "bytes": sum(e.payload_bytes for e in entries if e.is_tensor),
+                   "stored_bytes": sum(e.stored_bytes for e in entries),
+                   "cuts": _cuts(entries[0]) if entries else []}
+            if gefen.version == fmt.VERSION:
+                row["grid"] = list(p.grid) if p.grid else None
+            else:  # per source rank: its own period (v1)
+                row["periods_by_rank"] = {str(r): v["period"] for r, v in sorted(p.ranks.items())}
+                row["bytes"] += 8 * sum(v["nblocks"] for v in p.ranks.values())
+            params.append(row)
+        if gefen.version == fmt.VERSION:
+            cb_names = [fmt.codebook_key_v2(o.opt)]
+        else:
+            cb_names = [fmt.codebook_key(o.opt, r) for r in range(o.nshards)]
+        cbs = {n: codebook_summary(books[n]) for n in cb_names if n in books}
+        shared = [fmt.optimizer_key(o.opt)] + cb_names
+        if gefen.version == fmt.V1:
+            shared += [fmt.records_key(o.opt, r) for r in range(o.nshards)] + \
+                      [fmt.blocks_key(o.opt, r) for r in range(o.nshards)]
+        shared_bytes = sum(opt[n].stored_bytes for n in shared if n in opt)
+        elements = sum(_numel(p.shape) for p in o.params)
+        stored = sum(r["stored_bytes"] for r in params) + shared_bytes
+        out.append({
+            "kind": "Gefen",
+            "id": o.opt,
+            "format_version": gefen.version,
+            "global_step": o.global_step,
+            "deterministic": o.deterministic,
+            **({"source_ranks": o.nshards} if gefen.version == fmt.V1 else {}),
+            "hyperparameters": _unique_groups([p.group for p in o.params]),
+            "codebooks": cbs,
+            "params": params,
+            "elements": elements,
+            "bytes": sum(r["bytes"] for r in params) + 4 * 256 * len(cbs),
+            "stored_bytes": stored,
+            "stored_bytes_per_param": stored / elements if elements else None,
+        })
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _unique_groups(groups: list[dict]) -> list[dict]:
+    out = []
+    for g in groups:
+        if g not in out:
+            out.append(g)
+    return out
+
+
+def _torch_optimizers(ck: Checkpoint) -> list[dict[str, Any]]:
+    """torchtitan's flat ``state.{fqn}.*`` / ``param_groups.{fqn}.*`` optimizers (AdamW, ...)."""
+    opt = ck.optimizer
+    by_fqn: dict[str, dict[str, Entry]] = {}
+    for name, e in opt.items():
+        split = split_state_key(name)
+        if split:
+            by_fqn.setdefault(split[0], {})[split[1]] = e
+    if not by_fqn:
+        return []
+    # Hyperparameters and steps: small entries, read in one go.
+    keys = []
+    for fqn, states in by_fqn.items():
+        if "step" in states and states["step"].is_tensor and states["step"].numel == 1:
+            keys.append(states["step"].key)
+        for h in ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "amsgrad"):
+            n = f"param_groups.{fqn}.{h}"
+            if n in opt:
+                keys.append(opt[n].key)
+    values = ck.load(keys)
+    kinds: dict[str, list] = {}
+    for fqn, states in by_fqn.items():
+        names = tuple(sorted(states))
+        kind = _TORCH_KINDS.get(names, "torch (" + ", ".join(names) + ")")
+        group = {h: values.get(opt[f"param_groups.{fqn}.{h}"].key) for h in
+                 ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "amsgrad")
+                 if f"param_groups.{fqn}.{h}" in opt}
+        if kind == "Adam/AdamW" and "decoupled_weight_decay" in group:
+            kind = "AdamW" if group["decoupled_weight_decay"] else "Adam"
+        if "betas" in group:
+            group["betas"] = list(group["betas"])
+        big = next((e for e in states.values() if e.is_tensor and e.shape), None)
+        step = values.get(states["step"].key) if "step" in states else None
+        kinds.setdefault(kind, []).append({
+            "fqn": fqn,
+            "shape": list(big.shape) if big else [],
+            "state": {n: ({"shape": list(e.shape), "dtype": str(e.dtype).replace("torch.", "")} if e.is_tensor
+                          else {}) for n, e in sorted(states.items())},
+            "step": float(step) if step is not None else None,
+            "group": group,
+            "bytes": sum(e.payload_bytes for e in states.values() if e.is_tensor),
+            "stored_bytes": sum(e.stored_bytes for e in states.values()),
+            "cuts": _cuts(big) if big else [],
+        })
+    out = []
+    for kind, params in kinds.items():
+        elements = sum(_numel(p["shape"]) for p in params)
+        steps = sorted({p["step"] for p in params if p["step"] is not None})
+        out.append({"kind": kind, "params": params, "elements": elements,
+                    "steps": steps, "hyperparameters": _unique_groups([p["group"] for p in params]),
+                    "bytes": sum(p["bytes"] for p in params),
+                    "stored_bytes": sum(p["stored_bytes"] for p in params),
+                    "stored_bytes_per_param": sum(p["stored_bytes"] for p in params) / elements if elements else None})
+    return out
+
+
+def _mesh(ck: Checkpoint, counters: dict[str, Any]) -> dict[str, Any]:
+    loader = ck.component("dataloader")
+    ranks = sorted(int(n[len("dp_rank_"):]) for n in loader if n.startswith("dp_rank_") and n[8:].isdigit())
+    sharded = [e for e in ck.optimizer.values() if e.is_tensor and len(e.shape) >= 2] or \
+              [e for e in ck.entries.values() if e.component == MODEL and e.is_tensor and len(e.shape) >= 2]
+    cuts = [_cuts(e) for e in sharded]
+    max_cuts = [max((c[d] for c in cuts if len(c) > d), default=1) for d in range(2)]
+    mesh: dict[str, Any] = {
+        "writer_ranks": len(ck.writer_ranks()) or len(ck.data_files()),
+        "data_parallel_ranks": len(ranks) if ranks else None,
+        "data_loader": ("per-rank (torchtitan, dataloader.dp_rank_*)" if ranks else
+                        "one global position" if any(n.startswith("global_order") for n in loader) else
+                        ("none" if not loader else "other")),
+        "max_cuts_dim0": max_cuts[0],
+        "max_cuts_dim1": max_cuts[1],
+    }
+    if counters.get("dataloader.world_size") is not None:
+        mesh["data_loader_world_size"] = counters["dataloader.world_size"]
+    parts = [f"{mesh['writer_ranks']} rank(s) wrote files"]
+    if ranks:
+        parts.append(f"data parallel {len(ranks)} (dataloader.dp_rank_"
+                     + (f"0..{ranks[-1]})" if len(ranks) > 1 else "0)"))
+    parts.append(f"2-D tensors cut into up to {max_cuts[0]} x {max_cuts[1]} chunks (dim 0 x dim 1"
+                 + ("; dim-1 cuts are tensor parallel" if max_cuts[1] > 1 else "") + ")")
+    mesh["summary"] = "; ".join(parts)
+    return mesh
+
+
+# ------------------------------------------------------------------ text
+def _n(x: int | None) -> str:
+    return "?" if x is None else f"{x:,}"
+
+
+def _mb(x: int | None) -> str:
+    return "?" if x is None else f"{x / 1e6:.2f} MB" if x >= 1e5 else f"{x / 1e3:.1f} KB"
+
+
+def _shape(s) -> str:
+    return "x".join(str(v) for v in s) if s else "scalar"
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool) or not isinstance(v, (int, float, list, tuple)):
+        return str(v)
+    if isinstance(v, (list, tuple)):
+        return "(" + ", ".join(_value(x) for x in v) + ")"
+    return f"{v:g}"
+
+
+def _group(g: dict) -> str:
+    if "beta1" in g:  # Gefen's records keep beta1/beta2; show them as torch's betas
+        g = {"lr": g.get("lr"), "betas": [g.get("beta1"), g.get("beta2")], "eps": g.get("eps"),
+             "weight_decay": g.get("weight_decay")}
+    return "  ".join(f"{k} {_value(v)}" for k, v in g.items())
+
+
+def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = lambda cells: indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+                                            for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return [line(header)] + [line(r) for r in rows]
+
+
+def render(report: dict[str, Any]) -> str:
+    """The human-readable table of an ``inspect_checkpoint`` report."""
+    f = report["format"]
+    fmt_line = (f"{f['name']} v{f['version']} ({f['blocking']} blocking)" if f else
+                "no Gefen state" + (" (torch optimizer state)" if report["optimizers"] else ""))
+    c = report["counters"]
+    counters = ", ".join(f"{k} {v}" for k, v in c.items() if k != "dataloader.world_size") or "none"
+    lines = [
+        f"checkpoint  {report['path']}",
+        f"format      {fmt_line}",
+        f"files       {len(report['files'])} data file(s), {_mb(report['total_bytes'])}: "
+        + ", ".join(x["name"] for x in report["files"][:4]) + (" ..." if len(report["files"]) > 4 else ""),
+        f"saved on    {report['mesh']['summary']}",
+        f"counters    {counters}",
+    ]
+    for o in report["optimizers"]:
+        lines.append("")
+        if o["kind"] == "Gefen":
+            extra = f", {o['source_ranks']} source rank(s)" if "source_ranks" in o else ""
+            det = "" if o["deterministic"] is None else f", deterministic {str(o['deterministic']).lower()}"
+            lines.append(f"optimizer   Gefen (records gefen/optimizer/{o['id']}): {len(o['params'])} parameters, "
+                         f"global step {o['global_step']}{det}{extra}")
+            for g in o["hyperparameters"]:
+                lines.append(f"  {_group(g)}")
+            for name, cb in o["codebooks"].items():
+                lines.append(f"  codebook {name}: {cb['entries']} entries ({cb['distinct']} distinct), "
+                             f"[{cb['min']:g}, {cb['max']:g}], nearest zero {cb['largest_negative']:.3g} / "
+                             f"{cb['smallest_positive']:.3g}" if cb["smallest_positive"] is not None and
+                             cb["largest_negative"] is not None else
+                             f"  codebook {name}: {cb['entries']} entries ({cb['distinct']} distinct)")
+            v2 = o["format_version"] == fmt.VERSION
+            head = ["parameter", "shape", "period" if v2 else "periods", "grid" if v2 else "", "step", "bytes",
+                    "chunks"]
+            rows = [[p["fqn"], _shape(p["shape"]),
+                     str(p["period"]) if v2 else ",".join(str(x) for x in sorted(set(p["periods_by_rank"].values()))),
+                     _shape(p["grid"]) if v2 and p["grid"] else ("-" if v2 else ""),
+                     str(p["step"]), _n(p["bytes"]), "x".join(map(str, p["cuts"])) or "1"] for p in o["params"]]
+            lines += _table(head, rows)
+        else:
+            steps = ", ".join(f"{s:g}" for s in o["steps"]) or "-"
+            lines.append(f"optimizer   {o['kind']} (torch state): {len(o['params'])} parameters, step {steps}")
+            for g in o["hyperparameters"]:
+                lines.append(f"  {_group(g)}")
+            rows = [[p["fqn"], _shape(p["shape"]), ", ".join(p["state"]), _n(p["bytes"]),
+                     "x".join(map(str, p["cuts"])) or "1"] for p in o["params"]]
+            lines += _table(["parameter", "shape", "state", "bytes", "chunks"], rows)
+        per = o["stored_bytes_per_param"]
+        lines.append(f"  total {_n(o['elements'])} elements, {_n(o['bytes'])} bytes of state, "
+                     f"{_n(o['stored_bytes'])} on disk" + (f" = {per:.3f} bytes/param" if per else ""))
+    m = report["model"]
+    lines += ["", f"model       {m['tensors']} tensors, {_n(m['elements'])} elements "
+                  f"({', '.join(f'{k} {v}' for k, v in m['dtypes'].items())}), {_mb(m['bytes'])}"]
+    other = [f"{o['key']} ({_mb(o['stored_bytes'])})" for o in report["other"]
+             if not o["key"].startswith(("train_state.", "lr_scheduler."))]
+    if other:
+        lines.append(f"other       {', '.join(other[:6])}" + (f" ... ({len(other)})" if len(other) > 6 else ""))
+    if report.get("note"):
+        lines.append(f"note        {report['note']}")
+    for p in report.get("problems", [])[:5]:
+        lines.append(f"PROBLEM     {p} (run `gefen-titan ckpt verify`)")
+    return "\n".join(lines)

@@ -1,0 +1,340 @@
+"""``gefen-titan ckpt verify``: an offline integrity check before an expensive resume.
+
+Three passes, each problem naming the file it is in:
+
+1. **Metadata and tiling.** Every tensor's chunks lie inside it and cover
+   each element exactly once; every chunk and every object entry has its
+   bytes in some file, and every stored item belongs to an entry.
+2. **Every byte.** Each data file exists and is as long as the items in it
+   say; every item is read in full. DCP writes each item with
+   ``torch.save``, a zip archive holding a CRC32 of every member, so a
+   flipped byte anywhere is found (``zipfile``'s check; ``torch.load`` itself
+   checks none). Each tensor must decode to its chunk's shape and dtype, and
+   floating values must be finite (Gefen's magnitudes and ``vmean``, v1's
+   blocks and AdamW's ``exp_avg_sq`` also non-negative).
+3. **Records.** Gefen's records, codebooks and grids
+   (``records.read_gefen``), and torch optimizers' state (each parameter's
+   ``exp_avg``/``exp_avg_sq`` of one shape, with a ``step``).
+
+What it cannot know offline: whether the checkpoint fits the model and
+recipe of the run that will resume it (the load checks that, on every rank).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+import zipfile
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import storage
+from ..reshard import format as fmt
+from .reader import OPTIMIZER, Checkpoint, CkptError, Entry, split_state_key
+from .records import read_gefen
+
+__all__ = ["Problem", "verify_checkpoint", "render"]
+
+_READ = 1 << 24  # bytes per read call (large items are read in pieces)
+
+
+@dataclass
+class Problem:
+    file: str | None  # the file it is in (None: not tied to one file)
+    entry: str | None  # the DCP entry
+    what: str
+
+
+def _nonnegative(e: Entry) -> bool:
+    name = e.name
+    if e.component == OPTIMIZER and name.startswith((fmt.PREFIX + "magnitude/", fmt.PREFIX + "vmean/",
+                                                     fmt.PREFIX + "blocks/")):
+        return True
+    split = split_state_key(name) if e.component == OPTIMIZER else None
+    return bool(split and split[1] in ("exp_avg_sq", "max_exp_avg_sq"))
+
+
+class _Verifier:
+    def __init__(self, path: str) -> None:
+        self.path = str(path)
+        self.problems: list[Problem] = []
+        self.warnings: list[str] = []
+        self.checked = {"files": 0, "items": 0, "bytes": 0, "entries": 0, "crc_checked": 0}
+
+    def add(self, file: str | None, entry: str | None, what: str) -> None:
+        self.problems.append(Problem(file, entry, what))
+
+    # ------------------------------------------------------------ pass 1
+    def tiling(self, ck: Checkpoint) -> None:
+        stored: dict[str, dict] = {}
+        for index, info in ck.metadata.storage_data.items():
+            stored.setdefault(index.fqn, {})[tuple(index.offset) if index.offset is not None else None] = info
+        for key in stored:
+            if key not in ck.entries:
+                info = next(iter(stored[key].values()))
+                self.add(info.relative_path, key, "the metadata stores data for an entry it does not describe")
+        for e in ck.entries.values():
+            self.checked["entries"] += 1
+            items = stored.get(e.key, {})
+            if not e.is_tensor:
+                if None not in items:
+                    self.add(".metadata", e.key, "no stored bytes for this entry (the save did not finish?)")
+                continue
+            outside = [(o, s) for o, s in e.chunks if len(o) != len(e.shape) or len(s) != len(e.shape)
+                       or any(a < 0 or b < 0 or a + b > n for a, b, n in zip(o, s, e.shape))]
+            if outside:
+                self.add(".metadata", e.key, f"chunk at {outside[0][0]} of size {outside[0][1]} lies outside "
+                                             f"{e.shape}")
+                continue
+            for offsets, _ in e.chunks:
+                if offsets not in items:
+                    self.add(".metadata", e.key, f"no stored bytes for its chunk at {offsets}")
+            why = _cover_once(e)
+            if why:
+                self.add(".metadata", e.key, why)
+
+    # ------------------------------------------------------------ pass 2
+    def every_byte(self, ck: Checkpoint) -> None:
+        by_file: dict[str, list] = {}
+        for index, info in ck.metadata.storage_data.items():
+            by_file.setdefault(info.relative_path, []).append((int(info.offset), int(info.length), index, info))
+        try:
+            present = set(storage.list_files(self.path))
+        except OSError:
+            present = set(by_file)
+        for extra in sorted(present - set(by_file) - {".metadata"}):
+            if extra.endswith(".distcp"):
+                self.warnings.append(f"{extra} is not referenced by .metadata (left over from another save?)")
+        for name in sorted(by_file):
+            items = sorted(by_file[name], key=lambda x: x[0])
+            size = storage.file_size(self.path, name)
+            if size is None:
+                self.add(name, items[0][2].fqn, f"file missing ({len(items)} entries are stored in it)")
+                continue
+            self.checked["files"] += 1
+            end = 0
+            for offset, length, index, _ in items:
+                if offset < end:
+                    self.add(name, index.fqn, f"overlaps the previous item (bytes {offset}..{offset + length})")
+                end = max(end, offset + length)
+            if end > size:
+                cut = next(x for x in items if x[0] + x[1] > size)
+                self.add(name, cut[2].fqn, f"truncated: {size:,} bytes, its items need {end:,} "
+                                           f"(the first cut item starts at byte {cut[0]:,})")
+            elif end < size:
+                self.warnings.append(f"{name}: {size - end:,} bytes after its last item")
+            with storage.open_file(self.path, name) as stream:
+                for offset, length, index, info in items:
+                    if offset + length > size:
+                        continue  # reported above
+                    stream.seek(offset)
+                    data = _read_exact(stream, length)
+                    self.checked["items"] += 1
+                    self.checked["bytes"] += len(data)
+                    if len(data) != length:
+                        self.add(name, index.fqn, f"short read: {len(data)} of {length} bytes")
+                        continue
+                    if info.transform_descriptors:
+                        self.warnings.append(f"{name}: {index.fqn} is stored transformed "
+                                             f"({', '.join(info.transform_descriptors)}); its bytes were read, "
+                                             "not decoded")
+                        continue
+                    self.item(ck, name, index, data)
+
+    def item(self, ck: Checkpoint, name: str, index: Any, data: bytes) -> None:
+        e = ck.entries.get(index.fqn)
+        if e is None:
+            return
+        if data[:2] == b"PK":
+            try:
+                bad = zipfile.ZipFile(io.BytesIO(data)).testzip()
+            except (zipfile.BadZipFile, ValueError, EOFError, OSError) as err:
+                self.add(name, e.key, f"unreadable stored record ({err})")
+                return
+            self.checked["crc_checked"] += 1
+            if bad is not None:
+                self.add(name, e.key, f"corrupt bytes: CRC32 mismatch in its record ({bad})")
+                return
+        elif not e.is_tensor:
+            self.add(name, e.key, "unreadable stored object (not a torch.save record)")
+            return
+        if not e.is_tensor:
+            try:
+                torch.load(io.BytesIO(data), weights_only=False)  # as DCP reads it on resume
+            except Exception as err:  # noqa: BLE001 - any unpickling failure is the finding
+                self.add(name, e.key, f"stored object does not load ({type(err).__name__}: {err})")
+            return
+        sizes = next((s for o, s in e.chunks if index.offset is not None and o == tuple(index.offset)), None)
+        if sizes is None:
+            self.add(".metadata", e.key, f"stored item at {tuple(index.offset or ())} is no chunk of the entry")
+            return
+        try:
+            if data[:2] == b"PK":
+                t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            else:  # raw bytes (DCP's non-torch.save serialization)
+                t = torch.frombuffer(bytearray(data), dtype=e.dtype).reshape(sizes) if data else \
+                    torch.empty(sizes, dtype=e.dtype)
+        except Exception as err:  # noqa: BLE001
+            self.add(name, e.key, f"stored tensor does not load ({type(err).__name__}: {err})")
+            return
+        if not isinstance(t, torch.Tensor) or t.dtype != e.dtype or tuple(t.shape) != tuple(sizes):
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            self.add(name, e.key, f"stored chunk is {got}, the metadata says {e.dtype} {tuple(sizes)}")
+            return
+        if t.is_floating_point() and t.numel():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                self.add(name, e.key, f"{bad:,} non-finite value(s) of {t.numel():,}")
+            elif _nonnegative(e) and bool((t < 0).any()):
+                self.add(name, e.key, f"{int((t < 0).sum()):,} negative value(s) in a second moment or magnitude")
+
+    # ------------------------------------------------------------ pass 3
+    def records(self, ck: Checkpoint) -> dict[str, Any]:
+        summary: dict[str, Any] = {}
+        opt = ck.optimizer
+        file_of = lambda n: (opt[n].files[0] if n in opt and opt[n].files else None)  # noqa: E731
+        try:
+            gefen = read_gefen(ck)
+        except CkptError as err:
+            self.add(file_of(fmt.format_key()), ck.optimizer_key(fmt.format_key()), str(err))
+            gefen = None
+        if gefen is not None:
+            summary["gefen"] = {"version": gefen.version, "optimizers": len(gefen.optimizers),
+                                "params": len(gefen.params), "codebooks": len(gefen.codebooks)}
+            for n, what in gefen.problems:
+                self.add(file_of(n), ck.optimizer_key(n), what)
+        states: dict[str, dict[str, Entry]] = {}
+        for n, e in opt.items():
+            split = split_state_key(n)
+            if split:
+                states.setdefault(split[0], {})[split[1]] = e
+        for fqn, st in states.items():
+            if "exp_avg" in st or "exp_avg_sq" in st:
+                missing = [s for s in ("exp_avg", "exp_avg_sq", "step") if s not in st]
+                if missing:
+                    self.add(None, f"optimizer.state.{fqn}", f"Adam state without {', '.join(missing)}")
+                elif st["exp_avg"].shape != st["exp_avg_sq"].shape:
+                    self.add(st["exp_avg"].files[0] if st["exp_avg"].files else None, st["exp_avg"].key,
+                             f"exp_avg {st['exp_avg'].shape} and exp_avg_sq {st['exp_avg_sq'].shape} differ")
+        if states:
+            summary["torch_state_params"] = len(states)
+        if not opt:
+            self.warnings.append("no optimizer state: a model-only checkpoint")
+        return summary
+
+
+def _read_exact(stream, length: int) -> bytes:
+    parts, left = [], length
+    while left > 0:
+        part = stream.read(min(left, _READ))
+        if not part:
+            break
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def _cover_once(e: Entry) -> str | None:
+    """None if the chunks cover every element of the tensor exactly once."""
+    if not e.shape:
+        return None if len(e.chunks) == 1 else f"{len(e.chunks)} chunks for a scalar"
+    if e.numel == 0:
+        return None
+    cuts = [sorted({0, n} | {o[d] for o, _ in e.chunks} | {o[d] + s[d] for o, s in e.chunks})
+            for d, n in enumerate(e.shape)]
+    cells = math.prod(len(c) - 1 for c in cuts)
+    if cells > 1 << 24:
+        total = sum(math.prod(s) for _, s in e.chunks)
+        return None if total == e.numel else f"chunks hold {total:,} elements of {e.numel:,}"
+    count = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
+    for off, size in e.chunks:
+        if not all(size):
+            continue
+        sl = tuple(slice(c.index(o), c.index(o + s)) for c, o, s in zip(cuts, off, size))
+        count[sl] += 1
+    if (count == 0).any():
+        return "its chunks leave part of the tensor uncovered"
+    if (count > 1).any():
+        return "its chunks overlap"
+    return None
+
+
+def _other_steps(path: str) -> list[str]:
+    """Sibling ``step-N`` folders with a ``.metadata``, oldest first."""
+    p = str(path).rstrip("/")
+    parent, _, here = p.rpartition("/")
+    if not parent:
+        return []
+    try:
+        names = storage.list_files(parent)
+    except OSError:
+        return []
+    steps = [n for n in names if re.fullmatch(r"step-\d+", n) and n != here
+             and storage.file_size(storage.join(parent, n), ".metadata") is not None]
+    return sorted(steps, key=lambda n: int(n[5:]))
+
+
+def verify_checkpoint(path: str) -> dict[str, Any]:
+    """The report ``verify`` prints (``--json`` prints exactly this); ``ok`` is the verdict."""
+    v = _Verifier(path)
+    summary: dict[str, Any] = {}
+    try:
+        ck = Checkpoint(path)
+    except CkptError as err:
+        v.add(".metadata", None, str(err))
+        ck = None
+    if ck is not None:
+        v.tiling(ck)
+        v.every_byte(ck)
+        summary = v.records(ck)
+    first = next((p for p in v.problems if p.file), v.problems[0] if v.problems else None)
+    report: dict[str, Any] = {
+        "path": v.path,
+        "ok": not v.problems,
+        "problems": [asdict(p) for p in v.problems],
+        "warnings": v.warnings,
+        "checked": v.checked,
+        **summary,
+    }
+    if first is not None:
+        steps = _other_steps(path)
+        report["first_bad_file"] = first.file
+        report["advice"] = (
+            (f"restore {first.file} from a copy of this checkpoint" if first.file else "restore this checkpoint "
+             "from a copy")
+            + (f", or resume from another step with --checkpoint.load_step {steps[-1][5:]} (other steps here: "
+               f"{', '.join(steps)}; verify it first)" if steps else
+               ", or resume from another checkpoint (none other found next to it)")
+            + ". Nothing was changed.")
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    c = report["checked"]
+    read = f"{c['files']} file(s), {c['items']:,} items, {c['bytes'] / 1e6:.2f} MB read, {c['crc_checked']:,} CRC32 checked"
+    lines = []
+    if report["ok"]:
+        lines.append(f"OK      {report['path']}: {read}")
+        g = report.get("gefen")
+        if g:
+            what = "grids" if g["version"] == fmt.VERSION else "per-rank blocks tile every parameter"
+            lines.append(f"        Gefen v{g['version']}: {g['params']} parameters in {g['optimizers']} optimizer "
+                         f"record(s), {g['codebooks']} codebook(s): records, {what} and codebooks valid")
+        if report.get("torch_state_params"):
+            lines.append(f"        torch optimizer state for {report['torch_state_params']} parameters: consistent")
+    else:
+        n = len(report["problems"])
+        lines.append(f"FAILED  {report['path']}: {n} problem(s); first bad file: {report['first_bad_file'] or '-'}")
+        for p in report["problems"][:20]:
+            lines.append(f"  {p['file'] or '-'}: {p['entry'] or '-'}: {p['what']}")
+        if n > 20:
+            lines.append(f"  ... {n - 20} more (--json lists all)")
+        lines.append(f"what to do: {report['advice']}")
+        lines.append(f"checked: {read}")
+    for w in report["warnings"][:10]:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)
