@@ -29,7 +29,12 @@ PY
 # One rank, two steps of the debug recipe: the builtin tokenizer and corpus
 # must come from the installed package.
 gefen-titan-train --job.config "$ROOT/recipes/llama_gefen_dp1.toml" --training.steps 2 \
-    --checkpoint.enable false --job.dump_folder "$WORK/run" > "$WORK/train.log" 2>&1 \
+    --checkpoint.interval 2 --job.dump_folder "$WORK/run" > "$WORK/train.log" 2>&1 \
     || { tail -40 "$WORK/train.log"; exit 1; }
 grep -q "step:  2" <(sed 's/\x1b\[[0-9;]*m//g' "$WORK/train.log") || { tail -40 "$WORK/train.log"; exit 1; }
 echo "wheel smoke: gefen-titan-train ran 2 steps from the installed wheel"
+# The checkpoint tools of the installed console script on what it saved.
+gefen-titan ckpt verify "$WORK/run/checkpoint/step-2"
+gefen-titan ckpt inspect --json "$WORK/run/checkpoint/step-2" > "$WORK/inspect.json"
+python -c "import json, sys; json.load(open(sys.argv[1]))" "$WORK/inspect.json"
+echo "wheel smoke: gefen-titan ckpt verify / inspect ran on the saved checkpoint"
