@@ -317,6 +317,11 @@ class ElasticTextDataset(HuggingFaceTextDataset):
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
+        # torchtitan hands out its live buffers and later extends them in
+        # place; a worker's state is pickled by a queue thread after the
+        # worker has moved on, so it must not share them.
+        for key in ("inputs_buffer", "labels_buffer", "positions_buffer"):
+            state[key] = list(state[key])
         if self._pass_state is not None:
             state[PASS_KEY] = self._pass_state
         if self._stream is not None:
