@@ -181,7 +181,8 @@ def plan_reshard(
 
 
 def buffer_target(src_rank: int, src_world: int, dst_world: int) -> int:
-    """New rank that receives source rank ``src_rank``'s leftover tokens."""
+    """New rank (or reading unit) that receives source rank (unit) ``src_rank``'s
+    leftover tokens."""
     return src_rank * dst_world // src_world
 
 
@@ -199,7 +200,6 @@ class SourceUnit:
     workers: int
     worker: int
     state: dict[str, Any]
-
 
 
 class ElasticTextDataset(HuggingFaceTextDataset):

@@ -32,7 +32,6 @@ the contracts on datasets / torchdata internals) runs here too.
 from __future__ import annotations
 
 import collections
-import copy
 import itertools
 import json
 import os
@@ -290,42 +289,48 @@ def _after(stream, carried):
     return stream[len(carried):]
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}to{p[1]}")
-def test_the_pass_is_read_once_across_the_resume(runs, tok, pair, variant):
-    src_world, dst_world = pair
-    _, src_workers, dst_workers = VARIANTS[variant]
+def _check_pass_read_once(src, dst, dst_workers, tok):
+    """``src``: [(yielded, saved buffer)] per source unit (rank-major);
+    ``dst``: per new rank, its stage units and its final stream. The whole
+    corpus must be read exactly once, each unit starting with the buffers
+    carried to it."""
     docs = _doc_tokens(tok)
     assert len(set(docs)) == len(docs)
     lookup = {d: i for i, d in enumerate(docs)}
     bos = tok.bos_id
-
-    src = [u for r in range(src_world) for u in runs[("src", src_world)][r][variant]["units"]]
-    dst = [runs[("dst", src_world, dst_world)][t][variant] for t in range(dst_world)]
     stage = [u for d in dst for u in d["stage"]]
-    assert len(src) == src_world * max(src_workers, 1) and len(stage) == dst_world * max(dst_workers, 1)
-    assert all(runs[("src", src_world)][r][variant]["positions_ok"] for r in range(src_world))
+    assert all(len(d["stage"]) == max(dst_workers, 1) for d in dst)
     assert all(d["positions_ok"] and d["in_pass"] for d in dst)
     assert any(buf for _, buf in src), "the scenario should carry partly read buffers"
 
     read = []
     for yielded, buf in src:  # the source units, from their first document
         read += _whole_docs(yielded + buf, lookup, bos)
-    n_src, n_dst = len(src), len(stage)
     for v, (yielded, buf) in enumerate(stage):  # carried buffers first: unit u's goes to u * V // U
-        carried = [x for u, (_, b) in enumerate(src) if u * n_dst // n_src == v for x in b]
+        carried = [x for u, (_, b) in enumerate(src) if u * len(stage) // len(src) == v for x in b]
         read += _whole_docs(_after(yielded + buf, carried), lookup, bos)
-    per_rank = max(dst_workers, 1)
-    for t, d in enumerate(dst):  # the rest of the pass: the rank's stage buffers, in order, first
+    for d in dst:  # the rest of the pass: the rank's stage buffers, in order, first
         carried = [x for _, b in d["stage"] for x in b]
         tokens, leftover = d["final"]
         read += _whole_docs(_after(tokens + leftover, carried), lookup, bos)
-        assert len(d["stage"]) == per_rank
 
     assert collections.Counter(read) == collections.Counter(range(N_DOCS)), "documents repeated or missing"
     yielded_tokens = [x for y, _ in src for x in y] + [x for y, _ in stage for x in y]
     yielded_tokens += [x for d in dst for part in d["final"] for x in part]
     assert collections.Counter(yielded_tokens) == collections.Counter(x for d in docs for x in d)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}to{p[1]}")
+def test_the_pass_is_read_once_across_the_resume(runs, tok, pair, variant):
+    src_world, dst_world = pair
+    _, src_workers, dst_workers = VARIANTS[variant]
+    sources = runs[("src", src_world)]
+    assert all(sources[r][variant]["positions_ok"] for r in range(src_world))
+    src = [u for r in range(src_world) for u in sources[r][variant]["units"]]
+    assert len(src) == src_world * max(src_workers, 1)
+    dst = [runs[("dst", src_world, dst_world)][t][variant] for t in range(dst_world)]
+    _check_pass_read_once(src, dst, dst_workers, tok)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -378,3 +383,184 @@ def test_after_the_pass_it_is_torchtitans_layout_at_the_new_size(runs, tok):
         for _ in range(3):
             next(it)
         assert positions.index(dl.dataset.state_dict()["data"]) > k
+
+
+# ------------------------------------- in-process: map-style with workers ---
+
+
+def _save_ranks(loaders, path):
+    """What ``len(loaders)`` ranks write (each its own key), from one process."""
+
+    class Merged:
+        def __init__(self):
+            self.sd = {}
+            for dl in loaders:
+                self.sd.update(dl.state_dict())
+
+        def state_dict(self):
+            return self.sd
+
+        def load_state_dict(self, sd):
+            raise AssertionError
+
+    dcp.save({"dataloader": Merged()}, checkpoint_id=path)
+
+
+def _build_map(path, rank, world, workers, tok):
+    cfg = ElasticTextDataLoader.Config(dataset="gefen_tiny", dataset_path=path, infinite=False, num_workers=workers)
+    return cfg.build(dp_world_size=world, dp_rank=rank, tokenizer=tok, seq_len=SEQ, local_batch_size=B)
+
+
+def test_map_style_with_workers_reads_the_pass_once(tmp_path, tok):
+    """Map-style data (gefen_tiny on a JSONL file) with 2 workers per rank:
+    each worker reads every 2nd document of its rank's pass (torchtitan's
+    workers each read all of it). 2 ranks x 2 workers saved, resumed at 3
+    ranks without workers, and at 1 rank with 2 workers (a same-layout
+    resume inside that pass is bit-identical), then without."""
+    corpus = str(tmp_path / "corpus.jsonl")
+    with open(corpus, "w") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in _texts())
+    src, units = [_build_map(corpus, r, 2, 2, tok) for r in range(2)], []
+    for dl in src:
+        batches = list(itertools.islice(iter(dl), 2 * K))
+        units += _units(batches, _saved(dl), 2)
+    _save_ranks(src, str(tmp_path / "c1"))
+    del src, dl
+
+    wide = [_build_map(corpus, t, 3, 0, tok) for t in range(3)]  # 2 x 2 -> 3 x 0
+    _load_ranks(wide, str(tmp_path / "c1"))
+    records = []
+    for dl in wide:
+        it = iter(dl)
+        stage = [next(it)]
+        buf, in_pass = list(dl.dataset._inputs_buffer), dl.dataset._pass is not None
+        rest = list(it)
+        records.append({"stage": [(_tokens(stage), buf)], "final": (_tokens(rest), list(dl.dataset._inputs_buffer)),
+                        "in_pass": in_pass, "positions_ok": _positions_ok(stage + rest)})
+    _check_pass_read_once(units, records, 0, tok)
+
+    one = _build_map(corpus, 0, 1, 2, tok)  # 2 x 2 -> 1 x 2 -> 1 x 0
+    _load_ranks([one], str(tmp_path / "c1"))
+    it = iter(one)
+    stage = [next(it) for _ in range(2)]
+    _save_ranks([one], str(tmp_path / "c2"))
+    saved = _saved(one)
+    ref = list(itertools.islice(it, J))
+    del it, one
+    again = _build_map(corpus, 0, 1, 2, tok)
+    _load_ranks([again], str(tmp_path / "c2"))
+    assert _same(ref, list(itertools.islice(iter(again), J))) and len(ref) == J
+    del again
+    final = _build_map(corpus, 0, 1, 0, tok)
+    _load_ranks([final], str(tmp_path / "c2"))
+    rest = list(final)
+    record = {"stage": _units(stage, saved, 2), "final": (_tokens(rest), list(final.dataset._inputs_buffer)),
+              "in_pass": all("elastic_pass" in s for s in saved.dataset_states), "positions_ok": _positions_ok(stage + rest)}
+    _check_pass_read_once(units, [record], 2, tok)
+
+
+# ----------------------------------------- in-process: replay, refusals ---
+
+
+@pytest.mark.parametrize("kind", ["stream", "map"])
+def test_batches_read_since_a_worker_snapshot_are_replayed(runs, tmp_path, tok, kind):
+    """With workers, torchdata saves the workers' states at the last snapshot
+    plus how many batches were read since. A reshard rebuilds where each
+    worker really was: the same states as a loader that snapshots every step."""
+    from gefen_titan.loader_state import BATCH_SIZE_KEY
+
+    root = runs["root"]
+    if kind == "stream":
+        build = lambda rank=1, world=2, **kw: _build(root, 5, rank, world, 2, tok, **kw)  # noqa: E731
+    else:
+        corpus = str(tmp_path / "corpus.jsonl")
+        with open(corpus, "w") as f:
+            f.writelines(json.dumps({"text": t}) + "\n" for t in _texts())
+        build = lambda rank=1, world=2, **kw: ElasticTextDataLoader.Config(  # noqa: E731
+            dataset="gefen_tiny", dataset_path=corpus, infinite=False, num_workers=2,
+        ).build(dp_world_size=world, dp_rank=rank, tokenizer=tok, seq_len=SEQ, local_batch_size=B, **kw)
+    states = []
+    for every in (1, 3):
+        dl = build(snapshot_every_n_steps=every)
+        list(itertools.islice(iter(dl), 5))
+        states.append(pickle.loads(dl.state_dict()["dp_rank_1"]))
+        del dl
+    exact, lazy = states
+    assert read_saved_loader(exact).steps_since_snapshot == 0 < read_saved_loader(lazy).steps_since_snapshot
+    probe = build()
+    replayed = [u.state for u in probe._source_units(lazy, 2, 1)]
+    assert replayed == [u.state for u in probe._source_units(exact, 2, 1)]
+    # A torchtitan loader does not save its batch size: no replay, a clear refusal.
+    del lazy[BATCH_SIZE_KEY]
+    entries = {"dp_rank_0": pickle.dumps(exact), "dp_rank_1": pickle.dumps(lazy), "world_size": 2}
+    single = build(rank=0, world=1)
+    with pytest.raises(DataLoaderReshardError, match=r"batch size.*dataloader\.on_dp_change"):
+        single.load_state_dict(entries)
+
+
+def test_a_mapped_stream_refuses_naming_the_key_and_changes_nothing(runs, tok):
+    from torchtitan.hf_datasets import DatasetConfig
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    DATASETS["mapped_stream"] = DatasetConfig(
+        path="", sample_processor=lambda s: s["text"],
+        loader=lambda p: stream_data.load_stream(p).map(lambda x: {"text": x["text"]}),
+    )
+    try:
+        root = runs["root"]
+        dl = ElasticTextDataLoader.Config(
+            dataset="mapped_stream", dataset_path=os.path.join(root, "corpus12"), infinite=False,
+        ).build(dp_world_size=1, dp_rank=0, tokenizer=tok, seq_len=SEQ, local_batch_size=B)
+        before = pickle.loads(dl.state_dict()["dp_rank_0"])
+        with pytest.raises(DataLoaderReshardError, match=r'MappedExamplesIterable.*dataloader\.on_dp_change = "restart"'):
+            _load_ranks([dl], os.path.join(root, "ckpt", "src2", "f12_w0_w0", "step-1"))
+        assert pickle.loads(dl.state_dict()["dp_rank_0"]) == before
+    finally:
+        DATASETS.pop("mapped_stream", None)
+
+
+# ----------------------------------------------------- partition, contracts ---
+
+
+def test_unit_shares_partition_every_source_stream():
+    for src_units, dst_units in [(2, 1), (2, 4), (4, 3), (3, 2), (4, 6), (5, 7), (1, 3), (6, 6)]:
+        got = collections.Counter()
+        for dst in range(dst_units):
+            for u, lo, hi in unit_shares(src_units, dst_units, dst):
+                got.update((u, r) for r in range(lo, hi))
+        assert got == collections.Counter((u, r) for u in range(src_units) for r in range(dst_units))
+
+
+def test_nested_filters_partition_a_stream():
+    """A stream split 3 ways, then each part 2 ways: every example exactly once."""
+    owners = collections.Counter()
+    for first in range(3):
+        for second in range(2):
+            filters = [[3, first, first + 1, 0], [2, second, second + 1, 0]]
+            owners.update(i for i in range(100) if _kept(filters))
+    assert owners == collections.Counter(range(100))
+
+
+def test_pinned_internals_of_datasets_torch_and_torchdata(runs):
+    """What stream_reshard and loader_state reach into: fail here first."""
+    from datasets.distributed import split_dataset_by_node
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    assert version("datasets") == "4.7.0", "stream_reshard.py was written against datasets 4.7.0"
+    assert version("torchdata").split("+")[0] == "0.11.0", "loader_state.py was written against torchdata 0.11.0"
+    full = stream_data.load_stream(os.path.join(runs["root"], "corpus5"))
+    assert type(full._ex_iterable).__name__ in {"ArrowExamplesIterable", "ExamplesIterable"}
+    ds = split_dataset_by_node(full, 1, 2)
+    dl = StatefulDataLoader(ds, batch_size=1, num_workers=2)
+    real = [b["text"][0] for b in dl]
+    state = dl.state_dict()
+    assert set(state["_snapshot"]["_worker_snapshots"]) == {"worker_0", "worker_1"}
+    assert "dataset_state" in state["_snapshot"]["_worker_snapshots"]["worker_0"]
+    emulated = []
+    for w in range(2):  # what worker w read, replayed in this process
+        it = iter(split_dataset_by_node(full, 1, 2))
+        with as_worker(w, 2):
+            first = next(it)
+        emulated.append([first["text"]] + [x["text"] for x in it])
+    assert sorted(real) == sorted(emulated[0] + emulated[1]) and len(real) == N_DOCS // 2
+    assert real[:4] == [emulated[0][0], emulated[1][0], emulated[0][1], emulated[1][1]]
