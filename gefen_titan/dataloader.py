@@ -338,10 +338,14 @@ class ElasticTextDataset(HuggingFaceTextDataset):
             self._positions_buffer = state_dict["positions_buffer"]
             self._stream = copy.deepcopy(state_dict[STREAM_KEY])
             self._data.set_epoch(int(self._stream["epoch"]))
-            return
-        self._stream = None
-        super().load_state_dict(state_dict)
-        self._set_pass(state_dict.get(PASS_KEY) if self.map_style else None)
+        else:
+            self._stream = None
+            super().load_state_dict(state_dict)
+            self._set_pass(state_dict.get(PASS_KEY) if self.map_style else None)
+        # The buffers are extended in place from now on: not the caller's lists.
+        self._inputs_buffer = list(self._inputs_buffer)
+        self._labels_buffer = list(self._labels_buffer)
+        self._positions_buffer = list(self._positions_buffer)
 
     def source_copy(self, world: int, rank: int) -> "ElasticTextDataset":
         """A fresh dataset reading as rank ``rank`` of ``world`` (sharing this

@@ -24,7 +24,8 @@ loader is torchtitan's (same batches) and that a same-size resume is
 bit-identical to torchtitan's uninterrupted loader.
 
 Launches: 2 ranks (source), 4 (source; 2 -> 4), 3 (4 -> 3; source), 2
-(3 -> 2); 2 -> 1 runs in this process. The rest (4 -> 2 into the next epoch,
+(3 -> 2; a stream that cannot continue, refused on both ranks); 2 -> 1 runs
+in this process. The rest (4 -> 2 into the next epoch,
 replay of batches read since a worker snapshot, refusals, the partition and
 the contracts on datasets / torchdata internals) runs here too.
 """
@@ -37,6 +38,7 @@ import json
 import os
 import pickle
 import random
+import re
 from importlib.metadata import version
 
 import pytest
@@ -215,6 +217,33 @@ def _destination(root, rank, world, src_world, tok):
     return out
 
 
+def _register_mapped_stream():
+    """A stream built with .map: its state is not known to resume exactly."""
+    from torchtitan.hf_datasets import DatasetConfig
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    DATASETS["mapped_stream"] = DatasetConfig(
+        path="", sample_processor=lambda s: s["text"],
+        loader=lambda p: stream_data.load_stream(p).map(lambda x: {"text": x["text"]}),
+    )
+
+
+def _refusal(root, rank, world, tok):
+    """Every rank refuses the same way, before its state changes (no rank
+    goes on to a collective the others never reach)."""
+    _register_mapped_stream()
+    dl = ElasticTextDataLoader.Config(
+        dataset="mapped_stream", dataset_path=os.path.join(root, "corpus12"), infinite=False,
+    ).build(dp_world_size=world, dp_rank=rank, tokenizer=tok, seq_len=SEQ, local_batch_size=B)
+    before = pickle.loads(dl.state_dict()[f"dp_rank_{rank}"])
+    try:
+        _manager(os.path.join(root, "ckpt", "src3", "f12_w0_w0"), dl).load(step=1)
+        message = None
+    except DataLoaderReshardError as e:
+        message = str(e)
+    return {"message": message, "unchanged": pickle.loads(dl.state_dict()[f"dp_rank_{rank}"]) == before}
+
+
 def _phase(rank, world, root, jobs):
     import multiprocessing
 
@@ -226,7 +255,12 @@ def _phase(rank, world, root, jobs):
     try:
         tok = _tokenizer()
         for job in jobs:
-            res = _source(root, rank, world, tok) if job == "src" else _destination(root, rank, world, job, tok)
+            if job == "src":
+                res = _source(root, rank, world, tok)
+            elif job == "refuse":
+                res = _refusal(root, rank, world, tok)
+            else:
+                res = _destination(root, rank, world, job, tok)
             torch.save(res, os.path.join(root, f"{job}_{world}_{rank}.pt"))
             dist.barrier()
     finally:
@@ -257,13 +291,14 @@ def runs(tmp_path_factory, tok):
     _start(["src"], 2, root)
     _start(["src", 2], 4, root)
     _start([4, "src"], 3, root)
-    _start([3], 2, root)
+    _start([3, "refuse"], 2, root)
     res = {"root": root, ("dst", 2, 1): [_destination(root, 0, 1, 2, tok)]}
     load = lambda name: torch.load(os.path.join(root, name), weights_only=False)  # noqa: E731
     for n in (2, 4, 3):
         res[("src", n)] = [load(f"src_{n}_{r}.pt") for r in range(n)]
     for n, m in PAIRS[1:]:
         res[("dst", n, m)] = [load(f"{n}_{m}_{r}.pt") for r in range(m)]
+    res["refuse"] = [load(f"refuse_2_{r}.pt") for r in range(2)]
     return res
 
 
@@ -498,25 +533,13 @@ def test_batches_read_since_a_worker_snapshot_are_replayed(runs, tmp_path, tok, 
         single.load_state_dict(entries)
 
 
-def test_a_mapped_stream_refuses_naming_the_key_and_changes_nothing(runs, tok):
-    from torchtitan.hf_datasets import DatasetConfig
-    from torchtitan.hf_datasets.text_datasets import DATASETS
-
-    DATASETS["mapped_stream"] = DatasetConfig(
-        path="", sample_processor=lambda s: s["text"],
-        loader=lambda p: stream_data.load_stream(p).map(lambda x: {"text": x["text"]}),
-    )
-    try:
-        root = runs["root"]
-        dl = ElasticTextDataLoader.Config(
-            dataset="mapped_stream", dataset_path=os.path.join(root, "corpus12"), infinite=False,
-        ).build(dp_world_size=1, dp_rank=0, tokenizer=tok, seq_len=SEQ, local_batch_size=B)
-        before = pickle.loads(dl.state_dict()["dp_rank_0"])
-        with pytest.raises(DataLoaderReshardError, match=r'MappedExamplesIterable.*dataloader\.on_dp_change = "restart"'):
-            _load_ranks([dl], os.path.join(root, "ckpt", "src2", "f12_w0_w0", "step-1"))
-        assert pickle.loads(dl.state_dict()["dp_rank_0"]) == before
-    finally:
-        DATASETS.pop("mapped_stream", None)
+def test_a_mapped_stream_refuses_on_every_rank_naming_the_key(runs):
+    """3 -> 2 on gloo ranks: both refuse with the same message, nothing changed."""
+    got = runs["refuse"]
+    assert got[0]["message"] is not None and got[0]["message"] == got[1]["message"]
+    assert re.search(r'MappedExamplesIterable.*dataloader\.on_dp_change = "restart"', got[0]["message"])
+    assert "3 -> 2 data-parallel ranks" in got[0]["message"]
+    assert all(g["unchanged"] for g in got)
 
 
 # ----------------------------------------------------- partition, contracts ---
