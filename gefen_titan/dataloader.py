@@ -622,7 +622,9 @@ class ElasticTextDataLoader(HuggingFaceTextDataLoader):
         if self.dataset.map_style:
             what = f"{len(_decode_pass(states[0][PASS_KEY]))} unread documents"
         else:
-            what = f"the unread rest of {len(states[0][STREAM_KEY]['leaves'])} source streams"
+            streams = {(leaf["world"], leaf["rank"], leaf["workers"], leaf["worker"])
+                       for state in states for leaf in state[STREAM_KEY]["leaves"]}
+            what = f"the unread rest of {len(streams)} source streams"
         logger.info(
             f"Data loader resharded ({change}): dp rank {self.dp_rank} reads {what} and "
             f"{sum(len(s['inputs_buffer']) for s in states)} carried tokens, then the next epoch "
