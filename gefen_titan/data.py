@@ -108,7 +108,9 @@ _CONFIG = DatasetConfig(
 
 
 def register_datasets() -> None:
-    """Add ``gefen_tiny`` to torchtitan's text DATASETS (idempotent).
+    """Add ``gefen_tiny`` (and ``gefen_tiny_stream``, the same corpus read as
+    a multi-file stream, ``gefen_titan.stream_data``) to torchtitan's text
+    DATASETS (idempotent).
 
     torchtitan looks the name up in a module-level dict when the dataloader
     is built, so this must have run in every rank's process before that;
@@ -117,4 +119,7 @@ def register_datasets() -> None:
     """
     from torchtitan.hf_datasets import text_datasets
 
+    from . import stream_data
+
     text_datasets.DATASETS[DATASET_NAME] = _CONFIG
+    text_datasets.DATASETS[stream_data.STREAM_DATASET_NAME] = stream_data._config()

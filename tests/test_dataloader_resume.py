@@ -18,7 +18,9 @@ resumed ranks must read the documents the source had not read, in its order.
 Variants: the embedded ``gefen_tiny`` loader on a small corpus of unique
 documents (exhaustive), the same file through ``load_dataset("json")`` (an
 HF-style local text dataset, exhaustive), the packaged default corpus (2 -> 4,
-first batches only), and a streaming HF dataset (must refuse, naming the key).
+first batches only), and a streaming HF dataset (continues; one shuffled
+through a buffer must refuse, naming the key; tests/test_stream_resume.py
+checks streaming resumes exactly).
 Everything else (restart, error, re-resharding, epochs) runs in this process
 on checkpoints written by the real 2-rank phase.
 """
@@ -94,6 +96,11 @@ def _register_hf_json(cache_dir: str) -> None:
         path="", sample_processor=proc,
         loader=lambda p: load_dataset("json", data_files=p, split="train", streaming=True),
     )
+    DATASETS["local_json_stream_shuffled"] = DatasetConfig(
+        path="", sample_processor=proc,
+        loader=lambda p: load_dataset("json", data_files=p, split="train", streaming=True).shuffle(
+            seed=0, buffer_size=8),
+    )
 
 
 VARIANTS = {  # name -> (dataset, uses the synthetic corpus)
@@ -101,6 +108,7 @@ VARIANTS = {  # name -> (dataset, uses the synthetic corpus)
     "hfjson": ("local_json", True),
     "default": ("gefen_tiny", False),
     "stream": ("local_json_stream", True),
+    "stream_shuffled": ("local_json_stream_shuffled", True),  # built in-process only
 }
 
 
@@ -167,7 +175,7 @@ def _phase_a(rank, root, corpus):
         _register_hf_json(os.path.join(root, f"hf_cache_a{rank}"))
         tok = _tokenizer()
         out = {}
-        for variant in VARIANTS:
+        for variant in ("tiny", "hfjson", "default", "stream"):
             dl = _build(variant, corpus, rank, 2, tok)
             it = iter(dl)
             before = [next(it) for _ in range(K)]
@@ -433,14 +441,25 @@ def test_error_policy_names_the_key(runs, tok):
     assert dl._load_request is None  # the hook cleaned up
 
 
-def test_streaming_dataset_cannot_continue_and_names_the_key(runs, tok, hf_json):
+def test_streaming_dataset_continues_and_a_shuffle_buffer_refuses(runs, tok, hf_json):
+    """A plain local stream continues at another degree (tests/test_stream_resume.py
+    checks it exactly); one shuffled through a buffer has no position to
+    continue from and refuses, naming the key, with nothing changed."""
     ckpt = os.path.join(runs["root"], "ckpt", "stream", f"step-{STEP}")
     dl = _build("stream", runs["corpus"], 0, 1, tok)
+    assert _load_into(dl, ckpt)
+    first = _tokens(_flat([next(iter(dl))]))
+    carried = list(runs["A"][0]["stream"]["saved_dataset_state"]["inputs_buffer"])
+    assert carried and first[: len(carried)] == carried[: len(first)]
+
+    dl = _build("stream_shuffled", runs["corpus"], 0, 1, tok)
+    before = pickle.loads(dl.state_dict()["dp_rank_0"])
     with pytest.raises(DataLoaderReshardError, match=r'dataloader\.on_dp_change = "restart"') as e:
         _load_into(dl, ckpt)
-    assert "streaming" in str(e.value)
+    assert "shuffle" in str(e.value) and "buffer" in str(e.value)
+    assert pickle.loads(dl.state_dict()["dp_rank_0"]) == before
     # ... and "restart" is the way through.
-    dl = _build("stream", runs["corpus"], 0, 1, tok, on_dp_change="restart")
+    dl = _build("stream_shuffled", runs["corpus"], 0, 1, tok, on_dp_change="restart")
     assert _load_into(dl, ckpt)
     next(iter(dl))
 
@@ -463,13 +482,27 @@ def test_streaming_dataset_same_degree_is_torchtitans(runs, tok, hf_json):
                 assert torch.equal(u, v)
 
 
-def test_worker_process_state_cannot_continue(runs, tok):
-    """States saved with num_workers > 0 hold per-worker snapshots, not a
-    document index: a DP change with "continue" refuses, naming the key."""
+def test_torchtitan_worker_state_cannot_continue(runs, tok):
+    """torchtitan's loader with num_workers > 0 gives every worker the rank's
+    whole share of a map-style dataset, so its per-worker positions do not say
+    which documents the rank read: a DP change refuses, naming the key."""
     dl = _build("tiny", runs["corpus"], 0, 1, tok)
-    worker_state = pickle.dumps({"_snapshot": {}, "_steps_since_snapshot": 0, "_iterator_finished": False})
+    position = runs["A"][0]["tiny"]["saved_dataset_state"]  # no worker marker: torchtitan's
+    workers = {
+        f"worker_{w}": {"worker_id": w, "dataset_state": position,
+                        "fetcher_state": {"fetcher_ended": False, "dataset_iter_state": None}}
+        for w in range(2)
+    }
+    worker_state = pickle.dumps({
+        "_snapshot": {"_snapshot_step": K, "_last_yielded_worker_id": 1, "_main_snapshot": {},
+                      "_worker_snapshots": workers},
+        "_steps_since_snapshot": 0, "_iterator_finished": False,
+    })
     with pytest.raises(DataLoaderReshardError, match=r"num_workers > 0.*dataloader\.on_dp_change"):
         dl.load_state_dict({"dp_rank_0": worker_state, "dp_rank_1": worker_state, "world_size": 2})
+    empty = pickle.dumps({"_snapshot": {}, "_steps_since_snapshot": 0, "_iterator_finished": False})
+    with pytest.raises(DataLoaderReshardError, match=r"not one this loader reads.*dataloader\.on_dp_change"):
+        dl.load_state_dict({"dp_rank_0": empty, "dp_rank_1": empty, "world_size": 2})
 
 
 def test_loader_without_the_hook_fails_clearly(runs, tok):
