@@ -48,16 +48,15 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 
-from gefen_titan import data as _data, patches as _patches
-
-# Rank processes import this module, not conftest: what train.py does first.
-_patches.apply_all()
-_data.register_datasets()
-from gefen_titan import data, stream_data
+from gefen_titan import data, patches, stream_data
 from gefen_titan.checkpoint import GefenCheckpointManager
 from gefen_titan.dataloader import STREAM_KEY, DataLoaderReshardError, ElasticTextDataLoader
 from gefen_titan.loader_state import read_saved_loader
 from gefen_titan.stream_reshard import _kept, as_worker, unit_shares
+
+# Rank processes import this module, not conftest: what train.py does first.
+patches.apply_all()
+data.register_datasets()
 
 SEQ, B, K, J = 32, 2, 2, 2  # seq_len, local batch, batches per unit before a save, batches compared after
 N_DOCS = 120
