@@ -2,7 +2,8 @@
 
 Importing the package applies our torchtitan patches (``gefen_titan.patches``,
 shipped from the top-level ``patches/`` folder) once, in this one place, and
-registers the embedded default dataset. Both are idempotent; the patches refuse
+registers the embedded default dataset and the extra model flavors
+(``flavors.py``). All are idempotent; the patches refuse
 to run against a torchtitan or torch they were not written for.
 """
 
@@ -13,6 +14,10 @@ _apply_patches()
 from .data import register_datasets as _register_datasets  # noqa: E402
 
 _register_datasets()
+
+from .flavors import register_flavors as _register_flavors  # noqa: E402
+
+_register_flavors()
 
 from .optimizer import GefenOptimizersContainer  # noqa: E402
 from .recipe import load_recipe, RecipeError  # noqa: E402
