@@ -189,18 +189,21 @@ def _coords(mesh, world: int, fqn: str) -> list[tuple[int, ...]]:
     return out  # type: ignore[return-value]
 
 
-def _adamw_template(optimizer_config) -> list[tuple[str, str, Any]]:
+def _adamw_template(config) -> list[tuple[str, str, Any]]:
     """AdamW's flat checkpoint keys per parameter, from a real torchtitan container.
 
-    A two-parameter model stepped once: its ``state_dict()`` keys with the
-    parameter's name replaced by ``{fqn}``, each with its kind (a tensor
-    like the parameter, a plain tensor, or bytes with its value).
+    A two-parameter model with the recipe's optimizer settings (name AdamW)
+    and LR schedule (which adds ``initial_lr``), stepped once: its
+    ``state_dict()`` keys with the parameter's name replaced by ``{fqn}``,
+    each with its kind (a tensor like the parameter, a plain tensor, or
+    bytes with its value).
     """
     from gefen_titan.optimizer import GefenOptimizersContainer
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))
-    cfg = dataclasses.replace(optimizer_config, name="AdamW", param_groups=[])
+    cfg = dataclasses.replace(config.optimizer, name="AdamW", param_groups=[])
     container = GefenOptimizersContainer(cfg, model_parts=[model])
+    config.lr_scheduler.build(optimizers=container, training_steps=config.training.steps)
     model(torch.ones(1, 4)).sum().backward()
     container.step()
     names = [n for n, _ in model.named_parameters()]
@@ -260,7 +263,7 @@ def build(flavor: str, mesh: Mesh, max_tp: int = 8, recipe: str = RECIPE) -> Bui
     from gefen_titan import gefen_state as gs
 
     ckpt_id = str(Path(config.dump_folder) / config.checkpoint.folder / f"step-{config.training.steps}")
-    return Built(flavor, mesh, numel, params, ckpt_id, _adamw_template(config.optimizer), hyper,
+    return Built(flavor, mesh, numel, params, ckpt_id, _adamw_template(config), hyper,
                  gs.options(container.gefen_optimizers[0])["deterministic"])
 
 
@@ -745,6 +748,29 @@ def growth_table(found: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def report(rows: list[dict], max_tp: int) -> list[dict]:
+    """Print the tables; returns the growth figures."""
+    found = flags(rows)
+    print(f"\nOptimizer state and checkpoint per rank (worst rank), Gefen periods = the row unit (agreed blocking's "
+          f"fallback; in brackets the finest period the rule allows), max_tensor_parallel_degree {max_tp}; "
+          "~: metadata extrapolated over identical layers\n")
+    print(table(rows))
+    if found:
+        print("\nGrowth with the world size W (least-squares slope of log(figure) over log(W)), per rank / whole job; "
+              f"FLAG: the job-wide figure grows faster than linearly (slope > {FLAG_SLOPE})\n")
+        print(growth_table(found))
+        flagged = [f for f in found if f["flag"]]
+        if flagged:
+            print("\nflagged (faster than linear in W):")
+            for f in flagged:
+                print(f"  {f['flavor']} {f['mesh']}: {f['figure']}: per rank W^{f['per_rank']:+.2f}, job W^{f['job']:.2f}")
+    if rows:
+        r = rows[-1]
+        print(f"\nfirst-step collectives of the agreement ({r['flavor']}, {r['label']}): " + "; ".join(
+            f"{c['what']} {c['op']} {c['numel']:,} x {c['dtype']} -> {_b(c['per_rank'])}/rank" for c in r["collectives"]))
+    return found
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--flavors", default=",".join(FLAVORS))
@@ -757,7 +783,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--exact-items", type=int, default=200_000,
                     help="build the metadata in full up to this many plan items, else extrapolate over layers")
     ap.add_argument("--recipe", default=RECIPE)
-    ap.add_argument("--json", default="")
+    ap.add_argument("--json", default="", help="also write every figure here")
+    ap.add_argument("--from-json", default="", help="print the tables of an earlier --json run (builds nothing)")
     args = ap.parse_args(argv)
     args.flavors = [f for f in args.flavors.split(",") if f]
     args.meshes = [m for m in args.meshes.split(",") if m]
@@ -775,6 +802,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        return report(saved["rows"], saved["args"]["max_tp_degree"])
     import gefen_titan  # noqa: F401  (patches, flavors)
     from torchtitan.tools.logging import logger
 
@@ -793,24 +823,7 @@ def main(argv: list[str] | None = None) -> None:
                 row = plan(built, args.exact_items)
                 rows.append(row)
                 print(f"done: {flavor} {mesh.label} ({time.monotonic() - begin:.1f} s)", file=sys.stderr, flush=True)
-    found = flags(rows)
-    print(f"\nOptimizer state and checkpoint per rank (worst rank), Gefen periods = the row unit (agreed blocking's "
-          f"fallback; in brackets the finest period the rule allows), max_tensor_parallel_degree {args.max_tp_degree}; "
-          "~: metadata extrapolated over identical layers\n")
-    print(table(rows))
-    if found:
-        print("\nGrowth with the world size W (least-squares slope of log(figure) over log(W)); FLAG: the job-wide "
-              f"figure grows faster than linearly (slope > {FLAG_SLOPE})\n")
-        print(growth_table(found))
-        flagged = [f for f in found if f["flag"]]
-        if flagged:
-            print("\nflagged (faster than linear in W):")
-            for f in flagged:
-                print(f"  {f['flavor']} {f['mesh']}: {f['figure']}: per rank W^{f['per_rank']:+.2f}, job W^{f['job']:.2f}")
-    if rows:
-        r = rows[-1]
-        print(f"\nfirst-step collectives of the agreement ({r['flavor']}, {r['label']}): " + "; ".join(
-            f"{c['what']} {c['op']} {c['numel']:,} x {c['dtype']} -> {_b(c['per_rank'])}/rank" for c in r["collectives"]))
+    found = report(rows, args.max_tp_degree)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "growth": found}, indent=1, default=str))
 
