@@ -11,9 +11,11 @@ checkpointing) and our optimizer container. From the parameters' real
 global shapes and placements it computes, for every rank (each rank's
 shard from DTensor's own ``_compute_local_shape_and_global_offset``):
 
-* **Gefen state bytes** per rank: 1 B per element (codes) + 8 B per block
-  (fp32 magnitude and ``vmean``) + the 1 KiB codebook; period-1 parameters
-  (norms) 9 B per element. Periods need gradients, so the plan applies the
+* **Gefen state bytes** per rank, as the optimizer holds them: 1 B per
+  element (codes) + 16 B per block (fp32 magnitude and ``vmean``, and
+  gefen-x's per-step scratch ``stepsize`` and ``_h_buf``, which live in the
+  state but are not checkpointed) + the 1 KiB codebook; period-1 parameters
+  (norms) 17 B per element. Periods need gradients, so the plan applies the
   adapter's own rules without them: each parameter's row unit and
   candidates come from ``AgreedBlocking.period_candidates`` (the row length
   cut by the live layout and by every TP degree dividing
@@ -343,7 +345,7 @@ class _Sink:
 _SAVED: dict[Any, int] = {}
 # Above this many bytes a chunk's framing is taken from a same-ndim small
 # tensor (the framing varies by < 64 B with the shape's digits and padding).
-_EXACT_SAVE_BYTES = 1 << 27
+_EXACT_SAVE_BYTES = 1 << 24
 
 
 def saved_length(obj: Any) -> int:
@@ -611,10 +613,27 @@ def metadata_estimate(entries: list[Entry], world: int, chunks: Chunks, checkpoi
 
 
 # ------------------------------------------------------------------- plan
+CODEBOOK_BYTES = 256 * 4  # one fp32 [256] codebook per Gefen optimizer
+
+
+# fp32 per block in live state: magnitude and vmean (checkpointed), and
+# gefen-x 0.5.0's per-step scratch ``stepsize`` and ``_h_buf``, which it keeps
+# in the state between steps (docs/gefen_internals.md; not checkpointed).
+LIVE_BLOCK_FLOATS = 4
+
+
+def gefen_param_bytes(numel: int, period: int) -> int:
+    """Gefen's live state for one parameter shard: a uint8 code per element and 4 fp32 per block.
+
+    An empty shard holds nothing (Gefen keeps no tensors for it).
+    """
+    return numel + 4 * LIVE_BLOCK_FLOATS * (numel // period) if numel else 0
+
+
 def state_bytes(built: Built, rule: str | None) -> list[int]:
     """Per rank: Gefen state bytes under ``rule``'s periods (None: AdamW's)."""
     chunks = Chunks()
-    out = [1024 if rule is not None else 0] * built.mesh.world  # Gefen: the fp32 [256] codebook
+    out = [CODEBOOK_BYTES if rule is not None else 0] * built.mesh.world
     for p in built.params:
         period = p.period(rule) if rule is not None else 0
         elem = torch._utils._element_size(p.dtype)
@@ -622,8 +641,8 @@ def state_bytes(built: Built, rule: str | None) -> list[int]:
             n = math.prod(sizes)
             if rule is None:
                 out[r] += 2 * n * elem + 4  # exp_avg, exp_avg_sq, fp32 step
-            elif n:
-                out[r] += n + 8 * (n // period)  # codes; fp32 magnitude and vmean per block
+            else:
+                out[r] += gefen_param_bytes(n, period)
     return out
 
 
@@ -641,7 +660,7 @@ def collectives(built: Built) -> list[dict[str, Any]]:
     return out
 
 
-def plan(built: Built, exact_items: int = 200_000) -> dict[str, Any]:
+def plan(built: Built, exact_items: int = 100_000) -> dict[str, Any]:
     chunks = Chunks()
     w = built.mesh.world
     row: dict[str, Any] = {"flavor": built.flavor, "mesh": built.mesh.kind, "label": built.mesh.label, "world": w,
@@ -780,7 +799,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hsdp-shard", type=int, default=8, help="shard degree of the hsdp meshes")
     ap.add_argument("--max-tp-degree", type=int, default=8,
                     help="optimizer.max_tensor_parallel_degree of every run (periods fit TP degrees dividing it)")
-    ap.add_argument("--exact-items", type=int, default=200_000,
+    ap.add_argument("--exact-items", type=int, default=100_000,
                     help="build the metadata in full up to this many plan items, else extrapolate over layers")
     ap.add_argument("--recipe", default=RECIPE)
     ap.add_argument("--json", default="", help="also write every figure here")
