@@ -7,8 +7,9 @@ costs; real parameters under FSDP2), one run: for each method, train
 ``--load-ranks`` and take one more step. Gradients are synthetic but
 deterministic per step and global (each rank takes its shard), so every
 world size sees the same update and the first update after a load can be
-compared with the uninterrupted run's. Weights are saved beside the
-optimizer and loaded before it, untimed: the figures are the optimizer's.
+compared with the uninterrupted run's. Weights are saved in a checkpoint of
+their own and loaded before the optimizer, untimed: the figures are the
+optimizer's.
 
 Methods (``--methods``): ``current`` is gefen-titan with the optimizer's
 default blocking, i.e. the checkpoint format a run writes today (its label
@@ -61,7 +62,8 @@ def method_label(method: str) -> str:
 
 
 def _blocking(method: str) -> str:
-    if method == "v1":
+    # GefenDCPState checkpoints gefen-x's own optimizer: per-rank periods and codebooks.
+    if method in ("v1", "gefen-x"):
         return "per_rank"
     from gefen_titan.optimizer import GefenOptimizersContainer
 
@@ -94,7 +96,6 @@ def _worker(args) -> None:
     for layer in model.layers.values():
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    names = [n for n, _ in model.named_parameters()]
     opt = GefenOptimizersContainer.Config(
         name="AdamW" if args.method == "adamw" else "Gefen", lr=1e-3, implementation="for-loop",
         blocking=_blocking(args.method),
@@ -158,12 +159,14 @@ def _worker(args) -> None:
             from gefen import GefenSavePlanner
 
             kwargs["planner"] = GefenSavePlanner()
+        # Weights in their own checkpoint, untimed: the figures are the optimizer's alone.
+        dcp.save({"model": dict(model.named_parameters())}, checkpoint_id=args.ckpt + ".model")
         dist.barrier()
         with PeakRSS() as rss:
             t0 = time.perf_counter()
             if profiler:
                 profiler.enable()
-            dcp.save({"optimizer": state_obj(), "model": dict(model.named_parameters())}, checkpoint_id=args.ckpt, **kwargs)
+            dcp.save({"optimizer": state_obj()}, checkpoint_id=args.ckpt, **kwargs)
             if profiler:
                 profiler.disable()
             dist.barrier()
@@ -173,7 +176,7 @@ def _worker(args) -> None:
     else:
         # Weights first and untimed: the figures are the optimizer's alone.
         # The live parameters (model.state_dict() splits the fused wqkv).
-        dcp.load({"model": dict(model.named_parameters())}, checkpoint_id=args.ckpt)
+        dcp.load({"model": dict(model.named_parameters())}, checkpoint_id=args.ckpt + ".model")
         dist.barrier()
         with PeakRSS() as rss:
             t0 = time.perf_counter()

@@ -9,7 +9,8 @@ wraps the trainer's ``train_step`` and its optimizer container's ``step``
 with timers, so the figures are the steps themselves, not torchtitan's
 logging intervals (whose first one also counts the set-up):
 
-* first-step time (Gefen's includes the agreement of periods and codebook),
+* first-step time (Gefen's includes the agreement of periods and codebook,
+  also timed on its own),
   steady-state step time (median of steps 3..N) and the optimizer's share of
   it (median ``optimizers.step()``);
 * tokens/s of the whole job at the steady step time;
@@ -87,6 +88,22 @@ def _worker(out: str, train_args: list[str]) -> None:
 
     trainer.train_step = timed_train_step
     trainer.optimizers.step = timed_opt_step
+    agreement_s: list[float] = []
+    agreement = getattr(trainer.optimizers, "_agreement", None)
+    if agreement is not None:  # Gefen, agreed blocking: time the first step's agreement on its own
+        maybe_agree = agreement.maybe_agree
+
+        def timed_agree(*a, **k):
+            needed = agreement.needed
+            sync()
+            t0 = time.perf_counter()
+            result = maybe_agree(*a, **k)
+            sync()
+            if needed:
+                agreement_s.append(time.perf_counter() - t0)
+            return result
+
+        agreement.maybe_agree = timed_agree
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     try:
@@ -94,7 +111,7 @@ def _worker(out: str, train_args: list[str]) -> None:
             trainer.train()
         state_bytes, numel = trainer.optimizers.state_bytes()
         peak = torch.cuda.max_memory_allocated() if cuda else rss.peak
-        mine = {"steps": steps, "opt_steps": opt_steps, "peak": peak, "state_bytes": state_bytes, "numel": numel,
+        mine = {"steps": steps, "opt_steps": opt_steps, "agreement_s": sum(agreement_s), "peak": peak, "state_bytes": state_bytes, "numel": numel,
                 "memory": "cuda max_memory_allocated" if cuda else f"peak RSS ({rss.method})"}
         world = dist.get_world_size() if dist.is_initialized() else 1
         everyone = [None] * world
@@ -135,6 +152,7 @@ def summarize(raw: dict, ranks: int) -> dict:
     return {
         "steps": n, "first_step_s": steps[0], "steady_step_s": step_s, "steady_opt_s": statistics.median(steady_opt),
         "first_opt_s": opts[0] if opts else float("nan"), "steady_from_step": 3 if len(steps) > 2 else 2,
+        "agreement_s": max(r.get("agreement_s", 0.0) for r in per_rank),
         "tokens_per_s": raw["tokens_per_rank_step"] * ranks / step_s,
         "peak_bytes": max(r["peak"] for r in per_rank), "memory": per_rank[0]["memory"],
         "opt_bytes_per_param": state / numel if numel else float("nan"),
@@ -200,11 +218,12 @@ def run(args: argparse.Namespace) -> list[dict]:
 def report(rows: list[dict], ranks: int) -> str:
     lines = [f"recipes/llama_gefen.toml at {ranks} ranks through torchtitan's Trainer; step times are the slowest "
              f"rank's, steady = median from step 3; peak memory: {rows[0]['memory']}, worst rank", "",
-             "| model | steps x seq x local batch | optimizer | tokens/s (job) | first step s | steady step s "
+             "| model | steps x seq x local batch | optimizer | tokens/s (job) | first step s (agreement) | steady step s "
              "| optimizer step s (steady) | peak MiB/rank | opt B/param |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        agreed = f" ({r['agreement_s']:.2f})" if r.get("agreement_s") else ""
         lines.append(f"| {r['model']} | {r['steps']} x {r['seq_len']} x {r['local_batch']} | {r['optimizer']} | "
-                     f"{r['tokens_per_s']:,.0f} | {r['first_step_s']:.2f} | {r['steady_step_s']:.2f} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['first_step_s']:.2f}{agreed} | {r['steady_step_s']:.2f} | "
                      f"{r['steady_opt_s']:.3f} | {r['peak_bytes'] / 2**20:,.0f} | {r['opt_bytes_per_param']:.3f} |")
     lines.append("")
     for model in dict.fromkeys(r["model"] for r in rows):
