@@ -56,7 +56,7 @@ from torch.optim import Optimizer
 from . import gefen_state as gs
 
 __all__ = ["AgreedBlocking", "BlockingError", "row_unit", "candidate_periods", "grid_shape", "check_period_fits",
-           "block_variance_sums", "histogram", "period_from_sums"]
+           "block_variance_sums", "histogram", "period_from_sums", "agreement_collectives"]
 
 HIST_BINS = gs.K * 16  # gefen-x: num_codebooks * 16
 # Bound the fp64 temporaries of the period statistics (elements per chunk).
@@ -291,6 +291,28 @@ def agree_error(error: str | None, what: str) -> None:
     raise BlockingError(f"{what}: " + "; ".join(sorted({e for e in errors if e})))
 
 
+def agreement_collectives(width: int) -> list[tuple[str, str, torch.dtype, int]]:
+    """The collectives ``AgreedBlocking.maybe_agree`` makes on a first step that succeeds.
+
+    In order, ``(what, op, dtype, elements each rank sends)``; ``width`` is
+    the stage's candidate count (the sum of ``len(candidates)`` over its
+    searched parameters). An all-gather delivers ``world`` times its
+    payload to every rank. Kept beside the code it describes: the scale plan
+    sizes the first step from it, and a test records the real calls
+    against it.
+    """
+    return [
+        ("error check: parameters", "all_reduce", torch.int64, 1),
+        ("stage signature", "all_gather", torch.int64, 1),
+        ("candidate width", "all_gather", torch.int64, 1),
+        ("block-variance sums", "all_gather", torch.float64, width),
+        ("error check: histogram", "all_reduce", torch.int64, 1),
+        ("histogram", "all_reduce", torch.int64, HIST_BINS),
+        ("error check: codebook", "all_reduce", torch.int64, 1),
+        ("codebook", "broadcast", torch.float32, gs.K),
+    ]
+
+
 class AgreedBlocking:
     """Pre-sets Gefen's periods and codebook from global statistics, once.
 
@@ -325,6 +347,15 @@ class AgreedBlocking:
                     unit = row_unit(fqn, p, self.max_tp_degree)
                     out.append(_Param(fqn, p, optim, unit, candidate_periods(unit)))
         return out
+
+    def period_candidates(self, optimizers: Iterable[Optimizer]) -> list[tuple[str, torch.Tensor, int, list[int]]]:
+        """(fqn, param, row unit, candidate periods) per Gefen parameter, in agreement order.
+
+        The row unit is 0 for a parameter that keeps period 1 (candidates
+        ``[1]``). Needs no gradient (shapes and placements only), so a plan
+        can apply the rules to a model on the meta device.
+        """
+        return [(q.fqn, q.param, q.unit, list(q.candidates)) for q in self._params(optimizers)]
 
     def maybe_agree(self, optimizers: list[Optimizer]) -> None:
         if not self.needed:

@@ -425,6 +425,10 @@ def _rebuild_model_spec(config: Any, module: str, flavor: str | None, attn_backe
     if flavor is None:
         raise RecipeError(f"{where} flavor: the base config has no model; set a flavor")
     mod = importlib.import_module(f"torchtitan.models.{module}")
+    if module == "llama3":
+        from .flavors import register_flavors
+
+        register_flavors()  # [model] flavor = "150M"
     registry = getattr(mod, "model_registry", None)
     if registry is None:
         raise RecipeError(f"{where}: torchtitan.models.{module} has no model_registry")

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One-GPU check (under 8 minutes on one CUDA GPU): the reshard kernels' tests
+# on CUDA, their bandwidth against the device's, one-GPU training of the debug
+# recipe with fused Gefen and NCCL, and a checkpoint saved at 2 CPU ranks
+# loaded onto the GPU with its state compared bit for bit; one JSON report.
+#
+#   scripts/gpu_check.sh                                  # report: outputs/gpu_check/report.json
+#   scripts/gpu_check.sh --stages kernels,bandwidth --out /tmp/r.json
+#
+# Without CUDA it runs the CPU half of the checkpoint check, skips the rest and
+# exits 3. Exit 0: every check passed; 1: a check failed; 2: bad arguments.
+# The stages are gefen_titan.benchmarks.gpu_check (its docstring says what
+# each one checks). PYTHON picks the interpreter (default: python3, i.e. the
+# active virtual environment's).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec "${PYTHON:-python3}" -m gefen_titan.benchmarks.gpu_check "$@"

@@ -1,0 +1,13 @@
+"""Scale plan: Gefen vs AdamW for Llama 3 8B, 70B, 405B at 8-1024 ranks, on the meta device.
+
+    python scripts/plan_scale.py                          # 8B, 70B, 405B x fsdp, fsdp_tp, hsdp x 8..1024 ranks
+    python scripts/plan_scale.py --flavors 8B --meshes fsdp --worlds 8,64,512
+
+The plan itself is ``gefen_titan.benchmarks.scale`` (its docstring says what
+is computed and how).
+"""
+
+from gefen_titan.benchmarks.scale import main
+
+if __name__ == "__main__":
+    main()
