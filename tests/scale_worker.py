@@ -12,13 +12,14 @@ saved at 2 gloo ranks (the CPU half of ``scripts/gpu_check.sh``).
    checkpoint's own DCP metadata: entries, chunks, bytes per rank file, the
    rank that wrote each replicated entry, and the size of the metadata
    (its optimizer share).
-3. extrapolation: the debug model at FSDP 8, metadata built in full vs
-   extrapolated over its layers.
+3. extrapolation: the same plan's metadata built in full vs extrapolated
+   over the model's layers.
 4. hand: one parameter's chunks and state bytes at FSDP 2.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import sys
@@ -67,7 +68,7 @@ def collectives() -> dict:
     return {"recorded": recorded, "expected": expected, "width": width}
 
 
-def checkpoint(step_dir: str) -> dict:
+def checkpoint(step_dir: str, built) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import Metadata
 
@@ -78,8 +79,7 @@ def checkpoint(step_dir: str) -> dict:
     prefix = "optimizer."
     record_key = next(k for k in md.state_dict_metadata if k.startswith(prefix + fmt.PREFIX + "optimizer/"))
     record = json.loads(read_small(step_dir, md, prefix, [], [record_key[len(prefix):]])[record_key[len(prefix):]])
-    built = scale.build("debugmodel", scale.mesh_for("fsdp", 2), max_tp=2, recipe="recipes/llama_gefen.toml")
-    built.gefen_hyper = record["params"][0]["group"]
+    built = dataclasses.replace(built, gefen_hyper=record["params"][0]["group"])
     periods = {p["fqn"]: p["period"] for p in record["params"]}
     entries = scale.gefen_entries(built, "fallback", periods=periods, step=record["global_step"])
     chunks = scale.Chunks()
@@ -106,25 +106,25 @@ def checkpoint(step_dir: str) -> dict:
     }
 
 
-def extrapolation() -> dict:
-    built = scale.build("debugmodel", scale.mesh_for("fsdp", 8), max_tp=2, recipe="recipes/llama_gefen.toml")
+def extrapolation(built) -> dict:
     out = {}
     for name, entries in (("gefen", scale.gefen_entries(built, "fallback")), ("adamw", scale.adamw_entries(built))):
         chunks = scale.Chunks()
-        full = scale.metadata_estimate(entries, 8, chunks, built.checkpoint_id, items=0, exact_items=1)
-        layered = scale.metadata_estimate(entries, 8, chunks, built.checkpoint_id, items=2, exact_items=1)
+        w = built.mesh.world
+        full = scale.metadata_estimate(entries, w, chunks, built.checkpoint_id, items=0, exact_items=1)
+        layered = scale.metadata_estimate(entries, w, chunks, built.checkpoint_id, items=2, exact_items=1)
         out[name] = {"full": full, "layered": layered}
     return out
 
 
-def hand() -> dict:
-    built = scale.build("debugmodel", scale.mesh_for("fsdp", 2), max_tp=2, recipe="recipes/llama_gefen.toml")
+def hand(built) -> dict:
     p = next(q for q in built.params if q.fqn == "tok_embeddings.weight")
     return {"shape": list(p.shape), "unit": p.unit, "fallback": p.period("fallback"), "finest": p.period("finest"),
             "chunks": scale.Chunks().per_rank(p.shape, p), "state": scale.gefen_param_bytes(1024 * 256, p.period("fallback"))}
 
 
 if __name__ == "__main__":
-    result = {"collectives": collectives(), "checkpoint": checkpoint(sys.argv[1]), "extrapolation": extrapolation(),
-              "hand": hand()}
+    result = {"collectives": collectives()}
+    built = scale.build("debugmodel", scale.mesh_for("fsdp", 2), max_tp=2, recipe="recipes/llama_gefen.toml")
+    result.update(checkpoint=checkpoint(sys.argv[1], built), extrapolation=extrapolation(built), hand=hand(built))
     print(json.dumps(result, default=list))

@@ -1,7 +1,7 @@
 """The scale tools: scripts/gpu_check.sh's CPU path, the scale plan, the benchmarks' arguments.
 
-* ``gpu_check.sh`` without CUDA: bad arguments exit 2 with the reason; a
-  run does the CPU half of the checkpoint check (a real v2 checkpoint of the
+* ``gpu_check.sh`` without CUDA: bad arguments exit 2 with the reason (its
+  parser); a run does the CPU half of the checkpoint check (a real v2 checkpoint of the
   debug recipe at 2 gloo ranks), skips every GPU stage, writes its report
   and exits 3 saying "no CUDA".
 * The scale plan against that real checkpoint (``tests/scale_worker.py``):
@@ -45,11 +45,16 @@ def gpu_check_cpu(tmp_path_factory):
     return proc, work
 
 
-def test_gpu_check_refuses_bad_arguments():
-    env = {**os.environ, "PYTHON": sys.executable}
-    proc = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--stages", "kernels,warp"], cwd=ROOT,
-                          capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 2 and "--stages: unknown warp" in proc.stderr
+def test_gpu_check_refuses_bad_arguments(capsys):
+    from gefen_titan.benchmarks import gpu_check
+
+    for bad, why in ((["--stages", "kernels,warp"], "--stages: unknown warp"), (["--sizes", "64Q"], "--sizes"),
+                     (["--train-steps", "1"], "--train-steps must be >= 2")):
+        with pytest.raises(SystemExit) as e:
+            gpu_check.parse_args(bad)
+        assert e.value.code == 2 and why in capsys.readouterr().err
+    args = gpu_check.parse_args(["--stages", "checkpoint,kernels", "--sizes", "1M,2G"])
+    assert args.stages == ["checkpoint", "kernels"] and args.sizes == [1 << 20, 2 << 30]
 
 
 def test_gpu_check_without_cuda_runs_the_cpu_half_and_says_so(gpu_check_cpu):

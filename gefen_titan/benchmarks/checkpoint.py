@@ -255,7 +255,7 @@ def peak_ratio(rss: list[dict]) -> float:
 
 def profile_top(path: str, n: int = 14) -> str:
     out = io.StringIO()
-    pstats.Stats(path, stream=out).sort_stats("cumulative").print_stats(n)
+    pstats.Stats(path, stream=out).strip_dirs().sort_stats("cumulative").print_stats(n)
     lines = out.getvalue().splitlines()
     start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
     return "\n".join(lines[start:])

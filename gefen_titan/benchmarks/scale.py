@@ -223,7 +223,11 @@ def _adamw_template(config) -> list[tuple[str, str, Any]]:
 
 
 def build(flavor: str, mesh: Mesh, max_tp: int = 8, recipe: str = RECIPE) -> Built:
-    """The flavor on the meta device under ``mesh``, as the Trainer builds it (collective-free)."""
+    """The flavor on the meta device under ``mesh``, as the Trainer builds it (collective-free).
+
+    Replaces any process group of this process by torchtitan's fake one at
+    ``mesh.world`` ranks: run it in a process of its own, never inside a job.
+    """
     from gefen_titan.blocking import AgreedBlocking
     from gefen_titan.recipe import load_recipe
     from torchtitan.config.override import apply_overrides
