@@ -40,11 +40,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from gefen_titan import data
-from gefen_titan.checkpoint import GefenCheckpointManager
+from loader_checkpoint import manager as _manager
 from gefen_titan.dataloader import (
     ON_DP_CHANGE_KEY,
     PASS_KEY,
@@ -127,25 +126,6 @@ def _build(variant, corpus, rank, world, tok, *, on_dp_change="continue", infini
     return cfg.build(dp_world_size=world, dp_rank=rank, tokenizer=tok, seq_len=SEQ, local_batch_size=BATCH)
 
 
-class _Blob:
-    """Stand-in optimizer / LR scheduler state for the checkpoint manager."""
-
-    def state_dict(self):
-        return {"blob": torch.zeros(1)}
-
-    def load_state_dict(self, sd):
-        pass
-
-
-def _manager(folder, dataloader):
-    cfg = GefenCheckpointManager.Config(
-        enable=True, folder=folder, interval=1, keep_latest_k=0, last_save_model_only=False
-    )
-    torch.manual_seed(0)
-    return cfg.build(
-        dataloader=dataloader, model_parts=[nn.Linear(2, 2)], optimizers=_Blob(),
-        lr_schedulers=_Blob(), states={}, sd_adapter=None, base_folder="",
-    )
 
 
 def _flat(batches):

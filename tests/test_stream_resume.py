@@ -45,11 +45,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from gefen_titan import data, patches, stream_data
-from gefen_titan.checkpoint import GefenCheckpointManager
+from loader_checkpoint import manager as _manager
 from gefen_titan.dataloader import STREAM_KEY, DataLoaderReshardError, ElasticTextDataLoader
 from gefen_titan.loader_state import read_saved_loader
 from gefen_titan.stream_reshard import _kept, as_worker, unit_shares
@@ -105,25 +104,6 @@ def _build(root, files, rank, world, workers, tok, *, infinite=False, snapshot_e
                      snapshot_every_n_steps=snapshot_every_n_steps)
 
 
-class _Blob:
-    """Stand-in optimizer / LR scheduler state for the checkpoint manager."""
-
-    def state_dict(self):
-        return {"blob": torch.zeros(1)}
-
-    def load_state_dict(self, sd):
-        pass
-
-
-def _manager(folder, dataloader):
-    cfg = GefenCheckpointManager.Config(
-        enable=True, folder=folder, interval=1, keep_latest_k=0, last_save_model_only=False
-    )
-    torch.manual_seed(0)
-    return cfg.build(
-        dataloader=dataloader, model_parts=[nn.Linear(2, 2)], optimizers=_Blob(),
-        lr_schedulers=_Blob(), states={}, sd_adapter=None, base_folder="",
-    )
 
 
 def _samples(batches):
