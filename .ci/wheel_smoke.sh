@@ -20,7 +20,7 @@ cd "$WORK"
 python - <<'PY'
 import os
 import gefen_titan
-from gefen_titan import data
+from gefen_titan.data import corpus as data
 assert "site-packages" in gefen_titan.__file__, gefen_titan.__file__
 for path in (data.DEFAULT_DATASET_PATH, data.DEFAULT_TOKENIZER_PATH):
     assert os.path.exists(path) and "site-packages" in path, path

@@ -13,9 +13,11 @@ same function train on CPU ranks with gloo; on GPUs they are harmless
 (the attention override does nothing where an accelerator is present).
 """
 
-from gefen_titan import GefenCheckpointManager, GefenOptimizersContainer, data, patches
-from gefen_titan.dataloader import ElasticTextDataLoader
 from torchtitan.models.llama3 import config_registry
+
+from gefen_titan import GefenCheckpointManager, GefenOptimizersContainer, patches
+from gefen_titan.data import corpus as data
+from gefen_titan.data.elastic import ElasticTextDataLoader
 
 # torchtitan 0.3.0 on torch 2.13 needs these on every device (the PP and
 # process-group timeout fixes) and more on CPU: apply them before the trainer

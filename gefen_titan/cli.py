@@ -11,7 +11,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .ckpt import cli as ckpt_cli
+    from gefen_titan.ckpt import cli as ckpt_cli
 
     parser = argparse.ArgumentParser(prog="gefen-titan", description="gefen-titan tools; training is train.py / gefen-titan-train.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -3,7 +3,7 @@
 The same as ``torchtitan.train.main`` except that the config comes from a
 TOML recipe (``--job.config``) instead of ``--module/--config``; the rest of
 the command line is torchtitan's, parsed by tyro over the recipe
-(``gefen_titan.recipe_cli``). The recipe and the flags are read and checked
+(``gefen_titan.recipe.cli``). The recipe and the flags are read and checked
 before ``config.build()`` creates any process group, so a bad recipe or flag
 fails every rank the same way and at once.
 """
@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from . import patches
-from .recipe_cli import load_cli
+from gefen_titan import patches
+from gefen_titan.recipe.cli import load_cli
 
 
 def build_config(argv: list[str] | None = None):

@@ -126,8 +126,7 @@ mark(_handler)
 def apply() -> bool:
     import torchtitan.tools.utils as tu
     from torch.distributed import tensor as dt
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import placement_types
+    from torch.distributed.tensor import DTensor, placement_types
 
     dispatcher = require_attr(DTensor, "_op_dispatcher")
     handlers = require_attr(dispatcher, "_custom_op_handlers")

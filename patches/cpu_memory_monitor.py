@@ -71,7 +71,7 @@ def _make_cpu_monitor_class(base: type) -> type:
     class CpuMemoryMonitor(base):  # type: ignore[misc, valid-type]
         """Peak-RSS based stand-in for torchtitan's DeviceMemoryMonitor."""
 
-        def __init__(self, device: str = "cpu"):  # noqa: D401 - no super().__init__
+        def __init__(self, device: str = "cpu"):
             import torch
 
             self.device = torch.device("cpu")

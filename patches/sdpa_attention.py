@@ -75,13 +75,13 @@ from . import check_versions
 
 check_versions()  # this module imports torchtitan internals at import time
 
-from torchtitan.config import override  # noqa: E402
-from torchtitan.models.common.attention import (  # noqa: E402
+from torchtitan.config import override
+from torchtitan.models.common.attention import (
     FlexAttention,
     ScaledDotProductAttention,
 )
 
-from ._util import PatchTargetChanged  # noqa: E402
+from ._util import PatchTargetChanged
 
 try:
     ScaledDotProductAttention.Config()

@@ -1,4 +1,4 @@
-"""gefen-x's exact-DP codebook solver vs gefen_titan.codebook_solver, on ten histograms.
+"""gefen-x's exact-DP codebook solver vs gefen_titan.optim.codebook_solver, on ten histograms.
 
     .venv/bin/python scripts/bench_codebook_solver.py              # ~1-3 min: the reference is slow
     .venv/bin/python scripts/bench_codebook_solver.py --no-reference
@@ -6,14 +6,14 @@
 Per histogram: active bins N, seconds of ``gefen.quantization.exact_dp`` and of
 ``solve_codebook`` (both compiled and warmed up first), the speed-up, and
 whether the two float32 codebooks have the same bits. The histograms and the
-timing live in ``gefen_titan.codebook_solver.benchmark``.
+timing live in ``gefen_titan.optim.codebook_solver.benchmark``.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from gefen_titan.codebook_solver import benchmark, benchmark_histograms
+from gefen_titan.optim.codebook_solver import benchmark, benchmark_histograms
 
 
 def main() -> None:

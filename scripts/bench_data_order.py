@@ -10,7 +10,7 @@ shape and at a 2048-token shape, with the anonymous memory it kept (RssAnon:
 a whole-corpus load would show here) and the mapped pages it touched
 (RssFile); and the training step's tokens/s (recipes/llama_gefen_global_order.toml,
 1 rank, data loading excluded), which the loader has to outrun. Loader and
-training figures come from fresh processes. The logic is gefen_titan.data_bench.
+training figures come from fresh processes. The logic is benchmarks.data.
 """
 
 from __future__ import annotations
@@ -18,12 +18,16 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from gefen_titan import data, data_bench
-from gefen_titan.build_indexed import build_indexed_dataset
+from gefen_titan.data import corpus as data
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is a folder of the checkout, not of the wheel
+from benchmarks import data as data_bench
+from gefen_titan.data.indexed_build import build_indexed_dataset
 
 MB = 1 << 20
 RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "llama_gefen_global_order.toml")

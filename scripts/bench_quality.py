@@ -2,10 +2,14 @@
 
     python scripts/bench_quality.py --steps 100
 
-The benchmark itself is ``gefen_titan.benchmarks.quality``.
+The benchmark itself is ``benchmarks.quality``.
 """
 
-from gefen_titan.benchmarks.quality import main
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is a folder of the checkout, not of the wheel
+from benchmarks.quality import main
 
 if __name__ == "__main__":
     main()

@@ -3,11 +3,15 @@
     .venv/bin/python scripts/bench_quant.py                   # sizes by device: CPU 1M..64M, GPU 1M..1B
     .venv/bin/python scripts/bench_quant.py --sizes 1M 16M --repeat 5
 
-The benchmark itself is ``gefen_titan.benchmarks.quant`` (its docstring says
+The benchmark itself is ``benchmarks.quant`` (its docstring says
 what is measured and how).
 """
 
-from gefen_titan.benchmarks.quant import main
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is a folder of the checkout, not of the wheel
+from benchmarks.quant import main
 
 if __name__ == "__main__":
     main()

@@ -3,11 +3,15 @@
     python scripts/bench_training.py                       # debug (10 steps) and 150M (4 steps, seq 128), 2 ranks
     python scripts/bench_training.py --models debug --steps 20
 
-The benchmark itself is ``gefen_titan.benchmarks.training`` (its docstring
+The benchmark itself is ``benchmarks.training`` (its docstring
 says what is measured and how).
 """
 
-from gefen_titan.benchmarks.training import main
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is a folder of the checkout, not of the wheel
+from benchmarks.training import main
 
 if __name__ == "__main__":
     main()

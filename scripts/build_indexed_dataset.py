@@ -6,12 +6,12 @@
 
 Then set ``[dataloader] loader = "global_order"`` and ``dataset_path =
 "data/mycorpus"``. Rerun the same command after an interruption to resume.
-The logic is ``gefen_titan.build_indexed`` (``--help`` for the options).
+The logic is ``gefen_titan.data.indexed_build`` (``--help`` for the options).
 """
 
 import sys
 
-from gefen_titan.build_indexed import main
+from gefen_titan.data.indexed_build import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,9 +9,9 @@
 #
 # Without CUDA it runs the CPU half of the checkpoint check, skips the rest and
 # exits 3. Exit 0: every check passed; 1: a check failed; 2: bad arguments.
-# The stages are gefen_titan.benchmarks.gpu_check (its docstring says what
+# The stages are benchmarks.gpu_check (its docstring says what
 # each one checks). PYTHON picks the interpreter (default: python3, i.e. the
 # active virtual environment's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-python3}" -m gefen_titan.benchmarks.gpu_check "$@"
+exec "${PYTHON:-python3}" -m benchmarks.gpu_check "$@"

@@ -3,11 +3,15 @@
     python scripts/plan_scale.py                          # 8B, 70B, 405B x fsdp, fsdp_tp, hsdp x 8..1024 ranks
     python scripts/plan_scale.py --flavors 8B --meshes fsdp --worlds 8,64,512
 
-The plan itself is ``gefen_titan.benchmarks.scale`` (its docstring says what
+The plan itself is ``benchmarks.scale`` (its docstring says what
 is computed and how).
 """
 
-from gefen_titan.benchmarks.scale import main
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is a folder of the checkout, not of the wheel
+from benchmarks.scale import main
 
 if __name__ == "__main__":
     main()

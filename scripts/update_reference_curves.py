@@ -5,12 +5,14 @@
     python scripts/update_reference_curves.py --check    # compare only; exit 1 on a deviation
     python scripts/update_reference_curves.py --recipes llama_gefen_mixed
 
-The logic is ``gefen_titan.reference_curves`` (its docstring says what runs).
+The logic is ``tests.helpers.reference_curves`` (its docstring says what runs).
 """
 
 import sys
+from pathlib import Path
 
-from gefen_titan.reference_curves import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ is a folder of the checkout, not of the wheel
+from tests.helpers.reference_curves import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,7 +12,7 @@ bit-exact for every pair; per-rank blocking: exact where the v1 adapter
 promises it, else within its bounds) and the losses with a measured band.
 Prints a table, writes report.json and a PNG of the loss curves, exits 1
 naming each pair and figure that broke its tolerance (2 if a reference run
-failed). The method: ``gefen_titan.validation`` and docs/validation.md.
+failed). The method: ``gefen_titan.validation.core`` and docs/validation.md.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gefen_titan import validation
+from gefen_titan.validation import core as validation
 
 
 def main(argv: list[str] | None = None) -> int:

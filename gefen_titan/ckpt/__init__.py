@@ -1,7 +1,7 @@
 """Offline checkpoint tools: ``gefen-titan ckpt inspect | verify | convert``.
 
 Each runs as one process with no process group and no accelerator, reading
-through ``gefen_titan.storage`` (local folders and fsspec URLs):
+through ``gefen_titan.checkpoint.storage`` (local folders and fsspec URLs):
 
 * ``inspection``: what a checkpoint holds (format, mesh, per optimizer the
   parameters with shapes, periods and bytes, codebooks, counters, model and
@@ -15,6 +15,6 @@ through ``gefen_titan.storage`` (local folders and fsspec URLs):
 gefen_titan.ckpt ...``); docs/ckpt_tools.md describes the commands.
 """
 
-from .reader import Checkpoint, CkptError
+from gefen_titan.checkpoint.reader import Checkpoint, CkptError
 
 __all__ = ["Checkpoint", "CkptError"]

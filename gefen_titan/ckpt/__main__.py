@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from gefen_titan.ckpt.cli import main
 
 sys.exit(main(prog="python -m gefen_titan.ckpt"))

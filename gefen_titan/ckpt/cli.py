@@ -76,23 +76,23 @@ def _fail(args: argparse.Namespace, message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .reader import CkptError
+    from gefen_titan.checkpoint.reader import CkptError
 
     try:
         if args.action == "inspect":
-            from .inspection import inspect_checkpoint, render
+            from gefen_titan.ckpt.inspection import inspect_checkpoint, render
 
             report = inspect_checkpoint(args.path)
             _emit(args, report, render(report))
             return OK
         if args.action == "verify":
-            from .verify import render, verify_checkpoint
+            from gefen_titan.ckpt.verify import render, verify_checkpoint
 
             report = verify_checkpoint(args.path)
             _emit(args, report, render(report))
             return OK if report["ok"] else BAD
         if args.action == "convert":
-            from .convert import ConvertOptions, convert, render
+            from gefen_titan.ckpt.convert import ConvertOptions, convert, render
 
             options = ConvertOptions(
                 implementation=args.implementation,

@@ -49,15 +49,22 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from .. import storage
-from ..blocking import (block_variance_sums, candidate_periods, grid_shape, histogram, period_from_sums, row_unit,
-                        HIST_BINS)
-from ..codebook_solver import codebook_from_counts
-from ..reshard import format as fmt
-from ..reshard.common import HYPER, GefenCheckpointError, check_hyper, root_cause
-from ..reshard.quant import block_mean, dequantize, expand_blocks, requantize
-from .reader import OPTIMIZER, Checkpoint, CkptError, split_state_key
-from .records import codebook_summary, read_gefen
+from gefen_titan.checkpoint import schema as fmt
+from gefen_titan.checkpoint import storage
+from gefen_titan.checkpoint.errors import HYPER, GefenCheckpointError, check_hyper, root_cause
+from gefen_titan.checkpoint.quant import block_mean, dequantize, expand_blocks, requantize
+from gefen_titan.checkpoint.reader import OPTIMIZER, Checkpoint, CkptError, split_state_key
+from gefen_titan.checkpoint.records import codebook_summary, read_gefen
+from gefen_titan.checkpoint.schema import grid_shape
+from gefen_titan.optim.blocking import (
+    HIST_BINS,
+    block_variance_sums,
+    candidate_periods,
+    histogram,
+    period_from_sums,
+    row_unit,
+)
+from gefen_titan.optim.codebook_solver import codebook_from_counts
 
 __all__ = ["ConvertOptions", "convert", "render"]
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from ..reshard import format as fmt
-from .reader import MODEL, OPTIMIZER, Checkpoint, Entry, split_state_key
-from .records import GefenState, codebook_summary, read_gefen
+from gefen_titan.checkpoint import schema as fmt
+from gefen_titan.checkpoint.reader import MODEL, OPTIMIZER, Checkpoint, Entry, split_state_key
+from gefen_titan.checkpoint.records import GefenState, codebook_summary, read_gefen
 
 __all__ = ["inspect_checkpoint", "render"]
 
@@ -73,7 +73,7 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
 
 
 def _file_bytes(ck: Checkpoint, name: str) -> int | None:
-    from .. import storage
+    from gefen_titan.checkpoint import storage
 
     return storage.file_size(ck.path, name)
 
@@ -267,7 +267,7 @@ def _group(g: dict) -> str:
 
 def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    line = lambda cells: indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+    line = lambda cells: indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                             for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
     return [line(header)] + [line(r) for r in rows]
 

@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import storage
-from ..reshard import format as fmt
-from .reader import OPTIMIZER, Checkpoint, CkptError, Entry, split_state_key
-from .records import read_gefen
+from gefen_titan.checkpoint import schema as fmt
+from gefen_titan.checkpoint import storage
+from gefen_titan.checkpoint.reader import OPTIMIZER, Checkpoint, CkptError, Entry, split_state_key
+from gefen_titan.checkpoint.records import read_gefen
 
 __all__ = ["Problem", "verify_checkpoint", "render"]
 
@@ -165,7 +165,7 @@ class _Verifier:
         if not e.is_tensor:
             try:
                 torch.load(io.BytesIO(data), weights_only=False)  # as DCP reads it on resume
-            except Exception as err:  # noqa: BLE001 - any unpickling failure is the finding
+            except Exception as err:
                 self.add(name, e.key, f"stored object does not load ({type(err).__name__}: {err})")
             return
         sizes = next((s for o, s in e.chunks if index.offset is not None and o == tuple(index.offset)), None)
@@ -178,7 +178,7 @@ class _Verifier:
             else:  # raw bytes (DCP's non-torch.save serialization)
                 t = torch.frombuffer(bytearray(data), dtype=e.dtype).reshape(sizes) if data else \
                     torch.empty(sizes, dtype=e.dtype)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             self.add(name, e.key, f"stored tensor does not load ({type(err).__name__}: {err})")
             return
         if not isinstance(t, torch.Tensor) or t.dtype != e.dtype or tuple(t.shape) != tuple(sizes):
@@ -196,7 +196,7 @@ class _Verifier:
     def records(self, ck: Checkpoint) -> dict[str, Any]:
         summary: dict[str, Any] = {}
         opt = ck.optimizer
-        file_of = lambda n: (opt[n].files[0] if n in opt and opt[n].files else None)  # noqa: E731
+        file_of = lambda n: (opt[n].files[0] if n in opt and opt[n].files else None)
         try:
             gefen = read_gefen(ck)
         except CkptError as err:

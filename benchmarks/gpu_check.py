@@ -1,0 +1,253 @@
+"""One-GPU check: everything gefen-titan does on CUDA, in one run, with one JSON report.
+
+``scripts/gpu_check.sh`` runs this on a machine with one CUDA GPU (under 8
+minutes on an H100/H200 class part). Stages, in order:
+
+1. ``kernels``: ``tests/test_quant_kernels.py`` on CUDA (the compiled Triton
+   kernels against the torch reference, bit for bit); the CUDA test must
+   run, not skip.
+2. ``bandwidth``: the reshard kernels' throughput (``benchmarks.quant.
+   measure``) at 64M, 256M and 1G elements, as a fraction of the device's
+   memory bandwidth; target >= 70% at >= 64M elements on Hopper
+   (compute capability 9.x).
+3. ``train``: one-GPU training of the debug recipe with fused Gefen
+   (``--optimizer.implementation fused``), NCCL, 10 steps; losses finite and
+   the last below the first.
+4. ``checkpoint``: the CPU half trains the debug recipe 3 steps at 2 CPU
+   ranks (gloo, global batch 8), saves a checkpoint of step 2 in the current
+   format and dumps the global state; the GPU half loads it on
+   the GPU (1 rank, NCCL) and its state right after the load must equal the
+   saved one bit for bit (``validation.compare_global_state``).
+
+Without CUDA only the CPU half of ``checkpoint`` runs (so it cannot rot
+before a GPU runs it), every GPU stage is reported as skipped, and the exit
+status is 3 with a line saying so. Exit status: 0 every check passed, 1 a
+check failed, 2 bad arguments, 3 no CUDA. A stage that would start after
+``--budget-s`` is skipped and reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("kernels", "bandwidth", "train", "checkpoint")
+RECIPE = "recipes/llama_gefen.toml"
+BANDWIDTH_TARGET, BANDWIDTH_MIN_ELEMENTS = 0.70, 64 << 20
+NO_CUDA = 3
+
+__all__ = ["main", "parse_args", "STAGES", "NO_CUDA"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="gpu_check.sh", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="outputs/gpu_check/report.json", help="the JSON report (default: %(default)s)")
+    ap.add_argument("--work", default="outputs/gpu_check", help="folder for runs and logs (default: %(default)s)")
+    ap.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, from {', '.join(STAGES)}")
+    ap.add_argument("--sizes", default="64M,256M,1G", help="bandwidth sizes in elements (default: %(default)s)")
+    ap.add_argument("--train-steps", type=int, default=10)
+    ap.add_argument("--budget-s", type=float, default=450.0, help="start no stage after this many seconds")
+    args = ap.parse_args(argv)
+    args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    bad = [s for s in args.stages if s not in STAGES]
+    if bad or not args.stages:
+        ap.error(f"--stages: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(STAGES)}")
+    from benchmarks.quant import parse_size
+
+    try:
+        args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError:
+        ap.error(f"--sizes: expected sizes like 64M,1G, got {args.sizes!r}")
+    if args.train_steps < 2 or args.budget_s <= 0:
+        ap.error("--train-steps must be >= 2 and --budget-s > 0")
+    return args
+
+
+def _env() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "host": platform.node(), "cuda": torch.cuda.is_available(),
+                            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                        timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        info["commit"] = ""
+    if info["cuda"]:
+        props = torch.cuda.get_device_properties(0)
+        info.update(device=torch.cuda.get_device_name(0), capability=f"{props.major}.{props.minor}",
+                    memory_gib=props.total_memory / 2**30, cuda_version=torch.version.cuda,
+                    nccl=".".join(map(str, torch.cuda.nccl.version())))
+    return info
+
+
+# ----------------------------------------------------------------- stages
+def stage_kernels(args, work: Path) -> dict[str, Any]:
+    xml = work / "kernels.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_quant_kernels.py"),
+           f"--junitxml={xml}", f"--basetemp={work / 'pytest'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    (work / "kernels.log").write_text(proc.stdout + proc.stderr)
+    suite = ET.parse(xml).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    cuda_cases = [c for c in suite.iter("testcase") if "cuda" in c.get("name", "")]
+    cuda_ran = bool(cuda_cases) and not any(c.find("skipped") is not None for c in cuda_cases)
+    ok = proc.returncode == 0 and counts["failures"] == 0 and counts["errors"] == 0 and cuda_ran
+    why = "" if ok else ("the CUDA kernel tests were skipped" if not cuda_ran else "kernel tests failed (see kernels.log)")
+    return {"ok": ok, "why": why, **counts, "cuda_tests": len(cuda_cases), "cuda_tests_ran": cuda_ran}
+
+
+def stage_bandwidth(args, work: Path) -> dict[str, Any]:
+    import torch
+
+    from benchmarks.quant import measure
+
+    device = torch.device("cuda", 0)
+    rows = measure(args.sizes, device, echo=False)
+    props = torch.cuda.get_device_properties(0)
+    hopper = props.major == 9
+    checked = [r for r in rows if "of_peak" in r and r["elements"] >= BANDWIDTH_MIN_ELEMENTS]
+    worst = min((r["of_peak"] for r in checked), default=None)
+    ok = worst is not None and (worst >= BANDWIDTH_TARGET or not hopper)
+    if worst is None:
+        why = "no kernel figure at >= 64M elements (peak bandwidth unknown or sizes skipped)"
+    elif not ok:
+        low = min(checked, key=lambda r: r["of_peak"])
+        why = (f"{low['op']} at {low['elements'] / 2**20:.0f}M elements reached {low['of_peak']:.0%} of "
+               f"{low['peak']}, target {BANDWIDTH_TARGET:.0%}")
+    else:
+        why = "" if hopper else f"target applies to Hopper; this is compute capability {props.major}.{props.minor}"
+    return {"ok": ok, "why": why, "worst_of_peak": worst, "target": BANDWIDTH_TARGET, "hopper": hopper, "rows": rows}
+
+
+_STEP = re.compile(r"step:\s*(\d+)\s.*?loss:\s*([0-9.naninf]+)", re.I)
+_TPS = re.compile(r"tps:\s*([0-9,]+)")
+_MEM = re.compile(r"memory:\s*([0-9.]+)\s*GiB")
+
+
+def stage_train(args, work: Path) -> dict[str, Any]:
+    from gefen_titan.validation.core import free_port
+
+    folder = work / "train"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master-port={free_port()}",
+           str(ROOT / "train.py"), "--job.config", str(ROOT / RECIPE), "--job.dump_folder", str(folder),
+           "--optimizer.implementation", "fused", "--training.steps", str(args.train_steps),
+           "--checkpoint.enable", "false", "--metrics.log_freq", "1"]
+    begin = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    seconds = time.monotonic() - begin
+    log = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+    (work / "train.log").write_text(log)
+    losses: dict[int, float] = {}
+    tps, mem = [], []
+    for line in log.splitlines():
+        m = _STEP.search(line)
+        if m:
+            losses.setdefault(int(m.group(1)), float(m.group(2)))
+            t, g = _TPS.search(line), _MEM.search(line)
+            if t:
+                tps.append(int(t.group(1).replace(",", "")))
+            if g:
+                mem.append(float(g.group(1)))
+    nccl = bool(re.search(r"nccl", log, re.I))
+    steps = sorted(losses)
+    finite = all(math.isfinite(v) for v in losses.values())
+    ok = (proc.returncode == 0 and len(steps) == args.train_steps and finite
+          and losses[steps[-1]] < losses[steps[0]])
+    why = "" if ok else (f"exit {proc.returncode}" if proc.returncode else
+                         f"{len(steps)} of {args.train_steps} steps logged, losses {losses}")
+    return {"ok": ok, "why": why, "seconds": seconds, "losses": losses, "tps_after_first": tps[1:],
+            "memory_gib": max(mem, default=None), "nccl_in_log": nccl}
+
+
+def stage_checkpoint(args, work: Path, cuda: bool) -> dict[str, Any]:
+    from gefen_titan.validation.core import Settings, compare_global_state, reference_run, resume_run
+
+    settings = Settings(recipe=RECIPE, steps_before=2, steps_after=1, global_batch=8, backend="gloo")
+    folder = work / "checkpoint"
+    begin = time.monotonic()
+    ref = reference_run(settings, 2, out=folder, quiet=True)
+    saved = ref.dumps("save", settings.steps_before)
+    step_dir = Path(ref.folder, "checkpoint", f"step-{settings.steps_before}")
+    cpu = {"ok": bool(saved) and step_dir.is_dir(), "seconds": time.monotonic() - begin, "checkpoint": str(step_dir),
+           "losses": ref.losses, "entries": len(saved[0]["state"]) if saved else 0}
+    out: dict[str, Any] = {"cpu_half": cpu}
+    if not cpu["ok"]:
+        out.update(ok=False, why="the CPU half wrote no checkpoint or no state dump")
+        return out
+    if not cuda:
+        out.update(ok=True, gpu_half="skipped: no CUDA", why="")
+        return out
+    begin = time.monotonic()
+    gpu_settings = dataclasses.replace(settings, backend="nccl")
+    res = resume_run(gpu_settings, ref, 1, folder / "gpu-resume")
+    loaded = res.dumps("load", settings.steps_before)
+    cmp = compare_global_state(saved, loaded) if loaded else {"exact": False, "problems": ["no load dump"]}
+    out["gpu_half"] = {"seconds": time.monotonic() - begin, "exact": cmp["exact"], "problems": cmp["problems"],
+                       "entries": cmp.get("entries"), "losses_after": res.losses}
+    out.update(ok=bool(cmp["exact"]), why="" if cmp["exact"] else "; ".join(cmp["problems"]))
+    return out
+
+
+# ------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    work = (ROOT / args.work) if not Path(args.work).is_absolute() else Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    out = (ROOT / args.out) if not Path(args.out).is_absolute() else Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    report: dict[str, Any] = {"env": _env(), "stages": {}, "budget_s": args.budget_s}
+    begin = time.monotonic()
+    for name in args.stages:
+        elapsed = time.monotonic() - begin
+        if elapsed > args.budget_s:
+            report["stages"][name] = {"ok": None, "skipped": f"budget: {elapsed:.0f} s elapsed of {args.budget_s:.0f}"}
+            continue
+        if not cuda and name != "checkpoint":
+            report["stages"][name] = {"ok": None, "skipped": "no CUDA"}
+            continue
+        print(f"gpu_check: {name} ...", flush=True)
+        t0 = time.monotonic()
+        try:
+            result = stage_checkpoint(args, work, cuda) if name == "checkpoint" else globals()[f"stage_{name}"](args, work)
+        except Exception as e:  # a broken stage is a failed check with its reason, the others still run
+            result = {"ok": False, "why": f"{type(e).__name__}: {e}"}
+        result["wall_s"] = time.monotonic() - t0
+        report["stages"][name] = result
+        print(f"gpu_check: {name}: {'ok' if result['ok'] else 'FAILED: ' + str(result.get('why'))} "
+              f"({result['wall_s']:.0f} s)", flush=True)
+    report["wall_s"] = time.monotonic() - begin
+    failed = [n for n, r in report["stages"].items() if r.get("ok") is False]
+    report["status"] = "failed" if failed else ("no_cuda" if not cuda else "ok")
+    out.write_text(json.dumps(report, indent=1, default=str))
+    if failed:
+        print(f"gpu_check: FAILED: {', '.join(failed)}; report {out}")
+        return 1
+    if not cuda:
+        print(f"gpu_check: no CUDA device (torch.cuda.is_available() is False): ran the CPU half of the checkpoint "
+              f"check only, the GPU stages were skipped; report {out}")
+        return NO_CUDA
+    print(f"gpu_check: ok in {report['wall_s']:.0f} s; report {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

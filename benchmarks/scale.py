@@ -1,0 +1,867 @@
+"""Scale plan: Gefen vs AdamW for Llama 3 8B-405B at 8-1024 ranks, computed on the meta device.
+
+For every flavor (``--flavors``), mesh kind (``--meshes``: ``fsdp``, FSDP
+over all ranks; ``fsdp_tp``, FSDP x TP ``--tp``; ``hsdp``, replicas x
+``--hsdp-shard`` shards) and world size (``--worlds``), the plan builds the
+model as a training run would: ``recipes/llama3_8b_gefen.toml`` with the
+flavor and degrees overridden, torchtitan's fake process group at that
+world size, the model on the meta device (no memory, no compute),
+torchtitan's own ``parallelize_fn`` (FSDP2, TP plan, activation
+checkpointing) and our optimizer container. From the parameters' real
+global shapes and placements it computes, for every rank (each rank's
+shard from DTensor's own ``_compute_local_shape_and_global_offset``):
+
+* **Gefen state bytes** per rank, as the optimizer holds them: 1 B per
+  element (codes) + 16 B per block (fp32 magnitude and ``vmean``, and
+  gefen-x's per-step scratch ``stepsize`` and ``_h_buf``, which live in the
+  state but are not checkpointed) + the 1 KiB codebook; period-1 parameters
+  (norms) 17 B per element. Periods need gradients, so the plan applies the
+  adapter's own rules without them: each parameter's row unit and
+  candidates come from ``AgreedBlocking.period_candidates`` (the row length
+  cut by the live layout and by every TP degree dividing
+  ``--max-tp-degree``), and the period is the rule's memory-safe fallback,
+  the whole row unit, which is what agreed blocking picks when the
+  block-variance scores find no block structure (gefen-x measures that as
+  the usual case on SwiGLU/GQA models). The finest period the rule can pick
+  (the smallest candidate >= 8: a winner below 8 becomes the fallback)
+  bounds the state from above ("finest"). AdamW: ``exp_avg`` and
+  ``exp_avg_sq`` (fp32) + a scalar ``step`` per parameter.
+* **Checkpoint**: the DCP entries of the optimizer, as the container's
+  ``state_dict()`` gives them (format v2 keys from ``reshard.format``; AdamW's
+  flat keys taken from a real torchtitan container on a small model), and
+  every rank's write items, deduplicated with the same greedy rule as
+  DCP's ``dedup_save_plans`` (replicated chunks, the shared records and
+  empty shards at the same offset are written once). Per rank: bytes
+  written (each item framed as ``torch.save`` frames it) and items
+  written; for the job: entries, chunks, and the size of the ``.metadata``
+  file. The metadata is built with DCP's own code (per-rank ``SavePlan``
+  objects pickled and unpickled as the gather does, ``DefaultSavePlanner``'s
+  global plan, the write results of ``FileSystemWriter``'s layout), then
+  pickled as ``FileSystemWriter.finish`` pickles it. Where the job has more
+  than ``--exact-items`` plan items it is built for the model's first one
+  and two layers (and once with the layer renamed to two digits) and
+  extrapolated over the layers (``~``): layers are identical, so this is
+  exact up to the pickled size of file offsets (a few bytes per chunk;
+  ``tests/test_scale_plan.py`` bounds it against the full build). Every rank
+  reads the whole metadata on every load, so its job-wide cost is W times
+  its size. The coordinator also receives every rank's plan and write
+  results (``gather at rank 0``).
+* **First-step collectives** (Gefen's agreement, ``blocking.
+  agreement_collectives``): per rank the bytes each collective gathers;
+  the candidate width is the real candidate count of every searched
+  parameter. AdamW has none.
+
+Then, per flavor, mesh and figure, how it grows with W: the least-squares
+slope of log(figure) over log(W) per rank and for the whole job (per-rank
+figure summed over the ranks, or the metadata read by every rank), and a
+flag for any job-wide figure that grows faster than linearly (slope > 1.1).
+
+    python scripts/plan_scale.py                          # 8B, 70B, 405B x fsdp, fsdp_tp, hsdp x 8..1024
+    python scripts/plan_scale.py --flavors 8B --meshes fsdp --worlds 8,64,512
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pickle
+import re
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/llama3_8b_gefen.toml"
+FLAVORS = ("8B", "70B", "405B")
+MESHES = ("fsdp", "fsdp_tp", "hsdp")
+WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
+FLAG_SLOPE = 1.1  # job-wide growth above this slope is "faster than linear"
+_LAYER = re.compile(r"(^|[./])layers\.(\d+)\.")
+
+__all__ = ["Mesh", "mesh_for", "build", "plan", "growth", "flags", "main"]
+
+
+# ----------------------------------------------------------------- meshes
+@dataclass(frozen=True)
+class Mesh:
+    kind: str
+    world: int
+    tp: int = 1
+    replicate: int = 1
+
+    @property
+    def shard(self) -> int:
+        return self.world // (self.tp * self.replicate)
+
+    @property
+    def label(self) -> str:
+        if self.kind == "fsdp_tp":
+            return f"FSDP {self.shard} x TP {self.tp}"
+        if self.kind == "hsdp":
+            return f"HSDP {self.replicate} x {self.shard}"
+        return f"FSDP {self.shard}"
+
+    def parallelism(self) -> dict[str, int]:
+        return {"data_parallel_shard_degree": self.shard, "data_parallel_replicate_degree": self.replicate,
+                "tensor_parallel_degree": self.tp}
+
+
+def mesh_for(kind: str, world: int, tp: int = 8, hsdp_shard: int = 8) -> Mesh:
+    if kind == "fsdp":
+        return Mesh(kind, world)
+    if kind == "fsdp_tp":
+        if world % tp:
+            raise ValueError(f"fsdp_tp: world {world} is not a multiple of --tp {tp}")
+        return Mesh(kind, world, tp=tp)
+    if kind == "hsdp":
+        if world % hsdp_shard:
+            raise ValueError(f"hsdp: world {world} is not a multiple of --hsdp-shard {hsdp_shard}")
+        return Mesh(kind, world, replicate=world // hsdp_shard)
+    raise ValueError(f"unknown mesh kind {kind!r} (known: {', '.join(MESHES)})")
+
+
+# ------------------------------------------------------------------ model
+@dataclass
+class Param:
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    placements: tuple
+    mesh_shape: tuple[int, ...]
+    coords: list[tuple[int, ...]]  # rank -> coordinate in the parameter's mesh
+    unit: int  # 0: period 1 by Gefen's rules
+    candidates: list[int]
+
+    @property
+    def layer(self) -> int | None:
+        m = _LAYER.search(self.fqn)
+        return int(m.group(2)) if m else None
+
+    def period(self, rule: str) -> int:
+        if not self.unit:
+            return 1
+        if rule == "fallback":
+            return self.unit if self.unit >= 8 else 1
+        if rule == "finest":
+            return next((c for c in self.candidates if c >= 8), self.unit if self.unit >= 8 else 1)
+        raise ValueError(f"unknown period rule {rule!r}")
+
+
+@dataclass
+class Built:
+    flavor: str
+    mesh: Mesh
+    numel: int
+    params: list[Param]
+    checkpoint_id: str
+    adamw_template: list[tuple[str, str, Any]]  # (key pattern with {fqn}, kind, dtype or value)
+    gefen_hyper: dict[str, float]
+    deterministic: bool
+
+
+def _fake_pg(world: int) -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+
+
+def _coords(mesh, world: int, fqn: str) -> list[tuple[int, ...]]:
+    ranks = mesh.mesh
+    if ranks.numel() != world:
+        raise ValueError(f"{fqn}: its mesh covers {ranks.numel()} of {world} ranks; the plan handles meshes "
+                         "over every rank (no pipeline parallelism)")
+    shape = tuple(ranks.shape)
+    out: list[tuple[int, ...] | None] = [None] * world
+    for flat, r in enumerate(ranks.flatten().tolist()):
+        coord, rest = [], flat
+        for size in reversed(shape):
+            coord.append(rest % size)
+            rest //= size
+        out[r] = tuple(reversed(coord))
+    return out  # type: ignore[return-value]
+
+
+def _adamw_template(config) -> list[tuple[str, str, Any]]:
+    """AdamW's flat checkpoint keys per parameter, from a real torchtitan container.
+
+    A two-parameter model with the recipe's optimizer settings (name AdamW)
+    and LR schedule (which adds ``initial_lr``), stepped once: its
+    ``state_dict()`` keys with the parameter's name replaced by ``{fqn}``,
+    each with its kind (a tensor like the parameter, a plain tensor, or
+    bytes with its value).
+    """
+    from gefen_titan.optim.container import GefenOptimizersContainer
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False))
+    cfg = dataclasses.replace(config.optimizer, name="AdamW", param_groups=[])
+    container = GefenOptimizersContainer(cfg, model_parts=[model])
+    config.lr_scheduler.build(optimizers=container, training_steps=config.training.steps)
+    model(torch.ones(1, 4)).sum().backward()
+    container.step()
+    names = [n for n, _ in model.named_parameters()]
+    out = []
+    for key, value in container.state_dict().items():
+        if names[0] not in key:
+            continue
+        pattern = key.replace(names[0], "{fqn}")
+        if isinstance(value, torch.Tensor):
+            kind = "like_param" if tuple(value.shape) == (4, 4) else "tensor"
+            out.append((pattern, kind, (value.dtype, tuple(value.shape))))
+        else:
+            out.append((pattern, "bytes", value))
+    return out
+
+
+def build(flavor: str, mesh: Mesh, max_tp: int = 8, recipe: str = RECIPE) -> Built:
+    """The flavor on the meta device under ``mesh``, as the Trainer builds it (collective-free).
+
+    Replaces any process group of this process by torchtitan's fake one at
+    ``mesh.world`` ranks: run it in a process of its own, never inside a job.
+    """
+    from torchtitan.config.override import apply_overrides
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+
+    from gefen_titan.optim.blocking import AgreedBlocking
+    from gefen_titan.recipe.build import load_recipe
+
+    overrides = {"model": {"flavor": flavor}, "parallelism": mesh.parallelism(),
+                 "optimizer": {"max_tensor_parallel_degree": max_tp}}
+    config = load_recipe(str(ROOT / recipe) if not Path(recipe).exists() else recipe, overrides,
+                         world_size=mesh.world).config
+    _fake_pg(mesh.world)
+    parallel_dims = ParallelDims.from_config(config.parallelism, mesh.world)
+    dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
+    model_config = config.model_spec.model
+    model_config.update_from_config(config=config)
+    if config.override.imports:
+        apply_overrides(config.override, config)
+    with torch.device("meta"):
+        model = model_config.build()
+    numel = sum(p.numel() for p in model.parameters())
+    model = config.model_spec.parallelize_fn(
+        model, parallel_dims=parallel_dims, training=config.training, parallelism=config.parallelism,
+        compile_config=config.compile, ac_config=config.activation_checkpoint, dump_folder="/nonexistent",
+    )
+    container = config.optimizer.build(model_parts=[model])
+    agreement = AgreedBlocking(config.optimizer.max_tensor_parallel_degree)
+    coords_by_mesh: dict[int, list] = {}
+    params = []
+    for fqn, p, unit, candidates in agreement.period_candidates(container.gefen_optimizers):
+        key = id(p.device_mesh)
+        if key not in coords_by_mesh:
+            coords_by_mesh[key] = _coords(p.device_mesh, mesh.world, fqn)
+        params.append(Param(fqn, tuple(p.shape), p.dtype, tuple(p.placements), tuple(p.device_mesh.shape),
+                            coords_by_mesh[key], unit, candidates))
+    from gefen_titan.checkpoint.errors import HYPER
+
+    group = container.gefen_optimizers[0].param_groups[0]
+    hyper = {k: float(group[k]) for k in HYPER}
+    from gefen_titan.optim import gefen_state as gs
+
+    ckpt_id = str(Path(config.dump_folder) / config.checkpoint.folder / f"step-{config.training.steps}")
+    return Built(flavor, mesh, numel, params, ckpt_id, _adamw_template(config), hyper,
+                 gs.options(container.gefen_optimizers[0])["deterministic"])
+
+
+# ---------------------------------------------------------------- entries
+@dataclass
+class Entry:
+    """One DCP entry of the optimizer's state dict."""
+
+    key: str  # flattened DCP key ("optimizer." + the container's key)
+    kind: str  # "dtensor" | "tensor" (plain, every rank) | "bytes" (every rank)
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] = ()
+    param: Param | None = None
+    value: Any = None  # bytes entries: the object DCP torch.saves
+    layer: int | None = None
+
+
+def grid(shape: tuple[int, ...], period: int) -> tuple[int, ...]:
+    from gefen_titan.checkpoint.schema import grid_shape
+
+    return grid_shape(shape, period)
+
+
+def gefen_entries(built: Built, rule: str, periods: dict[str, int] | None = None, step: int = 1) -> list[Entry]:
+    """The v2 entries (``AgreedStateAdapter._save_entries``'s order and records)."""
+    from gefen_titan.checkpoint import schema as fmt
+
+    pre = "optimizer."
+    out = [Entry(pre + fmt.format_key(), "bytes",
+                 value=json.dumps({"format": fmt.FORMAT, "version": fmt.VERSION, "blocking": "agreed"}))]
+    records = []
+    for p in built.params:
+        period = (periods or {}).get(p.fqn) or p.period(rule)
+        records.append({"fqn": p.fqn, "shape": list(p.shape), "period": period, "step": step, "vmean_step": step,
+                        "group": dict(built.gefen_hyper)})
+        out.append(Entry(pre + fmt.codes_key(p.fqn), "dtensor", torch.uint8, p.shape, p, layer=p.layer))
+        for key in (fmt.magnitude_key(p.fqn), fmt.vmean_key(p.fqn)):
+            out.append(Entry(pre + key, "dtensor", torch.float32, grid(p.shape, period), p, layer=p.layer))
+    opt = built.params[0].fqn
+    record = {"blocking": "agreed", "deterministic": built.deterministic, "global_step": step, "params": records}
+    out.append(Entry(pre + fmt.optimizer_key(opt), "bytes", value=json.dumps(record, sort_keys=True)))
+    out.append(Entry(pre + fmt.codebook_key_v2(opt), "tensor", torch.float32, (256,)))
+    return out
+
+
+def adamw_entries(built: Built) -> list[Entry]:
+    """torchtitan's flat AdamW keys: every parameter's state, then every parameter's group keys."""
+    out = []
+    state = [t for t in built.adamw_template if t[0].startswith("state.")]
+    groups = [t for t in built.adamw_template if not t[0].startswith("state.")]
+    for template in (state, groups):
+        for p in built.params:
+            for pattern, kind, info in template:
+                key = "optimizer." + pattern.format(fqn=p.fqn)
+                if kind == "like_param":
+                    out.append(Entry(key, "dtensor", info[0], p.shape, p, layer=p.layer))
+                elif kind == "tensor":
+                    out.append(Entry(key, "tensor", info[0], info[1], layer=p.layer))
+                else:
+                    out.append(Entry(key, "bytes", value=info, layer=p.layer))
+    return out
+
+
+# ------------------------------------------------------------- accounting
+class _Sink:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def write(self, b) -> int:
+        self.n += len(b)
+        return len(b)
+
+    def flush(self) -> None:
+        pass
+
+
+_SAVED: dict[Any, int] = {}
+# Above this many bytes a chunk's framing is taken from a same-ndim small
+# tensor (the framing varies by < 64 B with the shape's digits and padding).
+_EXACT_SAVE_BYTES = 1 << 24
+
+
+def saved_length(obj: Any) -> int:
+    """Bytes DCP's FileSystemWriter writes for one item: ``torch.save``'s output."""
+    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], torch.dtype):
+        dtype, sizes = obj
+        key = ("t", dtype, tuple(sizes))
+        if key not in _SAVED:
+            nbytes = math.prod(sizes) * torch._utils._element_size(dtype)
+            if nbytes <= _EXACT_SAVE_BYTES:
+                sink = _Sink()
+                torch.save(torch.zeros(sizes, dtype=dtype), sink)
+                _SAVED[key] = sink.n
+            else:
+                small = (64,) * len(sizes)
+                _SAVED[key] = saved_length((dtype, small)) - math.prod(small) * torch._utils._element_size(dtype) + nbytes
+        return _SAVED[key]
+    try:
+        key = ("v", type(obj).__name__, obj)
+        hash(key)
+    except TypeError:
+        key = None
+    if key is None or key not in _SAVED:
+        sink = _Sink()
+        torch.save(obj, sink)
+        if key is None:
+            return sink.n
+        _SAVED[key] = sink.n
+    return _SAVED[key]
+
+
+class Chunks:
+    """Every rank's chunk (sizes, offsets) of a DTensor layout, cached by layout."""
+
+    def __init__(self) -> None:
+        self._tables: dict[Any, list[tuple[tuple, tuple]]] = {}
+
+    def per_rank(self, shape: tuple[int, ...], param: Param) -> list[tuple[tuple, tuple]]:
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+        key = (shape, param.placements, param.mesh_shape, id(param.coords))
+        if key not in self._tables:
+            by_coord: dict[tuple, tuple] = {}
+            table = []
+            for coord in param.coords:
+                if coord not in by_coord:
+                    sizes, offsets = _compute_local_shape_and_global_offset(
+                        shape, param.mesh_shape, list(coord), param.placements)
+                    by_coord[coord] = (tuple(sizes), tuple(offsets))
+                table.append(by_coord[coord])
+            self._tables[key] = table
+        return self._tables[key]
+
+    def groups(self, shape: tuple[int, ...], param: Param) -> list[tuple[tuple, list[int], list[tuple]]]:
+        """(offsets, ranks holding a chunk there ascending, their chunk sizes) per distinct chunk offset."""
+        key = ("g", shape, param.placements, param.mesh_shape, id(param.coords))
+        if key not in self._tables:
+            by: dict[tuple, list] = {}
+            for r, (sizes, offsets) in enumerate(self.per_rank(shape, param)):
+                g = by.get(offsets)
+                if g is None:
+                    by[offsets] = g = [[], []]
+                g[0].append(r)
+                g[1].append(sizes)
+            self._tables[key] = [(offsets, ranks, sizes) for offsets, (ranks, sizes) in by.items()]
+        return self._tables[key]  # type: ignore[return-value]
+
+
+@dataclass
+class Accounting:
+    entries: int
+    chunks: int
+    items: int  # plan items over all ranks (before dedup)
+    bytes_per_rank: list[int]
+    items_per_rank: list[int]
+    assignment: dict[tuple, int] = field(default_factory=dict)  # (key, offsets) -> writing rank, replicated only
+
+
+def _storage_size(e: Entry) -> int:
+    """What ``WriteItem.tensor_storage_size`` counts: the *global* size (0 for bytes)."""
+    return math.prod(e.shape) * torch._utils._element_size(e.dtype) if e.kind != "bytes" else 0
+
+
+def account(entries: list[Entry], world: int, chunks: Chunks, keep_assignment: bool = False) -> Accounting:
+    """Every rank's write items, deduplicated as ``dedup_save_plans`` does.
+
+    DCP maps each write item index (key, chunk offsets) to the plans holding
+    it and then, in first-appearance order (plan 0's items in state-dict
+    order, then plan 1's new ones, ...: by lowest holder, then entry), gives
+    it to the holder with the least storage planned so far (non-tensors
+    count 1), ties to the holder its set iterates first. The holder sets are
+    built as DCP builds them (ranks added in ascending order), so the choice
+    is the same; ``tests/test_scale_plan.py`` checks it against DCP's own
+    function.
+    """
+    everyone = list(range(world))
+    uniques = []  # (first holder, entry position, holders, their chunk sizes, entry, offsets)
+    for pos, e in enumerate(entries):
+        if e.kind == "dtensor":
+            for offsets, ranks, sizes in chunks.groups(e.shape, e.param):
+                uniques.append((ranks[0], pos, ranks, sizes, e, offsets))
+        else:
+            uniques.append((0, pos, everyone, None, e, (0,) * len(e.shape) if e.kind == "tensor" else None))
+    uniques.sort(key=lambda u: (u[0], u[1]))
+    plan_size = [0] * world
+    written = [0] * world
+    count = [0] * world
+    sets: dict[int, set] = {}
+    assignment = {}
+    storage = {id(e): _storage_size(e) or 1 for e in entries}
+    for _, _, ranks, sizes, e, offsets in uniques:
+        if len(ranks) == 1:
+            pick, i = ranks[0], 0
+        else:
+            holder_set = sets.get(id(ranks))
+            if holder_set is None:
+                sets[id(ranks)] = holder_set = set(ranks)
+            pick = min(holder_set, key=plan_size.__getitem__)
+            i = pick if ranks is everyone else ranks.index(pick)
+            if keep_assignment:
+                assignment[(e.key, offsets)] = pick
+        if e.kind == "dtensor":
+            length = saved_length((e.dtype, sizes[i]))
+        elif e.kind == "tensor":
+            length = saved_length((e.dtype, e.shape))
+        else:
+            length = saved_length(e.value)
+        plan_size[pick] += storage[id(e)]
+        written[pick] += length
+        count[pick] += 1
+    items = world * len(entries)
+    return Accounting(len(entries), len(uniques), items, written, count, assignment)
+
+
+# ------------------------------------------------------------ DCP metadata
+def _fresh(text: str) -> str:
+    """An equal string that is a new object (one rank's copy after the gather)."""
+    return (text + " ")[:-1]
+
+
+def metadata_bytes(entries: list[Entry], world: int, chunks: Chunks, checkpoint_id: str,
+                   sample_ranks: int = 3) -> dict[str, Any]:
+    """The pickled ``.metadata`` DCP writes for these entries, built with DCP's own planner code.
+
+    Per rank, the ``SavePlan`` DCP's default planner makes (a DTensor: its
+    chunk; plain tensors and bytes: on every rank; the flatten mapping as
+    planner data), with the object sharing the gather's unpickling leaves
+    (each rank's strings its own, shared within the rank); dedup and
+    metadata with DCP's ``dedup_save_plans`` and
+    ``create_default_global_save_plan``, planner data merged as
+    ``DefaultSavePlanner._create_global_plan`` merges it (its global-plan
+    validation, quadratic in the chunks of an entry, is left out);
+    ``FileSystemWriter.prepare_global_plan``; each rank's single file laid
+    out as ``write_data`` lays it out (``_split_by_size_and_type``, bytes
+    first) with each item's saved length; the results as the coordinator
+    unpickles them; then ``finish``'s metadata, pickled.
+
+    ``gathered``: the pickled plans and results the coordinator receives,
+    from ``sample_ranks`` ranks spread over the job, scaled to all.
+    """
+    from collections import ChainMap
+
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+    from torch.distributed.checkpoint.filesystem import (
+        CURRENT_DCP_VERSION,
+        FileSystemWriter,
+        _split_by_size_and_type,
+        _StorageInfo,
+    )
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+    )
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    sampled = sorted({round(i * (world - 1) / max(1, sample_ranks - 1)) for i in range(sample_ranks)})
+    plan_bytes = []
+    plans = []
+    tables = [chunks.per_rank(e.shape, e.param) if e.kind == "dtensor" else None for e in entries]
+    for r in range(world):
+        top = _fresh("optimizer")
+        items, mapping = [], {}
+        for e, table in zip(entries, tables):
+            fqn = _fresh(e.key)
+            mapping[fqn] = (top, _fresh(e.key.partition(".")[2]))
+            if e.kind == "dtensor":
+                sizes, offsets = table[r]
+                offsets, sizes = torch.Size(offsets), torch.Size(sizes)
+                items.append(WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                                                                   properties=TensorProperties(dtype=e.dtype),
+                                                                   size=torch.Size(e.shape))))
+            elif e.kind == "tensor":
+                offsets = torch.Size((0,) * len(e.shape))
+                items.append(WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.TENSOR,
+                                       tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(e.shape)),
+                                                                   properties=TensorProperties(dtype=e.dtype),
+                                                                   size=torch.Size(e.shape))))
+            else:
+                items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
+        plan = SavePlan(items, planner_data=mapping)
+        if r in sampled:
+            plan_bytes.append(len(pickle.dumps(plan)))
+        plans.append(plan)
+    plans = dedup_save_plans(plans, False)
+    global_plans, md = create_default_global_save_plan(plans)
+    md = dataclasses.replace(md, planner_data=dict(ChainMap(*[p.planner_data for p in global_plans])))
+    global_plans = FileSystemWriter("/nonexistent").prepare_global_plan(global_plans)
+    by_key = {e.key: e for e in entries}
+    storage, result_bytes = {}, []
+    for r, plan in enumerate(global_plans):
+        (bucket,) = _split_by_size_and_type(1, plan.items)
+        file_name = f"{plan.storage_data.prefix}0.distcp"
+        offset, res = 0, []
+        ordered = [w for w in bucket if w.type == WriteItemType.BYTE_IO] + [w for w in bucket if w.type != WriteItemType.BYTE_IO]
+        for w in ordered:
+            e = by_key[w.index.fqn]
+            if w.type == WriteItemType.BYTE_IO:
+                length = saved_length(e.value)
+            else:
+                length = saved_length((e.dtype, tuple(w.tensor_data.chunk.sizes)))
+            index = MetadataIndex(_fresh(w.index.fqn), None if w.index.offset is None else torch.Size(w.index.offset),
+                                  w.index.index)
+            res.append(WriteResult(index=index, size_in_bytes=length, storage_data=_StorageInfo(file_name, offset, length)))
+            offset += length
+        if r in sampled:
+            result_bytes.append(len(pickle.dumps(res)))
+        storage.update((wr.index, wr.storage_data) for wr in res)
+    md.version = CURRENT_DCP_VERSION
+    md.storage_data = storage
+    md.storage_meta = StorageMeta(checkpoint_id=Path(checkpoint_id), save_id="0" * 32 + "-uuid")
+    gathered = world * (sum(plan_bytes) / len(plan_bytes) + sum(result_bytes) / len(result_bytes))
+    return {"metadata": len(pickle.dumps(md)), "gathered": int(gathered)}
+
+
+def _subset(entries: list[Entry], layers: int, rename: tuple[int, int] | None = None) -> list[Entry]:
+    """The non-layer entries and those of layers < ``layers`` (optionally one layer renamed)."""
+    out = []
+    for e in entries:
+        if e.layer is not None and e.layer >= layers:
+            continue
+        if rename and e.layer == rename[0]:
+            e = dataclasses.replace(e, key=re.sub(rf"layers\.{rename[0]}\.", f"layers.{rename[1]}.", e.key))
+        out.append(e)
+    return out
+
+
+def metadata_estimate(entries: list[Entry], world: int, chunks: Chunks, checkpoint_id: str, items: int,
+                      exact_items: int) -> dict[str, Any]:
+    """Exact for up to ``exact_items`` plan items, else extrapolated over identical layers."""
+    layers = sorted({e.layer for e in entries if e.layer is not None})
+    if items <= exact_items or len(layers) < 3:
+        out = metadata_bytes(entries, world, chunks, checkpoint_id)
+        out["exact"] = True
+        return out
+    n = len(layers)
+    one = metadata_bytes(_subset(entries, 1), world, chunks, checkpoint_id)
+    two = metadata_bytes(_subset(entries, 2), world, chunks, checkpoint_id)
+    wide = metadata_bytes(_subset(entries, 1, rename=(0, 10)), world, chunks, checkpoint_id)
+    extra_digits = sum(len(str(k)) - 1 for k in range(2, n))
+    out = {"exact": False}
+    for what in ("metadata", "gathered"):
+        per_layer = two[what] - one[what]
+        per_digit = wide[what] - one[what]
+        out[what] = two[what] + (n - 2) * per_layer + extra_digits * per_digit
+    return out
+
+
+# ------------------------------------------------------------------- plan
+CODEBOOK_BYTES = 256 * 4  # one fp32 [256] codebook per Gefen optimizer
+
+
+# fp32 per block in live state: magnitude and vmean (checkpointed), and
+# gefen-x 0.5.0's per-step scratch ``stepsize`` and ``_h_buf``, which it keeps
+# in the state between steps (docs/gefen_internals.md; not checkpointed).
+LIVE_BLOCK_FLOATS = 4
+
+
+def gefen_param_bytes(numel: int, period: int) -> int:
+    """Gefen's live state for one parameter shard: a uint8 code per element and 4 fp32 per block.
+
+    An empty shard holds nothing (Gefen keeps no tensors for it).
+    """
+    return numel + 4 * LIVE_BLOCK_FLOATS * (numel // period) if numel else 0
+
+
+def state_bytes(built: Built, rule: str | None) -> list[int]:
+    """Per rank: Gefen state bytes under ``rule``'s periods (None: AdamW's)."""
+    chunks = Chunks()
+    out = [CODEBOOK_BYTES if rule is not None else 0] * built.mesh.world
+    for p in built.params:
+        period = p.period(rule) if rule is not None else 0
+        elem = torch._utils._element_size(p.dtype)
+        for r, (sizes, _) in enumerate(chunks.per_rank(p.shape, p)):
+            n = math.prod(sizes)
+            if rule is None:
+                out[r] += 2 * n * elem + 4  # exp_avg, exp_avg_sq, fp32 step
+            else:
+                out[r] += gefen_param_bytes(n, period)
+    return out
+
+
+def collectives(built: Built) -> list[dict[str, Any]]:
+    from gefen_titan.optim.blocking import agreement_collectives
+
+    width = sum(len(p.candidates) for p in built.params if p.unit)
+    w = built.mesh.world
+    out = []
+    for what, op, dtype, numel in agreement_collectives(width):
+        payload = numel * torch._utils._element_size(dtype)
+        per_rank = payload * w if op == "all_gather" else payload
+        out.append({"what": what, "op": op, "dtype": str(dtype).replace("torch.", ""), "numel": numel,
+                    "payload": payload, "per_rank": per_rank})
+    return out
+
+
+def plan(built: Built, exact_items: int = 100_000) -> dict[str, Any]:
+    chunks = Chunks()
+    w = built.mesh.world
+    row: dict[str, Any] = {"flavor": built.flavor, "mesh": built.mesh.kind, "label": built.mesh.label, "world": w,
+                           "numel": built.numel}
+    row["gefen_state"] = max(state_bytes(built, "fallback"))
+    row["gefen_state_finest"] = max(state_bytes(built, "finest"))
+    row["adamw_state"] = max(state_bytes(built, None))
+    for name, entries in (("gefen", gefen_entries(built, "fallback")), ("adamw", adamw_entries(built))):
+        acc = account(entries, w, chunks)
+        md = metadata_estimate(entries, w, chunks, built.checkpoint_id, acc.items, exact_items)
+        row[name] = {"entries": acc.entries, "chunks": acc.chunks, "plan_items": acc.items,
+                     "written_max": max(acc.bytes_per_rank), "written_total": sum(acc.bytes_per_rank),
+                     "items_max": max(acc.items_per_rank), "metadata": md["metadata"], "gathered": md["gathered"],
+                     "exact": md["exact"]}
+    coll = collectives(built)
+    row["collectives"] = coll
+    row["agreement_per_rank"] = sum(c["per_rank"] for c in coll)
+    return row
+
+
+# ----------------------------------------------------------------- growth
+def slope(points: dict[int, float]) -> float:
+    """Least-squares slope of log(value) over log(W) (values must be > 0)."""
+    xs = [math.log(w) for w in points]
+    ys = [math.log(v) for v in points.values()]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
+
+
+# figure -> (how to read it from a row: per-rank value, job-wide value)
+FIGURES = {
+    "Gefen state / rank": (lambda r: r["gefen_state"], lambda r: r["gefen_state"] * r["world"]),
+    "AdamW state / rank": (lambda r: r["adamw_state"], lambda r: r["adamw_state"] * r["world"]),
+    "Gefen ckpt written / rank": (lambda r: r["gefen"]["written_max"], lambda r: r["gefen"]["written_total"]),
+    "AdamW ckpt written / rank": (lambda r: r["adamw"]["written_max"], lambda r: r["adamw"]["written_total"]),
+    "Gefen chunks": (lambda r: r["gefen"]["items_max"], lambda r: r["gefen"]["chunks"]),
+    "AdamW chunks": (lambda r: r["adamw"]["items_max"], lambda r: r["adamw"]["chunks"]),
+    "Gefen metadata (read by every rank)": (lambda r: r["gefen"]["metadata"], lambda r: r["gefen"]["metadata"] * r["world"]),
+    "AdamW metadata (read by every rank)": (lambda r: r["adamw"]["metadata"], lambda r: r["adamw"]["metadata"] * r["world"]),
+    "Gefen save gather at rank 0": (lambda r: r["gefen"]["gathered"], lambda r: r["gefen"]["gathered"]),
+    "AdamW save gather at rank 0": (lambda r: r["adamw"]["gathered"], lambda r: r["adamw"]["gathered"]),
+    "Gefen first-step agreement / rank": (lambda r: r["agreement_per_rank"], lambda r: r["agreement_per_rank"] * r["world"]),
+}
+
+
+def growth(rows: list[dict], per_rank, job) -> dict[str, float]:
+    pr = {r["world"]: float(per_rank(r)) for r in rows}
+    jb = {r["world"]: float(job(r)) for r in rows}
+    return {"per_rank": slope(pr), "job": slope(jb)}
+
+
+def flags(rows: list[dict]) -> list[dict]:
+    """Growth of every figure per (flavor, mesh); ``flag`` where the job-wide figure grows faster than linearly."""
+    out = []
+    groups: dict[tuple, list] = defaultdict(list)
+    for r in rows:
+        groups[(r["flavor"], r["mesh"])].append(r)
+    for (flavor, mesh), rs in groups.items():
+        if len({r["world"] for r in rs}) < 2:
+            continue
+        for name, (per_rank, job) in FIGURES.items():
+            g = growth(rs, per_rank, job)
+            out.append({"flavor": flavor, "mesh": mesh, "figure": name, **g, "flag": g["job"] > FLAG_SLOPE})
+    return out
+
+
+# ----------------------------------------------------------------- report
+def _b(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if n / size < 100 else f"{n / size:,.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| flavor | mesh | W | Gefen state/rank (finest) | AdamW state/rank | Gefen ckpt/rank | AdamW ckpt/rank "
+             "| Gefen entries / chunks | AdamW entries / chunks | Gefen metadata | AdamW metadata | agreement/rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        g, a = r["gefen"], r["adamw"]
+        lines.append(
+            f"| {r['flavor']} | {r['label']} | {r['world']} | {_b(r['gefen_state'])} ({_b(r['gefen_state_finest'])}) "
+            f"| {_b(r['adamw_state'])} | {_b(g['written_max'])} | {_b(a['written_max'])} "
+            f"| {g['entries']:,} / {g['chunks']:,} | {a['entries']:,} / {a['chunks']:,} "
+            f"| {'' if g['exact'] else '~'}{_b(g['metadata'])} | {'' if a['exact'] else '~'}{_b(a['metadata'])} "
+            f"| {_b(r['agreement_per_rank'])} |")
+    return "\n".join(lines)
+
+
+def growth_table(found: list[dict]) -> str:
+    by: dict[tuple, dict] = defaultdict(dict)
+    for f in found:
+        by[(f["flavor"], f["figure"])][f["mesh"]] = f
+    meshes = list(dict.fromkeys(f["mesh"] for f in found))
+    lines = ["| flavor | figure | " + " | ".join(f"{m}: per rank / job" for m in meshes) + " |",
+             "|---|---|" + "---|" * len(meshes)]
+    for (flavor, figure), ms in by.items():
+        cells = []
+        for m in meshes:
+            f = ms.get(m)
+            cells.append("" if f is None else f"W^{f['per_rank']:+.2f} / W^{f['job']:.2f}" + (" **FLAG**" if f["flag"] else ""))
+        lines.append(f"| {flavor} | {figure} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(rows: list[dict], max_tp: int) -> list[dict]:
+    """Print the tables; returns the growth figures."""
+    found = flags(rows)
+    print(f"\nOptimizer state and checkpoint per rank (worst rank), Gefen periods = the row unit (agreed blocking's "
+          f"fallback; in brackets the finest period the rule allows), max_tensor_parallel_degree {max_tp}; "
+          "~: metadata extrapolated over identical layers\n")
+    print(table(rows))
+    if found:
+        print("\nGrowth with the world size W (least-squares slope of log(figure) over log(W)), per rank / whole job; "
+              f"FLAG: the job-wide figure grows faster than linearly (slope > {FLAG_SLOPE})\n")
+        print(growth_table(found))
+        flagged = [f for f in found if f["flag"]]
+        if flagged:
+            print("\nflagged (faster than linear in W):")
+            for f in flagged:
+                print(f"  {f['flavor']} {f['mesh']}: {f['figure']}: per rank W^{f['per_rank']:+.2f}, job W^{f['job']:.2f}")
+    if rows:
+        r = rows[-1]
+        print(f"\nfirst-step collectives of the agreement ({r['flavor']}, {r['label']}): " + "; ".join(
+            f"{c['what']} {c['op']} {c['numel']:,} x {c['dtype']} -> {_b(c['per_rank'])}/rank" for c in r["collectives"]))
+    return found
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--flavors", default=",".join(FLAVORS))
+    ap.add_argument("--meshes", default=",".join(MESHES))
+    ap.add_argument("--worlds", default=",".join(map(str, WORLDS)))
+    ap.add_argument("--tp", type=int, default=8, help="TP degree of the fsdp_tp meshes")
+    ap.add_argument("--hsdp-shard", type=int, default=8, help="shard degree of the hsdp meshes")
+    ap.add_argument("--max-tp-degree", type=int, default=8,
+                    help="optimizer.max_tensor_parallel_degree of every run (periods fit TP degrees dividing it)")
+    ap.add_argument("--exact-items", type=int, default=100_000,
+                    help="build the metadata in full up to this many plan items, else extrapolate over layers")
+    ap.add_argument("--recipe", default=RECIPE)
+    ap.add_argument("--json", default="", help="also write every figure here")
+    ap.add_argument("--from-json", default="", help="print the tables of an earlier --json run (builds nothing)")
+    args = ap.parse_args(argv)
+    args.flavors = [f for f in args.flavors.split(",") if f]
+    args.meshes = [m for m in args.meshes.split(",") if m]
+    bad = [m for m in args.meshes if m not in MESHES]
+    if bad:
+        ap.error(f"--meshes: unknown {', '.join(bad)} (known: {', '.join(MESHES)})")
+    try:
+        args.worlds = sorted({int(w) for w in args.worlds.split(",") if w})
+    except ValueError:
+        ap.error(f"--worlds: expected comma-separated integers, got {args.worlds!r}")
+    if not args.worlds or min(args.worlds) < 1 or args.tp < 1 or args.hsdp_shard < 1:
+        ap.error("--worlds, --tp and --hsdp-shard must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        return report(saved["rows"], saved["args"]["max_tp_degree"])
+    from torchtitan.tools.logging import logger
+
+    from gefen_titan import patches
+    from gefen_titan.recipe import flavors
+
+    patches.apply_all()  # torchtitan's parallelize on CPU (the meta device, a fake process group)
+    flavors.register_flavors()
+
+    logger.setLevel("WARNING")
+    rows = []
+    for flavor in args.flavors:
+        for kind in args.meshes:
+            for world in args.worlds:
+                try:
+                    mesh = mesh_for(kind, world, args.tp, args.hsdp_shard)
+                except ValueError as e:
+                    print(f"skip: {e}", file=sys.stderr)
+                    continue
+                begin = time.monotonic()
+                built = build(flavor, mesh, args.max_tp_degree, args.recipe)
+                row = plan(built, args.exact_items)
+                rows.append(row)
+                print(f"done: {flavor} {mesh.label} ({time.monotonic() - begin:.1f} s)", file=sys.stderr, flush=True)
+    found = report(rows, args.max_tp_degree)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "growth": found}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Training cost inside torchtitan: the same recipe with Gefen and with AdamW, one run.
+
+For each model (``--models``: the debug recipe's model and gefen_titan's
+``150M`` flavor) and each optimizer, ``torchrun`` trains
+``recipes/llama_gefen.toml`` at ``--ranks`` ranks through torchtitan's own
+``Trainer`` (recipe, data, FSDP2, loss, LR schedule as in a real run; no
+checkpoints) with the optimizer swapped by ``--optimizer.name``. A worker
+wraps the trainer's ``train_step`` and its optimizer container's ``step``
+with timers, so the figures are the steps themselves, not torchtitan's
+logging intervals (whose first one also counts the set-up):
+
+* first-step time (Gefen's includes the agreement of periods and codebook,
+  also timed on its own),
+  steady-state step time (median of steps 3..N) and the optimizer's share of
+  it (median ``optimizers.step()``);
+* tokens/s of the whole job at the steady step time;
+* peak memory per rank during training (CUDA: ``max_memory_allocated``; CPU:
+  the process's peak RSS over the training loop, ``benchmarks.
+  rss``), the worst rank;
+* optimizer state bytes/param (the container's ``state_bytes()``).
+
+The slowest rank's time is taken for every step. Few steps and a short
+sequence at 150M (defaults below) keep it to minutes on a CPU; say so when
+quoting the figures.
+
+    python scripts/bench_training.py                       # debug (10 steps) and 150M (4 steps, seq 128)
+    python scripts/bench_training.py --models debug --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/llama_gefen.toml"
+# model -> (flavor, steps, seq_len, local batch) defaults
+MODELS = {"debug": ("debugmodel", 10, 256, 4), "150M": ("150M", 4, 128, 2)}
+OPTIMIZERS = ("Gefen", "AdamW")
+
+
+# --------------------------------------------------------------------- worker
+def _worker(out: str, train_args: list[str]) -> None:
+    import torch
+    import torch.distributed as dist
+    from torchtitan.observability import structured_logger as sl
+    from torchtitan.tools.logging import init_logger
+
+    from benchmarks.rss import PeakRSS
+    from gefen_titan.train import build_config
+
+    init_logger()
+    config = build_config(train_args)
+    sl.init_structured_logger(source="training", output_dir=config.dump_folder,
+                              enable=config.debug.enable_structured_logging)
+    trainer = config.build()
+    cuda = torch.cuda.is_available() and trainer.device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    steps, opt_steps = [], []
+    train_step, opt_step = trainer.train_step, trainer.optimizers.step
+
+    def timed_train_step(*a, **k):
+        sync()
+        t0 = time.perf_counter()
+        result = train_step(*a, **k)
+        sync()
+        steps.append(time.perf_counter() - t0)
+        return result
+
+    def timed_opt_step(*a, **k):
+        sync()
+        t0 = time.perf_counter()
+        result = opt_step(*a, **k)
+        sync()
+        opt_steps.append(time.perf_counter() - t0)
+        return result
+
+    trainer.train_step = timed_train_step
+    trainer.optimizers.step = timed_opt_step
+    agreement_s: list[float] = []
+    agreement = getattr(trainer.optimizers, "_agreement", None)
+    if agreement is not None:  # Gefen, agreed blocking: time the first step's agreement on its own
+        maybe_agree = agreement.maybe_agree
+
+        def timed_agree(*a, **k):
+            needed = agreement.needed
+            sync()
+            t0 = time.perf_counter()
+            result = maybe_agree(*a, **k)
+            sync()
+            if needed:
+                agreement_s.append(time.perf_counter() - t0)
+            return result
+
+        agreement.maybe_agree = timed_agree
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        with PeakRSS() as rss:
+            trainer.train()
+        state_bytes, numel = trainer.optimizers.state_bytes()
+        peak = torch.cuda.max_memory_allocated() if cuda else rss.peak
+        mine = {"steps": steps, "opt_steps": opt_steps, "agreement_s": sum(agreement_s), "peak": peak, "state_bytes": state_bytes, "numel": numel,
+                "memory": "cuda max_memory_allocated" if cuda else f"peak RSS ({rss.method})"}
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        everyone = [None] * world
+        if world > 1:
+            dist.all_gather_object(everyone, mine)
+        else:
+            everyone = [mine]
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            tokens = config.training.local_batch_size * config.training.seq_len
+            Path(out).write_text(json.dumps({"ranks": everyone, "tokens_per_rank_step": tokens,
+                                             "global_batch": config.training.global_batch_size}))
+    finally:
+        trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- orchestrator
+def train_args(model: str, optimizer: str, steps: int, seq_len: int, local_batch: int, dump: str) -> list[str]:
+    flavor = MODELS[model][0]
+    return ["--job.config", str(ROOT / RECIPE), "--job.dump_folder", dump, "--model.flavor", flavor,
+            "--optimizer.name", optimizer, "--training.steps", str(steps), "--training.seq_len", str(seq_len),
+            "--training.local_batch_size", str(local_batch), "--lr_scheduler.total_steps", str(steps),
+            "--checkpoint.enable", "false", "--metrics.log_freq", "1"]
+
+
+def summarize(raw: dict, ranks: int) -> dict:
+    """Per-step worst-rank times -> the table's figures."""
+    per_rank = raw["ranks"]
+    n = min(len(r["steps"]) for r in per_rank)
+    steps = [max(r["steps"][i] for r in per_rank) for i in range(n)]
+    opts = [max(r["opt_steps"][i] for r in per_rank) for i in range(min(len(r["opt_steps"]) for r in per_rank))]
+    steady = steps[2:] or steps[1:] or steps
+    steady_opt = opts[2:] or opts[1:] or opts
+    step_s = statistics.median(steady)
+    state = sum(r["state_bytes"] for r in per_rank)
+    numel = sum(r["numel"] for r in per_rank)
+    return {
+        "steps": n, "first_step_s": steps[0], "steady_step_s": step_s, "steady_opt_s": statistics.median(steady_opt),
+        "first_opt_s": opts[0] if opts else float("nan"), "steady_from_step": 3 if len(steps) > 2 else 2,
+        "agreement_s": max(r.get("agreement_s", 0.0) for r in per_rank),
+        "tokens_per_s": raw["tokens_per_rank_step"] * ranks / step_s,
+        "peak_bytes": max(r["peak"] for r in per_rank), "memory": per_rank[0]["memory"],
+        "opt_bytes_per_param": state / numel if numel else float("nan"),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=0, help="steps per run (default per model: debug 10, 150M 4)")
+    ap.add_argument("--seq-len", type=int, default=0, help="(default per model: debug 256, 150M 128)")
+    ap.add_argument("--local-batch", type=int, default=0, help="(default per model: debug 4, 150M 2)")
+    ap.add_argument("--json", default="", help="also write every figure here")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    args, rest = ap.parse_known_args(argv)
+    if args.worker:
+        args.train_args = rest
+        return args
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    bad = [m for m in args.models if m not in MODELS]
+    if bad or not args.models:
+        ap.error(f"--models: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(MODELS)}")
+    if args.ranks < 1 or args.steps < 0 or args.seq_len < 0 or args.local_batch < 0:
+        ap.error("--ranks must be >= 1 and --steps, --seq-len, --local-batch >= 0 (0: the model's default)")
+    if 0 < args.steps < 2:
+        ap.error("--steps must be >= 2: the first step is reported apart from the steady state")
+    return args
+
+
+def settings(args: argparse.Namespace, model: str) -> tuple[int, int, int]:
+    _, steps, seq, batch = MODELS[model]
+    return args.steps or steps, args.seq_len or seq, args.local_batch or batch
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    from gefen_titan.validation.core import free_port
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models:
+            steps, seq, batch = settings(args, model)
+            for optimizer in OPTIMIZERS:
+                dump = os.path.join(tmp, f"{model}-{optimizer}")
+                out = os.path.join(tmp, f"{model}-{optimizer}.json")
+                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}",
+                       f"--master-port={free_port()}", "-m", "benchmarks.training", "--worker", out,
+                       *train_args(model, optimizer, steps, seq, batch, dump)]
+                begin = time.monotonic()
+                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+                if proc.returncode:
+                    sys.stderr.write((proc.stdout + proc.stderr)[-6000:])
+                    raise SystemExit(f"training run failed: {model} {optimizer}")
+                row = summarize(json.loads(Path(out).read_text()), args.ranks)
+                row.update(model=model, optimizer=optimizer, seq_len=seq, local_batch=batch, wall_s=time.monotonic() - begin)
+                rows.append(row)
+                print(f"done: {model} {optimizer} ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+    return rows
+
+
+def report(rows: list[dict], ranks: int) -> str:
+    lines = [f"recipes/llama_gefen.toml at {ranks} ranks through torchtitan's Trainer; step times are the slowest "
+             f"rank's, steady = median from step 3; peak memory: {rows[0]['memory']}, worst rank", "",
+             "| model | steps x seq x local batch | optimizer | tokens/s (job) | first step s (agreement) | steady step s "
+             "| optimizer step s (steady) | peak MiB/rank | opt B/param |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        agreed = f" ({r['agreement_s']:.2f})" if r.get("agreement_s") else ""
+        lines.append(f"| {r['model']} | {r['steps']} x {r['seq_len']} x {r['local_batch']} | {r['optimizer']} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['first_step_s']:.2f}{agreed} | {r['steady_step_s']:.2f} | "
+                     f"{r['steady_opt_s']:.3f} | {r['peak_bytes'] / 2**20:,.0f} | {r['opt_bytes_per_param']:.3f} |")
+    lines.append("")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        by = {r["optimizer"]: r for r in rows if r["model"] == model}
+        if len(by) == 2:
+            g, a = by["Gefen"], by["AdamW"]
+            lines.append(f"{model}: Gefen vs AdamW: tokens/s x{g['tokens_per_s'] / a['tokens_per_s']:.2f}, "
+                         f"first step x{g['first_step_s'] / a['first_step_s']:.2f}, steady step "
+                         f"x{g['steady_step_s'] / a['steady_step_s']:.2f}, optimizer step "
+                         f"x{g['steady_opt_s'] / a['steady_opt_s']:.2f}, peak memory "
+                         f"x{g['peak_bytes'] / a['peak_bytes']:.2f}, state x{g['opt_bytes_per_param'] / a['opt_bytes_per_param']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        from gefen_titan import patches
+        from gefen_titan.recipe import flavors
+
+        patches.apply_all()  # CPU / gloo training
+        flavors.register_flavors()  # --model 150M
+        return _worker(args.worker, args.train_args)
+    rows = run(args)
+    print("\n" + report(rows, args.ranks))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""Checkpoints: the format, the files, and the manager that loads them.
+
+* ``schema``: the one definition of the Gefen checkpoint format (keys,
+  records, their JSON, their checks); ``docs/checkpoint_format.md`` is
+  generated from it;
+* ``manager``: ``GefenCheckpointManager``, torchtitan's manager told the
+  checkpoint's layout before a load (``LoadPreparer``);
+* ``storage``: every read and write outside torchtitan's own, local folders
+  and fsspec URLs alike;
+* ``errors``: ``GefenCheckpointError`` and the messages every rank raises;
+* ``reader`` / ``records``: an offline, single-process view of a checkpoint
+  and its Gefen records (the ``gefen-titan ckpt`` tools);
+* ``quant`` / ``kernels``: Gefen's dequantize/requantize arithmetic, the
+  pure-torch reference and its Triton kernels.
+
+Nothing here knows the optimizer container: ``gefen_titan.optim.state``
+builds the entries of Gefen's state from this schema.
+"""
+
+from gefen_titan.checkpoint.errors import GefenCheckpointError
+from gefen_titan.checkpoint.manager import GefenCheckpointManager, LoadPreparer
+
+__all__ = ["GefenCheckpointError", "GefenCheckpointManager", "LoadPreparer"]

@@ -1,0 +1,88 @@
+"""Where checkpoints are read from: local folders and fsspec URLs alike.
+
+torchtitan 0.3.0 writes checkpoints to local paths or to fsspec URLs
+(``s3://``, ``gs://``, ``file://``, ...; ``torchtitan.tools.filesystem``) and
+DCP picks its storage from the checkpoint id. Every read gefen-titan makes
+outside torchtitan's own ``dcp.load`` (the metadata before a load, the small
+header and record reads, the ``ckpt`` tools) goes through here, so it sees
+the same storage torchtitan wrote to. The ``ckpt`` tools also read a
+checkpoint's files byte for byte (``list_files``, ``file_size``,
+``open_file``) and write converted checkpoints (``storage_writer``).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from typing import BinaryIO
+
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+from torchtitan.tools import filesystem
+
+__all__ = ["is_remote", "read_metadata", "storage_reader", "storage_writer", "list_files", "file_size", "open_file",
+           "join"]
+
+
+def is_remote(checkpoint_id: str | os.PathLike) -> bool:
+    """Whether ``checkpoint_id`` is an fsspec URL (torchtitan's rule)."""
+    return filesystem.is_remote(checkpoint_id)
+
+
+def storage_reader(checkpoint_id: str | os.PathLike) -> StorageReader:
+    """A DCP reader for a checkpoint folder: fsspec for URLs, the file system otherwise."""
+    checkpoint_id = os.fspath(checkpoint_id)
+    if is_remote(checkpoint_id):
+        return FsspecReader(checkpoint_id)
+    return FileSystemReader(checkpoint_id)
+
+
+def read_metadata(checkpoint_id: str | os.PathLike) -> Metadata:
+    """The checkpoint's DCP metadata (``.metadata``); raises OSError or CheckpointException."""
+    return storage_reader(checkpoint_id).read_metadata()
+
+
+def storage_writer(checkpoint_id: str | os.PathLike) -> StorageWriter:
+    """A DCP writer for a new checkpoint folder (fsspec for URLs)."""
+    checkpoint_id = os.fspath(checkpoint_id)
+    if is_remote(checkpoint_id):
+        return FsspecWriter(checkpoint_id)
+    return FileSystemWriter(checkpoint_id)
+
+
+def join(checkpoint_id: str | os.PathLike, name: str) -> str:
+    """``name`` inside a checkpoint folder (``/``-joined for URLs)."""
+    checkpoint_id = os.fspath(checkpoint_id)
+    return posixpath.join(checkpoint_id, name) if is_remote(checkpoint_id) else os.path.join(checkpoint_id, name)
+
+
+def list_files(checkpoint_id: str | os.PathLike) -> list[str]:
+    """Names in a checkpoint folder (``.metadata`` included); OSError if it is no folder."""
+    checkpoint_id = os.fspath(checkpoint_id)
+    if not filesystem.isdir(checkpoint_id):
+        raise FileNotFoundError(f"{checkpoint_id} is not a checkpoint folder")
+    return sorted(filesystem.listdir(checkpoint_id))
+
+
+def file_size(checkpoint_id: str | os.PathLike, name: str) -> int | None:
+    """Size in bytes of a file of the checkpoint, None if it does not exist."""
+    path = join(checkpoint_id, name)
+    if is_remote(path):
+        from fsspec.core import url_to_fs
+
+        fs, p = url_to_fs(path)
+        return int(fs.size(p)) if fs.exists(p) else None
+    return os.path.getsize(path) if os.path.isfile(path) else None
+
+
+def open_file(checkpoint_id: str | os.PathLike, name: str) -> BinaryIO:
+    """A binary read stream on a file of the checkpoint."""
+    path = join(checkpoint_id, name)
+    if is_remote(path):
+        from fsspec.core import url_to_fs
+
+        fs, p = url_to_fs(path)
+        return fs.open(p, "rb")
+    return open(path, "rb")

@@ -1,0 +1,108 @@
+"""The few distributed helpers every part of gefen-titan needs, once.
+
+* DTensors: ``local`` (this rank's shard, or the tensor itself) and
+  ``like_param`` (a local tensor presented as a DTensor with a parameter's
+  placements, for DCP);
+* agreement: ``raise_on_any_rank`` raises the same error on every rank when
+  any rank has one, and ``any_rank`` ORs a flag over the world. A rank that
+  raised alone would leave the others waiting in their next collective, so
+  every check whose outcome can differ between ranks goes through these;
+* ``comm_device``: where a collective's tensors must live (the current CUDA
+  device under NCCL, the CPU under gloo).
+
+Every function also works without a process group (one process), where the
+agreement is the rank's own verdict.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "all_gather_objects",
+    "any_rank",
+    "comm_device",
+    "is_distributed",
+    "like_param",
+    "local",
+    "rank_and_world",
+    "raise_on_any_rank",
+]
+
+
+def is_distributed() -> bool:
+    """A process group with more than one rank exists."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def comm_device() -> torch.device:
+    """The device of a collective's tensors: NCCL needs CUDA, gloo the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; any other tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def like_param(param: torch.Tensor, local_tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``local_tensor`` as the shard of a global tensor of ``shape`` placed like ``param``.
+
+    Gefen's state lives on each rank's shard; DCP reshards it only when it is
+    handed over as a DTensor with the parameter's mesh and placements (and the
+    global shape of what it holds: the parameter's, or its block grid's). A
+    plain parameter's state is returned as it is.
+    """
+    if not isinstance(param, DTensor):
+        return local_tensor
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(local_tensor, param.device_mesh, param.placements, run_check=False, shape=shape,
+                              stride=stride)
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if ``flag`` is true on any rank (collective)."""
+    if not is_distributed():
+        return flag
+    t = torch.tensor([int(flag)], device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (collective; ``[obj]`` alone)."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def raise_on_any_rank(error: str | None, what: str, exc: type[Exception]) -> None:
+    """Raise ``exc(f"{what}: ...")`` on every rank if any rank has an ``error``.
+
+    Collective: every rank calls it, with its own verdict (None: fine). The
+    message joins the distinct errors of all ranks, so each rank's log says
+    what went wrong anywhere. Costs one all-reduce when nothing failed.
+    """
+    if not is_distributed():
+        if error:
+            raise exc(f"{what}: {error}")
+        return
+    if not any_rank(bool(error)):
+        return
+    errors = all_gather_objects(error)
+    raise exc(f"{what}: " + "; ".join(sorted({e for e in errors if e})))

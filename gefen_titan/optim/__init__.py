@@ -1,0 +1,16 @@
+"""Gefen as torchtitan optimizers: the container, and what Gefen's state is.
+
+* ``container``: ``GefenOptimizersContainer``, torchtitan's optimizer
+  component with Gefen registered beside AdamW/Adam, and its ``Config``;
+* ``gefen_state``: the one module that reads or writes gefen-x's private
+  optimizer state;
+* ``blocking``: agreed blocking, the first-step agreement that makes the
+  state a function of the model (periods and one codebook for the job);
+* ``codebook_solver``: gefen-x's exact codebook DP, fast;
+* ``state``: how Gefen's state becomes checkpoint entries and back (format
+  v2 under agreed blocking, v1 under per-rank blocking).
+"""
+
+from gefen_titan.optim.container import GefenOptimizersContainer
+
+__all__ = ["GefenOptimizersContainer"]

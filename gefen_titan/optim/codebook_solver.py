@@ -1,0 +1,660 @@
+"""A fast solver for gefen-x's exact codebook DP that gives the same bits.
+
+Why: gefen-x learns its 256-entry codebook with
+``gefen.quantization.exact_dp(stats, num_codebooks=256, force_endpoints=True)``,
+an optimal weighted 1-D k-means over the active bins of a 4096-bin histogram of
+block-normalized gradients. Its numba kernel fills the whole DP table by brute
+force: for every layer ``k`` (clusters) and every end bin it scans every start
+bin, O(K * N^2) segment costs, 3-15 s single-threaded for N = 4096 active bins,
+paid at every codebook refresh. :func:`solve_codebook` computes the same
+codebook in O(K * N log N) (about 0.1 s for N = 4096 once compiled) and returns
+a bit-identical float32 tensor.
+
+How: 1-D k-means segment costs satisfy the quadrangle (Monge) inequality, so in
+exact arithmetic the smallest optimal start ``opt(end)`` of each DP layer is
+non-decreasing in ``end``. Each layer is then filled by divide and conquer:
+``opt(mid)`` is found by scanning starts in ``[opt_lo, opt_hi]`` only, and the
+ends left of ``mid`` are searched in ``[opt_lo, opt(mid)]``, those right of it
+in ``[opt(mid), opt_hi]`` (an explicit stack, no recursion); every end still
+gets its dp value (the next layer reads them all). Each candidate is evaluated
+with gefen-x's own arithmetic, so whenever gefen-x's argmin lies in the
+searched window the dp value and the back-pointer are exactly gefen-x's:
+
+* the same float64 prefix sums, built the same way with torch;
+* the same segment cost expressions: ``sum_wx2 - 2c*sum_wx + c*c*sum_w`` for the
+  clusters pinned at ``c = -1`` (first) and ``c = +1`` (last) when
+  ``force_endpoints``, ``sum_wx2 - (sum_wx*sum_wx)/sum_w`` for free ones;
+* the same ``candidate = dp[start-1, k-1] + cost`` and the same tie rule: starts
+  are scanned in increasing order and only a strictly smaller candidate
+  replaces the best, so the smallest argmin wins, as in the numba kernel (with
+  that rule divide and conquer returns the smallest argmin for Monge costs);
+* the same start ranges (from ``k``, so no ``inf`` state is ever a candidate
+  except in layer 1, where only ``start = 1`` is finite, as in the original);
+* the same back-tracking, centres ``sum_wx/sum_w`` rounded to float32, and the
+  final sort; ``num_codebooks > N`` takes the same padded path as
+  ``gefen.quantization._build_padded_codebook``.
+
+Compiled with numba ``@njit(cache=True)`` without fastmath, like gefen-x's
+kernel, so no reassociation or FMA contraction changes a rounding.
+
+Two exact shortcuts: layer ``k`` only fills ends ``k .. N-(K-k)`` (an end
+past that leaves too few bins for the remaining clusters, so no path through
+it reaches the final state, whose value alone is read), and the last layer,
+whose only read entry is ``end = N``, is a full scan, as in the original.
+
+Floating-point near-ties: monotonicity holds for the exact costs, while the DP
+compares rounded float64 values. Where two starts are within rounding of each
+other, the rounded argmin of one end can lie outside the window that plain
+divide and conquer derived from a neighbour -- this does happen (in the tests'
+histograms with count-1 bins among ~2^26 ones a few layers in a hundred have
+such a miss, though none changed a final codebook in ~10 000 random trials). So
+the windows here are widened: a child's window is bounded not by ``opt(mid)``
+but by the smallest / largest start whose candidate is within ``tau`` of
+mid's min, with ``tau`` about three times a bound on four candidates'
+rounding errors (``_layer_tolerance`` gives the argument: a missed argmin
+would have to be such a near-tie at some ancestor). This costs 5-50 % more
+CPU time than the plain recursion (0.08-0.11 s for the benchmark's 4096-bin
+histograms) and makes every layer gefen-x's layer provided
+
+* the sums of w and w*x are exact (then the exact-arithmetic candidates on the
+  float data are Monge): checked at run time by ``_sums_are_exact``; it holds
+  for gefen's histograms (integer counts, centres on a 2^-12 grid) up to a
+  total count of 2^41 (2.2e12 elements per refresh), and the centres are
+  sorted. Otherwise every layer falls back to gefen-x's full scan (exact, as
+  slow as gefen-x);
+* the rounding-error bound is right, a hand derivation (with a factor-3
+  margin), not a machine-checked proof.
+
+What the tests check (``tests/test_codebook_solver.py``): bit-identity (integer
+view of the float32 codebook) with ``gefen.quantization.exact_dp`` on
+histograms of real gradients of small models block-normalized the way
+gefen's learner does (one through the learner itself), on synthetic Gaussian,
+Laplace, Cauchy, spiky/sparse, exactly-256/257-active-bin, fewer-than-256
+(padded), huge-count (> 2^24) and tied/symmetric histograms, other K and
+``force_endpoints=False``, the full-scan fallback; and, layer by layer with
+:func:`dp_window_misses`, that the widened windows never miss gefen-x's argmin
+where the plain ones do.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+from numba import njit
+
+__all__ = [
+    "solve_codebook",
+    "codebook_from_counts",
+    "histogram_counts",
+    "histogram_stats",
+    "benchmark_histograms",
+    "benchmark",
+    "dp_window_misses",
+]
+
+
+# ------------------------------------------------------------------ kernel
+_UNIT_ROUNDOFF = 2.0 ** -53
+# Near-tie threshold = _TIE_FACTOR * u * (P2 + F), see _layer_tolerance: about
+# three times the four rounding errors a missed argmin needs.
+_TIE_FACTOR = 64.0
+
+
+@njit(cache=True, inline="always")
+def _candidate(prefix_w, prefix_wx, prefix_wx2, prev_dp, start_idx, end_idx,
+               clusters, num_codebooks, force_endpoints):
+    # gefen.quantization._get_exact_dp_numba_kernel's expressions, verbatim.
+    sum_w = prefix_w[end_idx] - prefix_w[start_idx - 1]
+    sum_wx = prefix_wx[end_idx] - prefix_wx[start_idx - 1]
+    sum_wx2 = prefix_wx2[end_idx] - prefix_wx2[start_idx - 1]
+    if force_endpoints and clusters == 1:
+        fixed_center = -1.0
+        segment_cost = (
+            sum_wx2
+            - 2.0 * fixed_center * sum_wx
+            + fixed_center * fixed_center * sum_w
+        )
+    elif force_endpoints and clusters == num_codebooks:
+        fixed_center = 1.0
+        segment_cost = (
+            sum_wx2
+            - 2.0 * fixed_center * sum_wx
+            + fixed_center * fixed_center * sum_w
+        )
+    else:
+        segment_cost = sum_wx2 - (sum_wx * sum_wx) / sum_w
+    return prev_dp[start_idx - 1] + segment_cost
+
+
+@njit(cache=True)
+def _scan(prefix_w, prefix_wx, prefix_wx2, prev_dp, end_idx, lo, hi,
+          clusters, num_codebooks, force_endpoints, tau, scratch):
+    """Min over starts lo..hi, its smallest argmin, and the near-tie range.
+
+    The first strictly smaller candidate wins, as in gefen-x's kernel.
+    ``(tie_lo, tie_hi)`` is the smallest and largest start whose candidate is
+    within ``tau`` of the min (both the argmin when ``tau < 0``).
+    """
+    best_cost = np.inf
+    best_start = -1
+    for start_idx in range(lo, hi + 1):
+        candidate = _candidate(prefix_w, prefix_wx, prefix_wx2, prev_dp,
+                               start_idx, end_idx, clusters, num_codebooks,
+                               force_endpoints)
+        scratch[start_idx] = candidate
+        if candidate < best_cost:
+            best_cost = candidate
+            best_start = start_idx
+    tie_lo = best_start
+    tie_hi = best_start
+    if tau >= 0.0:
+        for start_idx in range(lo, best_start):
+            if scratch[start_idx] - best_cost <= tau:
+                tie_lo = start_idx
+                break
+        for start_idx in range(hi, best_start, -1):
+            if scratch[start_idx] - best_cost <= tau:
+                tie_hi = start_idx
+                break
+    return best_cost, best_start, tie_lo, tie_hi
+
+
+@njit(cache=True)
+def _fill_layer(prefix_w, prefix_wx, prefix_wx2, prev_dp, cur_dp, back_row,
+                clusters, num_codebooks, force_endpoints, end_lo, end_hi, tau,
+                stack, scratch):
+    """dp[end, clusters] for end in end_lo..end_hi by divide and conquer.
+
+    The ends left of ``mid`` search ``[opt_lo, tie_hi(mid)]``, those right of
+    it ``[tie_lo(mid), opt_hi]``: the windows keep every start within ``tau``
+    of mid's min, not just its argmin (``tau < 0``: the bare recursion).
+    """
+    stack[0, 0] = end_lo
+    stack[0, 1] = end_hi
+    stack[0, 2] = clusters  # opt_lo
+    stack[0, 3] = end_hi  # opt_hi
+    top = 1
+    while top > 0:
+        top -= 1
+        lo = stack[top, 0]
+        hi = stack[top, 1]
+        opt_lo = stack[top, 2]
+        opt_hi = stack[top, 3]
+        mid = (lo + hi) // 2
+        scan_hi = opt_hi if opt_hi < mid else mid
+        best_cost, best_start, tie_lo, tie_hi = _scan(
+            prefix_w, prefix_wx, prefix_wx2, prev_dp, mid, opt_lo, scan_hi,
+            clusters, num_codebooks, force_endpoints, tau, scratch)
+        cur_dp[mid] = best_cost
+        back_row[mid] = best_start
+        if mid + 1 <= hi:
+            stack[top, 0] = mid + 1
+            stack[top, 1] = hi
+            stack[top, 2] = tie_lo
+            stack[top, 3] = opt_hi
+            top += 1
+        if lo <= mid - 1:
+            stack[top, 0] = lo
+            stack[top, 1] = mid - 1
+            stack[top, 2] = opt_lo
+            stack[top, 3] = tie_hi
+            top += 1
+
+
+@njit(cache=True)
+def _full_layer(prefix_w, prefix_wx, prefix_wx2, prev_dp, cur_dp, back_row,
+                clusters, num_codebooks, force_endpoints, end_lo, end_hi, scratch):
+    """gefen-x's own brute-force layer: every end scans every start."""
+    for end_idx in range(end_lo, end_hi + 1):
+        best_cost, best_start, tie_lo, tie_hi = _scan(
+            prefix_w, prefix_wx, prefix_wx2, prev_dp, end_idx, clusters, end_idx,
+            clusters, num_codebooks, force_endpoints, -1.0, scratch)
+        cur_dp[end_idx] = best_cost
+        back_row[end_idx] = best_start
+
+
+@njit(cache=True)
+def _layer_tolerance(prev_dp, p2_total):
+    """The near-tie threshold tau of one layer (the exactness certificate).
+
+    Let f_e(s) be the candidate of start s for end e evaluated in exact
+    arithmetic on the float data (prefix sums, previous-layer dp); when
+    ``prefix_w`` and ``prefix_wx`` are exact (``_sums_are_exact``) and the
+    centres sorted, f is Monge, since only -S1^2/S0 survives in the
+    quadrangle inequality. Suppose the window of some end e1 misses its rounded
+    smallest argmin a'. Following the window bounds up the recursion gives a
+    node E whose window holds a' but whose near-tie range does not, and the
+    quadrangle inequality on (e1, E) x (a', opt(E)) bounds the rounded gap
+    f~_E(a') - f~_E(opt(E)) by four rounding errors of near-optimal candidates,
+    so a' would have been in the range. One candidate's rounding is at most
+    ~u * (5.02 * P2 + F): the S2 difference, the square, the division, the
+    subtraction, each <= u * P2 since S2 <= P2 = prefix_wx2[N] and
+    S1^2/S0 <= S2, and the final addition, <= u * F, where
+    F = max |dp_prev| + P2 bounds every near-optimal |f| (dp[e, k] <=
+    dp[e-1, k-1] + a one-bin cost). tau = 64 * u * (P2 + F) is about three
+    times the four errors.
+    """
+    f_max = 0.0
+    for j in range(prev_dp.shape[0]):
+        value = abs(prev_dp[j])
+        if value < np.inf and value > f_max:
+            f_max = value
+    return _TIE_FACTOR * _UNIT_ROUNDOFF * (p2_total + f_max + p2_total)
+
+
+@njit(cache=True)
+def _solve_kernel(prefix_w, prefix_wx, prefix_wx2, num_codebooks, force_endpoints,
+                  certified, bare):
+    """Codebook, and the number of layers solved by gefen-x's full scan.
+
+    ``certified``: the exactness certificate applies (see ``_layer_tolerance``);
+    otherwise every layer is a full scan, as slow as gefen-x. ``bare``: windows
+    without the near-tie ranges (testing only).
+    """
+    num_points = prefix_w.shape[0] - 1
+    p2_total = prefix_wx2[num_points]
+    prev_dp = np.full(num_points + 1, np.inf, dtype=np.float64)
+    cur_dp = np.full(num_points + 1, np.inf, dtype=np.float64)
+    prev_dp[0] = 0.0
+    scratch = np.empty(num_points + 1, dtype=np.float64)
+    backtrack = np.full((num_codebooks + 1, num_points + 1), -1, dtype=np.int32)
+    depth = 4
+    while (1 << depth) <= num_points + 1:
+        depth += 1
+    stack = np.empty((2 * depth + 4, 4), dtype=np.int64)
+    full_scans = 0
+
+    for clusters in range(1, num_codebooks + 1):
+        cur_dp[:] = np.inf
+        if clusters == num_codebooks:
+            # Only dp[N, K] is read: one full scan, as in the original.
+            best_cost, best_start, tie_lo, tie_hi = _scan(
+                prefix_w, prefix_wx, prefix_wx2, prev_dp, num_points, clusters,
+                num_points, clusters, num_codebooks, force_endpoints, -1.0,
+                scratch)
+            cur_dp[num_points] = best_cost
+            backtrack[clusters, num_points] = best_start
+        else:
+            # Ends past N - (K - k) leave too few bins for the later clusters,
+            # so no path to dp[N, K] goes through them.
+            end_hi = num_points - (num_codebooks - clusters)
+            if certified:
+                tau = -1.0 if bare else _layer_tolerance(prev_dp, p2_total)
+                _fill_layer(prefix_w, prefix_wx, prefix_wx2, prev_dp, cur_dp,
+                            backtrack[clusters], clusters, num_codebooks,
+                            force_endpoints, clusters, end_hi, tau, stack,
+                            scratch)
+            else:
+                full_scans += 1
+                _full_layer(prefix_w, prefix_wx, prefix_wx2, prev_dp, cur_dp,
+                            backtrack[clusters], clusters, num_codebooks,
+                            force_endpoints, clusters, end_hi, scratch)
+        tmp = prev_dp
+        prev_dp = cur_dp
+        cur_dp = tmp
+
+    codebook = np.empty(num_codebooks, dtype=np.float32)
+    end_idx = num_points
+    for cluster_idx in range(num_codebooks, 0, -1):
+        start_idx = backtrack[cluster_idx, end_idx]
+        if force_endpoints and cluster_idx == 1:
+            codebook[cluster_idx - 1] = -1.0
+        elif force_endpoints and cluster_idx == num_codebooks:
+            codebook[cluster_idx - 1] = 1.0
+        else:
+            sum_w = prefix_w[end_idx] - prefix_w[start_idx - 1]
+            sum_wx = prefix_wx[end_idx] - prefix_wx[start_idx - 1]
+            codebook[cluster_idx - 1] = sum_wx / sum_w
+        end_idx = start_idx - 1
+    return codebook, full_scans
+
+
+@njit(cache=True)
+def _window_miss_kernel(prefix_w, prefix_wx, prefix_wx2, num_codebooks, force_endpoints):
+    """Per layer: ends the bare and the guarded windows get wrong.
+
+    Each layer is filled by gefen-x's full scan and by divide and conquer with
+    and without the near-tie ranges, all from the same full-scan previous
+    layer (so the full-scan chain is gefen-x's computation); an end is a miss
+    when its dp value or back-pointer differ. O(K * N^2): a test tool.
+    """
+    num_points = prefix_w.shape[0] - 1
+    p2_total = prefix_wx2[num_points]
+    prev_dp = np.full(num_points + 1, np.inf, dtype=np.float64)
+    prev_dp[0] = 0.0
+    scratch = np.empty(num_points + 1, dtype=np.float64)
+    dc_dp = np.full(num_points + 1, np.inf, dtype=np.float64)
+    dc_back = np.full(num_points + 1, -1, dtype=np.int32)
+    full_dp = np.full(num_points + 1, np.inf, dtype=np.float64)
+    full_back = np.full(num_points + 1, -1, dtype=np.int32)
+    misses = np.zeros((2, num_codebooks + 1), dtype=np.int64)
+    depth = 4
+    while (1 << depth) <= num_points + 1:
+        depth += 1
+    stack = np.empty((2 * depth + 4, 4), dtype=np.int64)
+    for clusters in range(1, num_codebooks):
+        end_hi = num_points - (num_codebooks - clusters)
+        full_dp[:] = np.inf
+        _full_layer(prefix_w, prefix_wx, prefix_wx2, prev_dp, full_dp, full_back,
+                    clusters, num_codebooks, force_endpoints, clusters, end_hi,
+                    scratch)
+        for guarded in range(2):
+            tau = _layer_tolerance(prev_dp, p2_total) if guarded else -1.0
+            dc_dp[:] = np.inf
+            _fill_layer(prefix_w, prefix_wx, prefix_wx2, prev_dp, dc_dp, dc_back,
+                        clusters, num_codebooks, force_endpoints, clusters,
+                        end_hi, tau, stack, scratch)
+            for end_idx in range(clusters, end_hi + 1):
+                if (full_dp[end_idx] != dc_dp[end_idx]
+                        or full_back[end_idx] != dc_back[end_idx]):
+                    misses[guarded, clusters] += 1
+        tmp = prev_dp
+        prev_dp = full_dp
+        full_dp = tmp
+    return misses
+
+
+# ------------------------------------------------------------------ API
+def _build_padded_codebook(active_centers: torch.Tensor, num_codebooks: int,
+                           force_endpoints: bool) -> torch.Tensor:
+    # Same as gefen.quantization._build_padded_codebook.
+    codebook = torch.empty(num_codebooks, dtype=torch.float32)
+    num_active_centers = int(active_centers.numel())
+    codebook[:num_active_centers] = active_centers
+    codebook[num_active_centers:] = active_centers[-1]
+    if force_endpoints:
+        codebook[0] = -1.0
+        codebook[-1] = 1.0
+    codebook, _ = codebook.sort()
+    return codebook
+
+
+def _sums_are_exact(terms: np.ndarray) -> bool:
+    """True when every sum of any subset of ``terms`` is exact in float64.
+
+    That holds when all terms are multiples of 2^-q and sum(|t|) < 2^(53-q):
+    every partial sum (in any order) and every difference of two prefix sums
+    is then a multiple of 2^-q below 2^(53-q) in magnitude, so representable.
+    """
+    t = np.abs(terms[terms != 0.0])
+    if t.size == 0:
+        return True
+    if not np.all(np.isfinite(t)):
+        return False
+    mantissa, exponent = np.frexp(t)  # t = mantissa * 2^exponent, 0.5 <= mantissa < 1
+    m = (mantissa * 2.0 ** 53).astype(np.int64)  # exact: a 53-bit integer
+    lowest_bit = np.frexp((m & -m).astype(np.float64))[1] - 1  # log2 of m's lowest set bit
+    q = max(0, int(-(exponent - 53 + lowest_bit).min()))
+    return math.fsum(t.tolist()) < 2.0 ** (53 - q)
+
+
+def _prefix_sums(active_centers: torch.Tensor, active_counts: torch.Tensor):
+    """gefen-x's float64 prefix sums (same construction as ``exact_dp``).
+
+    Also returns whether the exactness certificate applies: centres sorted and
+    the sums of w and w*x exact (``_sums_are_exact``). For gefen's histograms
+    it does: integer counts, centres on a 2^-12 grid, total count below 2^41.
+    """
+    num_points = active_centers.numel()
+    prefix_w = torch.zeros(num_points + 1, dtype=torch.float64)
+    prefix_wx = torch.zeros(num_points + 1, dtype=torch.float64)
+    prefix_wx2 = torch.zeros(num_points + 1, dtype=torch.float64)
+    weights64 = active_counts.to(torch.float64)
+    centers64 = active_centers.to(torch.float64)
+    prefix_w[1:] = torch.cumsum(weights64, dim=0)
+    prefix_wx[1:] = torch.cumsum(weights64 * centers64, dim=0)
+    prefix_wx2[1:] = torch.cumsum(weights64 * centers64.square(), dim=0)
+    # float32 * float32 is exact in float64, so these terms are the exact w*x.
+    certified = bool(
+        bool(torch.all(centers64[1:] >= centers64[:-1]))
+        and _sums_are_exact(weights64.numpy())
+        and _sums_are_exact((weights64 * centers64).numpy())
+        and math.isfinite(float(prefix_wx2[-1]))
+    )
+    return prefix_w, prefix_wx, prefix_wx2, certified
+
+
+def _validated(active_centers, active_counts, num_codebooks):
+    # The checks and conversions of gefen.quantization.exact_dp (plus shape and
+    # num_codebooks checks, which exact_dp leaves to later failures).
+    active_centers = active_centers.detach().cpu().to(torch.float32)
+    active_counts = active_counts.detach().cpu().to(torch.float32)
+    if active_centers.dim() != 1 or active_counts.shape != active_centers.shape:
+        raise ValueError(
+            "Expected 1-D active_centers and active_counts of the same length, got "
+            f"{tuple(active_centers.shape)} and {tuple(active_counts.shape)}."
+        )
+    if active_centers.numel() == 0:
+        raise ValueError("Cannot run exact DP on an empty histogram.")
+    if not torch.all(active_counts > 0):
+        raise ValueError(
+            "exact DP expects strictly positive counts for all active histogram bins."
+        )
+    if int(num_codebooks) < 1:
+        raise ValueError(f"num_codebooks must be >= 1, got {num_codebooks}.")
+    return active_centers, active_counts, int(num_codebooks)
+
+
+def _solve(active_centers, active_counts, num_codebooks, force_endpoints, bare=False):
+    """(codebook, layers solved by full scan): ``solve_codebook`` plus a count.
+
+    ``bare=True`` drops the near-tie ranges (plain divide and conquer; tests).
+    """
+    active_centers, active_counts, num_codebooks = _validated(
+        active_centers, active_counts, num_codebooks)
+    if num_codebooks > active_centers.numel():
+        return _build_padded_codebook(active_centers, num_codebooks, force_endpoints), 0
+    prefix_w, prefix_wx, prefix_wx2, certified = _prefix_sums(active_centers, active_counts)
+    codebook_np, full_scans = _solve_kernel(prefix_w.numpy(), prefix_wx.numpy(),
+                                            prefix_wx2.numpy(), num_codebooks,
+                                            bool(force_endpoints), certified, bare)
+    codebook, _ = torch.from_numpy(codebook_np).sort()
+    return codebook, int(full_scans)
+
+
+def solve_codebook(
+    active_centers: torch.Tensor,
+    active_counts: torch.Tensor,
+    num_codebooks: int = 256,
+    force_endpoints: bool = True,
+) -> torch.Tensor:
+    """gefen-x's exact-DP codebook, bit for bit, in O(K * N log N).
+
+    Drop-in for ``gefen.quantization.exact_dp({"active_centers": c,
+    "active_counts": w}, num_codebooks, force_endpoints)``: the same float32 CPU
+    tensor of ``num_codebooks`` sorted centres, the same padded codebook when
+    ``num_codebooks`` exceeds the number of active bins, and the same
+    ``ValueError`` for an empty histogram or a non-positive count (and for
+    ``num_codebooks < 1``, where ``exact_dp`` returns an empty tensor or fails).
+    """
+    return _solve(active_centers, active_counts, num_codebooks, force_endpoints)[0]
+
+
+def dp_window_misses(
+    active_centers: torch.Tensor,
+    active_counts: torch.Tensor,
+    num_codebooks: int = 256,
+    force_endpoints: bool = True,
+) -> np.ndarray:
+    """Per DP layer, the ends divide and conquer gets wrong: int64 [2, K + 1].
+
+    Diagnostic for the exactness argument (O(K * N^2), as slow as gefen-x):
+    each layer ``k`` is solved by gefen-x's full scan and by divide and conquer
+    from the same full-scan previous layer; ``[0, k]`` counts the ends whose dp
+    value or back-pointer differ with the bare windows, ``[1, k]`` with the
+    near-tie ranges that :func:`solve_codebook` uses (always 0 if the
+    certificate is right). The last layer is a full scan in both (0).
+    """
+    active_centers, active_counts, num_codebooks = _validated(
+        active_centers, active_counts, num_codebooks)
+    if num_codebooks > active_centers.numel():
+        return np.zeros((2, num_codebooks + 1), dtype=np.int64)
+    prefix_w, prefix_wx, prefix_wx2, _ = _prefix_sums(active_centers, active_counts)
+    return _window_miss_kernel(prefix_w.numpy(), prefix_wx.numpy(),
+                               prefix_wx2.numpy(), num_codebooks,
+                               bool(force_endpoints))
+
+
+def histogram_stats(bin_counts: torch.Tensor) -> dict:
+    """gefen's ``histogram_stats`` for int64 bin counts over [-1, 1].
+
+    Built as ``gefen.gefen.learn_gefen_exact_codebook_from_grad_periods`` does:
+    float32 ``linspace`` edges, centres ``0.5 * (e[:-1] + e[1:])``, counts cast to
+    float32 once, active bins = counts > 0.
+    """
+    if bin_counts.dim() != 1:
+        raise ValueError(f"Expected 1-D bin counts, got shape {tuple(bin_counts.shape)}.")
+    histogram_bins = bin_counts.numel()
+    bin_edges = torch.linspace(-1.0, 1.0, steps=histogram_bins + 1, dtype=torch.float32)
+    bin_centers = 0.5 * (bin_edges[:-1] + bin_edges[1:])
+    counts = bin_counts.detach().cpu().to(torch.float32)
+    active = counts > 0
+    return {
+        "bin_edges": bin_edges,
+        "bin_centers": bin_centers,
+        "bin_counts": counts,
+        "active_bins": active,
+        "active_centers": bin_centers[active],
+        "active_counts": counts[active],
+        "active_sums": bin_centers[active] * counts[active],
+    }
+
+
+def codebook_from_counts(bin_counts: torch.Tensor, num_codebooks: int = 256) -> torch.Tensor:
+    """gefen's learned codebook (``force_endpoints=True``) from int64 bin counts.
+
+    ``bin_counts`` is the ``num_codebooks * 16``-bin histogram (4096 bins for
+    256 entries) that ``learn_gefen_exact_codebook_from_grad_periods``
+    accumulates; the result equals that function's codebook (on CPU).
+    """
+    stats = histogram_stats(bin_counts)
+    return solve_codebook(stats["active_centers"], stats["active_counts"],
+                          num_codebooks=num_codebooks, force_endpoints=True)
+
+
+def histogram_counts(
+    grad_periods: Iterable[tuple[torch.Tensor, int]],
+    num_bins: int = 4096,
+) -> torch.Tensor:
+    """int64 bin counts of block-normalized tensors, as gefen's learner builds them.
+
+    ``grad_periods`` yields ``(tensor, period)``; each tensor is flattened, cut
+    into blocks of ``period`` elements, divided by the block's absmax (all-zero
+    blocks stay 0) and binned with ``floor((x + 1) / (2 / num_bins))`` clamped
+    to the range -- the non-fused CPU path of
+    ``learn_gefen_exact_codebook_from_grad_periods``.
+    """
+    bin_width = 2.0 / float(num_bins)
+    counts = torch.zeros(num_bins, dtype=torch.int64)
+    for tensor, period in grad_periods:
+        blocks = tensor.detach().reshape(-1).float().cpu().view(-1, int(period))
+        absmax = blocks.abs().amax(dim=1, keepdim=True)
+        normalized = torch.where(absmax > 0, blocks / absmax, torch.zeros_like(blocks))
+        idx = torch.floor((normalized.reshape(-1) + 1.0) / bin_width).to(torch.long)
+        counts.add_(torch.bincount(idx.clamp(0, num_bins - 1), minlength=num_bins))
+    return counts
+
+
+# ------------------------------------------------------------------ benchmark
+def _model_grads(seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Gradients of a small MLP + embedding language-model-ish net."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, dim, hidden, batch = 512, 128, 512, 64
+    emb = torch.nn.Embedding(vocab, dim)
+    up = torch.nn.Linear(dim, hidden)
+    down = torch.nn.Linear(hidden, dim)
+    head = torch.nn.Linear(dim, vocab, bias=False)
+    with torch.no_grad():
+        for p in (*emb.parameters(), *up.parameters(), *down.parameters(), *head.parameters()):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    tokens = torch.randint(0, vocab, (batch, 16), generator=g)
+    targets = torch.randint(0, vocab, (batch, 16), generator=g)
+    h = emb(tokens)
+    h = h + down(torch.nn.functional.gelu(up(h)))
+    loss = torch.nn.functional.cross_entropy(head(h).reshape(-1, vocab), targets.reshape(-1))
+    loss.backward()
+    mods = {"emb": emb, "up": up, "down": down, "head": head}
+    return [(f"{m}.{n}", p.grad) for m, mod in mods.items() for n, p in mod.named_parameters()]
+
+
+def benchmark_histograms(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """Ten realistic 4096-bin histograms: (name, int64 counts).
+
+    Gradients of a small embedding/MLP net block-normalized at several periods,
+    and block-normalized synthetic gradients (Gaussian, Laplace, Student-t,
+    sparse) of a few million elements, like one refresh of a small model.
+    """
+    out = []
+    grads = _model_grads(seed)
+    for period in (32, 128, 512):
+        pairs = [(t, period if t.numel() % period == 0 else 1) for _, t in grads]
+        out.append((f"model grads, period {period}", histogram_counts(pairs)))
+    pairs = [(t, t.shape[-1]) for _, t in grads]
+    out.append(("model grads, period = row", histogram_counts(pairs)))
+    g = torch.Generator().manual_seed(seed + 1)
+    n = 1 << 22
+    gauss = torch.randn(n, generator=g)
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    laplace = sign * torch.empty(n).exponential_(generator=g)
+    chi2_3 = torch.randn(3, n, generator=g).square().sum(0)
+    student = torch.randn(n, generator=g) / (chi2_3 / 3.0).sqrt()  # Student-t, 3 dof
+    sparse = gauss * (torch.rand(n, generator=g) < 0.05)
+    mixed = torch.cat([gauss[: n // 2] * 1e-3, student[: n // 2]])
+    out += [
+        ("gaussian, period 64", histogram_counts([(gauss, 64)])),
+        ("gaussian, period 1024", histogram_counts([(gauss, 1024)])),
+        ("laplace, period 256", histogram_counts([(laplace, 256)])),
+        ("student-t(3), period 256", histogram_counts([(student, 256)])),
+        ("sparse 5% gaussian, period 128", histogram_counts([(sparse, 128)])),
+        ("mixed scales, periods 16+4096", histogram_counts([(mixed, 16), (student, 4096)])),
+    ]
+    return out
+
+
+def benchmark(
+    histograms: Sequence[tuple[str, torch.Tensor]] | None = None,
+    num_codebooks: int = 256,
+    reference: bool = True,
+) -> list[dict]:
+    """Time gefen-x's ``exact_dp`` against :func:`solve_codebook`.
+
+    One row per histogram: ``name``, ``n_active``, ``reference_s`` (None when
+    ``reference`` is False), ``ours_s``, ``speedup``, ``identical`` (the float32
+    codebooks have the same bits) and ``full_scan_layers`` (layers the near-tie
+    guard sent to a full scan). Both compiled kernels are warmed up first, so
+    compile time is not counted.
+    """
+    from gefen import quantization
+
+    if histograms is None:
+        histograms = benchmark_histograms()
+    warm = torch.zeros(64, dtype=torch.int64)
+    warm[::3] = 5
+    warm_stats = histogram_stats(warm)
+    solve_codebook(warm_stats["active_centers"], warm_stats["active_counts"], 8)
+    if reference:
+        quantization.exact_dp(warm_stats, 8, True)
+    rows = []
+    for name, counts in histograms:
+        stats = histogram_stats(counts)
+        t0 = time.perf_counter()
+        ours, full_scans = _solve(stats["active_centers"], stats["active_counts"],
+                                  num_codebooks, True)
+        ours_s = time.perf_counter() - t0
+        row = {"name": name, "n_active": int(stats["active_centers"].numel()),
+               "reference_s": None, "ours_s": ours_s, "speedup": None,
+               "identical": None, "full_scan_layers": full_scans}
+        if reference:
+            t0 = time.perf_counter()
+            ref = quantization.exact_dp(stats, num_codebooks, True)
+            row["reference_s"] = time.perf_counter() - t0
+            row["speedup"] = row["reference_s"] / ours_s if ours_s > 0 else math.inf
+            row["identical"] = bool(
+                ref.dtype == ours.dtype and ref.shape == ours.shape
+                and torch.equal(ref.view(torch.int32), ours.view(torch.int32)))
+        rows.append(row)
+    return rows

@@ -1,0 +1,346 @@
+"""Format v2: Gefen state under agreed blocking, resharded by DCP alone.
+
+With agreed blocking (``gefen_titan.optim.blocking``) every rank holds the same
+codebook and the same period per parameter, and no block crosses a shard
+cut of any allowed layout. Each rank's state is then a slice of one global
+state: the codes are the parameter's shape, the per-block magnitude and
+``vmean`` a *block grid* (the shape with the last dimension divided by the
+period) that shards with the parameter's own placements. Saving hands DCP
+views of Gefen's tensors as DTensors with those placements; loading asks DCP
+for the live placements and installs what it read as Gefen's state, so a
+resume at any FSDP / TP / HSDP / pipeline layout is bit-exact and costs no
+more than reading the bytes.
+
+Before DCP reads, ``prepare_load`` reads the small records (periods,
+counters, hyperparameters, the codebook), checks them against the live
+model and layout on every rank alike, and fixes the grid shapes of the
+destinations. ``load_state_dict`` checks the values read, agrees, and only
+then commits on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from gefen_titan.checkpoint import schema as fmt
+from gefen_titan.checkpoint.errors import HYPER, GefenCheckpointError, agree, check_codebook, check_hyper, read_small
+from gefen_titan.checkpoint.schema import grid_shape
+from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim.blocking import check_period_fits
+
+__all__ = ["AgreedStateAdapter"]
+
+
+@dataclass
+class _Slot:
+    fqn: str
+    param: torch.Tensor
+    optim: Optimizer
+    opt_id: str
+    group: dict
+
+    @property
+    def local(self) -> torch.Tensor:
+        p = self.param
+        return p.to_local() if hasattr(p, "to_local") else p
+
+
+@dataclass
+class _Plan:
+    checkpoint_id: str
+    records: dict[str, dict]  # fqn -> saved record (period, counters, group)
+    codebook: torch.Tensor | None
+    global_steps: dict[str, int]  # saved opt id -> global step
+    source_opt: dict[str, str]  # fqn -> saved opt id
+
+
+def _global(p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``local`` as a DTensor of global ``shape`` with ``p``'s placements."""
+    if not hasattr(p, "placements"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride)
+
+
+def _local_of(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class AgreedStateAdapter:
+    """Format v2 state of the Gefen optimizers of one rank."""
+
+    def __init__(self, optimizers: list[Optimizer]) -> None:
+        self.optimizers = [o for o in optimizers if gs.is_gefen(o)]
+        self.slots: list[_Slot] = []
+        for optim in self.optimizers:
+            named = list(gs.named_params(optim))
+            opt_id = named[0][0] if named else ""
+            self.slots += [_Slot(fqn, p, optim, opt_id, group) for fqn, p, group in named]
+        self._plan: _Plan | None = None
+        # Set by GefenCheckpointManager for async saves, which write after
+        # the next step has mutated Gefen's tensors in place.
+        self.snapshot_on_save = False
+
+    @property
+    def loading(self) -> bool:
+        return self._plan is not None
+
+    # ------------------------------------------------------------------ save
+    def state_dict(self) -> dict[str, Any]:
+        if self._plan is not None:
+            return self._load_destinations()
+        sd: dict[str, Any] = {}
+        error = None
+        try:
+            sd = self._save_entries()
+        except (GefenCheckpointError, ValueError) as e:
+            error = str(e)
+        agree(error, "cannot save Gefen optimizer state")
+        self._check_replicated(sd)
+        return sd
+
+    def _save_entries(self) -> dict[str, Any]:
+        if not self.slots:
+            return {}
+        sd: dict[str, Any] = {fmt.format_key(): json.dumps(
+            {"format": fmt.FORMAT, "version": fmt.VERSION, "blocking": "agreed"})}
+        books = {id(o): gs.codebook(o) for o in self.optimizers}
+        present = [b for b in books.values() if b is not None]
+        if any(not torch.equal(present[0].cpu(), b.cpu()) for b in present[1:]):
+            raise GefenCheckpointError(
+                "the Gefen optimizers of this rank hold different codebooks; agreed blocking gives "
+                "the whole job one codebook (was state loaded or edited outside gefen_titan?)")
+        copy = (lambda t: t.clone()) if self.snapshot_on_save else (lambda t: t)
+        for optim in self.optimizers:
+            slots = [s for s in self.slots if s.optim is optim]
+            params = []
+            for s in slots:
+                period, step, vstep = self._counters(s)
+                params.append({"fqn": s.fqn, "shape": list(s.param.shape), "period": period, "step": step,
+                               "vmean_step": vstep, "group": {k: float(s.group[k]) for k in HYPER}})
+                if not period:
+                    continue
+                shape = tuple(s.param.shape)
+                grid = grid_shape(shape, period)
+                local_shape = tuple(s.local.shape)
+                local_grid = grid_shape(local_shape, period) if local_shape else ()
+                st = gs.read(optim, s.param)
+                if st is None:  # an empty local shard: Gefen keeps no tensors for it
+                    dev = s.local.device
+                    codes = torch.empty(local_shape, dtype=torch.uint8, device=dev)
+                    mag = torch.empty(local_grid, dtype=torch.float32, device=dev)
+                    vmean = torch.empty(local_grid, dtype=torch.float32, device=dev)
+                else:
+                    codes = copy(st.codes.view(local_shape))
+                    mag, vmean = copy(st.magnitude.view(local_grid)), copy(st.vmean.view(local_grid))
+                sd[fmt.codes_key(s.fqn)] = _global(s.param, codes, shape)
+                sd[fmt.magnitude_key(s.fqn)] = _global(s.param, mag, grid)
+                sd[fmt.vmean_key(s.fqn)] = _global(s.param, vmean, grid)
+            opt_id = slots[0].opt_id
+            record = {"blocking": "agreed", "deterministic": gs.options(optim)["deterministic"],
+                      "global_step": gs.global_step(optim), "params": params}
+            sd[fmt.optimizer_key(opt_id)] = json.dumps(record, sort_keys=True)
+            cb = books[id(optim)]
+            if cb is not None:
+                sd[fmt.codebook_key_v2(opt_id)] = cb.detach().float().cpu().clone()
+        return sd
+
+    def _counters(self, s: _Slot) -> tuple[int, int, int]:
+        st = gs.read(s.optim, s.param)
+        if st is not None:
+            return st.period, st.step, st.vmean_step
+        period = gs.period(s.optim, s.param)
+        step, vstep = gs.empty_shard_counters(s.optim, s.param)
+        if period and step and s.local.numel() == 0:
+            return period, step, vstep
+        return 0, 0, 0
+
+    @staticmethod
+    def _check_replicated(sd: dict[str, Any]) -> None:
+        """Entries written by several ranks must be equal: DCP keeps one copy."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        mine = {}
+        for key, value in sd.items():
+            if isinstance(value, str):
+                mine[key] = hashlib.sha1(value.encode()).hexdigest()
+            elif isinstance(value, torch.Tensor) and not hasattr(value, "placements"):
+                mine[key] = hashlib.sha1(value.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        seen: dict[str, str] = {}
+        bad = set()
+        for ranks in everyone:
+            for key, digest in ranks.items():
+                if seen.setdefault(key, digest) != digest:
+                    bad.add(key)
+        if bad:
+            raise GefenCheckpointError(
+                f"cannot save Gefen optimizer state: ranks disagree on {sorted(bad)[:3]} (codebook, "
+                "periods or counters differ between ranks, so the state is not the agreed one); "
+                "nothing was written")
+
+    # ------------------------------------------------------------------ load
+    def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
+        """Read and check the records; fix the destinations. Collective."""
+        ours = {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+        opt_keys = sorted(k for k in ours if k.startswith(fmt.PREFIX + "optimizer/"))
+        books = sorted(k for k in ours if k.startswith(fmt.PREFIX + "codebook/") and k.count("/") == 2)
+        small = read_small(checkpoint_id, metadata, prefix, books, opt_keys)
+        plan, error = None, None
+        try:
+            plan = self._plan_from(checkpoint_id, small, ours, opt_keys, books)
+        except (GefenCheckpointError, ValueError, KeyError, TypeError) as e:
+            error = str(e) if not isinstance(e, KeyError) else f"record field {e} missing (corrupt record)"
+        agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
+        self._plan = plan
+
+    def abort_load(self) -> None:
+        self._plan = None
+
+    def _plan_from(self, checkpoint_id, small, ours, opt_keys, books) -> _Plan:
+        records, source_opt, global_steps = {}, {}, {}
+        deterministic = {}
+        for key in opt_keys:
+            opt_id = key[len(fmt.PREFIX + "optimizer/"):]
+            rec = json.loads(small[key])
+            if rec.get("blocking") != "agreed":
+                raise GefenCheckpointError(f"optimizer record {opt_id} is not an agreed-blocking record")
+            global_steps[opt_id] = int(rec["global_step"])
+            deterministic[opt_id] = bool(rec["deterministic"])
+            for p in rec["params"]:
+                records[p["fqn"]] = p
+                source_opt[p["fqn"]] = opt_id
+        codebook = None
+        for key in books:
+            cb = check_codebook(small[key], f"codebook {key}")
+            if codebook is not None and not torch.equal(codebook, cb):
+                raise GefenCheckpointError(
+                    f"the checkpoint's codebooks disagree ({books[0]} != {key}); an agreed checkpoint "
+                    "has one codebook for the job: it is corrupt")
+            codebook = cb
+        missing = [s.fqn for s in self.slots if s.fqn not in records]
+        if missing:
+            raise GefenCheckpointError(
+                f"the checkpoint has no Gefen state for {len(missing)} live parameter(s) "
+                f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}): it was written for "
+                "another model or optimizer grouping")
+        for s in self.slots:
+            rec = records[s.fqn]
+            src = source_opt[s.fqn]
+            if tuple(rec["shape"]) != tuple(s.param.shape):
+                raise GefenCheckpointError(
+                    f"{s.fqn}: checkpoint shape {tuple(rec['shape'])} != live shape {tuple(s.param.shape)}: "
+                    "the checkpoint is for another model")
+            live_det = gs.options(s.optim)["deterministic"]
+            if deterministic[src] != live_det:
+                raise GefenCheckpointError(
+                    f"the checkpoint was written with optimizer.deterministic = {deterministic[src]} and "
+                    f"the recipe sets {live_det}; they change Gefen's arithmetic: resume with "
+                    f"optimizer.deterministic = {str(deterministic[src]).lower()}")
+            check_hyper(s.fqn, rec["group"])
+            period, step, vstep = int(rec["period"]), int(rec["step"]), int(rec["vmean_step"])
+            if period < 0 or step < 0 or vstep < 0 or vstep > step or (period == 0) != (step == 0):
+                raise GefenCheckpointError(
+                    f"{s.fqn}: counters do not add up (period {period}, step {step}, vmean_step {vstep})")
+            if step > global_steps[src]:
+                raise GefenCheckpointError(f"{s.fqn}: global step {global_steps[src]} < parameter step {step}")
+            if not period:
+                continue
+            if codebook is None:
+                raise GefenCheckpointError("the checkpoint holds Gefen state but no codebook (truncated?)")
+            if tuple(s.param.shape) and s.param.shape[-1] % period:
+                raise GefenCheckpointError(f"{s.fqn}: period {period} does not divide the last dimension")
+            why = check_period_fits(s.fqn, s.param, period)
+            if why:
+                raise GefenCheckpointError(why)
+            grid = grid_shape(tuple(s.param.shape), period)
+            for key, want in ((fmt.codes_key(s.fqn), tuple(s.param.shape)), (fmt.magnitude_key(s.fqn), grid),
+                              (fmt.vmean_key(s.fqn), grid)):
+                md = ours.get(key)
+                if md is None:
+                    raise GefenCheckpointError(f"{s.fqn}: {key} missing from the checkpoint (truncated or foreign)")
+                if tuple(md.size) != want:
+                    raise GefenCheckpointError(
+                        f"{s.fqn}: {key} has shape {tuple(md.size)}, expected {want} for period {period}")
+        return _Plan(checkpoint_id, records, codebook, global_steps, source_opt)
+
+    def _load_destinations(self) -> dict[str, Any]:
+        plan = self._plan
+        sd: dict[str, Any] = {}
+        for s in self.slots:
+            period = int(plan.records[s.fqn]["period"])
+            if not period:
+                continue
+            shape = tuple(s.param.shape)
+            local_shape = tuple(s.local.shape)
+            dev = s.local.device
+            local_grid = grid_shape(local_shape, period) if local_shape else ()
+            sd[fmt.codes_key(s.fqn)] = _global(s.param, torch.empty(local_shape, dtype=torch.uint8, device=dev), shape)
+            grid = grid_shape(shape, period)
+            for key in (fmt.magnitude_key(s.fqn), fmt.vmean_key(s.fqn)):
+                sd[key] = _global(s.param, torch.empty(local_grid, dtype=torch.float32, device=dev), grid)
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        plan = self._plan
+        if plan is None:
+            raise GefenCheckpointError(
+                "Gefen state can only be loaded through GefenCheckpointManager (which reads the "
+                "checkpoint's records first); set the recipe's [checkpoint] as usual")
+        self._plan = None
+        staged, error = {}, None
+        try:
+            for s in self.slots:
+                rec = plan.records[s.fqn]
+                period = int(rec["period"])
+                if not period:
+                    staged[s.fqn] = None
+                    continue
+                codes, mag, vmean = (_local_of(sd[k(s.fqn)]) for k in (fmt.codes_key, fmt.magnitude_key, fmt.vmean_key))
+                for what, t in (("magnitude", mag), ("vmean", vmean)):
+                    if not torch.isfinite(t).all() or (t < 0).any():
+                        raise GefenCheckpointError(
+                            f"{s.fqn}: non-finite or negative {what} in the checkpoint (corrupt file); "
+                            "resume from another step with checkpoint.load_step")
+                staged[s.fqn] = gs.ParamState(
+                    period=period, step=int(rec["step"]), vmean_step=int(rec["vmean_step"]),
+                    codes=codes.reshape(-1, period), magnitude=mag.reshape(-1, 1), vmean=vmean.reshape(-1, 1))
+        except (GefenCheckpointError, ValueError, KeyError) as e:
+            error = str(e)
+        agree(error, f"cannot load Gefen optimizer state from {plan.checkpoint_id}")
+        self._commit(plan, staged)
+
+    def _commit(self, plan: _Plan, staged: dict[str, gs.ParamState | None]) -> None:
+        for s in self.slots:
+            st = staged[s.fqn]
+            rec = plan.records[s.fqn]
+            if st is not None and st.codes.numel() == 0:
+                # An empty local shard: Gefen keeps no tensors, only the
+                # agreed period and counters (so later saves agree).
+                gs.write(s.optim, s.param, None)
+                gs.set_period(s.optim, s.param, st.period)
+                gs.set_empty_shard_counters(s.optim, s.param, st.step, st.vmean_step)
+            else:
+                gs.write(s.optim, s.param, st)
+            for k in HYPER:
+                s.group[k] = rec["group"][k]
+        for optim in self.optimizers:
+            sources = {plan.source_opt[s.fqn] for s in self.slots if s.optim is optim}
+            has_state = any(staged[s.fqn] is not None for s in self.slots if s.optim is optim)
+            if has_state:
+                dev = next(s.local.device for s in self.slots if s.optim is optim)
+                gs.set_codebook(optim, plan.codebook.to(dev).clone())
+            else:
+                gs.set_codebook(optim, None)
+            gs.set_global_step(optim, max((plan.global_steps[o] for o in sources), default=0))

@@ -1,0 +1,481 @@
+"""Save Gefen state compactly and load it at any data-parallel degree.
+
+The adapter sits behind ``GefenOptimizersContainer.state_dict()`` /
+``load_state_dict()``. Saving hands DCP the state as it is (``format.py``).
+Loading is two-phase because Gefen's per-rank state differs in size:
+
+1. ``prepare_load`` (all ranks, before torchtitan's ``dcp.load``) reads the
+   checkpoint's small records (formats, layouts, codebooks; a few KB per
+   rank) and checks them against the live model. Everyone reads the same
+   bytes, so every rank reaches the same verdict and raises the same error.
+   It then plans this rank's target state: which source ranks overlap its
+   shard, and for each parameter whether the source blocks can be adopted.
+2. torchtitan's ``dcp.load`` asks ``state_dict()`` for destinations: fresh
+   buffers for the codes (with the *live* placements, so DCP reshards them
+   element-wise) and for the block records of the overlapping source ranks.
+   ``load_state_dict`` checks those values, builds the new state aside, and
+   commits on every rank only once all ranks agree; a failure anywhere leaves
+   every live optimizer untouched.
+
+Exactness: a target shard that lies on whole blocks of one source rank, on an
+optimizer whose params all come from that rank, adopts codebook, period,
+magnitudes and ``vmean`` unchanged (same world size, 1->2, 2->4, ...). Other
+shards (merges, uneven splits) are dequantized, re-blocked so each target
+block lies inside one source block where memory allows, and requantized once
+against a codebook merged from the sources' codebooks weighted by use.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.optim import Optimizer
+
+from gefen_titan.checkpoint import schema as fmt
+from gefen_titan.checkpoint.errors import HYPER as _HYPER
+from gefen_titan.checkpoint.errors import GefenCheckpointError, check_codebook, check_hyper, unreadable
+from gefen_titan.checkpoint.errors import agree as _agree
+from gefen_titan.checkpoint.quant import Segment, block_mean_segments, dequantize_segments, requantize
+from gefen_titan.checkpoint.storage import storage_reader
+from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim.state.codebook_merge import K, merge_codebooks
+from gefen_titan.optim.state.layout import Region, UnsupportedLayout, param_region, target_period
+
+__all__ = ["PerRankStateAdapter"]
+
+@dataclass
+class _Slot:
+    """One live Gefen parameter on this rank."""
+
+    fqn: str
+    param: torch.Tensor
+    optim: Optimizer
+    opt_id: str
+    group: dict
+    region: Region
+    local_shape: tuple[int, ...]
+
+    @property
+    def device(self) -> torch.device:
+        p = self.param
+        return p.to_local().device if hasattr(p, "to_local") else p.device
+
+
+@dataclass
+class _Source:
+    """One source rank's record of one parameter (from the checkpoint)."""
+
+    label: int
+    start: int
+    length: int
+    period: int
+    step: int
+    vmean_step: int
+    opt_id: str
+    block0: int = 0  # first row of this parameter in the source rank's blocks
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.length
+
+
+@dataclass
+class _Plan:
+    checkpoint_id: str
+    params: dict[str, dict]  # fqn -> checkpoint param record
+    sources: dict[str, list[_Source]]  # fqn -> source records, by start
+    codebooks: dict[tuple[str, int], torch.Tensor]
+    global_steps: dict[tuple[str, int], int]
+    block_rows: dict[tuple[str, int], int]  # (opt, rank) -> rows of its blocks entry
+    needed: dict[str, list[_Source]] = field(default_factory=dict)  # fqn -> overlapping
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class PerRankStateAdapter:
+    """Format v1: each rank's own codebook and periods (``optimizer.blocking = "per_rank"``)."""
+
+    def __init__(self, optimizers: list[Optimizer]) -> None:
+        self.optimizers = [o for o in optimizers if gs.is_gefen(o)]
+        self.slots: list[_Slot] = []
+        # A layout we cannot checkpoint (TP shards) must not stop training
+        # without checkpoints: refuse at save/load time instead.
+        self._unsupported: str | None = None
+        for optim in self.optimizers:
+            opt_id = None
+            for group in optim.param_groups:
+                for name, p in zip(group["param_names"], group["params"], strict=True):
+                    opt_id = opt_id or name
+                    try:
+                        region, local_shape = param_region(name, p)
+                    except UnsupportedLayout as e:
+                        self._unsupported = self._unsupported or str(e)
+                        region, local_shape = Region(0, 1, 0, p.numel()), tuple(p.shape)
+                    self.slots.append(_Slot(name, p, optim, "", group, region, local_shape))
+            for slot in self.slots:
+                if slot.optim is optim:
+                    slot.opt_id = opt_id  # the first parameter's name
+        self._plan: _Plan | None = None
+
+    # ------------------------------------------------------------------ save
+    def state_dict(self) -> dict[str, Any]:
+        if self._plan is not None:
+            return self._load_destinations()
+        if not self.slots:
+            return {}
+        if self._unsupported:
+            raise GefenCheckpointError(f"cannot checkpoint Gefen state: {self._unsupported}")
+        sd: dict[str, Any] = {fmt.format_key(): json.dumps({"format": fmt.FORMAT, "version": fmt.V1, "blocking": "per_rank"})}
+        for optim in self.optimizers:
+            sd.update(self._save_optimizer(optim))
+        return sd
+
+    def _save_optimizer(self, optim: Optimizer) -> dict[str, Any]:
+        slots = [s for s in self.slots if s.optim is optim]
+        opt_id, label = slots[0].opt_id, slots[0].region.label
+        device = slots[0].device
+        out: dict[str, Any] = {}
+        meta = {"nshards": slots[0].region.nshards, "params": []}
+        records = [[gs.global_step(optim), len(slots), 0, 0, 0, 0, 0]]
+        blocks, nblocks = [], 0
+        for slot in slots:
+            try:
+                st = gs.read(slot.optim, slot.param)
+            except ValueError as e:
+                raise GefenCheckpointError(f"{slot.fqn}: {e}") from e
+            meta["params"].append(
+                {"fqn": slot.fqn, "shape": list(slot.param.shape), "group": {k: float(slot.group[k]) for k in _HYPER}}
+            )
+            r = slot.region
+            if st is not None:
+                # Clones: an async save writes after the next step has
+                # mutated the state in place.
+                codes = st.codes.reshape(slot.local_shape).clone()
+                b = torch.cat([st.magnitude.reshape(-1, 1), st.vmean.reshape(-1, 1)], 1).float()
+                period, step, vstep = st.period, st.step, st.vmean_step
+            else:
+                codes = torch.zeros(slot.local_shape, dtype=torch.uint8, device=device)
+                b = torch.zeros(0, 2, dtype=torch.float32, device=device)
+                period, step, vstep = 0, 0, 0
+            records.append([r.start, r.length, period, step, vstep, nblocks, b.shape[0]])
+            blocks.append(b)
+            nblocks += b.shape[0]
+            out[fmt.codes_key(slot.fqn)] = self._as_global(slot, codes)
+        out[fmt.optimizer_key(opt_id)] = json.dumps(meta, sort_keys=True)
+        out[fmt.records_key(opt_id, label)] = torch.tensor(records, dtype=torch.int64)
+        out[fmt.blocks_key(opt_id, label)] = torch.cat(blocks).to(device)
+        if gs.codebook(optim) is not None:
+            out[fmt.codebook_key(opt_id, label)] = gs.codebook(optim).detach().float().clone()
+        return out
+
+    @staticmethod
+    def _as_global(slot: _Slot, local: torch.Tensor) -> torch.Tensor:
+        p = slot.param
+        if not hasattr(p, "placements"):
+            return local
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+    # ------------------------------------------------------------------ load
+    def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
+        """Read and check the small records; plan this rank's load.
+
+        Collective: every rank calls it (it runs one small ``dcp.load``).
+        """
+        import torch.distributed.checkpoint as dcp
+
+        keys = metadata.state_dict_metadata
+        ours = {k[len(prefix):]: v for k, v in keys.items() if k.startswith(prefix)}
+        error = self._unsupported or self._check_keys(ours)
+        _agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
+
+        small: dict[str, Any] = {}
+        for key, md in ours.items():
+            if key.startswith((fmt.PREFIX + "records/", fmt.PREFIX + "codebook/")):
+                small[prefix + key] = torch.empty(md.size, dtype=md.properties.dtype)
+            elif key.startswith(fmt.PREFIX + "optimizer/") or key == fmt.format_key():
+                small[prefix + key] = ""
+        try:
+            dcp.load(small, storage_reader=storage_reader(checkpoint_id))
+        except (Exception, CheckpointException) as e:  # DCP raises it on every rank
+            raise unreadable(checkpoint_id, e) from e
+        small = {k[len(prefix):]: v for k, v in small.items()}
+
+        plan, error = None, None
+        try:
+            plan = self._plan_from_records(checkpoint_id, small, ours)
+        except (GefenCheckpointError, UnsupportedLayout, ValueError, KeyError) as e:
+            error = str(e)
+        _agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
+        self._plan = plan
+
+    def abort_load(self) -> None:
+        self._plan = None
+
+    def _check_keys(self, ours: dict[str, Any]) -> str | None:
+        if not self.slots:
+            return None
+        saved = {k[len(fmt.PREFIX + "codes/"):] for k in ours if k.startswith(fmt.PREFIX + "codes/")}
+        if fmt.format_key() not in ours or not saved:
+            foreign = sorted(k for k in ours if k.startswith("state."))[:3]
+            what = (
+                f"it holds another optimizer's state ({', '.join(foreign)} ...)"
+                if foreign
+                else "it holds no Gefen state in the gefen-titan format"
+            )
+            return (
+                f"{what}. To start Gefen fresh from this checkpoint's model, set "
+                "checkpoint.exclude_from_loading = [\"optimizer\"] (and lr_scheduler if needed)"
+            )
+        live = {s.fqn for s in self.slots}
+        missing = sorted(live - saved)
+        if missing:
+            return (
+                f"the checkpoint has no Gefen state for {len(missing)} live parameter(s) "
+                f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}): it was written for "
+                "another model or optimizer grouping"
+            )
+        for s in self.slots:
+            codes = ours.get(fmt.codes_key(s.fqn))
+            if codes is None:
+                return f"{s.fqn}: codes missing from the checkpoint (truncated or foreign checkpoint)"
+            if tuple(codes.size) != tuple(s.param.shape):
+                return (
+                    f"{s.fqn}: checkpoint shape {tuple(codes.size)} != live shape "
+                    f"{tuple(s.param.shape)}: the checkpoint is for another model"
+                )
+        return None
+
+    def _plan_from_records(self, checkpoint_id: str, small: dict[str, Any], ours: dict[str, Any]) -> _Plan:
+        header = json.loads(small[fmt.format_key()])
+        if header.get("format") != fmt.FORMAT or header.get("version") != fmt.V1:
+            raise GefenCheckpointError(
+                f"checkpoint format {header} is not {fmt.FORMAT} v{fmt.V1}; it was written by "
+                "another gefen-titan version. Load it with that version or exclude the optimizer"
+            )
+        # Every saved parameter: which optimizer, its index there, its record.
+        where: dict[str, tuple[str, int, dict, int]] = {}
+        for key, value in small.items():
+            if key.startswith(fmt.PREFIX + "optimizer/"):
+                opt_id = key[len(fmt.PREFIX + "optimizer/"):]
+                meta = json.loads(value)
+                for i, rec in enumerate(meta["params"]):
+                    where[rec["fqn"]] = (opt_id, i, rec, int(meta["nshards"]))
+        params, sources = {}, {}
+        codebooks, global_steps, block_rows = {}, {}, {}
+        for slot in self.slots:
+            if slot.fqn not in where:
+                raise GefenCheckpointError(f"{slot.fqn}: no record in the checkpoint (another model or optimizer grouping)")
+            opt_id, index, rec, nshards = where[slot.fqn]
+            params[slot.fqn] = rec
+            check_hyper(slot.fqn, rec["group"])
+            srcs = []
+            for label in range(nshards):
+                rk = fmt.records_key(opt_id, label)
+                if rk not in small:
+                    raise GefenCheckpointError(f"{slot.fqn}: records of source rank {label} missing (truncated checkpoint?)")
+                table = small[rk]
+                start, length, period, step, vstep, block0, nblocks = (int(x) for x in table[1 + index].tolist())
+                bk = ours.get(fmt.blocks_key(opt_id, label))
+                rows = bk.size[0] if bk is not None else -1
+                block_rows[(opt_id, label)] = rows
+                if (
+                    period < 0 or (period and (length % period or nblocks != length // period))
+                    or (not period and nblocks) or block0 < 0 or block0 + nblocks > rows
+                ):
+                    raise GefenCheckpointError(
+                        f"{slot.fqn}: source rank {label} has inconsistent blocks (length {length}, "
+                        f"period {period}, blocks {block0}+{nblocks} of {rows})"
+                    )
+                if (period == 0) != (step == 0) or vstep > step or step < 0 or vstep < 0:
+                    raise GefenCheckpointError(
+                        f"{slot.fqn}: source rank {label} counters do not add up (period {period}, step {step}, vmean_step {vstep})"
+                    )
+                srcs.append(_Source(label, start, length, period, step, vstep, opt_id, block0))
+                key = (opt_id, label)
+                if key not in global_steps:
+                    global_steps[key] = int(table[0, 0])
+                if global_steps[key] < step:
+                    raise GefenCheckpointError(f"{slot.fqn}: global step {global_steps[key]} < parameter step {step}")
+                if period and key not in codebooks:
+                    ck = fmt.codebook_key(*key)
+                    if ck not in small:
+                        raise GefenCheckpointError(f"codebook of source rank {label} for optimizer {opt_id} missing")
+                    codebooks[key] = check_codebook(small[ck], f"codebook of source rank {label} ({opt_id})")
+            srcs.sort(key=lambda s: s.start)
+            pos = 0
+            for src in srcs:
+                if src.length and src.start != pos:
+                    raise GefenCheckpointError(f"{slot.fqn}: source shards do not tile the parameter (gap or overlap at element {pos})")
+                pos = src.stop if src.length else pos
+            if pos != slot.param.numel():
+                raise GefenCheckpointError(f"{slot.fqn}: source shards cover {pos} of {slot.param.numel()} elements")
+            steps = {src.step for src in srcs if src.length}
+            if len(steps) > 1:
+                raise GefenCheckpointError(f"{slot.fqn}: source ranks disagree on the step count {sorted(steps)}")
+            sources[slot.fqn] = srcs
+        plan = _Plan(checkpoint_id, params, sources, codebooks, global_steps, block_rows)
+        for slot in self.slots:
+            r = slot.region
+            plan.needed[slot.fqn] = [
+                src for src in sources[slot.fqn] if src.length and src.period and src.start < r.stop and r.start < src.stop
+            ]
+        return plan
+
+    def _load_destinations(self) -> dict[str, Any]:
+        plan = self._plan
+        assert plan is not None
+        sd: dict[str, Any] = {}
+        for slot in self.slots:
+            if not plan.needed[slot.fqn]:
+                continue
+            local = torch.empty(slot.local_shape, dtype=torch.uint8, device=slot.device)
+            sd[fmt.codes_key(slot.fqn)] = self._as_global(slot, local)
+            for src in plan.needed[slot.fqn]:
+                key = fmt.blocks_key(src.opt_id, src.label)
+                if key not in sd:  # a source rank's blocks of the whole optimizer, read once
+                    rows = plan.block_rows[(src.opt_id, src.label)]
+                    sd[key] = torch.empty(rows, 2, dtype=torch.float32, device=slot.device)
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        plan = self._plan
+        if plan is None and not self.slots:
+            return
+        if plan is None:
+            raise GefenCheckpointError(
+                "Gefen state can only be loaded through GefenCheckpointManager (which reads the "
+                "checkpoint's layout first); set the recipe's [checkpoint] as usual"
+            )
+        self._plan = None
+        staged, error = None, None
+        try:
+            staged = self._build(plan, sd)
+        except (GefenCheckpointError, ValueError, KeyError) as e:
+            error = str(e)
+        _agree(error, f"cannot load Gefen optimizer state from {plan.checkpoint_id}")
+        self._commit(plan, staged)
+
+    def _build(self, plan: _Plan, sd: dict[str, Any]) -> dict:
+        """New per-param states and per-optimizer codebooks, nothing committed."""
+        codes_of: dict[str, torch.Tensor] = {}
+        blocks_of: dict[tuple[str, int], torch.Tensor] = {}
+        for slot in self.slots:
+            if not plan.needed[slot.fqn]:
+                continue
+            codes_of[slot.fqn] = _local(sd[fmt.codes_key(slot.fqn)]).reshape(-1)
+            for s in plan.needed[slot.fqn]:
+                b = sd[fmt.blocks_key(s.opt_id, s.label)][s.block0 : s.block0 + s.length // s.period]
+                if not torch.isfinite(b).all() or (b < 0).any():
+                    raise GefenCheckpointError(f"{slot.fqn}: source rank {s.label} has non-finite or negative magnitudes/vmean (corrupt checkpoint)")
+                blocks_of[(slot.fqn, s.label)] = b
+
+        # One codebook per live optimizer: adopt it when all of the optimizer's
+        # elements on this rank come from one source codebook, else merge.
+        per_optim: dict[int, Counter] = defaultdict(Counter)
+        for slot in self.slots:
+            r = slot.region
+            for s in plan.needed[slot.fqn]:
+                per_optim[id(slot.optim)][(s.opt_id, s.label)] += min(r.stop, s.stop) - max(r.start, s.start)
+        codebooks: dict[int, tuple[torch.Tensor, tuple | None]] = {}
+        for optim in self.optimizers:
+            used = per_optim.get(id(optim))
+            if not used:
+                continue
+            device = next(s.device for s in self.slots if s.optim is optim)
+            if len(used) == 1:
+                (key,) = used
+                codebooks[id(optim)] = (plan.codebooks[key].to(device), key)
+            else:
+                codebooks[id(optim)] = (self._merged_codebook(plan, optim, codes_of).to(device), None)
+
+        states: dict[str, dict] = {}
+        for slot in self.slots:
+            if plan.needed[slot.fqn]:
+                cb, adopted = codebooks[id(slot.optim)]
+                states[slot.fqn] = self._build_slot(plan, slot, codes_of[slot.fqn], blocks_of, cb, adopted)
+        optim_meta = {}
+        for optim in self.optimizers:
+            if id(optim) in codebooks:
+                cb, _ = codebooks[id(optim)]
+                keys = per_optim[id(optim)]
+                optim_meta[id(optim)] = (cb, max(plan.global_steps[k] for k in keys))
+        return {"states": states, "optim": optim_meta}
+
+    def _merged_codebook(self, plan: _Plan, optim: Optimizer, codes_of: dict[str, torch.Tensor]) -> torch.Tensor:
+        codebooks, weights = [], []
+        for slot in self.slots:
+            if slot.optim is not optim:
+                continue
+            r = slot.region
+            codes = codes_of.get(slot.fqn)
+            for s in plan.needed[slot.fqn]:
+                lo, hi = max(r.start, s.start), min(r.stop, s.stop)
+                use = torch.bincount(codes[lo - r.start : hi - r.start].long(), minlength=K).double().cpu()
+                codebooks.append(plan.codebooks[(s.opt_id, s.label)].double().cpu())
+                weights.append(use)
+        return merge_codebooks(codebooks, weights)
+
+    def _build_slot(self, plan, slot, codes, blocks_of, cb, adopted) -> dict:
+        r = slot.region
+        srcs = plan.needed[slot.fqn]
+        step = max(s.step for s in srcs)
+        vstep = max(s.vmean_step for s in srcs)
+        if len(srcs) == 1:
+            s = srcs[0]
+            aligned = s.start <= r.start and r.stop <= s.stop and (r.start - s.start) % s.period == 0 and (r.stop - s.start) % s.period == 0
+            if aligned and adopted == (s.opt_id, s.label):
+                b = blocks_of[(slot.fqn, s.label)]
+                j0, j1 = (r.start - s.start) // s.period, (r.stop - s.start) // s.period
+                return {
+                    "automatic_period": s.period,
+                    "step": step,
+                    "vmean_step": vstep,
+                    "m_codebook": codes.reshape(-1, s.period).clone(),
+                    "m_magnitude": b[j0:j1, 0:1].clone(),
+                    "vmean": b[j0:j1, 1:2].clone(),
+                }
+        period, _ = target_period(r.start, r.length, [(s.start, s.period) for s in srcs])
+        # The sources' overlaps tile this shard in order: one segment each, one kernel launch for all.
+        segments = []
+        for s in srcs:
+            lo, hi = max(r.start, s.start), min(r.stop, s.stop)
+            b = blocks_of[(slot.fqn, s.label)]
+            src_cb = plan.codebooks[(s.opt_id, s.label)].to(codes.device)
+            segments.append(Segment(hi - lo, s.period, lo - s.start, src_cb, b[:, 0], b[:, 1]))
+        new_codes, magnitude = requantize(dequantize_segments(codes, segments), cb, period)
+        return {
+            "automatic_period": period,
+            "step": step,
+            "vmean_step": vstep,
+            "m_codebook": new_codes,
+            "m_magnitude": magnitude,
+            # Exact (the source block's value) where a target block lies in one source block.
+            "vmean": block_mean_segments(segments, period),
+        }
+
+    def _commit(self, plan: _Plan, staged: dict) -> None:
+        for slot in self.slots:
+            new = staged["states"].get(slot.fqn)
+            gs.write(slot.optim, slot.param, None if new is None else gs.ParamState(
+                period=new["automatic_period"], step=new["step"], vmean_step=new["vmean_step"],
+                codes=new["m_codebook"].contiguous(), magnitude=new["m_magnitude"].contiguous(),
+                vmean=new["vmean"].contiguous()))
+            hyper = plan.params[slot.fqn]["group"]
+            for k in _HYPER:
+                slot.group[k] = hyper[k]
+        for optim in self.optimizers:
+            # No saved state for any of its params (a checkpoint written before
+            # the first step): back to a fresh optimizer, which learns its
+            # codebook on its next step.
+            cb, global_step = staged["optim"].get(id(optim), (None, 0))
+            gs.set_codebook(optim, cb)
+            gs.set_global_step(optim, global_step)

@@ -1,0 +1,1 @@
+"""Reshard validation: prove on your own cluster that a resume at another size is exact."""

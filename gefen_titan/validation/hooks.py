@@ -1,0 +1,352 @@
+"""Opt-in hooks for the reshard validation (``gefen_titan.validation.core``) and the resume tests.
+
+``dump_state``: dump state around checkpoints.
+
+A torchtitan config override (``torchtitan.config.override``) that swaps the
+recipe's ``GefenCheckpointManager`` for a subclass which, after a successful
+load and after the saves of chosen steps, writes the raw training state to
+``<dir>``. What it writes follows the run's ``optimizer.blocking``:
+
+* **agreed** (checkpoint format v2): the *global* state, so that a load at
+  another layout can be compared with the save bit for bit. Every entry of
+  the optimizer container's ``state_dict()`` (what the checkpoint stores:
+  Gefen's codes, magnitudes and ``vmean`` as DTensors with the parameter's
+  placements, its JSON records and codebook, and the flat state of any other
+  optimizer, e.g. the AdamW groups of mixed recipes) is gathered with
+  ``full_tensor()``, and so is every parameter; besides, every rank's live
+  facts (each Gefen parameter's period, step counters and hyperparameters,
+  each Gefen optimizer's codebook and global step) are gathered from all
+  ranks. One rank per distinct set of entries writes
+  ``<kind>-<step>-global-rank<r>.pt`` (rank 0 only, unless pipeline stages
+  hold different parameters). This is collective: every rank takes part.
+* **per_rank** (format v1): each rank's own picture,
+  ``<kind>-<step>-rank<r>.pt``: every parameter's local shard and where it
+  lies in the flattened parameter (``gefen_titan.optim.state.layout.param_region``),
+  every Gefen parameter's state as the optimizer holds it plus each Gefen
+  optimizer's codebook and global step, and the tensors of any other
+  optimizer's state.
+
+Both record the wall time of the save or load (DCP call included, the dump
+excluded). Gefen's private state is read through ``gefen_titan.optim.gefen_state``
+only.
+
+Nothing is active unless a run lists it, e.g.::
+
+    --override.imports '["gefen_titan.patches.sdpa_attention.sdpa_attention",
+                         ["gefen_titan.validation.hooks.dump_state", {"dir": "/tmp/d", "save_steps": [4]}]]'
+
+It reads the live objects only (copies are written, nothing is changed);
+training, saving and loading are torchtitan's and ``GefenCheckpointManager``'s,
+unchanged.
+
+``record_batches``: with the global-order loader, every rank appends, for each
+microbatch it reads, the stream position and the global sample ids to
+``<dir>/batches-dp<M>-rank<r>.jsonl``; a run's global batches can then be
+compared with another run's at another DP size::
+
+    --override.imports '["gefen_titan.patches.sdpa_attention.sdpa_attention",
+                         ["gefen_titan.validation.hooks.record_batches", {dir = "/tmp/b"}]]'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER, TRAIN_STATE
+from torchtitan.config import override
+from torchtitan.config.override import derive
+
+from gefen_titan.checkpoint.errors import HYPER
+from gefen_titan.checkpoint.manager import GefenCheckpointManager
+from gefen_titan.data.global_loader import GlobalOrderDataLoader
+from gefen_titan.optim import gefen_state as gs
+
+__all__ = ["DumpingCheckpointManager", "RecordingGlobalOrderDataLoader", "dump_state", "record_batches", "DUMP_VERSION"]
+
+# Bumped when the dump layout changes (part of a reference run's identity, so
+# a reference cache never hands old dumps to a new validator). 3: global-order
+# runs also record their batches (``record_batches``).
+DUMP_VERSION = 3
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _region(fqn: str, p: torch.Tensor) -> tuple[int, int]:
+    from gefen_titan.optim.state.layout import param_region
+
+    region, _ = param_region(fqn, p)
+    return region.start, region.length
+
+
+def _dist() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    _, world = _dist()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _opt_id(optim: Any) -> str:
+    """A Gefen optimizer's name in the checkpoint: its first parameter's FQN."""
+    return next((name for name, _, _ in gs.named_params(optim)), "")
+
+
+class DumpingCheckpointManager(GefenCheckpointManager):
+    @dataclass(kw_only=True, slots=True)
+    class Config(GefenCheckpointManager.Config):
+        dump_dir: str = ""
+        """Folder for the dumps (created if missing)."""
+
+        dump_save_steps: list[int] = field(default_factory=list)
+        """Steps whose save is followed by a dump (every load is dumped)."""
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self._dump_dir = config.dump_dir
+        self._dump_save_steps = set(config.dump_save_steps)
+
+    def _load(self, step: int = -1) -> bool:
+        begin = time.monotonic()
+        loaded = super()._load(step)
+        seconds = time.monotonic() - begin
+        if loaded:
+            train_state = self.states.get(TRAIN_STATE)
+            self._dump("load", int(getattr(train_state, "step", step)), seconds)
+        return loaded
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        begin = time.monotonic()
+        saved = super()._save(curr_step, last_step)
+        if saved:
+            self.maybe_wait_for_saving()  # async: time the whole write
+        seconds = time.monotonic() - begin
+        if saved and curr_step in self._dump_save_steps:
+            self._dump("save", curr_step, seconds)
+        return saved
+
+    # ------------------------------------------------------------------ dump
+    def _dump(self, kind: str, step: int, seconds: float) -> None:
+        container = self.states.get(OPTIMIZER)
+        os.makedirs(self._dump_dir, exist_ok=True)
+        if getattr(container, "blocking", None) == "agreed":
+            self._dump_global(container, kind, step, seconds)
+        else:
+            self._dump_rank(container, kind, step, seconds)
+
+    def _model_params(self) -> list[tuple[str, torch.Tensor]]:
+        wrapper = self.states.get(MODEL)
+        parts = getattr(wrapper, "model", [])
+        parts = parts if isinstance(parts, list) else [parts]
+        return [(fqn, p) for part in parts for fqn, p in part.named_parameters()]
+
+    # ---------------------------------------------------- agreed: global state
+    def _dump_global(self, container: Any, kind: str, step: int, seconds: float) -> None:
+        rank, world = _dist()
+        sd = _optimizer_entries(container)
+        params = self._model_params()
+        # The lowest rank of each distinct set of entries writes (pipeline
+        # stages hold different ones; everything else has one set: rank 0).
+        names = sorted(sd) + ["param:" + n for n, _ in params]
+        digest = hashlib.sha1("\n".join(names).encode()).hexdigest()
+        everyone = _all_gather({"rank": rank, "digest": digest, "seconds": seconds, "live": _live_facts(container)})
+        writer = min(e["rank"] for e in everyone if e["digest"] == digest) == rank
+        out: dict[str, Any] = {
+            "kind": kind, "step": step, "rank": rank, "world": world, "blocking": "agreed",
+            "dump_version": DUMP_VERSION, "seconds": [e["seconds"] for e in everyone],
+            "live": [e["live"] for e in everyone],
+            "covers": [e["rank"] for e in everyone if e["digest"] == digest],
+            "params": {}, "state": {},
+        }
+        # Collective: every rank of a mesh gathers its entries in the same order.
+        for fqn, p in params:
+            t = _full(p)
+            if writer:
+                out["params"][fqn] = t
+        for key, value in sd.items():
+            if isinstance(value, torch.Tensor):
+                t = _full(value)
+                if writer:
+                    out["state"][key] = t
+            elif writer:
+                out["state"][key] = value
+        if writer:
+            torch.save(out, os.path.join(self._dump_dir, f"{kind}-{step}-global-rank{rank}.pt"))
+
+    # ------------------------------------------------- per_rank: this rank only
+    def _dump_rank(self, container: Any, kind: str, step: int, seconds: float) -> None:
+        rank, world = _dist()
+        out: dict[str, Any] = {"kind": kind, "step": step, "rank": rank, "world": world, "seconds": seconds,
+                               "blocking": "per_rank", "dump_version": DUMP_VERSION}
+        out["params"] = {}
+        for fqn, p in self._model_params():
+            start, length = _region(fqn, p)
+            out["params"][fqn] = {"shape": tuple(p.shape), "start": start, "length": length,
+                                  "local": _local(p).detach().reshape(-1).float().cpu().clone()}
+        out["gefen"], out["codebooks"] = _rank_gefen_state(container)
+        out["other_optim"] = _rank_other_state(container)
+        torch.save(out, os.path.join(self._dump_dir, f"{kind}-{step}-rank{rank}.pt"))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+
+
+def _gefen_optimizers(container: Any) -> list[Any]:
+    return [] if container is None else [o for o in container.optimizers if gs.is_gefen(o)]
+
+
+def _other_optimizers(container: Any) -> list[Any]:
+    return [] if container is None else [o for o in container.optimizers if not gs.is_gefen(o)]
+
+
+def _optimizer_entries(container: Any) -> dict[str, Any]:
+    """What a checkpoint of the optimizer holds now: the container's ``state_dict()``.
+
+    Collective (the Gefen part checks that the ranks agree). Where another
+    optimizer holds no state yet (its state was not loaded), the container
+    would create it with a zero-gradient step; the dump must change nothing,
+    so then the entries are built from those optimizers that hold state plus
+    the Gefen adapter's own entries, which is what ``state_dict()`` returns
+    less the state it would create.
+    """
+    if container is None:
+        return {}
+    others = _other_optimizers(container)
+    if all(o.state for o in others):
+        return container.state_dict()
+    from torchtitan.components.optimizer.utils import get_flat_optim_state_dict
+
+    from gefen_titan.optim.state import AgreedStateAdapter
+
+    sd: dict[str, Any] = {}
+    for optim in others:
+        if optim.state:
+            sd.update(get_flat_optim_state_dict(optim))
+    sd.update(AgreedStateAdapter(container.optimizers).state_dict())
+    return sd
+
+
+def _live_facts(container: Any) -> dict[str, Any]:
+    """This rank's live Gefen facts: per parameter its period, counters and
+    hyperparameters; per optimizer its codebook and global step."""
+    params: dict[str, dict[str, Any]] = {}
+    optimizers: dict[str, dict[str, Any]] = {}
+    for optim in _gefen_optimizers(container):
+        opt_id = _opt_id(optim)
+        cb = gs.codebook(optim)
+        optimizers[opt_id] = {"codebook": None if cb is None else cb.detach().float().cpu().clone(),
+                              "global_step": gs.global_step(optim)}
+        for fqn, p, group in gs.named_params(optim):
+            st = gs.read(optim, p)
+            if st is not None:
+                period, step, vstep, has_state = st.period, st.step, st.vmean_step, True
+            else:  # never stepped, or an empty local shard (counters kept by gefen_titan)
+                period = gs.period(optim, p) or 0
+                step, vstep = gs.empty_shard_counters(optim, p)
+                has_state = False
+            params[fqn] = {"optimizer": opt_id, "period": int(period), "step": int(step), "vmean_step": int(vstep),
+                           "has_state": has_state, "local_numel": _local(p).numel(),
+                           "hyper": {k: float(group[k]) for k in HYPER}}
+    return {"params": params, "optimizers": optimizers}
+
+
+def _rank_gefen_state(container: Any) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    state, codebooks = {}, {}
+    for optim in _gefen_optimizers(container):
+        opt_id = _opt_id(optim)
+        cb = gs.codebook(optim)
+        codebooks[opt_id] = {"codebook": None if cb is None else cb.detach().float().cpu().clone(),
+                             "global_step": gs.global_step(optim)}
+        for fqn, p, group in gs.named_params(optim):
+            start, length = _region(fqn, p)
+            rec: dict[str, Any] = {"shape": tuple(p.shape), "start": start, "length": length, "optimizer": opt_id,
+                                   "hyper": {k: float(group[k]) for k in ("lr", "beta1", "beta2", "eps")}}
+            st = gs.read(optim, p)
+            if st is not None:
+                rec.update(
+                    period=st.period, step=st.step, vmean_step=st.vmean_step,
+                    codes=st.codes.reshape(-1).cpu().clone(),
+                    magnitude=st.magnitude.reshape(-1).float().cpu().clone(),
+                    vmean=st.vmean.reshape(-1).float().cpu().clone(),
+                )
+            state[fqn] = rec
+    return state, codebooks
+
+
+def _rank_other_state(container: Any) -> dict[str, dict[str, Any]]:
+    out = {}
+    for optim in _other_optimizers(container):
+        for group in optim.param_groups:
+            names = group.get("param_names") or [None] * len(group["params"])
+            for name, p in zip(names, group["params"]):
+                st = optim.state.get(p, {})
+                if name is None:
+                    continue
+                start, length = _region(name, p)
+                rec: dict[str, Any] = {"shape": tuple(p.shape), "start": start, "length": length}
+                for key, value in st.items():
+                    if isinstance(value, torch.Tensor) and value.numel() == p.numel():
+                        rec[key] = _local(value).detach().reshape(-1).float().cpu().clone()
+                    elif isinstance(value, torch.Tensor) and value.numel() == 1:
+                        rec[key] = float(value)
+                out[name] = rec
+    return out
+
+
+@override(
+    target=GefenCheckpointManager.Config,
+    exact=True,
+    description="validate_reshard: dump rank state after loads and chosen saves",
+)
+def dump_state(cfg: GefenCheckpointManager.Config, *, dir: str, save_steps: list[int] | None = None):
+    return derive(cfg, DumpingCheckpointManager.Config, dump_dir=dir, dump_save_steps=list(save_steps or []))
+
+
+class RecordingGlobalOrderDataLoader(GlobalOrderDataLoader):
+    """The global-order loader, writing down which samples each microbatch holds."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GlobalOrderDataLoader.Config):
+        record_dir: str = ""
+        """Folder for ``batches-dp<M>-rank<r>.jsonl`` (created if missing)."""
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        os.makedirs(config.record_dir, exist_ok=True)
+        self._record = os.path.join(config.record_dir, f"batches-dp{self.dp_world_size}-rank{self.dp_rank}.jsonl")
+
+    def batch_at(self, start: int):
+        batch = super().batch_at(start)
+        row = {"start": start, "dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size,
+               "sample_ids": self.rank_sample_ids(start).tolist()}
+        with open(self._record, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        return batch
+
+
+@override(
+    target=GlobalOrderDataLoader.Config,
+    exact=True,
+    description="record the global sample ids of every microbatch each rank reads",
+)
+def record_batches(cfg: GlobalOrderDataLoader.Config, *, dir: str):
+    return derive(cfg, RecordingGlobalOrderDataLoader.Config, record_dir=dir)

@@ -1,0 +1,1 @@
+"""Workers, harnesses and shared set-up of the tests (imported as ``tests.helpers.*``)."""

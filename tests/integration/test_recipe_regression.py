@@ -1,0 +1,135 @@
+"""Recipe regression: every shipped recipe keeps working.
+
+* CPU recipes (``recipes/llama_gefen*.toml``): trained for 7 steps on gloo at
+  their own number of processes with the CI settings and compared, step by
+  step, with the curve stored in ``tests/reference_curves/<recipe>.json``
+  within the tolerance stored there (runs are deterministic here; see
+  ``scripts/update_reference_curves.py``, which regenerates the curves when a
+  change is meant to change training). Recipes that resolve to the same run
+  (``llama_gefen`` at 2 processes and ``llama_gefen_dp2``) share it, and so do
+  the reference runs of tests/test_validate_reshard.py (session cache).
+* GPU-only recipes (``llama3_8b_gefen.toml``): parsed and built without a GPU,
+  in a subprocess: torchtitan's fake process group at the recipe's world size
+  (8), the model on the meta device, torchtitan's parallelize (FSDP2), the
+  optimizer container and LR schedulers, as the Trainer does. The tokenizer
+  and data set are not there, so the data loader is not built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import reference_curves as urc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CPU_RECIPES = urc.cpu_recipes()
+GPU_RECIPES = {"llama3_8b_gefen.toml": 8}  # recipe -> world size it is built for
+
+
+def test_every_shipped_recipe_is_covered():
+    shipped = {p.name for p in (ROOT / "recipes").glob("*.toml")}
+    assert shipped == {p.name for p in CPU_RECIPES} | set(GPU_RECIPES)
+    for recipe in CPU_RECIPES:
+        assert urc.curve_path(recipe).exists(), f"no stored curve for {recipe.name}: run scripts/update_reference_curves.py"
+
+
+def test_compare_flags_a_curve_off_by_more_than_the_tolerance():
+    stored = {"losses": {"1": 8.0, "2": 7.5}, "tolerance": 2e-4}
+    assert urc.compare(stored, {1: 8.0, 2: 7.5001})[1] == []
+    dev, problems = urc.compare(stored, {1: 8.0, 2: 7.5005})
+    assert dev == pytest.approx(5e-4) and "step 2: 7.50050 vs stored 7.50000" in problems[0]
+    assert urc.compare(stored, {1: 8.0})[1]  # a missing step is a failure
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("recipe_regression")
+
+
+@pytest.mark.parametrize("recipe", CPU_RECIPES, ids=lambda p: p.stem)
+def test_cpu_recipe_matches_stored_curve(recipe, runs_dir, tmp_path_factory):
+    stored = json.loads(urc.curve_path(recipe).read_text())
+    assert stored["recipe"] == f"recipes/{recipe.name}"
+    cache = tmp_path_factory.getbasetemp() / "reshard_reference_cache"
+    _, nproc, run = urc.run_recipe(recipe, out=runs_dir, cache=cache, stored=stored)
+    assert nproc == stored["nproc"]
+    dev, problems = urc.compare(stored, run.losses)
+    assert not problems, f"{recipe.name}: {'; '.join(problems)}; new curve {run.losses}"
+
+
+# ------------------------------------------------------------ GPU recipes
+def build_on_meta(recipe: str, world_size: int, overrides: dict) -> dict:
+    """The Trainer's build steps up to the optimizer, with no GPU and no data
+    (run in a fresh process: it creates a fake process group)."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torchtitan.config.override import apply_overrides
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+
+    from gefen_titan.recipe.build import load_recipe
+
+    config = load_recipe(recipe, overrides, world_size=world_size).config
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
+    dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
+    model_config = config.model_spec.model
+    model_config.update_from_config(config=config)
+    if config.override.imports:
+        apply_overrides(config.override, config)
+    with torch.device("meta"):
+        model = model_config.build()
+    numel = sum(p.numel() for p in model.parameters())
+    model = config.model_spec.parallelize_fn(
+        model, parallel_dims=parallel_dims, training=config.training, parallelism=config.parallelism,
+        compile_config=config.compile, ac_config=config.activation_checkpoint, dump_folder="/nonexistent",
+    )
+    optimizers = config.optimizer.build(model_parts=[model])
+    config.lr_scheduler.build(optimizers=optimizers, training_steps=config.training.steps)
+    params = list(model.named_parameters())
+    return {
+        "numel": numel,
+        "placements": sorted({str(tuple(p.placements)) for _, p in params}),
+        "mesh_sizes": sorted({p.device_mesh.size() for _, p in params}),
+        "optimizers": [type(o).__name__ for o in optimizers.optimizers],
+        "gefen_params": len(optimizers._gefen_state.slots),
+        "params": len(params),
+        "checkpoint": type(config.checkpoint).__qualname__,
+    }
+
+
+def _build(recipe: str, world_size: int, overrides: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tests.integration.test_recipe_regression", "--build", recipe, str(world_size),
+           json.dumps(overrides or {})]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+
+
+def _check_built(proc, world_size):
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert built["numel"] > 8.0e9  # Llama 3.1 8B
+    assert built["placements"] == ["(Shard(dim=0),)"] and built["mesh_sizes"] == [world_size]
+    assert built["optimizers"] == ["Gefen"] and built["gefen_params"] == built["params"]
+    assert built["checkpoint"] == "GefenCheckpointManager.Config"
+
+
+@pytest.mark.parametrize("recipe,world_size", GPU_RECIPES.items())
+def test_gpu_recipe_builds_as_shipped(recipe, world_size):
+    _check_built(_build(f"recipes/{recipe}", world_size), world_size)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--build"]:
+    from gefen_titan import patches
+
+    patches.apply_all()
+
+    print(json.dumps(build_on_meta(sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]))))

@@ -1,0 +1,196 @@
+"""The scale tools: scripts/gpu_check.sh's CPU path, the scale plan, the benchmarks' arguments.
+
+* ``gpu_check.sh`` without CUDA: bad arguments exit 2 with the reason (its
+  parser); a run does the CPU half of the checkpoint check (a real v2 checkpoint of the
+  debug recipe at 2 gloo ranks), skips every GPU stage, writes its report
+  and exits 3 saying "no CUDA".
+* The scale plan against that real checkpoint (``tests/scale_worker.py``):
+  the same DCP entries, chunks, bytes per rank file and writer of each
+  replicated entry, exactly, and the metadata size within 0.5%; its
+  first-step collectives are the ones real Gefen makes (recorded under a
+  fake process group); the layer extrapolation of the metadata within 0.5%
+  of the full build; one parameter's chunks and state by hand.
+* Gefen's state formula against real stepped Gefen; the growth flags on
+  hand-checkable series; the benchmarks' argument checks and targets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import checkpoint as bench_ckpt
+from benchmarks import scale
+from benchmarks import training as bench_train
+from benchmarks.gpu_check import NO_CUDA
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def gpu_check_cpu(tmp_path_factory):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: gpu_check.sh runs its GPU stages there (not a CI check)")
+    work = tmp_path_factory.mktemp("gpu_check")
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--work", str(work), "--out", str(work / "r.json")],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    return proc, work
+
+
+def test_gpu_check_refuses_bad_arguments(capsys):
+    from benchmarks import gpu_check
+
+    for bad, why in ((["--stages", "kernels,warp"], "--stages: unknown warp"), (["--sizes", "64Q"], "--sizes"),
+                     (["--train-steps", "1"], "--train-steps must be >= 2")):
+        with pytest.raises(SystemExit) as e:
+            gpu_check.parse_args(bad)
+        assert e.value.code == 2 and why in capsys.readouterr().err
+    args = gpu_check.parse_args(["--stages", "checkpoint,kernels", "--sizes", "1M,2G"])
+    assert args.stages == ["checkpoint", "kernels"] and args.sizes == [1 << 20, 2 << 30]
+
+
+def test_gpu_check_without_cuda_runs_the_cpu_half_and_says_so(gpu_check_cpu):
+    proc, work = gpu_check_cpu
+    assert proc.returncode == NO_CUDA, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "no CUDA device" in proc.stdout
+    report = json.loads((work / "r.json").read_text())
+    assert report["status"] == "no_cuda" and report["env"]["cuda"] is False
+    for stage in ("kernels", "bandwidth", "train"):
+        assert report["stages"][stage] == {"ok": None, "skipped": "no CUDA"}
+    ckpt = report["stages"]["checkpoint"]
+    assert ckpt["ok"] is True and ckpt["gpu_half"] == "skipped: no CUDA"
+    assert Path(ckpt["cpu_half"]["checkpoint"], ".metadata").is_file() and ckpt["cpu_half"]["entries"] > 0
+
+
+@pytest.fixture(scope="module")
+def worker(gpu_check_cpu):
+    _, work = gpu_check_cpu
+    step_dir = json.loads((work / "r.json").read_text())["stages"]["checkpoint"]["cpu_half"]["checkpoint"]
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.scale_worker", step_dir], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_plan_matches_a_real_checkpoint(worker):
+    c = worker["checkpoint"]
+    assert c["keys_plan"] == c["keys_real"] and len(c["keys_plan"]) > 100
+    assert c["chunks_plan"] == c["chunks_real"]
+    assert c["files_plan"] == c["files_real"]  # bytes each rank wrote, to the byte
+    assert c["replicated"] == 3 and c["writers_plan"] == c["writers_real"]  # format, record, codebook
+    assert abs(c["metadata_plan"] - c["metadata_real"]) <= 0.005 * c["metadata_real"]
+
+
+def test_plan_collectives_are_the_ones_gefen_makes(worker):
+    c = worker["collectives"]
+    assert c["width"] > 0 and [tuple(r) for r in c["recorded"]] == [tuple(e) for e in c["expected"]]
+
+
+def test_metadata_extrapolation_is_close_to_the_full_build(worker):
+    for name, e in worker["extrapolation"].items():
+        assert e["full"]["exact"] and not e["layered"]["exact"]
+        assert abs(e["layered"]["metadata"] - e["full"]["metadata"]) <= 0.005 * e["full"]["metadata"], name
+
+
+def test_plan_by_hand(worker):
+    h = worker["hand"]
+    # (2048, 256) embedding, FSDP 2: rows 0-1023 and 1024-2047. Row unit: gcd(256, TP 2's cut at 128) = 128.
+    assert h["shape"] == [2048, 256] and h["unit"] == 128 and h["fallback"] == 128 and h["finest"] == 8
+    assert h["chunks"] == [[[1024, 256], [0, 0]], [[1024, 256], [1024, 0]]]
+    assert h["state"] == 1024 * 256 + 16 * (1024 * 256 // 128)  # codes; magnitude, vmean, 2 scratch fp32 per block
+
+
+def test_state_formula_matches_real_gefen(gefen_stepped):
+    from gefen_titan.optim import gefen_state as gs
+
+    _, opt, _ = gefen_stepped
+    total = 0
+    for optim in opt.gefen_optimizers:
+        total += scale.CODEBOOK_BYTES
+        for _, p, _ in gs.named_params(optim):
+            total += scale.gefen_param_bytes(p.numel(), gs.period(optim, p))
+    assert total == opt.state_bytes()[0]
+
+
+def _rows(per_rank, world_sizes=(8, 16, 32, 64)):
+    """Rows in the plan's layout where every figure is per_rank(W) on every rank."""
+    rows = []
+    for w in world_sizes:
+        v = per_rank(w)
+        side = {"written_max": v, "written_total": v * w, "items_max": v, "chunks": v * w, "metadata": v,
+                "gathered": v}  # one rank's receive
+        rows.append({"flavor": "x", "mesh": "fsdp", "world": w, "gefen_state": v, "adamw_state": v,
+                     "agreement_per_rank": v, "gefen": side, "adamw": dict(side)})
+    return rows
+
+
+def test_growth_flags_by_hand():
+    assert scale.slope({8: 1.0, 16: 2.0, 32: 4.0}) == pytest.approx(1.0)
+    assert scale.slope({8: 64.0, 16: 16.0, 32: 4.0}) == pytest.approx(-2.0)
+    shrinking = {f["figure"]: f for f in scale.flags(_rows(lambda w: 1024 / w))}
+    flat = {f["figure"]: f for f in scale.flags(_rows(lambda w: 5.0))}
+    growing = {f["figure"]: f for f in scale.flags(_rows(lambda w: 3.0 * w))}
+    # Per-rank ~ 1/W: the job total is constant. Per-rank constant: job ~ W, linear, not flagged.
+    assert shrinking["Gefen state / rank"]["job"] == pytest.approx(0.0, abs=1e-9)
+    assert not any(f["flag"] for f in flat.values() if f["figure"].endswith("/ rank"))
+    # Per-rank ~ W (what every rank reading the whole metadata does): job ~ W^2, flagged.
+    g = growing["Gefen metadata (read by every rank)"]
+    assert g["per_rank"] == pytest.approx(1.0) and g["job"] == pytest.approx(2.0) and g["flag"]
+    assert growing["Gefen first-step agreement / rank"]["flag"]
+    assert not growing["Gefen save gather at rank 0"]["flag"]  # one rank's receive: ~ W, linear
+
+
+def test_benchmark_arguments_are_checked():
+    with pytest.raises(SystemExit):
+        bench_ckpt.parse_args(["--methods", "current,sgd,adamw"])
+    with pytest.raises(SystemExit):
+        bench_ckpt.parse_args(["--methods", "current"])  # every target is a ratio against AdamW
+    with pytest.raises(SystemExit):
+        bench_ckpt.parse_args(["--load-ranks", "2,x"])
+    args = bench_ckpt.parse_args(["--model", "150M", "--methods", "current,adamw", "--load-ranks", "4,1"])
+    assert args.methods == ["current", "adamw"] and args.load_ranks == [4, 1] and args.model == "150M"
+    with pytest.raises(SystemExit):
+        bench_train.parse_args(["--models", "debug,1T"])
+    with pytest.raises(SystemExit):
+        bench_train.parse_args(["--steps", "1"])
+    assert bench_train.settings(bench_train.parse_args([]), "150M") == (4, 128, 2)
+    with pytest.raises(SystemExit):
+        scale.parse_args(["--meshes", "fsdp,ring"])
+    assert scale.parse_args(["--worlds", "64,8,64"]).worlds == [8, 64]
+    with pytest.raises(ValueError, match="multiple of --tp"):
+        scale.mesh_for("fsdp_tp", 12, tp=8)
+
+
+def test_checkpoint_targets_report_misses_with_the_figure():
+    from gefen_titan.checkpoint import schema as fmt
+
+    assert f"v{fmt.VERSION}" in bench_ckpt.method_label("current")
+    rss = [{"growth": 150, "state": 100, "shard": 50}, {"growth": 10, "state": 100, "shard": 50}]
+    rows = [{"method": "current", "save_s": 0.6, "loads": {1: {"load_s": 0.5, "rss": rss}}},
+            {"method": "adamw", "save_s": 1.0, "loads": {1: {"load_s": 1.0, "rss": rss}}}]
+    got = {t["what"]: t for t in bench_ckpt.targets(rows, 2, [1])}
+    assert got["save"]["ratio"] == pytest.approx(0.6) and not got["save"]["met"]
+    assert got["load 2->1"]["met"]
+    peak = next(t for w, t in got.items() if w.startswith("peak"))
+    assert peak["ratio"] == pytest.approx(1.0) and peak["met"]  # the worst rank: 150 / (100 + 50)
+
+
+def test_peak_rss_sees_a_region_below_an_earlier_peak():
+    from benchmarks.rss import PeakRSS
+
+    big = bytearray(96 << 20)
+    big[:: 4096] = b"x" * len(big[:: 4096])
+    del big
+    with PeakRSS() as m:
+        block = bytearray(32 << 20)
+        block[:: 4096] = b"x" * len(block[:: 4096])
+        del block
+    assert (28 << 20) <= m.growth <= (48 << 20), m.growth

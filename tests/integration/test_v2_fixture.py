@@ -1,0 +1,74 @@
+"""The committed format-v2 checkpoint loads bit-exactly at other sizes.
+
+``tests/fixtures/v2_debug_fsdp2_step3`` was written by the trainer (the debug
+recipe, 2 gloo ranks, FSDP2, 3 steps, agreed blocking; without the model's
+weights, see ``tests/helpers/fixture_hooks.py`` and ``tests/fixtures/README.md``). Loaded
+by ``train.py`` at 1 and at 3 ranks (3: uneven row shards), the optimizer
+state that the container then holds, gathered to global tensors, must be the
+fixture's entries bit for bit: every code, block magnitude and ``vmean``,
+the codebook, and the JSON records (periods, counters, hyperparameters).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gefen_titan.checkpoint.reader import OPTIMIZER, Checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = ROOT / "tests" / "fixtures" / "v2_debug_fsdp2_step3"
+STEP = 3
+
+
+@pytest.fixture(scope="module")
+def saved() -> dict:
+    ck = Checkpoint(str(FIXTURE))
+    names = sorted(ck.optimizer)
+    values = ck.load_names(OPTIMIZER, names)
+    header = json.loads(values["gefen/format"])
+    assert header == {"format": "gefen-titan", "version": 2, "blocking": "agreed"}, header
+    assert ck.writer_ranks() == [0, 1]
+    return values
+
+
+def _load(nproc: int, out: Path, port: int) -> dict:
+    hook = json.dumps({"dir": str(out / "dumps")})
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master-port={port}",
+           "train.py", "--job.config", "recipes/llama_gefen.toml", "--training.steps", str(STEP),
+           "--checkpoint.initial_load_path", str(FIXTURE), "--checkpoint.no-initial-load-model-only",
+           "--dump_folder", str(out), "--override.imports", "gefen_titan.patches.sdpa_attention.sdpa_attention",
+           f"tests.helpers.fixture_hooks.without_model={hook}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    dump = torch.load(out / "dumps" / f"load-{STEP}-global-rank0.pt", weights_only=False)
+    assert dump["world"] == nproc and dump["blocking"] == "agreed"
+    return dump
+
+
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_v2_fixture_loads_bit_exactly(saved, nproc, tmp_path):
+    dump = _load(nproc, tmp_path, 29880 + nproc)
+    loaded = dump["state"]
+    assert sorted(loaded) == sorted(saved)
+    stateful = 0
+    for name, value in saved.items():
+        got = loaded[name]
+        if isinstance(value, str):
+            assert got == value, name
+            continue
+        assert got.dtype == value.dtype and got.shape == value.shape, name
+        assert torch.equal(got, value), f"{name} differs after loading at {nproc} rank(s)"
+        stateful += name.startswith("gefen/codes/")
+    assert stateful == 45  # every parameter of the debug model has Gefen state after 3 steps
+    # The live optimizer on every rank holds the fixture's codebook.
+    codebook = saved["gefen/codebook/tok_embeddings.weight"]
+    for live in dump["live"]:
+        for opt in live["optimizers"].values():
+            assert torch.equal(opt["codebook"], codebook)
+            assert opt["global_step"] == STEP

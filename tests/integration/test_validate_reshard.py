@@ -1,0 +1,237 @@
+"""The reshard validation (``gefen_titan.validation.core``, command line
+``scripts/validate_reshard.py``) end to end on CPU (gloo): the standard set
+2->4, 4->2, 2->1 of the debug recipe passes with the state after every load
+bit-exact (agreed blocking, checkpoint format v2: splits and merges alike),
+and a broken resume (optimizer state dropped) makes the command fail, naming
+the pair and the figure.
+
+Small settings (``CI_SETTINGS``: save at step 4, 3 more steps, global batch
+8 of local 2). The reference runs (at 1, 2 and 4 ranks: every size of the
+pairs) are kept in a session cache shared with tests/test_recipe_regression.py
+(they are the runs of llama_gefen_dp1.toml, llama_gefen.toml = llama_gefen_dp2.toml
+and llama_gefen_dp4.toml), so each is trained once per session.
+
+The script is run as a command (it is never imported); the pieces are tested
+through the package module.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gefen_titan.validation import core as vr
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "validate_reshard.py"
+
+CI = vr.CI_SETTINGS
+CI_ARGS = ["--recipe", "recipes/llama_gefen.toml", "--backend", "gloo",
+           "--steps-before", str(CI["steps_before"]), "--steps-after", str(CI["steps_after"]),
+           "--global-batch", str(CI["global_batch"]), "--local-batch", str(CI["local_batch"])]
+
+
+def reference_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp() / "reshard_reference_cache"
+
+
+def validate(tmp_path_factory, out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    cmd = [sys.executable, str(SCRIPT), *CI_ARGS, "--out", str(out),
+           "--reference-cache", str(reference_cache(tmp_path_factory)), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    report = out / "report.json"
+    return proc, (json.loads(report.read_text()) if report.exists() else {})
+
+
+@pytest.fixture(scope="module")
+def standard(tmp_path_factory):
+    out = tmp_path_factory.mktemp("validate_standard")
+    proc, report = validate(tmp_path_factory, out, "--pairs", "2:4,4:2,2:1")
+    return proc, report, out
+
+
+def _pair(report, name):
+    return next(p for p in report["pairs"] if p["pair"] == name)
+
+
+def _row(stdout: str, pair: str) -> list[str]:
+    return next(line.split() for line in stdout.splitlines() if line.startswith(pair + " "))
+
+
+def test_standard_set_passes_with_table_and_plot(standard):
+    proc, report, out = standard
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    assert "all pairs within tolerance" in proc.stdout
+    assert "gloo on CPU" in proc.stdout  # says which backend it used
+    assert "agreed blocking, checkpoint format v2" in proc.stdout
+    for pair in ("2->4", "4->2", "2->1"):
+        row = _row(proc.stdout, pair)
+        assert row[-1] == "ok" and row[6] == "exact" and row[7] == "exact", row  # state, params
+    png = Path(report["plot"])
+    assert png == out / "loss_curves.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p["pair"] for p in report["pairs"]] == ["2->4", "4->2", "2->1"]
+    assert report["blocking"] == ["agreed"]
+    steps = list(range(CI["steps_before"] + 1, CI["steps_before"] + CI["steps_after"] + 1))
+    for p in report["pairs"]:
+        assert sorted(int(s) for s in p["resumed_losses"]) == steps
+        assert p["failures"] == []
+        assert p["checkpoint"]["total"] > 0 and p["save_seconds"] > 0 and p["load_seconds"] > 0
+
+
+def test_state_after_every_load_is_bit_exact(standard):
+    """Agreed blocking: splits (2->4) and merges (4->2, 2->1) alike reproduce
+    the saved global state bit for bit."""
+    _, report, _ = standard
+    for p in report["pairs"]:
+        st = p["state"]
+        assert st["blocking"] == "agreed" and st["exact"] and st["params_exact"], (p["pair"], st)
+        assert not st["problems"] and st["entries_differ"] == [], (p["pair"], st)
+        assert st["momentum_rel_l2"] == st["vmean_rel_l2"] == st["first_update_rel_l2"] == 0.0
+        assert st["gefen_elements"] == report["parameters"]  # every parameter is Gefen's in this recipe
+        assert st["entries"] > 3 * 40  # codes, magnitude, vmean of every parameter, records, codebook
+    # ~1 byte/param of optimizer state on disk (AdamW: 8): a code per element,
+    # 8 B per block, and DCP's ~1.6 KB framing of each rank's piece of each
+    # of the ~140 entries (+0.07 B/param for the 2-rank checkpoint at 6M
+    # parameters; docs/validation.md)
+    assert 1.0 < report["pairs"][0]["checkpoint"]["optimizer"] / report["parameters"] < 1.25
+
+
+def test_loss_band_is_measured_not_assumed(standard):
+    _, report, _ = standard
+    band = report["loss_band"]
+    assert band["references"] == [1, 2, 4]  # every size of the pairs, targets included
+    assert band["sigma_second_difference"] > 0 and band["sigma_between_references"] > 0
+    assert band["band"] == pytest.approx(max(vr.LOSS_FLOOR, vr.LOSS_K * band["sigma"]))
+    for p in report["pairs"]:
+        assert p["loss_deviation"] <= band["band"]
+
+
+def test_dropped_optimizer_state_fails_naming_pair_and_figure(standard, tmp_path_factory):
+    """A resume that loads everything but the optimizer
+    (``--checkpoint.exclude_from_loading optimizer``) must fail the command."""
+    out = tmp_path_factory.mktemp("validate_fault")
+    proc, report = validate(tmp_path_factory, out, "--pairs", "4:2", "--inject-fault", "drop-optimizer")
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-6000:]
+    assert "reusing" in proc.stdout  # the reference came from the shared cache
+    assert _row(proc.stdout, "4->2")[6] == "DIFFER"
+    err = proc.stderr
+    assert "FAILED" in err
+    assert "4->2: Gefen state after the load is not bit-exact (format v2 promises it)" in err
+    assert "4->2: first-update error 1 > 0" in err
+    assert "4->2: momentum error 1 > 0" in err
+    assert "have no optimizer state after the load" in err
+    assert "4->2: step counters (period, step, vmean_step) differ after the load" in err
+    assert f"plot: {out / 'loss_curves.png'}" in err
+    assert report["pairs"][0]["failures"] and report["fault"] == "drop-optimizer"
+
+
+# ------------------------------------------------ pieces, no training (fast)
+def _global_dump(world=2):
+    """A tiny agreed-blocking dump as ``gefen_titan.validation.hooks`` writes it."""
+    import torch
+
+    from gefen_titan.checkpoint import schema as fmt
+
+    g = torch.Generator().manual_seed(0)
+    codebook = torch.linspace(-1, 1, 256)
+    hyper = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+    record = {"blocking": "agreed", "deterministic": False, "global_step": 4,
+              "params": [{"fqn": "w", "shape": [4, 8], "period": 4, "step": 4, "vmean_step": 4, "group": hyper}]}
+    state = {
+        fmt.format_key(): json.dumps({"format": "gefen-titan", "version": 2, "blocking": "agreed"}),
+        fmt.optimizer_key("w"): json.dumps(record, sort_keys=True),
+        fmt.codebook_key_v2("w"): codebook,
+        fmt.codes_key("w"): torch.randint(0, 256, (4, 8), generator=g, dtype=torch.uint8),
+        fmt.magnitude_key("w"): torch.rand(4, 2, generator=g),
+        fmt.vmean_key("w"): torch.rand(4, 2, generator=g),
+        "state.n.exp_avg": torch.randn(8, generator=g),
+    }
+    live = {"params": {"w": {"optimizer": "w", "period": 4, "step": 4, "vmean_step": 4, "has_state": True,
+                             "local_numel": 16, "hyper": hyper}},
+            "optimizers": {"w": {"codebook": codebook.clone(), "global_step": 4}}}
+    return {"kind": "save", "step": 4, "rank": 0, "world": world, "blocking": "agreed", "dump_version": 2,
+            "seconds": [0.1] * world, "live": [copy.deepcopy(live) for _ in range(world)],
+            "covers": list(range(world)), "params": {"w": torch.randn(4, 8, generator=g)}, "state": state}
+
+
+def test_global_comparison_is_bit_exact_and_names_what_differs():
+    from gefen_titan.checkpoint import schema as fmt
+
+    ref = _global_dump()
+    st = vr.compare_global_state([ref], [copy.deepcopy(ref)])
+    assert st["exact"] and not st["problems"] and st["momentum_rel_l2"] == 0.0
+
+    res = copy.deepcopy(ref)
+    res["state"][fmt.codes_key("w")][1, 2] ^= 1  # one code, one bit
+    st = vr.compare_global_state([ref], [res])
+    assert not st["exact"] and st["entries_differ"] == [fmt.codes_key("w")]
+    assert "not bit-exact" in st["problems"][0] and 0 < st["momentum_rel_l2"] < 1
+
+    res = copy.deepcopy(ref)
+    res["params"]["w"] = res["params"]["w"].double()  # equal values, other dtype
+    assert vr.compare_global_state([ref], [res])["problems"] == ["parameters differ after load (1: w)"]
+
+    res = copy.deepcopy(ref)
+    res["live"][1]["optimizers"]["w"]["codebook"][7] += 1e-7  # one rank's live codebook
+    assert "the live codebook differs" in vr.compare_global_state([ref], [res])["problems"][0]
+
+    res = copy.deepcopy(ref)
+    res["state"]["state.n.exp_avg"][0] += 1  # another optimizer's state
+    assert "non-Gefen optimizer state differs" in vr.compare_global_state([ref], [res])["problems"][0]
+
+    res = copy.deepcopy(ref)
+    del res["state"][fmt.vmean_key("w")]
+    st = vr.compare_global_state([ref], [res])
+    assert f"{fmt.vmean_key('w')} (missing)" in st["entries_differ"]
+    assert any("have no optimizer state" in p for p in st["problems"])
+
+    res = copy.deepcopy(ref)
+    res["covers"] = [0]  # a writer's dump lost
+    assert "do not cover every rank" in vr.compare_global_state([ref], [res])["problems"][0]
+
+
+def test_blocking_option_reaches_every_run():
+    s = vr.Settings(recipe="recipes/llama_gefen.toml", blocking="per_rank", **CI)
+    args = s.overrides(2)
+    assert args[args.index("--optimizer.blocking") + 1] == "per_rank"
+    assert "--optimizer.blocking" not in vr.Settings(recipe="recipes/llama_gefen.toml", **CI).overrides(2)
+
+
+def test_equal_runs_share_one_identity():
+    s = vr.Settings(recipe="recipes/llama_gefen.toml", **CI)
+    base2 = vr.run_identity("recipes/llama_gefen.toml", 2, s.overrides(2))
+    assert base2 == vr.run_identity("recipes/llama_gefen_dp2.toml", 2, s.overrides(2))
+    assert base2 != vr.run_identity("recipes/llama_gefen.toml", 4, s.overrides(4))
+    assert base2 != vr.run_identity("recipes/llama_gefen_mixed.toml", 2, s.overrides(2))
+    assert base2 != vr.run_identity("recipes/llama_gefen.toml", 2, s.overrides(2) + ["--optimizer.lr", "1e-3"])
+    v1 = vr.Settings(recipe="recipes/llama_gefen.toml", blocking="per_rank", **CI)
+    assert base2 != vr.run_identity("recipes/llama_gefen.toml", 2, v1.overrides(2))
+
+
+def test_second_difference_noise_measures_batch_noise():
+    import random
+
+    rng = random.Random(0)
+    sigma = 0.05
+    curve = {t: 8.0 - 0.01 * t + rng.gauss(0, sigma) for t in range(1, 2001)}
+    # the spread of the difference of two runs' losses: sqrt(2) sigma
+    assert vr.second_difference_noise(curve) == pytest.approx(sigma * 2 ** 0.5, rel=0.05)
+    assert vr.second_difference_noise({1: 8.0, 2: 7.0, 3: 6.0, 4: 5.0}) == 0.0  # a straight line is no noise
+
+
+def test_hook_override_reaches_the_config():
+    """launch's --override.imports tokens parse back, through train.py's
+    command line, to the recipe's imports plus the hook with its kwargs."""
+    from gefen_titan.recipe.cli import load_cli
+
+    recipe = "recipes/llama_gefen.toml"
+    hook = ["gefen_titan.validation.hooks.dump_state", {"dir": "/tmp/x y", "save_steps": [4]}]
+    imports = vr.recipe_imports(recipe)
+    config = load_cli(["--job.config", vr.resolve_recipe(recipe), *vr.imports_flag(imports + [hook])], world_size=2).config
+    assert config.override.imports == imports + [tuple(hook)]

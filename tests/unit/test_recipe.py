@@ -1,0 +1,152 @@
+"""Recipes: every shipped one parses into a valid torchtitan config, CLI
+overrides win over the file, and bad keys/types/meshes are RecipeErrors that
+name the file and the key."""
+
+from pathlib import Path
+
+import pytest
+from torchtitan.trainer import Trainer
+
+from gefen_titan.optim.container import GefenOptimizersContainer
+from gefen_titan.recipe.build import RecipeError, load_recipe
+from gefen_titan.recipe.cli import load_cli, parse_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
+DEBUG = str(ROOT / "recipes" / "llama_gefen.toml")
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_shipped_recipe_parses(path):
+    from gefen_titan.recipe.build import declared_world_size
+
+    world = declared_world_size(path)
+    recipe = load_recipe(path, world_size=world)
+    config = recipe.config
+    assert isinstance(config, Trainer.Config)
+    assert isinstance(config.optimizer, GefenOptimizersContainer.Config)
+    assert config.model_spec is not None
+    # Every recipe in this project trains Gefen somewhere.
+    names = {g.optimizer_name for g in config.optimizer.resolved_param_groups()}
+    assert "Gefen" in names
+    assert Path(config.hf_assets_path).exists() or "8b" in path.name
+
+
+def test_recipes_declare_1_2_4_shards():
+    from gefen_titan.recipe.build import _read_recipe_data
+
+    declared = {_read_recipe_data(str(p)).get("parallelism", {}).get("data_parallel_shard_degree", -1) for p in RECIPES}
+    assert {1, 2, 4} <= declared
+
+
+def test_debug_recipe_values():
+    config = load_recipe(DEBUG, world_size=2).config
+    assert config.optimizer.name == "Gefen"
+    assert config.optimizer.lr == pytest.approx(2e-3)
+    assert config.optimizer.betas == (0.9, 0.95)
+    assert config.model_spec.flavor == "debugmodel"
+    assert config.dataloader.dataset == "gefen_tiny"
+    assert config.activation_checkpoint is None
+    assert config.checkpoint.enable is True
+    # [optimizer] name replaced the base function's AdamW catch-all group.
+    (group,) = config.optimizer.resolved_param_groups()
+    assert group.optimizer_name == "Gefen" and group.pattern == ".*"
+    assert group.optimizer_kwargs["lr"] == pytest.approx(2e-3)
+
+
+def test_cli_overrides_win_over_recipe():
+    config = load_cli(
+        [
+            "--job.config", DEBUG,
+            "--training.steps", "7",
+            "--parallelism.data-parallel-shard-degree=4",
+            "--checkpoint.exclude_from_loading", "dataloader,optimizer",
+            "--optimizer.betas", "0.8", "0.9",
+            "--optimizer.lr=1e-3",
+            "--checkpoint.async_mode", "async",
+            "--activation_checkpoint.mode", "full",
+            "--metrics.enable_tensorboard",
+        ],
+        world_size=4,
+    ).config
+    assert config.training.steps == 7
+    assert config.parallelism.data_parallel_shard_degree == 4
+    assert config.checkpoint.exclude_from_loading == ["dataloader", "optimizer"]
+    assert config.optimizer.betas == (0.8, 0.9)
+    assert config.optimizer.lr == pytest.approx(1e-3)
+    assert config.checkpoint.async_mode == "async"
+    assert type(config.activation_checkpoint).__qualname__ == "FullAC.Config"
+    assert config.metrics.enable_tensorboard is True
+
+
+def _write(tmp_path, text, name="bad.toml"):
+    p = tmp_path / name
+    base = Path(DEBUG).read_text()
+    p.write_text(base + "\n" + text)
+    return str(p)
+
+
+@pytest.mark.parametrize(
+    "extra, overrides, message",
+    [
+        ("[trainingg]\nsteps = 3\n", None, "[trainingg] unknown section"),
+        ("", {"training": {"stepz": 3}}, "[training] stepz: unknown key for TrainingConfig"),
+        ("", {"training": {"steps": "ten"}}, "[training] steps: expected an integer, got 'ten'"),
+        ("", {"optimizer": {"lr": "fast"}}, "[optimizer] lr: expected a number"),
+        ("", {"optimizer": {"betas": [0.9]}}, "[optimizer] betas: expected an array of 2 items"),
+        ("", {"optimizer": {"name": "SGD"}}, "[optimizer] name: must be one of"),
+        ("", {"checkpoint": {"enable": 1}}, "[checkpoint] enable: expected a boolean"),
+        ("", {"model": {"flavor": "13B"}}, "[model] flavor: unknown flavor '13B'"),
+        ("", {"model": {"layers": 3}}, "[model] layers: unknown key"),
+        ("", {"job": {"base_config": "nope"}}, "[job] base_config: 'nope' is not a config function"),
+        ("", {"job": {"colour": "red"}}, "[job] colour: unknown key"),
+        ("", {"activation_checkpoint": {"mode": "some"}}, "[activation_checkpoint] mode: must be one of"),
+        ("", {"parallelism": {"data_parallel_shard_degree": 3}}, "impossible mesh: data_parallel_shard_degree(3)"),
+        ("", {"parallelism": {"tensor_parallel_degree": 3}}, "does not divide the world size 2"),
+    ],
+)
+def test_bad_recipes_name_file_and_key(tmp_path, extra, overrides, message):
+    path = _write(tmp_path, extra)
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, overrides, world_size=2)
+    assert str(info.value).startswith(path)
+    assert message in str(info.value)
+
+
+def test_not_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "x.toml"
+    bad.write_text("[job\n")
+    with pytest.raises(RecipeError, match="not valid TOML"):
+        load_recipe(bad)
+    with pytest.raises(RecipeError, match="recipe file not found"):
+        load_recipe(tmp_path / "missing.toml")
+
+
+def test_cli_requires_recipe_and_well_formed_flags():
+    with pytest.raises(RecipeError, match="--job.config PATH"):
+        parse_cli(["--training.steps", "3"])
+    with pytest.raises(RecipeError, match="Unrecognized options: steps"):
+        load_cli(["--job.config", DEBUG, "steps"], world_size=2)
+    with pytest.raises(RecipeError, match="Unrecognized options: --steps"):
+        load_cli(["--job.config", DEBUG, "--steps", "3"], world_size=2)
+
+
+def test_mesh_uses_world_size_env(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    config = load_recipe(DEBUG).config  # dp_shard = -1 fills 4
+    assert config.parallelism.data_parallel_shard_degree == -1
+    with pytest.raises(RecipeError, match="world size is 4"):
+        load_recipe(DEBUG, {"parallelism": {"data_parallel_shard_degree": 2}})
+
+
+def test_bad_recipe_fails_before_any_process_group(tmp_path):
+    """The train entry reads the recipe before config.build() (which inits
+    the process group), so a bad recipe leaves torch.distributed untouched."""
+    import torch.distributed as dist
+
+    from gefen_titan.train import build_config
+
+    path = _write(tmp_path, "", "ok.toml")
+    with pytest.raises(RecipeError):
+        build_config(["--job.config", path, "--training.steps", "x"])
+    assert not dist.is_initialized()
