@@ -263,7 +263,7 @@ def build(flavor: str, mesh: Mesh, max_tp: int = 8, recipe: str = RECIPE) -> Bui
             coords_by_mesh[key] = _coords(p.device_mesh, mesh.world, fqn)
         params.append(Param(fqn, tuple(p.shape), p.dtype, tuple(p.placements), tuple(p.device_mesh.shape),
                             coords_by_mesh[key], unit, candidates))
-    from gefen_titan.checkpoint.errors import HYPER
+    from gefen_titan.checkpoint.schema import HYPER
 
     group = container.gefen_optimizers[0].param_groups[0]
     hyper = {k: float(group[k]) for k in HYPER}
@@ -299,20 +299,18 @@ def gefen_entries(built: Built, rule: str, periods: dict[str, int] | None = None
     from gefen_titan.checkpoint import schema as fmt
 
     pre = "optimizer."
-    out = [Entry(pre + fmt.format_key(), "bytes",
-                 value=json.dumps({"format": fmt.FORMAT, "version": fmt.VERSION, "blocking": "agreed"}))]
+    out = [Entry(pre + fmt.header_key(), "bytes",
+                 value=fmt.Header.for_blocking("agreed").to_json())]
     records = []
     for p in built.params:
         period = (periods or {}).get(p.fqn) or p.period(rule)
-        records.append({"fqn": p.fqn, "shape": list(p.shape), "period": period, "step": step, "vmean_step": step,
-                        "group": dict(built.gefen_hyper)})
-        out.append(Entry(pre + fmt.codes_key(p.fqn), "dtensor", torch.uint8, p.shape, p, layer=p.layer))
-        for key in (fmt.magnitude_key(p.fqn), fmt.vmean_key(p.fqn)):
-            out.append(Entry(pre + key, "dtensor", torch.float32, grid(p.shape, period), p, layer=p.layer))
+        records.append(fmt.ParamRecord(p.fqn, tuple(p.shape), period, step, step, dict(built.gefen_hyper)))
+        for key, (dtype, shape) in fmt.param_tensor_specs(p.fqn, tuple(p.shape), period).items():
+            out.append(Entry(pre + key, "dtensor", dtype, shape, p, layer=p.layer))
     opt = built.params[0].fqn
-    record = {"blocking": "agreed", "deterministic": built.deterministic, "global_step": step, "params": records}
-    out.append(Entry(pre + fmt.optimizer_key(opt), "bytes", value=json.dumps(record, sort_keys=True)))
-    out.append(Entry(pre + fmt.codebook_key_v2(opt), "tensor", torch.float32, (256,)))
+    record = fmt.OptimizerRecord(built.deterministic, step, records)
+    out.append(Entry(pre + fmt.optimizer_key(opt), "bytes", value=record.to_json()))
+    out.append(Entry(pre + fmt.codebook_key(opt), "tensor", torch.float32, (256,)))
     return out
 
 

@@ -1,26 +1,18 @@
-"""What both checkpoint format versions share: errors, agreement, checks.
+"""The errors of a checkpoint that cannot be saved or loaded, and how every rank raises them.
 
-Every check here runs on values every rank read identically, and every
-failure goes through ``agree`` so all ranks raise the same error together
-(a rank that raised alone would leave the others hanging in the next
-collective).
+A rank that raised alone would leave the others hanging in their next
+collective, so every verdict that can differ between ranks goes through
+``agree``: all ranks raise the same ``GefenCheckpointError`` together, and
+nothing has been changed when they do.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
 
-import torch
-import torch.distributed as dist
+from gefen_titan.distributed import raise_on_any_rank
 
-from gefen_titan.checkpoint import schema
-
-__all__ = ["GefenCheckpointError", "root_cause", "unreadable", "agree", "HYPER", "check_hyper", "check_codebook", "read_small"]
-
-# Group hyperparameters carried in the checkpoint and restored on load (torch
-# optimizers restore theirs the same way; the LR scheduler then resets lr).
-HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
+__all__ = ["GefenCheckpointError", "agree", "root_cause", "unreadable"]
 
 
 class GefenCheckpointError(RuntimeError):
@@ -44,56 +36,5 @@ def unreadable(checkpoint_id: str, error: Exception) -> GefenCheckpointError:
 
 
 def agree(error: str | None, what: str) -> None:
-    """Raise ``error`` on every rank if any rank has one (no rank hangs)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        if error:
-            raise GefenCheckpointError(f"{what}: {error}")
-        return
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    flag = torch.tensor([1 if error else 0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() == 0:
-        return
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    lines = sorted({e for e in errors if e})
-    raise GefenCheckpointError(f"{what}: " + "; ".join(lines))
-
-
-def check_hyper(fqn: str, group: dict[str, Any]) -> None:
-    """Group hyperparameters that Gefen can represent (or GefenCheckpointError)."""
-    for k in HYPER:
-        v = group.get(k)
-        if not isinstance(v, (int, float)) or not (v == v) or v < 0:
-            raise GefenCheckpointError(f"{fqn}: hyperparameter {k}={v!r} in the checkpoint is invalid")
-    if not (group["beta1"] < 1 and group["beta2"] < 1 and group["eps"] > 0):
-        raise GefenCheckpointError(f"{fqn}: checkpoint hyperparameters {group} cannot be represented by Gefen")
-
-
-def check_codebook(cb: torch.Tensor, what: str) -> torch.Tensor:
-    """Gefen's load validation: fp32 [256], finite, sorted, ends exactly -1 and +1."""
-    cb = cb.float()
-    if cb.numel() != schema.K or not torch.isfinite(cb).all() or cb[0] != -1 or cb[-1] != 1 or (cb[1:] < cb[:-1]).any():
-        raise GefenCheckpointError(f"{what} is corrupt (must be {schema.K} sorted finite values from -1 to 1)")
-    return cb
-
-
-def read_small(checkpoint_id: str, metadata: Any, prefix: str, tensors: list[str], strings: list[str]) -> dict[str, Any]:
-    """One small ``dcp.load`` of the named entries (keys without ``prefix``).
-
-    Collective: every rank calls it with the same keys.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from gefen_titan.checkpoint.storage import storage_reader
-
-    md = metadata.state_dict_metadata
-    small: dict[str, Any] = {prefix + k: torch.empty(md[prefix + k].size, dtype=md[prefix + k].properties.dtype)
-                             for k in tensors}
-    small.update({prefix + k: "" for k in strings})
-    try:
-        dcp.load(small, storage_reader=storage_reader(checkpoint_id))
-    except (Exception, CheckpointException) as e:  # DCP raises it on every rank
-        raise unreadable(checkpoint_id, e) from e
-    return {k[len(prefix):]: v for k, v in small.items()}
+    """Raise ``GefenCheckpointError(f"{what}: {error}")`` on every rank if any rank has an error."""
+    raise_on_any_rank(error, what, GefenCheckpointError)

@@ -4,10 +4,12 @@ Components whose state depends on how the checkpoint was written (Gefen's
 records, the elastic data loader's per-rank entries) must see the checkpoint
 metadata before DCP asks them for load destinations. This subclass does one
 thing: before torchtitan's ``dcp.load`` it reads the metadata and hands it to
-every component that implements ``LoadPreparer`` (the optimizer container,
-``gefen_titan.data.elastic``), and after the load (or its failure) calls their
-``abort_load``. Saving, async modes, ``load_step``, ``exclude_from_loading``
-and ``initial_load_path`` are torchtitan's own.
+every component that is a ``LoadPreparer`` (the optimizer container, the
+elastic data loader), and after the load (or its failure) calls their
+``abort_load``. It also tells every component that saves views of live
+tensors (``SnapshotsOnSave``) whether saves are asynchronous. Saving, async
+modes, ``load_step``, ``exclude_from_loading`` and ``initial_load_path`` are
+torchtitan's own.
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch.distributed.checkpoint.api import CheckpointException
 from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.checkpointer.base import DATALOADER, OPTIMIZER
 
 from gefen_titan.checkpoint.errors import unreadable
 from gefen_titan.checkpoint.storage import read_metadata
 
-__all__ = ["GefenCheckpointManager", "LoadPreparer"]
+__all__ = ["GefenCheckpointManager", "LoadPreparer", "SnapshotsOnSave"]
 
 
 @runtime_checkable
@@ -40,6 +41,18 @@ class LoadPreparer(Protocol):
     def abort_load(self) -> None: ...
 
 
+@runtime_checkable
+class SnapshotsOnSave(Protocol):
+    """A checkpointed component whose ``state_dict()`` hands DCP views of live tensors.
+
+    An async save writes after later steps have changed those tensors in
+    place, so under ``checkpoint.async_mode`` other than ``"disabled"`` the
+    manager sets ``snapshot_on_save`` and the component hands copies instead.
+    """
+
+    snapshot_on_save: bool
+
+
 class GefenCheckpointManager(CheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
@@ -47,18 +60,19 @@ class GefenCheckpointManager(CheckpointManager):
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
-        # A disabled manager returns from __init__ before it keeps any states.
-        optimizer = getattr(self, "states", {}).get(OPTIMIZER)
-        if optimizer is not None and hasattr(type(optimizer), "snapshot_on_save"):
-            # Async saves write after later steps mutate Gefen's state in
-            # place: its entries must be copies, not views.
-            optimizer.snapshot_on_save = str(config.async_mode) != "disabled"
+        if not self.enable:  # torchtitan keeps no states then
+            return
+        for component in self.states.values():
+            if isinstance(component, SnapshotsOnSave):
+                component.snapshot_on_save = str(config.async_mode) != "disabled"
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        # Every rank holds the same components in the same order, so every
+        # rank prepares them in the same order (their reads are collective).
         prepared = [
-            (self.states[key], key)
-            for key in (OPTIMIZER, DATALOADER)
-            if not from_hf and key in state_dict and isinstance(self.states.get(key), LoadPreparer)
+            (component, key)
+            for key, component in self.states.items()
+            if not from_hf and key in state_dict and isinstance(component, LoadPreparer)
         ]
         if not prepared:
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)

@@ -9,7 +9,6 @@ costs the memory of the entries it names, never of the whole checkpoint.
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -19,8 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from gefen_titan.checkpoint import schema as fmt
-from gefen_titan.checkpoint import storage
+from gefen_titan.checkpoint import schema, storage
 from gefen_titan.checkpoint.errors import root_cause
 
 __all__ = ["CkptError", "Entry", "Checkpoint", "OPTIMIZER", "MODEL", "split_state_key"]
@@ -186,16 +184,12 @@ class Checkpoint:
         values = self.load([entries[n].key for n in names])
         return {n: values[entries[n].key] for n in names}
 
-    def gefen_header(self) -> dict | None:
+    def gefen_header(self) -> schema.Header | None:
         """The ``gefen/format`` header, None when the checkpoint holds no Gefen state."""
-        if fmt.format_key() not in self.optimizer:
+        key = schema.header_key()
+        if key not in self.optimizer:
             return None
-        raw = self.load_names(OPTIMIZER, [fmt.format_key()])[fmt.format_key()]
         try:
-            header = json.loads(raw)
-        except (TypeError, ValueError) as e:
-            raise CkptError(f"{self.path}: the Gefen header {fmt.format_key()} is not JSON ({e}): the checkpoint "
-                            "is corrupt; run `gefen-titan ckpt verify` on it") from e
-        if not isinstance(header, dict):
-            raise CkptError(f"{self.path}: the Gefen header {fmt.format_key()} is {header!r}, not a JSON object")
-        return header
+            return schema.Header.from_json(self.load_names(OPTIMIZER, [key])[key])
+        except schema.FormatError as e:
+            raise CkptError(f"{self.path}: {e}; run `gefen-titan ckpt verify` on it") from e

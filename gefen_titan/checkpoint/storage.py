@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import os
 import posixpath
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
+import torch
+import torch.distributed.checkpoint as dcp
+from fsspec.core import url_to_fs
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torchtitan.tools import filesystem
 
-__all__ = ["is_remote", "read_metadata", "storage_reader", "storage_writer", "list_files", "file_size", "open_file",
-           "join"]
+from gefen_titan.checkpoint.errors import unreadable
+
+__all__ = ["is_remote", "read_metadata", "read_small", "storage_reader", "storage_writer", "list_files", "file_size",
+           "open_file", "join"]
 
 
 def is_remote(checkpoint_id: str | os.PathLike) -> bool:
@@ -42,6 +47,27 @@ def storage_reader(checkpoint_id: str | os.PathLike) -> StorageReader:
 def read_metadata(checkpoint_id: str | os.PathLike) -> Metadata:
     """The checkpoint's DCP metadata (``.metadata``); raises OSError or CheckpointException."""
     return storage_reader(checkpoint_id).read_metadata()
+
+
+def read_small(checkpoint_id: str, metadata: Metadata, prefix: str, tensors: list[str],
+               strings: list[str]) -> dict[str, Any]:
+    """One small ``dcp.load`` of the named entries (keys without ``prefix``).
+
+    Collective: every rank calls it with the same keys; an unreadable file
+    raises the same ``GefenCheckpointError`` on every rank (DCP raises its
+    exception on all of them).
+    """
+    if not tensors and not strings:  # the same on every rank: they all skip the read
+        return {}
+    md = metadata.state_dict_metadata
+    small: dict[str, Any] = {prefix + k: torch.empty(md[prefix + k].size, dtype=md[prefix + k].properties.dtype)
+                             for k in tensors}
+    small.update({prefix + k: "" for k in strings})
+    try:
+        dcp.load(small, storage_reader=storage_reader(checkpoint_id))
+    except Exception as e:  # CheckpointException (an Exception) wraps the cause
+        raise unreadable(checkpoint_id, e) from e
+    return {k[len(prefix):]: v for k, v in small.items()}
 
 
 def storage_writer(checkpoint_id: str | os.PathLike) -> StorageWriter:
@@ -70,8 +96,6 @@ def file_size(checkpoint_id: str | os.PathLike, name: str) -> int | None:
     """Size in bytes of a file of the checkpoint, None if it does not exist."""
     path = join(checkpoint_id, name)
     if is_remote(path):
-        from fsspec.core import url_to_fs
-
         fs, p = url_to_fs(path)
         return int(fs.size(p)) if fs.exists(p) else None
     return os.path.getsize(path) if os.path.isfile(path) else None
@@ -81,8 +105,6 @@ def open_file(checkpoint_id: str | os.PathLike, name: str) -> BinaryIO:
     """A binary read stream on a file of the checkpoint."""
     path = join(checkpoint_id, name)
     if is_remote(path):
-        from fsspec.core import url_to_fs
-
         fs, p = url_to_fs(path)
         return fs.open(p, "rb")
     return open(path, "rb")

@@ -37,7 +37,6 @@ at a time.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -49,13 +48,12 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from gefen_titan.checkpoint import schema as fmt
-from gefen_titan.checkpoint import storage
-from gefen_titan.checkpoint.errors import HYPER, GefenCheckpointError, check_hyper, root_cause
+from gefen_titan.checkpoint import schema, storage
+from gefen_titan.checkpoint.errors import root_cause
 from gefen_titan.checkpoint.quant import block_mean, dequantize, expand_blocks, requantize
 from gefen_titan.checkpoint.reader import OPTIMIZER, Checkpoint, CkptError, split_state_key
 from gefen_titan.checkpoint.records import codebook_summary, read_gefen
-from gefen_titan.checkpoint.schema import grid_shape
+from gefen_titan.checkpoint.schema import HYPER, grid_shape
 from gefen_titan.optim.blocking import (
     HIST_BINS,
     block_variance_sums,
@@ -164,9 +162,9 @@ def _to_adamw(ck: Checkpoint, options: ConvertOptions):
         raise CkptError(f"{ck.path} holds no Gefen state" + (f" (its optimizer state is {', '.join(kinds)})"
                                                                if kinds else " (no optimizer state at all)")
                         + ": nothing to convert to AdamW")
-    if gefen.version != fmt.VERSION:
+    if gefen.version != schema.VERSION:
         raise CkptError(f"{ck.path} is Gefen format v{gefen.version} (per-rank blocking): convert reads format "
-                        f"v{fmt.VERSION} (agreed blocking) only. Resume it with optimizer.blocking = \"per_rank\" "
+                        f"v{schema.VERSION} (agreed blocking) only. Resume it with optimizer.blocking = \"per_rank\" "
                         "instead, or convert a checkpoint of an agreed-blocking run")
     if gefen.problems:
         name, what = gefen.problems[0]
@@ -179,9 +177,9 @@ def _to_adamw(ck: Checkpoint, options: ConvertOptions):
     for p in gefen.params:
         numel = math.prod(p.shape)
         if p.period:
-            vals = ck.load_names(OPTIMIZER, [fmt.codes_key(p.fqn), fmt.magnitude_key(p.fqn), fmt.vmean_key(p.fqn)])
-            codes, mag, vmean = (vals[k(p.fqn)].reshape(-1) for k in (fmt.codes_key, fmt.magnitude_key,
-                                                                          fmt.vmean_key))
+            keys = schema.param_tensor_keys(p.fqn)
+            vals = ck.load_names(OPTIMIZER, [keys[name] for name in schema.PARAM_TENSORS])
+            codes, mag, vmean = (vals[keys[name]].reshape(-1) for name in schema.PARAM_TENSORS)
             exp_avg = dequantize(codes, codebook, mag, p.period).view(p.shape)
             exp_avg_sq = expand_blocks(vmean, p.period, 0, numel).reshape(p.shape).clone()
         else:  # no state yet (saved before its first step): AdamW's fresh state
@@ -194,7 +192,7 @@ def _to_adamw(ck: Checkpoint, options: ConvertOptions):
         entries[f"state.{p.fqn}.step"] = torch.tensor(float(p.step))
         for k, v in _adamw_group(p.group, options.implementation).items():
             entries[f"param_groups.{p.fqn}.{k}"] = v
-    replaced = {e.key for n, e in opt.items() if n.startswith(fmt.PREFIX)}
+    replaced = {e.key for n, e in opt.items() if schema.is_gefen_key(n)}
     report = {
         "params": len(gefen.params),
         "elements": sum(math.prod(p.shape) for p in gefen.params),
@@ -236,15 +234,15 @@ def _gefen_group(fqn: str, group: dict[str, Any]) -> dict[str, float]:
         raise CkptError(f"{fqn}: Adam's coupled (L2) weight decay {out['weight_decay']} differs from Gefen's "
                         "decoupled one; only AdamW, or Adam with weight_decay 0, converts")
     try:
-        check_hyper(fqn, out)
-    except GefenCheckpointError as e:
+        schema.check_hyper(fqn, out)
+    except schema.FormatError as e:
         raise CkptError(str(e)) from e
     return {k: float(out[k]) for k in HYPER}
 
 
 def _to_gefen(ck: Checkpoint, options: ConvertOptions):
-    if fmt.format_key() in ck.optimizer:
-        raise CkptError(f"{ck.path} already holds Gefen state ({fmt.format_key()}): nothing to convert to Gefen")
+    if schema.header_key() in ck.optimizer:
+        raise CkptError(f"{ck.path} already holds Gefen state ({schema.header_key()}): nothing to convert to Gefen")
     opt = ck.optimizer
     states: dict[str, dict[str, Any]] = {}
     for name, e in opt.items():
@@ -294,17 +292,17 @@ def _to_gefen(ck: Checkpoint, options: ConvertOptions):
     for fqn in states:
         shape = tuple(states[fqn]["exp_avg"].shape)
         period = periods.get(fqn, 0)
-        params.append({"fqn": fqn, "shape": list(shape), "period": period, "step": steps[fqn],
-                       "vmean_step": steps[fqn], "group": groups[fqn]})
+        params.append(schema.ParamRecord(fqn, shape, period, steps[fqn], steps[fqn], groups[fqn]))
         if not period:
             continue
         m, v = moments(fqn)
         codes, mag = requantize(m.reshape(-1), codebook, period)
         vmean = block_mean(v.reshape(-1), period)
         grid = grid_shape(shape, period)
-        entries[fmt.codes_key(fqn)] = codes.reshape(shape)
-        entries[fmt.magnitude_key(fqn)] = mag.reshape(grid)
-        entries[fmt.vmean_key(fqn)] = vmean.reshape(grid)
+        keys = schema.param_tensor_keys(fqn)
+        entries[keys["codes"]] = codes.reshape(shape)
+        entries[keys["magnitude"]] = mag.reshape(grid)
+        entries[keys["vmean"]] = vmean.reshape(grid)
         back_m = dequantize(codes.reshape(-1), codebook, mag.reshape(-1), period)
         back_v = expand_blocks(vmean.reshape(-1), period, 0, m.numel())
         err_m += float((back_m.double() - m.reshape(-1).double()).square().sum())
@@ -312,21 +310,20 @@ def _to_gefen(ck: Checkpoint, options: ConvertOptions):
         err_v += float((back_v.double() - v.reshape(-1).double()).square().sum())
         norm_v += float(v.double().square().sum())
     opt_id = next(iter(states))
-    record = {"blocking": "agreed", "deterministic": bool(options.deterministic),
-              "global_step": max(steps.values()), "params": params}
-    entries[fmt.format_key()] = json.dumps({"format": fmt.FORMAT, "version": fmt.VERSION, "blocking": "agreed"})
-    entries[fmt.optimizer_key(opt_id)] = json.dumps(record, sort_keys=True)
+    record = schema.OptimizerRecord(bool(options.deterministic), max(steps.values()), params)
+    entries[schema.header_key()] = schema.Header.for_blocking("agreed").to_json()
+    entries[schema.optimizer_key(opt_id)] = record.to_json()
     if codebook is not None:
-        entries[fmt.codebook_key_v2(opt_id)] = codebook.float().clone()
+        entries[schema.codebook_key(opt_id)] = codebook.float().clone()
     replaced = {opt[n].key for n in opt if split_state_key(n) and split_state_key(n)[0] in states}
     replaced |= {opt[n].key for n in opt if n.startswith("param_groups.") and
                  n[len("param_groups."):].rpartition(".")[0] in states}
-    elements = sum(math.prod(p["shape"]) for p in params)
+    elements = sum(math.prod(p.shape) for p in params)
     state_bytes = sum(t.numel() * t.element_size() for t in entries.values() if isinstance(t, torch.Tensor))
     report = {
         "params": len(params),
         "elements": elements,
-        "periods": {str(k): v for k, v in sorted(Counter(p["period"] for p in params).items())},
+        "periods": {str(k): v for k, v in sorted(Counter(p.period for p in params).items())},
         "steps": {str(k): v for k, v in sorted(Counter(steps.values()).items())},
         "codebook": codebook_summary(codebook) if codebook is not None else None,
         "state_bytes_per_param": state_bytes / elements if elements else None,
@@ -334,7 +331,7 @@ def _to_gefen(ck: Checkpoint, options: ConvertOptions):
         "second_moment_relative_rms_error": math.sqrt(err_v / norm_v) if norm_v else 0.0,
         "max_tensor_parallel_degree": options.max_tensor_parallel_degree,
         "deterministic": bool(options.deterministic),
-        "written": f"Gefen format v{fmt.VERSION} (agreed blocking)",
+        "written": f"Gefen format v{schema.VERSION} (agreed blocking)",
         "resume": "--optimizer.name Gefen (agreed blocking, the default)"
                   + (f" with optimizer.max_tensor_parallel_degree = {options.max_tensor_parallel_degree}"
                      if options.max_tensor_parallel_degree > 1 else "")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from gefen_titan.checkpoint import schema as fmt
+from gefen_titan.checkpoint import schema
 from gefen_titan.checkpoint.reader import MODEL, OPTIMIZER, Checkpoint, Entry, split_state_key
 from gefen_titan.checkpoint.records import GefenState, codebook_summary, read_gefen
 
@@ -81,8 +81,8 @@ def _file_bytes(ck: Checkpoint, name: str) -> int | None:
 def _format(gefen: GefenState | None) -> dict[str, Any] | None:
     if gefen is None:
         return None
-    return {"name": fmt.FORMAT, "version": gefen.version,
-            "blocking": gefen.header.get("blocking", "per_rank" if gefen.version == fmt.V1 else None)}
+    return {"name": schema.FORMAT, "version": gefen.version,
+            "blocking": gefen.header.blocking or ("per_rank" if gefen.version == schema.V1 else None)}
 
 
 def _gefen_optimizers(ck: Checkpoint, gefen: GefenState) -> list[dict[str, Any]]:
@@ -92,31 +92,31 @@ def _gefen_optimizers(ck: Checkpoint, gefen: GefenState) -> list[dict[str, Any]]
     for o in gefen.optimizers:
         params = []
         for p in o.params:
-            if gefen.version == fmt.VERSION:
-                names = [fmt.codes_key(p.fqn), fmt.magnitude_key(p.fqn), fmt.vmean_key(p.fqn)]
+            if gefen.version == schema.VERSION:
+                names = list(schema.param_tensor_keys(p.fqn).values())
             else:
-                names = [fmt.codes_key(p.fqn)]
+                names = [schema.codes_key(p.fqn)]
             entries = [opt[n] for n in names if n in opt]
             row = {"fqn": p.fqn, "shape": list(p.shape), "period": p.period, "step": p.step,
                    "vmean_step": p.vmean_step, "group": p.group,
                    "bytes": sum(e.payload_bytes for e in entries if e.is_tensor),
                    "stored_bytes": sum(e.stored_bytes for e in entries),
                    "cuts": _cuts(entries[0]) if entries else []}
-            if gefen.version == fmt.VERSION:
+            if gefen.version == schema.VERSION:
                 row["grid"] = list(p.grid) if p.grid else None
             else:  # per source rank: its own period (v1)
-                row["periods_by_rank"] = {str(r): v["period"] for r, v in sorted(p.ranks.items())}
-                row["bytes"] += 8 * sum(v["nblocks"] for v in p.ranks.values())
+                row["periods_by_rank"] = {str(r): v.period for r, v in sorted(p.ranks.items())}
+                row["bytes"] += 8 * sum(v.nblocks for v in p.ranks.values())
             params.append(row)
-        if gefen.version == fmt.VERSION:
-            cb_names = [fmt.codebook_key_v2(o.opt)]
+        if gefen.version == schema.VERSION:
+            cb_names = [schema.codebook_key(o.opt)]
         else:
-            cb_names = [fmt.codebook_key(o.opt, r) for r in range(o.nshards)]
+            cb_names = [schema.rank_codebook_key(o.opt, r) for r in range(o.nshards)]
         cbs = {n: codebook_summary(books[n]) for n in cb_names if n in books}
-        shared = [fmt.optimizer_key(o.opt)] + cb_names
-        if gefen.version == fmt.V1:
-            shared += [fmt.records_key(o.opt, r) for r in range(o.nshards)] + \
-                      [fmt.blocks_key(o.opt, r) for r in range(o.nshards)]
+        shared = [schema.optimizer_key(o.opt)] + cb_names
+        if gefen.version == schema.V1:
+            shared += [schema.records_key(o.opt, r) for r in range(o.nshards)] + \
+                      [schema.blocks_key(o.opt, r) for r in range(o.nshards)]
         shared_bytes = sum(opt[n].stored_bytes for n in shared if n in opt)
         elements = sum(_numel(p.shape) for p in o.params)
         stored = sum(r["stored_bytes"] for r in params) + shared_bytes
@@ -126,7 +126,7 @@ def _gefen_optimizers(ck: Checkpoint, gefen: GefenState) -> list[dict[str, Any]]
             "format_version": gefen.version,
             "global_step": o.global_step,
             "deterministic": o.deterministic,
-            **({"source_ranks": o.nshards} if gefen.version == fmt.V1 else {}),
+            **({"source_ranks": o.nshards} if gefen.version == schema.V1 else {}),
             "hyperparameters": _unique_groups([p.group for p in o.params]),
             "codebooks": cbs,
             "params": params,
@@ -292,7 +292,7 @@ def render(report: dict[str, Any]) -> str:
         if o["kind"] == "Gefen":
             extra = f", {o['source_ranks']} source rank(s)" if "source_ranks" in o else ""
             det = "" if o["deterministic"] is None else f", deterministic {str(o['deterministic']).lower()}"
-            lines.append(f"optimizer   Gefen (records gefen/optimizer/{o['id']}): {len(o['params'])} parameters, "
+            lines.append(f"optimizer   Gefen (records {schema.optimizer_key(o['id'])}): {len(o['params'])} parameters, "
                          f"global step {o['global_step']}{det}{extra}")
             for g in o["hyperparameters"]:
                 lines.append(f"  {_group(g)}")
@@ -302,7 +302,7 @@ def render(report: dict[str, Any]) -> str:
                              f"{cb['smallest_positive']:.3g}" if cb["smallest_positive"] is not None and
                              cb["largest_negative"] is not None else
                              f"  codebook {name}: {cb['entries']} entries ({cb['distinct']} distinct)")
-            v2 = o["format_version"] == fmt.VERSION
+            v2 = o["format_version"] == schema.VERSION
             head = ["parameter", "shape", "period" if v2 else "periods", "grid" if v2 else "", "step", "bytes",
                     "chunks"]
             rows = [[p["fqn"], _shape(p["shape"]),

@@ -32,8 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gefen_titan.checkpoint import schema as fmt
-from gefen_titan.checkpoint import storage
+from gefen_titan.checkpoint import schema, storage
 from gefen_titan.checkpoint.reader import OPTIMIZER, Checkpoint, CkptError, Entry, split_state_key
 from gefen_titan.checkpoint.records import read_gefen
 
@@ -51,8 +50,8 @@ class Problem:
 
 def _nonnegative(e: Entry) -> bool:
     name = e.name
-    if e.component == OPTIMIZER and name.startswith((fmt.PREFIX + "magnitude/", fmt.PREFIX + "vmean/",
-                                                     fmt.PREFIX + "blocks/")):
+    key = schema.parse_key(name) if e.component == OPTIMIZER else None
+    if key is not None and key.kind in ("magnitude", "vmean", "blocks"):
         return True
     split = split_state_key(name) if e.component == OPTIMIZER else None
     return bool(split and split[1] in ("exp_avg_sq", "max_exp_avg_sq"))
@@ -200,7 +199,7 @@ class _Verifier:
         try:
             gefen = read_gefen(ck)
         except CkptError as err:
-            self.add(file_of(fmt.format_key()), ck.optimizer_key(fmt.format_key()), str(err))
+            self.add(file_of(schema.header_key()), ck.optimizer_key(schema.header_key()), str(err))
             gefen = None
         if gefen is not None:
             summary["gefen"] = {"version": gefen.version, "optimizers": len(gefen.optimizers),
@@ -321,7 +320,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"OK      {report['path']}: {read}")
         g = report.get("gefen")
         if g:
-            what = "grids" if g["version"] == fmt.VERSION else "per-rank blocks tile every parameter"
+            what = "grids" if g["version"] == schema.VERSION else "per-rank blocks tile every parameter"
             lines.append(f"        Gefen v{g['version']}: {g['params']} parameters in {g['optimizers']} optimizer "
                          f"record(s), {g['codebooks']} codebook(s): records, {what} and codebooks valid")
         if report.get("torch_state_params"):

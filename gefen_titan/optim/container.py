@@ -1,22 +1,29 @@
-"""Gefen as a torchtitan optimizer.
+"""Gefen as a torchtitan optimizer: ``GefenOptimizersContainer`` and its ``Config``.
 
 torchtitan 0.3.0 resolves optimizer names through a hard-coded dict in
 ``OptimizersContainer._resolve_optimizer_factory``. ``GefenOptimizersContainer``
-overrides that staticmethod to add ``"Gefen"`` and keeps everything else of the
-stock container: one optimizer per model part (pipeline parallelism) and per
-optimizer name, regex param groups (so a recipe can mix Gefen and AdamW), and
-the LR schedulers, which drive ``group["lr"]`` exactly as for AdamW.
+overrides that staticmethod to look names up in gefen-titan's registry
+(``gefen_titan.optim.registry``: Gefen, AdamW, Adam) before torchtitan's, and
+keeps everything else of the stock container: one optimizer per model part
+(pipeline parallelism) and per optimizer name, regex param groups (so a recipe
+can mix Gefen and AdamW), and the LR schedulers, which drive ``group["lr"]``
+exactly as for AdamW.
 
 Its ``Config`` adds a shorthand that older torchtitan TOML users know
 (``[optimizer] name = "Gefen"``, ``lr = ...``): with no explicit
 ``param_groups`` the shorthand becomes one catch-all group; with them, it is
 the default of every group (a group states only what differs), so no key of
 the section goes unused without ``check_param_groups`` saying so.
+
+Checkpointing: each registered optimizer kind with state of its own shape
+(Gefen) is saved and loaded through its ``StateAdapter``
+(``gefen_titan.optim.state``); every other optimizer keeps torchtitan's flat
+FQN-keyed state. The container is a ``LoadPreparer``: ``GefenCheckpointManager``
+hands it the checkpoint's metadata before DCP reads.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -29,105 +36,29 @@ from torchtitan.components.optimizer.utils import (
     init_optim_state,
     load_flat_optim_state_dict,
 )
+from torchtitan.tools.logging import logger
 
+from gefen_titan.distributed import any_rank, local
 from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import registry
+from gefen_titan.optim.blocking import AgreedBlocking
+from gefen_titan.optim.state import StateAdapter
 
-__all__ = ["GefenOptimizersContainer", "GROUP_DEFAULTS", "OPTIMIZER_NAMES", "ParamGroup", "build_gefen"]
+__all__ = ["GefenOptimizersContainer", "GROUP_DEFAULTS", "ParamGroup"]
 
-# Keys torchtitan's container puts into every param group from
-# ``implementation``. Gefen takes ``fused`` as a constructor argument (it would
-# silently carry a group-level ``fused`` as an unused extra key) and has no
-# foreach path.
-_IMPL_KEYS = ("fused", "foreach")
+# [optimizer] keys that are the defaults of every param group: ``name`` for a
+# group without ``optimizer_name``, the others for a group of a registered
+# optimizer whose ``optimizer_kwargs`` leave them out.
+GROUP_DEFAULTS = ("name", "lr", "betas", "eps", "weight_decay")
 
-# Gefen constructor options that apply to the whole optimizer (the container
-# fills them in from [optimizer] for every Gefen group; see Config).
-_GEFEN_OPTION_KEYS = (
-    "factored_v_2d",
-    "force_1d_period_one",
-    "period_one_substrings",
-    "codebook_refresh_every",
-    "deterministic",
-)
+# The names ``[optimizer] name`` accepts (its type, so the recipe check and
+# the command line both list them): the registry's entries.
+_REGISTERED = registry.names()
 
 # Pinned off: FSDP2-sharded 2-D params always use the block second moment
 # (Gefen cannot factor a shard), and keeping one layout at every world size
 # (1 rank included) is what lets a checkpoint move between DP degrees.
 FACTORED_V_2D = False
-
-
-def build_gefen(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Optimizer:
-    """Build ``gefen.Gefen`` from torchtitan-style param groups.
-
-    Groups carry ``param_names`` (canonical FQNs); Gefen stores them as the
-    per-parameter state name, which is how checkpoints identify parameters.
-
-    Gefen-wide options (``fused``, ``deterministic``, ...) are constructor
-    arguments, not group options: they are taken from the first group (the
-    container gives every Gefen group the same ones) and removed from all of
-    them so they are not carried along as meaningless group keys.
-    """
-    from gefen import Gefen
-
-    global_keys = _IMPL_KEYS + _GEFEN_OPTION_KEYS
-    options: dict[str, Any] = {}
-    groups = []
-    for group in param_groups:
-        group = dict(group)
-        for key in global_keys:
-            if key in group:
-                value = group.pop(key)
-                if key in options and options[key] != value:
-                    raise ValueError(
-                        f"Gefen option {key!r} must be the same for every Gefen "
-                        f"param group (got {options[key]!r} and {value!r}); it is "
-                        "a property of the optimizer, not of a group."
-                    )
-                options[key] = value
-        names = group.pop("param_names", None)
-        if names is not None:
-            # Gefen takes names only as (name, tensor) pairs; a bare
-            # "param_names" key would be ignored in favour of positional names.
-            group["params"] = list(zip(names, group["params"], strict=True))
-        groups.append(group)
-    options.pop("foreach", None)
-    # Gefen's fused path is CUDA-only and downgrades itself with a warning per
-    # optimizer otherwise; decide here so CPU runs stay quiet.
-    options["fused"] = bool(options.get("fused", False)) and torch.cuda.is_available()
-    if "period_one_substrings" in options:
-        options["period_one_substrings"] = tuple(options["period_one_substrings"])
-    return Gefen(groups, **options, **factory_kwargs)
-
-
-OPTIMIZER_NAMES = ("Gefen", "AdamW", "Adam")
-
-# [optimizer] keys that are the defaults of every param group: ``name`` for a
-# group without ``optimizer_name``, the others for a group of one of
-# OPTIMIZER_NAMES whose ``optimizer_kwargs`` leave them out.
-GROUP_DEFAULTS = ("name", "lr", "betas", "eps", "weight_decay")
-
-# Group-level keys Gefen honours (gefen-x's ``add_param_group`` reads
-# lr/betas/eps/weight_decay and carries any other key along unread;
-# ``build_gefen`` turns ``fused`` into the constructor argument).
-_GEFEN_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "fused")
-
-
-def _group_keys(optimizer_name: str) -> tuple[str, ...]:
-    """The ``optimizer_kwargs`` keys a group of this optimizer honours."""
-    if optimizer_name == "Gefen":
-        return _GEFEN_GROUP_KEYS
-    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[optimizer_name]
-    return tuple(n for n in inspect.signature(cls).parameters if n != "params")
-
-
-def _gefen_group_key_hint(key: str) -> str:
-    if key in _GEFEN_OPTION_KEYS:
-        return f"; it applies to every Gefen group: set optimizer.{key}"
-    if key in ("beta1", "beta2"):
-        return "; set betas = [beta1, beta2]"
-    if key == "foreach":
-        return "; Gefen has no foreach implementation"
-    return "; Gefen constructor options go in optimizer.optimizer_factory_kwargs_by_name.Gefen"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -153,9 +84,9 @@ class GefenOptimizersContainer(OptimizersContainer):
         ``betas``, ``eps``, ``weight_decay``; otherwise those are the
         defaults of each group (see ``resolved_param_groups``)."""
 
-        name: Literal["Gefen", "AdamW", "Adam"] = "Gefen"
+        name: Literal[_REGISTERED] = "Gefen"
         """Optimizer of the catch-all group (no param_groups), else of each
-        group without an optimizer_name."""
+        group without an optimizer_name: a name of ``gefen_titan.optim.registry``."""
 
         lr: float = 8e-4
         """Learning rate (peak; the LR scheduler scales it); with param_groups,
@@ -205,9 +136,9 @@ class GefenOptimizersContainer(OptimizersContainer):
         periods happen to fit."""
 
         def __post_init__(self) -> None:
-            if self.name not in OPTIMIZER_NAMES:
+            if registry.get(self.name) is None:
                 raise ValueError(
-                    f"optimizer.name must be one of {list(OPTIMIZER_NAMES)}, "
+                    f"optimizer.name must be one of {list(registry.names())}, "
                     f"got {self.name!r}"
                 )
             if self.codebook_refresh_every < 0:
@@ -237,7 +168,9 @@ class GefenOptimizersContainer(OptimizersContainer):
                 "weight_decay": self.weight_decay,
             }
 
-        def gefen_options(self) -> dict[str, Any]:
+        def optimizer_options(self) -> dict[str, Any]:
+            """Optimizer-wide constructor options by key; each registered
+            optimizer takes its ``option_keys`` of them (Gefen: all)."""
             return {
                 "factored_v_2d": FACTORED_V_2D,
                 "force_1d_period_one": self.force_1d_period_one,
@@ -267,7 +200,7 @@ class GefenOptimizersContainer(OptimizersContainer):
             for g in self.param_groups:
                 name = g.optimizer_name or self.name
                 kwargs = dict(g.optimizer_kwargs)
-                if name in OPTIMIZER_NAMES:
+                if registry.get(name) is not None:
                     kwargs = {**self.hyperparameters(), **kwargs}
                 groups.append(ParamGroupConfig(pattern=g.pattern, optimizer_name=name, optimizer_kwargs=kwargs))
             return groups
@@ -280,7 +213,7 @@ class GefenOptimizersContainer(OptimizersContainer):
             if all(g.optimizer_name for g in self.param_groups):
                 unused.append("name")
             for key in GROUP_DEFAULTS[1:]:
-                if not any((g.optimizer_name or self.name) in OPTIMIZER_NAMES and key not in g.optimizer_kwargs
+                if not any(registry.get(g.optimizer_name or self.name) is not None and key not in g.optimizer_kwargs
                            for g in self.param_groups):
                     unused.append(key)
             return unused
@@ -298,15 +231,16 @@ class GefenOptimizersContainer(OptimizersContainer):
                     GefenOptimizersContainer._resolve_optimizer_factory(g.optimizer_name)
                 except NotImplementedError:
                     raise ValueError(
-                        f"{where}: unknown optimizer {g.optimizer_name!r} (known: {', '.join(OPTIMIZER_NAMES)})"
+                        f"{where}: unknown optimizer {g.optimizer_name!r} (known: {', '.join(registry.names())})"
                     ) from None
                 names.add(g.optimizer_name)
-                if g.optimizer_name not in OPTIMIZER_NAMES:
+                spec = registry.get(g.optimizer_name)
+                if spec is None:  # torchtitan's own (DistMuon): its factory checks its kwargs
                     continue
-                known = _group_keys(g.optimizer_name)
+                known = spec.group_keys
                 for key in g.optimizer_kwargs:
                     if key not in known:
-                        hint = _gefen_group_key_hint(key) if g.optimizer_name == "Gefen" else ""
+                        hint = spec.group_key_hint(key)
                         raise ValueError(
                             f"{where} optimizer_kwargs: {g.optimizer_name} does not read {key!r} in a "
                             f"param group (it reads {', '.join(known)}){hint}"
@@ -319,21 +253,17 @@ class GefenOptimizersContainer(OptimizersContainer):
                     )
 
     def __init__(self, config: Config, *, model_parts: list[torch.nn.Module]) -> None:
-        groups = config.resolved_param_groups()
-        # Gefen-wide options come from the [optimizer] section even when the
-        # recipe spells out param_groups, so every Gefen group agrees on them.
-        groups = [
-            ParamGroupConfig(
-                pattern=g.pattern,
-                optimizer_name=g.optimizer_name,
-                optimizer_kwargs=(
-                    {**config.gefen_options(), **g.optimizer_kwargs}
-                    if g.optimizer_name == "Gefen"
-                    else dict(g.optimizer_kwargs)
-                ),
-            )
-            for g in groups
-        ]
+        options = config.optimizer_options()
+        # Optimizer-wide options come from the [optimizer] section even when
+        # the recipe spells out param_groups, so every group of an optimizer
+        # agrees on them.
+        groups = []
+        for g in config.resolved_param_groups():
+            spec = registry.get(g.optimizer_name)
+            kwargs = dict(g.optimizer_kwargs)
+            if spec is not None and spec.option_keys:
+                kwargs = {**{k: options[k] for k in spec.option_keys}, **kwargs}
+            groups.append(ParamGroupConfig(pattern=g.pattern, optimizer_name=g.optimizer_name, optimizer_kwargs=kwargs))
         base = OptimizersContainer.Config(
             param_groups=groups,
             implementation=config.implementation,
@@ -341,8 +271,15 @@ class GefenOptimizersContainer(OptimizersContainer):
         )
         self.config = config
         super().__init__(base, model_parts=model_parts)
-        for optim in self.gefen_optimizers:
-            if gs.options(optim)["capturable"]:
+        for optim in self.optimizers:
+            spec = registry.spec_of(optim)
+            if spec is None and gs.is_gefen_family(optim):
+                raise ValueError(
+                    f"{type(optim).__name__} is a subclass of Gefen that gefen-titan has no registry entry for: "
+                    "its state is not Gefen's, so it can be neither agreed nor checkpointed as Gefen. Use "
+                    f"optimizer name \"Gefen\", or register {type(optim).__name__} in gefen_titan.optim.registry "
+                    "(a factory, a state adapter and its records)")
+            if spec is not None and spec.name == "Gefen" and gs.options(optim)["capturable"]:
                 raise ValueError(
                     "Gefen capturable=True keeps its step counters on the device, and gefen_titan "
                     "checkpoints only host counters: remove capturable from "
@@ -350,103 +287,88 @@ class GefenOptimizersContainer(OptimizersContainer):
         # Report the state size once it exists (Gefen allocates on step 1).
         # A flag, not a self-removing hook: torch iterates the hook dict.
         self._size_logged = False
-        self.register_step_post_hook(_log_state_size_once)
-        from gefen_titan.optim.state import AgreedStateAdapter, PerRankStateAdapter
+        self.register_step_post_hook(self._log_state_size_once)
 
         self.blocking = config.blocking
+        self._agreement: AgreedBlocking | None = None
         if config.blocking == "agreed":
-            from gefen_titan.optim.blocking import AgreedBlocking
-
-            self._agreement: AgreedBlocking | None = AgreedBlocking(config.max_tensor_parallel_degree)
+            self._agreement = AgreedBlocking(config.max_tensor_parallel_degree)
             # One hook for the container, not one per optimizer: every rank
             # must join the agreement's collectives, also a rank whose stage
             # holds no Gefen parameter.
-            self.register_step_pre_hook(_agree_before_first_step)
-            self.register_step_post_hook(_count_empty_shards)
-            self._gefen_state: Any = AgreedStateAdapter(self.optimizers)
-        else:
-            self._agreement = None
-            self._gefen_state = PerRankStateAdapter(self.optimizers)
-        self._loading: Any = None  # the adapter reading the checkpoint being loaded
+            self.register_step_pre_hook(self._agree_before_first_step)
+            self.register_step_post_hook(self._count_empty_shards)
+        # One adapter per registered kind with state of its own, built on
+        # every rank (also where no optimizer of the kind lives: a pipeline
+        # stage), in registry order, because their saves and loads are
+        # collective.
+        state_options = registry.StateOptions(blocking=config.blocking)
+        self._states: list[StateAdapter] = [
+            spec.state([o for o in self.optimizers if spec.owns(o)], state_options)
+            for spec in registry.specs() if spec.state is not None
+        ]
+        self._loading = False  # between prepare_load and load_state_dict / abort_load
 
-    # Checkpointing: Gefen state goes through the resharding adapters (compact,
-    # any N->M); other optimizers keep torchtitan's flat FQN-keyed state.
-    # Never run init_optim_state on Gefen: its zero-gradient step would learn
-    # and freeze a codebook and periods from zeros.
+    # Checkpointing. Never run init_optim_state on Gefen: its zero-gradient
+    # step would learn and freeze a codebook and periods from zeros.
     def state_dict(self) -> dict[str, Any]:
-        loading = self._loading is not None
         result: dict[str, Any] = {}
-        for optim in self._other_optimizers():
+        for optim in self._flat_optimizers():
             init_optim_state(optim)
             flat = get_flat_optim_state_dict(optim)
-            if loading:  # load into copies: a failed load must change nothing
+            if self._loading:  # load into copies: a failed load must change nothing
                 flat = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
             result.update(flat)
-        result.update((self._loading or self._gefen_state).state_dict())
+        for state in self._states:
+            result.update(state.state_dict())
         return result
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        adapter = self._loading
-        if adapter is None and self._gefen_state.optimizers:
-            from gefen_titan.optim.state import GefenCheckpointError
-
-            raise GefenCheckpointError(
-                "Gefen state can only be loaded through GefenCheckpointManager (which reads the "
-                "checkpoint's records first); set the recipe's [checkpoint] as usual")
-        if adapter is not None:
-            adapter.load_state_dict(state_dict)
-            self._loading = None
-        for optim in self._other_optimizers():
+        for state in self._states:
+            state.load_state_dict(state_dict)
+        self._loading = False
+        for optim in self._flat_optimizers():
             init_optim_state(optim)
             load_flat_optim_state_dict(optim, state_dict)
         if self._agreement is not None:
             # A restored codebook means the agreement is in the checkpoint;
             # one that was saved before the first step still needs it. Every
             # rank must decide alike (ranks without Gefen params included).
-            self._agreement.needed = not _any_rank(any(gs.codebook(o) is not None for o in self.gefen_optimizers))
+            self._agreement.needed = not any_rank(any(gs.codebook(o) is not None for o in self.gefen_optimizers))
 
-    # LoadPreparer (gefen_titan.checkpoint.manager): GefenCheckpointManager calls these
-    # on every rank around torchtitan's dcp.load.
+    # LoadPreparer (gefen_titan.checkpoint.manager): GefenCheckpointManager
+    # calls these on every rank around torchtitan's dcp.load.
     def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
-        """Pick the adapter for the checkpoint's format and let it plan the load."""
-        from gefen_titan.optim.state import AgreedStateAdapter, PerRankStateAdapter, agree, checkpoint_blocking
-
-        # Collective on every rank, also on ranks without Gefen parameters.
-        has_gefen = bool(self._gefen_state.optimizers)
-        blocking = checkpoint_blocking(checkpoint_id, metadata, prefix, has_gefen)
-        error = None
-        if has_gefen and blocking != self.blocking:
-            error = (
-                f"it was written with optimizer.blocking = \"{blocking}\" (format "
-                f"v{2 if blocking == 'agreed' else 1}) and the recipe sets \"{self.blocking}\"; resume "
-                f"with optimizer.blocking = \"{blocking}\" (or start the optimizer fresh with "
-                "checkpoint.exclude_from_loading = [\"optimizer\"])")
-        agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
-        adapter = AgreedStateAdapter(self.optimizers) if blocking == "agreed" else PerRankStateAdapter(self.optimizers)
-        adapter.prepare_load(checkpoint_id, metadata, prefix)
-        self._loading = adapter
+        self._loading = True
+        for state in self._states:
+            state.prepare_load(checkpoint_id, metadata, prefix)
 
     def abort_load(self) -> None:
-        self._loading = None
+        self._loading = False
+        for state in self._states:
+            state.abort_load()
 
+    # SnapshotsOnSave (gefen_titan.checkpoint.manager): async saves write
+    # after later steps have changed the state in place.
     @property
     def snapshot_on_save(self) -> bool:
-        return getattr(self._gefen_state, "snapshot_on_save", True)
+        return all(state.snapshot_on_save for state in self._states)
 
     @snapshot_on_save.setter
     def snapshot_on_save(self, value: bool) -> None:
-        if hasattr(self._gefen_state, "snapshot_on_save"):
-            self._gefen_state.snapshot_on_save = value
+        for state in self._states:
+            state.snapshot_on_save = value
 
-    def _other_optimizers(self) -> list[Optimizer]:
-        gefen = set(map(id, self._gefen_state.optimizers))
-        return [o for o in self.optimizers if id(o) not in gefen]
+    def _flat_optimizers(self) -> list[Optimizer]:
+        """The optimizers checkpointed with torchtitan's flat state dict."""
+        return [o for o in self.optimizers if (s := registry.spec_of(o)) is None or s.state is None]
 
     @staticmethod
     def _resolve_optimizer_factory(name: str) -> Callable[..., Optimizer]:
-        if name == "Gefen":
-            return build_gefen
-        return OptimizersContainer._resolve_optimizer_factory(name)
+        spec = registry.get(name)
+        if spec is not None:
+            return spec.factory
+        return OptimizersContainer._resolve_optimizer_factory(name)  # noqa: SLF001 (torchtitan's own dict, DistMuon)
 
     def state_bytes(self) -> tuple[int, int]:
         """(optimizer state bytes, parameter elements) held by this rank.
@@ -459,57 +381,39 @@ class GefenOptimizersContainer(OptimizersContainer):
         for optim in self.optimizers:
             for group in optim.param_groups:
                 for p in group["params"]:
-                    numel += _local(p).numel()
+                    numel += local(p).numel()
             if gs.is_gefen(optim):
-                state_bytes += sum(_local(t).nbytes for t in gs.state_tensors(optim))
+                state_bytes += sum(local(t).nbytes for t in gs.state_tensors(optim))
             else:
                 for group in optim.param_groups:
                     for p in group["params"]:
                         for value in optim.state.get(p, {}).values():
                             if isinstance(value, torch.Tensor):
-                                state_bytes += _local(value).nbytes
+                                state_bytes += local(value).nbytes
         return state_bytes, numel
 
     @property
     def gefen_optimizers(self) -> list[Optimizer]:
-        return [o for o in self.optimizers if gs.is_gefen(o)]
+        """The optimizers whose periods and codebook the first step's agreement sets."""
+        return [o for o in self.optimizers if (s := registry.spec_of(o)) is not None and s.agreed_blocking]
 
+    # ------------------------------------------------------------------ hooks
+    def _agree_before_first_step(self, container: OptimizersContainer, args: Any, kwargs: Any) -> None:
+        self._agreement.maybe_agree(self.gefen_optimizers)
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    def _count_empty_shards(self, container: OptimizersContainer, args: Any, kwargs: Any) -> None:
+        for optim in self.gefen_optimizers:
+            for _, p, _ in gs.named_params(optim):
+                if p.grad is not None and local(p).numel() == 0:
+                    gs.count_empty_shard_step(optim, p)
 
-
-def _any_rank(flag: bool) -> bool:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
-def _agree_before_first_step(container: GefenOptimizersContainer, args: Any, kwargs: Any) -> None:
-    container._agreement.maybe_agree(container.gefen_optimizers)
-
-
-def _count_empty_shards(container: GefenOptimizersContainer, args: Any, kwargs: Any) -> None:
-    for optim in container.gefen_optimizers:
-        for _, p, _ in gs.named_params(optim):
-            if p.grad is not None and _local(p).numel() == 0:
-                gs.count_empty_shard_step(optim, p)
-
-
-def _log_state_size_once(container: GefenOptimizersContainer, args: Any, kwargs: Any) -> None:
-    from torchtitan.tools.logging import logger
-
-    if container._size_logged:
-        return
-    container._size_logged = True
-    state_bytes, numel = container.state_bytes()
-    if numel:
-        logger.info(
-            f"Optimizer state on this rank: {state_bytes / 2**20:.2f} MiB for "
-            f"{numel} param elements = {state_bytes / numel:.3f} bytes/param"
-        )
+    def _log_state_size_once(self, container: OptimizersContainer, args: Any, kwargs: Any) -> None:
+        if self._size_logged:
+            return
+        self._size_logged = True
+        state_bytes, numel = self.state_bytes()
+        if numel:
+            logger.info(
+                f"Optimizer state on this rank: {state_bytes / 2**20:.2f} MiB for "
+                f"{numel} param elements = {state_bytes / numel:.3f} bytes/param"
+            )

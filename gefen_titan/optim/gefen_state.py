@@ -20,12 +20,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from gefen import Gefen, partitioning
 from torch.optim import Optimizer
+
+from gefen_titan.checkpoint import schema
 
 __all__ = [
     "K",
     "ParamState",
     "is_gefen",
+    "is_gefen_family",
+    "new_gefen",
     "named_params",
     "options",
     "read",
@@ -46,7 +51,7 @@ __all__ = [
     "state_tensors",
 ]
 
-K = 256  # codebook entries (gefen-x: num_codebooks=256)
+K = schema.K  # codebook entries (gefen-x: num_codebooks=256)
 
 # Keys of a stepped parameter's state that gefen_titan owns on load (everything
 # but the name Gefen set at construction and its checkpoint-transport
@@ -67,9 +72,19 @@ class ParamState:
     vmean: torch.Tensor  # fp32 [blocks, 1]
 
 
-def is_gefen(optim: Optimizer) -> bool:
-    from gefen import Gefen
+def new_gefen(param_groups: list[dict[str, Any]], **options: Any) -> Optimizer:
+    """``gefen.Gefen(param_groups, **options)``: the one place gefen-titan constructs it."""
+    return Gefen(param_groups, **options)
 
+
+def is_gefen(optim: Optimizer) -> bool:
+    """Plain Gefen, exactly: its subclasses (gefen-x's GefenMuon, GefenMuonHybrid)
+    keep other state, which nothing here reads or writes."""
+    return type(optim) is Gefen
+
+
+def is_gefen_family(optim: Optimizer) -> bool:
+    """Gefen or any subclass of it."""
     return isinstance(optim, Gefen)
 
 
@@ -225,13 +240,9 @@ def finalize_period(results: list[tuple[int, float]]) -> int:
     candidate's; the smallest score wins (ties: the smaller period); a winner
     below 8 becomes 1 (``gefen.partitioning._finalize_period_results``).
     """
-    from gefen import partitioning
-
     return int(partitioning._finalize_period_results(results, print_results=False))
 
 
 def fallback_enabled() -> bool:
     """gefen-x replaces a period-1 result by a coarse block (its memory-safe fallback)."""
-    from gefen import partitioning
-
     return bool(partitioning.MEMORY_SAFE_FALLBACK)

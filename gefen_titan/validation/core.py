@@ -78,6 +78,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gefen_titan.checkpoint import schema
+
 ROOT = Path(__file__).resolve().parents[2]
 HOOK = "gefen_titan.validation.hooks.dump_state"
 BATCH_HOOK = "gefen_titan.validation.hooks.record_batches"
@@ -419,33 +421,28 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _records(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """fqn -> the saved v2 record of a Gefen parameter (period, counters, group)."""
-    from gefen_titan.checkpoint import schema as fmt
-
+def _records(state: dict[str, Any]) -> dict[str, tuple[str, schema.ParamRecord]]:
+    """fqn -> (optimizer id, the saved v2 record of a Gefen parameter)."""
     out = {}
     for key, value in state.items():
-        if key.startswith(fmt.PREFIX + "optimizer/") and isinstance(value, str):
-            rec = json.loads(value)
-            opt_id = key[len(fmt.PREFIX + "optimizer/"):]
-            for p in rec.get("params", []):
-                out[p["fqn"]] = {**p, "optimizer": opt_id, "global_step": rec.get("global_step")}
+        parsed = schema.parse_key(key)
+        if parsed is not None and parsed.kind == "optimizer":
+            for p in schema.OptimizerRecord.from_json(value, parsed.name).params:
+                out[p.fqn] = (parsed.name, p)
     return out
 
 
-def _record_difference(a: str, b: str) -> str:
-    """The first field in which two JSON records of an optimizer differ."""
+def _record_difference(a: str, b: str, opt: str) -> str:
+    """The first field in which two records of an optimizer differ."""
     try:
-        ra, rb = json.loads(a), json.loads(b)
-    except (TypeError, ValueError):
-        return "not JSON"
-    for key in sorted(set(ra) | set(rb)):
-        if key == "params":
-            continue
-        if ra.get(key) != rb.get(key):
-            return f"{key} {rb.get(key)} != saved {ra.get(key)}"
-    pa = {p["fqn"]: p for p in ra.get("params", [])}
-    pb = {p["fqn"]: p for p in rb.get("params", [])}
+        ra, rb = schema.OptimizerRecord.from_json(a, opt), schema.OptimizerRecord.from_json(b, opt)
+    except schema.FormatError as e:
+        return str(e)
+    for key in ("blocking", "deterministic", "global_step"):
+        if getattr(ra, key) != getattr(rb, key):
+            return f"{key} {getattr(rb, key)} != saved {getattr(ra, key)}"
+    pa = {p.fqn: p.to_dict() for p in ra.params}
+    pb = {p.fqn: p.to_dict() for p in rb.params}
     for fqn in pa:
         if fqn not in pb:
             return f"{fqn} missing"
@@ -458,9 +455,8 @@ def _record_difference(a: str, b: str) -> str:
 def _dense(state: dict[str, Any], fqn: str, period: int, codebook):
     """Dense momentum and per-element vmean of one parameter from v2 entries
     (Gefen's dequantization: codebook[codes] * magnitude), or None."""
-    from gefen_titan.checkpoint import schema as fmt
-
-    codes, mag, vmean = (state.get(k(fqn)) for k in (fmt.codes_key, fmt.magnitude_key, fmt.vmean_key))
+    keys = schema.param_tensor_keys(fqn)
+    codes, mag, vmean = (state.get(keys[name]) for name in schema.PARAM_TENSORS)
     if codes is None or mag is None or vmean is None or codebook is None:
         return None
     m = codebook.float().index_select(0, codes.reshape(-1).long()).reshape(codes.shape)
@@ -490,8 +486,6 @@ def compare_global_state(ref_dumps: list[dict], res_dumps: list[dict]) -> dict[s
     """
     import torch
 
-    from gefen_titan.checkpoint import schema as fmt
-
     ref, res = merge_global(ref_dumps), merge_global(res_dumps)
     problems: list[str] = []
     if not ref["complete"] or not res["complete"]:
@@ -509,13 +503,14 @@ def compare_global_state(ref_dumps: list[dict], res_dumps: list[dict]) -> dict[s
         if key not in ss:
             differ.append(f"{key} (missing)")
         elif not _same(value, ss[key]):
-            if isinstance(value, str) and key.startswith(fmt.PREFIX + "optimizer/"):
-                differ.append(f"{key} ({_record_difference(value, ss[key])})")
+            parsed = schema.parse_key(key)
+            if parsed is not None and parsed.kind == "optimizer":
+                differ.append(f"{key} ({_record_difference(value, ss[key], parsed.name)})")
             else:
                 differ.append(key)
     differ += [f"{key} (extra)" for key in ss if key not in rs]
-    gefen_differ = [d for d in differ if d.startswith(fmt.PREFIX)]
-    other_differ = [d for d in differ if not d.startswith(fmt.PREFIX)]
+    gefen_differ = [d for d in differ if schema.is_gefen_key(d)]
+    other_differ = [d for d in differ if not schema.is_gefen_key(d)]
 
     # Live facts on every rank against the saved job's.
     saved_params: dict[str, dict] = {}
@@ -565,25 +560,25 @@ def compare_global_state(ref_dumps: list[dict], res_dumps: list[dict]) -> dict[s
     num = {"m": 0.0, "v": 0.0, "u": 0.0}
     den = {"m": 0.0, "v": 0.0, "u": 0.0}
     worst_update, total, missing = 0.0, 0, 0
-    for fqn, rec in records.items():
-        period = int(rec["period"])
+    for fqn, (opt_id, rec) in records.items():
+        period = rec.period
         if not period:
             continue
-        cb_ref = rs.get(fmt.codebook_key_v2(rec["optimizer"]))
+        cb_ref = rs.get(schema.codebook_key(opt_id))
         saved = _dense(rs, fqn, period, cb_ref)
         if saved is None:
             continue
         m_ref, v_ref = saved
         total += m_ref.numel()
-        loaded = _dense(ss, fqn, period, ss.get(fmt.codebook_key_v2(rec["optimizer"])))
+        loaded = _dense(ss, fqn, period, ss.get(schema.codebook_key(opt_id)))
         if loaded is None:
             missing += m_ref.numel()
             m_res, v_res = torch.zeros_like(m_ref), torch.zeros_like(v_ref)
         else:
             m_res, v_res = loaded
-        vstep = int(rec["vmean_step"]) + 1
-        u_ref = _first_update(m_ref, v_ref, rec["group"], vstep)
-        u_res = _first_update(m_res, v_res, rec["group"], vstep)
+        vstep = rec.vmean_step + 1
+        u_ref = _first_update(m_ref, v_ref, rec.group, vstep)
+        u_res = _first_update(m_res, v_res, rec.group, vstep)
         for key, (a, b) in {"m": (m_res, m_ref), "v": (v_res, v_ref), "u": (u_res, u_ref)}.items():
             num[key] += float((a - b).double().square().sum())
             den[key] += float(b.double().square().sum())
@@ -592,7 +587,7 @@ def compare_global_state(ref_dumps: list[dict], res_dumps: list[dict]) -> dict[s
         problems.append(f"{missing} of {total} Gefen elements have no optimizer state after the load")
     if gefen_differ:
         problems.append(f"Gefen state after the load is not bit-exact (format v2 promises it): {len(gefen_differ)} "
-                        f"of {sum(k.startswith(fmt.PREFIX) for k in rs)} checkpoint entries differ, e.g. "
+                        f"of {sum(schema.is_gefen_key(k) for k in rs)} checkpoint entries differ, e.g. "
                         f"{', '.join(gefen_differ[:3])}")
     if other_differ:
         problems.append(f"non-Gefen optimizer state differs after load ({', '.join(other_differ[:3])})")

@@ -62,7 +62,7 @@ from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER, TRAIN_STAT
 from torchtitan.config import override
 from torchtitan.config.override import derive
 
-from gefen_titan.checkpoint.errors import HYPER
+from gefen_titan.checkpoint.schema import HYPER
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.data.global_loader import GlobalOrderDataLoader
 from gefen_titan.optim import gefen_state as gs

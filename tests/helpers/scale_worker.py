@@ -74,15 +74,16 @@ def checkpoint(step_dir: str, built) -> dict:
     from torch.distributed.checkpoint.metadata import Metadata
 
     from gefen_titan.checkpoint import schema as fmt
-    from gefen_titan.checkpoint.errors import read_small
+    from gefen_titan.checkpoint.storage import read_small
 
     md = FileSystemReader(step_dir).read_metadata()
     prefix = "optimizer."
-    record_key = next(k for k in md.state_dict_metadata if k.startswith(prefix + fmt.PREFIX + "optimizer/"))
-    record = json.loads(read_small(step_dir, md, prefix, [], [record_key[len(prefix):]])[record_key[len(prefix):]])
-    built = dataclasses.replace(built, gefen_hyper=record["params"][0]["group"])
-    periods = {p["fqn"]: p["period"] for p in record["params"]}
-    entries = scale.gefen_entries(built, "fallback", periods=periods, step=record["global_step"])
+    name = next(k[len(prefix):] for k in md.state_dict_metadata if k.startswith(prefix)
+                and (key := fmt.parse_key(k[len(prefix):])) is not None and key.kind == "optimizer")
+    record = fmt.OptimizerRecord.from_json(read_small(step_dir, md, prefix, [], [name])[name], fmt.parse_key(name).name)
+    built = dataclasses.replace(built, gefen_hyper=record.params[0].group)
+    periods = {p.fqn: p.period for p in record.params}
+    entries = scale.gefen_entries(built, "fallback", periods=periods, step=record.global_step)
     chunks = scale.Chunks()
     acc = scale.account(entries, 2, chunks, keep_assignment=True)
     real = {(i.fqn, None if i.offset is None else tuple(i.offset)): info

@@ -300,7 +300,7 @@ def test_convert_gefen_to_adamw_resumes(runs, capsys):
     fqn = "layers.0.feed_forward.w2.weight"
     keys = {k: "optimizer." + f(fqn) for k, f in
             (("codes", fmt.codes_key), ("mag", fmt.magnitude_key), ("vmean", fmt.vmean_key))}
-    cb_key = "optimizer." + fmt.codebook_key_v2("tok_embeddings.weight")
+    cb_key = "optimizer." + fmt.codebook_key("tok_embeddings.weight")
     md = Checkpoint(str(src)).metadata.state_dict_metadata
     g = {k: torch.empty(md[k].size, dtype=md[k].properties.dtype) for k in [*keys.values(), cb_key]}
     dcp.load(g, checkpoint_id=str(src), no_dist=True)

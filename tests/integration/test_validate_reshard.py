@@ -144,9 +144,9 @@ def _global_dump(world=2):
     record = {"blocking": "agreed", "deterministic": False, "global_step": 4,
               "params": [{"fqn": "w", "shape": [4, 8], "period": 4, "step": 4, "vmean_step": 4, "group": hyper}]}
     state = {
-        fmt.format_key(): json.dumps({"format": "gefen-titan", "version": 2, "blocking": "agreed"}),
+        fmt.header_key(): json.dumps({"format": "gefen-titan", "version": 2, "blocking": "agreed"}),
         fmt.optimizer_key("w"): json.dumps(record, sort_keys=True),
-        fmt.codebook_key_v2("w"): codebook,
+        fmt.codebook_key("w"): codebook,
         fmt.codes_key("w"): torch.randint(0, 256, (4, 8), generator=g, dtype=torch.uint8),
         fmt.magnitude_key("w"): torch.rand(4, 2, generator=g),
         fmt.vmean_key("w"): torch.rand(4, 2, generator=g),

@@ -20,9 +20,9 @@ def test_key_builders_use_the_table():
     assert fmt.codes_key("a.b") == "gefen/codes/a.b"
     assert fmt.magnitude_key("a.b") == "gefen/magnitude/a.b"
     assert fmt.vmean_key("a.b") == "gefen/vmean/a.b"
-    assert fmt.codebook_key_v2("o") == "gefen/codebook/o"
+    assert fmt.codebook_key("o") == "gefen/codebook/o"
     assert fmt.records_key("o", 3) == "gefen/records/o/3"
     assert fmt.blocks_key("o", 3) == "gefen/blocks/o/3"
-    assert fmt.codebook_key("o", 3) == "gefen/codebook/o/3"
+    assert fmt.rank_codebook_key("o", 3) == "gefen/codebook/o/3"
     assert fmt.VERSION == 2 and fmt.V1 == 1
     assert f"`gefen-titan` v{fmt.VERSION}" in DOC

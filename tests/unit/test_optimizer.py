@@ -1,13 +1,18 @@
-"""GefenOptimizersContainer: registration under the name "Gefen", names on
-params, mixed Gefen/AdamW groups, LR schedulers, one Gefen per model part."""
+"""GefenOptimizersContainer and its registry: registration under the name
+"Gefen", names on params, mixed Gefen/AdamW groups, LR schedulers, one Gefen
+per model part; a new registry entry is usable by name and checkpointed by its
+own state adapter; a Gefen subclass without an entry is refused."""
 
 import pytest
 import torch
 import torch.nn as nn
 from gefen import Gefen
+from torch.distributed.checkpoint.metadata import Metadata
 from torchtitan.components.optimizer import LRSchedulersContainer, ParamGroupConfig
 
-from gefen_titan.optim.container import GefenOptimizersContainer
+from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import registry
+from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
 
 
 class Block(nn.Module):  # no forward: these tests never step
@@ -100,3 +105,97 @@ def test_gefen_step_moves_weights_with_compact_state(gefen_stepped):
     assert st["m_codebook"].dtype == torch.uint8
     assert st["m_codebook"].numel() == model.attn.weight.numel()
     assert int(st["automatic_period"]) > 1
+
+
+def test_gefen_reads_the_group_keys_we_accept():
+    """Contract with gefen-x: every group key the Gefen entry accepts reaches the group."""
+    spec = registry.get("Gefen")
+    assert spec.group_keys == ("lr", "betas", "eps", "weight_decay", "fused")
+    p = torch.nn.Parameter(torch.zeros(8, 8))
+    opt = spec.factory([{"params": [p], "param_names": ["w"], "lr": 0.5, "betas": (0.7, 0.8), "eps": 0.25,
+                         "weight_decay": 0.125, "fused": False}])
+    (group,) = opt.param_groups
+    assert (group["lr"], group["beta1"], group["beta2"], group["eps"], group["weight_decay"]) == (0.5, 0.7, 0.8, 0.25, 0.125)
+    assert "fused" not in group  # a constructor argument, not a stray group key
+
+
+class _GefenVariant(Gefen):
+    """Stands for gefen-x's GefenMuon: a Gefen subclass with state of its own."""
+
+
+def test_a_gefen_subclass_is_not_taken_for_gefen():
+    variant = _GefenVariant([torch.nn.Parameter(torch.zeros(4, 4))])
+    plain = Gefen([torch.nn.Parameter(torch.zeros(4, 4))])
+    assert gs.is_gefen(plain) and not gs.is_gefen(variant) and gs.is_gefen_family(variant)
+    assert registry.spec_of(plain).name == "Gefen" and registry.spec_of(variant) is None
+
+
+def test_an_unregistered_gefen_subclass_is_refused(monkeypatch):
+    """An optimizer factory torchtitan resolves (here a patched one) that builds a
+    Gefen subclass: the container refuses it at construction, naming the fix."""
+    from torchtitan.components.optimizer import OptimizersContainer
+
+    def resolve(name):
+        assert name == "GefenVariant"
+        return lambda groups, **kw: _GefenVariant([(n, p) for g in groups for n, p in zip(g["param_names"], g["params"])])
+
+    monkeypatch.setattr(OptimizersContainer, "_resolve_optimizer_factory", staticmethod(resolve))
+    config = _config(param_groups=[ParamGroup(pattern=".*", optimizer_name="GefenVariant")])
+    with pytest.raises(ValueError, match="_GefenVariant is a subclass of Gefen that gefen-titan has no registry entry"):
+        config.build(model_parts=[Block()])
+
+
+class _RecordingState:
+    """A StateAdapter that records what the container asks of it."""
+
+    def __init__(self, optimizers, options):
+        self.optimizers, self.options, self.calls = optimizers, options, []
+        self.snapshot_on_save = False
+
+    def state_dict(self):
+        self.calls.append("state_dict")
+        return {"variant/entry": torch.tensor([len(self.optimizers)])}
+
+    def load_state_dict(self, state_dict):
+        self.calls.append(("load", int(state_dict["variant/entry"])))
+
+    def prepare_load(self, checkpoint_id, metadata, prefix):
+        self.calls.append(("prepare", checkpoint_id, prefix))
+
+    def abort_load(self):
+        self.calls.append("abort")
+
+
+def test_a_registered_variant_is_one_entry(monkeypatch):
+    """A new optimizer kind: one OptimizerSpec. The container builds it by name,
+    fills in its option keys, checks its group keys, and checkpoints it through
+    its own state adapter (every other optimizer keeps torchtitan's flat state)."""
+    built = {}
+
+    def factory(groups, **kw):
+        built["groups"] = groups
+        return _GefenVariant([(n, p) for g in groups for n, p in zip(g["param_names"], g["params"])])
+
+    spec = registry.OptimizerSpec(name="GefenVariant", factory=factory,
+                                  owns=lambda o: type(o) is _GefenVariant,
+                                  group_keys=("lr", "betas", "eps", "weight_decay"),
+                                  option_keys=("deterministic",), state=_RecordingState)
+    monkeypatch.setitem(registry._REGISTRY, spec.name, spec)
+    config = _config(param_groups=[ParamGroup(pattern="attn", optimizer_name="GefenVariant",
+                                              optimizer_kwargs={"lr": 0.5}),
+                                   ParamGroup(pattern=".*", optimizer_name="AdamW")], deterministic=True)
+    config.check_param_groups()
+    opt = config.build(model_parts=[Block()])
+    assert [type(o).__name__ for o in opt.optimizers] == ["_GefenVariant", "AdamW"]
+    assert built["groups"][0]["deterministic"] is True  # the [optimizer] option, for the variant's groups
+    (variant_state,) = [s for s in opt._states if isinstance(s, _RecordingState)]
+    assert variant_state.optimizers == [opt.optimizers[0]] and variant_state.options.blocking == "agreed"
+    sd = opt.state_dict()
+    assert sd["variant/entry"].item() == 1 and any(k.startswith("state.") for k in sd)  # AdamW: flat
+    opt.prepare_load("ckpt", Metadata(state_dict_metadata={}), "optimizer.")  # a checkpoint without Gefen state
+    opt.load_state_dict(sd)
+    assert ("prepare", "ckpt", "optimizer.") in variant_state.calls and ("load", 1) in variant_state.calls
+    bad = _config(param_groups=[ParamGroup(pattern=".*", optimizer_name="GefenVariant",
+                                           optimizer_kwargs={"momentum": 0.9})])
+    with pytest.raises(ValueError, match="GefenVariant does not read 'momentum'"):
+        bad.check_param_groups()

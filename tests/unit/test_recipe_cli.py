@@ -226,21 +226,6 @@ def test_factory_kwargs_of_an_unused_optimizer_are_refused():
         load_recipe(DEBUG, {"optimizer": {"optimizer_factory_kwargs_by_name": {"AdamW": {}}}}, world_size=2)
 
 
-def test_gefen_reads_the_group_keys_we_accept():
-    """Contract with gefen-x: every key _GEFEN_GROUP_KEYS accepts reaches the group."""
-    import torch
-
-    from gefen_titan.optim.container import _GEFEN_GROUP_KEYS, build_gefen
-
-    assert _GEFEN_GROUP_KEYS == ("lr", "betas", "eps", "weight_decay", "fused")
-    p = torch.nn.Parameter(torch.zeros(8, 8))
-    opt = build_gefen([{"params": [p], "param_names": ["w"], "lr": 0.5, "betas": (0.7, 0.8), "eps": 0.25,
-                        "weight_decay": 0.125, "fused": False}])
-    (group,) = opt.param_groups
-    assert (group["lr"], group["beta1"], group["beta2"], group["eps"], group["weight_decay"]) == (0.5, 0.7, 0.8, 0.25, 0.125)
-    assert "fused" not in group  # a constructor argument, not a stray group key
-
-
 def test_global_order_dataset_name_beside_a_path_is_refused():
     path = str(ROOT / "recipes" / "llama_gefen_global_order.toml")
     load_recipe(path, {"dataloader": {"dataset_path": "data/x"}}, world_size=2)  # the default name: fine

@@ -1,23 +1,57 @@
-"""Compact, reshardable Gefen checkpoints.
+"""How an optimizer's state becomes checkpoint entries, and back.
 
-Two format versions (``format.py``): v2, written under agreed blocking and
-resharded by DCP alone (``agreed.py``), and v1, written under per-rank
-blocking and re-blocked on load (``adapter.py``). The container picks the
-save adapter from ``optimizer.blocking`` and the load adapter from the
-checkpoint's header (``checkpoint_blocking``).
+The optimizer container checkpoints every registered optimizer that keeps
+state of its own shape (``OptimizerSpec.state``) through a ``StateAdapter``,
+and every other optimizer through torchtitan's flat per-parameter state dict.
+Gefen's adapter is ``GefenState``; which of the two format versions it
+writes follows ``optimizer.blocking``, which one it reads follows the
+checkpoint's header:
+
+* ``agreed``: format v2, written under agreed blocking and resharded by DCP
+  alone (a load is DCP plus views);
+* ``per_rank``: format v1, written under per-rank blocking and re-blocked
+  (requantized where the layout changed) on load.
+
+The entries' keys and records are defined in ``gefen_titan.checkpoint.schema``.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-from gefen_titan.checkpoint import schema as fmt
-from gefen_titan.checkpoint.errors import GefenCheckpointError, agree, read_small, unreadable
+from torch.optim import Optimizer
+
+from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint.errors import GefenCheckpointError, agree
+from gefen_titan.checkpoint.storage import read_small
 from gefen_titan.optim.state.agreed import AgreedStateAdapter
 from gefen_titan.optim.state.per_rank import PerRankStateAdapter
 
-__all__ = ["AgreedStateAdapter", "GefenCheckpointError", "PerRankStateAdapter", "checkpoint_blocking", "unreadable"]
+__all__ = ["AgreedStateAdapter", "GefenState", "PerRankStateAdapter", "StateAdapter", "checkpoint_blocking"]
+
+
+@runtime_checkable
+class StateAdapter(Protocol):
+    """The checkpointed state of one kind of optimizer on this rank.
+
+    The container calls these on every rank, in the same order, whether or
+    not the rank holds an optimizer of the kind (the methods may run
+    collectives). ``state_dict`` returns the entries to save, or, between
+    ``prepare_load`` and ``load_state_dict``/``abort_load``, the destinations
+    DCP loads into. ``load_state_dict`` commits on every rank or raises on
+    every rank, changing nothing.
+    """
+
+    snapshot_on_save: bool
+    """Hand DCP copies instead of views of live tensors (async saves write later)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+    def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None: ...
+
+    def abort_load(self) -> None: ...
 
 
 def checkpoint_blocking(checkpoint_id: str, metadata: Any, prefix: str, has_gefen: bool) -> str:
@@ -26,7 +60,7 @@ def checkpoint_blocking(checkpoint_id: str, metadata: Any, prefix: str, has_gefe
     Raises ``GefenCheckpointError`` on every rank when the checkpoint holds no
     gefen-titan Gefen state that a rank with Gefen parameters could load.
     """
-    key = fmt.format_key()
+    key = schema.header_key()
     error, blocking = None, None
     if prefix + key not in metadata.state_dict_metadata:
         foreign = sorted(k[len(prefix):] for k in metadata.state_dict_metadata
@@ -37,12 +71,64 @@ def checkpoint_blocking(checkpoint_id: str, metadata: Any, prefix: str, has_gefe
             error = (f"{what}. To start Gefen fresh from this checkpoint's model, set "
                      "checkpoint.exclude_from_loading = [\"optimizer\"] (and lr_scheduler if needed)")
     else:
-        header = json.loads(read_small(checkpoint_id, metadata, prefix, [], [key])[key])
-        version = header.get("version")
-        if header.get("format") != fmt.FORMAT or version not in (fmt.V1, fmt.VERSION):
-            error = (f"checkpoint format {header} is not {fmt.FORMAT} v{fmt.V1} or v{fmt.VERSION}; it was "
-                     "written by another gefen-titan version. Load it with that version or exclude the optimizer")
-        else:
-            blocking = "agreed" if version == fmt.VERSION else "per_rank"
+        try:
+            blocking = schema.Header.from_json(read_small(checkpoint_id, metadata, prefix, [], [key])[key]).implied_blocking
+        except schema.FormatError as e:
+            error = str(e)
     agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
     return blocking or "agreed"
+
+
+class GefenState:
+    """Gefen's ``StateAdapter``: format v2 under agreed blocking, v1 under per-rank blocking.
+
+    Saves write the run's own format. A load reads the checkpoint's header
+    first and refuses, on every rank, a checkpoint of the other blocking (its
+    state could not be what this run's blocking keeps).
+    """
+
+    def __init__(self, optimizers: list[Optimizer], blocking: str) -> None:
+        self.optimizers = optimizers
+        self.blocking = blocking
+        self._save = AgreedStateAdapter(optimizers) if blocking == "agreed" else PerRankStateAdapter(optimizers)
+        self._loading: AgreedStateAdapter | PerRankStateAdapter | None = None
+
+    @property
+    def snapshot_on_save(self) -> bool:
+        return self._save.snapshot_on_save
+
+    @snapshot_on_save.setter
+    def snapshot_on_save(self, value: bool) -> None:
+        self._save.snapshot_on_save = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return (self._loading or self._save).state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._loading is None:
+            if not self.optimizers:
+                return
+            raise GefenCheckpointError(
+                "Gefen state can only be loaded through GefenCheckpointManager (which reads the "
+                "checkpoint's records first); set the recipe's [checkpoint] as usual")
+        loading, self._loading = self._loading, None
+        loading.load_state_dict(state_dict)
+
+    def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
+        """Pick the adapter for the checkpoint's format and let it plan the load. Collective."""
+        has_gefen = bool(self.optimizers)
+        blocking = checkpoint_blocking(checkpoint_id, metadata, prefix, has_gefen)
+        error = None
+        if has_gefen and blocking != self.blocking:
+            error = (
+                f"it was written with optimizer.blocking = \"{blocking}\" (format "
+                f"v{schema.Header.for_blocking(blocking).version}) and the recipe sets \"{self.blocking}\"; "
+                f"resume with optimizer.blocking = \"{blocking}\" (or start the optimizer fresh with "
+                "checkpoint.exclude_from_loading = [\"optimizer\"])")
+        agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
+        adapter = AgreedStateAdapter(self.optimizers) if blocking == "agreed" else PerRankStateAdapter(self.optimizers)
+        adapter.prepare_load(checkpoint_id, metadata, prefix)
+        self._loading = adapter
+
+    def abort_load(self) -> None:
+        self._loading = None

@@ -21,18 +21,18 @@ then commits on every rank.
 from __future__ import annotations
 
 import hashlib
-import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint import schema as fmt
-from gefen_titan.checkpoint.errors import HYPER, GefenCheckpointError, agree, check_codebook, check_hyper, read_small
-from gefen_titan.checkpoint.schema import grid_shape
+from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint.errors import GefenCheckpointError, agree
+from gefen_titan.checkpoint.schema import HYPER, grid_shape
+from gefen_titan.checkpoint.storage import read_small
+from gefen_titan.distributed import all_gather_objects, is_distributed, like_param, local
 from gefen_titan.optim import gefen_state as gs
 from gefen_titan.optim.blocking import check_period_fits
 
@@ -49,31 +49,16 @@ class _Slot:
 
     @property
     def local(self) -> torch.Tensor:
-        p = self.param
-        return p.to_local() if hasattr(p, "to_local") else p
+        return local(self.param)
 
 
 @dataclass
 class _Plan:
     checkpoint_id: str
-    records: dict[str, dict]  # fqn -> saved record (period, counters, group)
+    records: dict[str, schema.ParamRecord]  # fqn -> saved record (period, counters, group)
     codebook: torch.Tensor | None
     global_steps: dict[str, int]  # saved opt id -> global step
     source_opt: dict[str, str]  # fqn -> saved opt id
-
-
-def _global(p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``local`` as a DTensor of global ``shape`` with ``p``'s placements."""
-    if not hasattr(p, "placements"):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride)
-
-
-def _local_of(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class AgreedStateAdapter:
@@ -112,8 +97,7 @@ class AgreedStateAdapter:
     def _save_entries(self) -> dict[str, Any]:
         if not self.slots:
             return {}
-        sd: dict[str, Any] = {fmt.format_key(): json.dumps(
-            {"format": fmt.FORMAT, "version": fmt.VERSION, "blocking": "agreed"})}
+        sd: dict[str, Any] = {schema.header_key(): schema.Header.for_blocking("agreed").to_json()}
         books = {id(o): gs.codebook(o) for o in self.optimizers}
         present = [b for b in books.values() if b is not None]
         if any(not torch.equal(present[0].cpu(), b.cpu()) for b in present[1:]):
@@ -126,8 +110,8 @@ class AgreedStateAdapter:
             params = []
             for s in slots:
                 period, step, vstep = self._counters(s)
-                params.append({"fqn": s.fqn, "shape": list(s.param.shape), "period": period, "step": step,
-                               "vmean_step": vstep, "group": {k: float(s.group[k]) for k in HYPER}})
+                params.append(schema.ParamRecord(s.fqn, tuple(s.param.shape), period, step, vstep,
+                                                 {k: float(s.group[k]) for k in HYPER}))
                 if not period:
                     continue
                 shape = tuple(s.param.shape)
@@ -143,16 +127,16 @@ class AgreedStateAdapter:
                 else:
                     codes = copy(st.codes.view(local_shape))
                     mag, vmean = copy(st.magnitude.view(local_grid)), copy(st.vmean.view(local_grid))
-                sd[fmt.codes_key(s.fqn)] = _global(s.param, codes, shape)
-                sd[fmt.magnitude_key(s.fqn)] = _global(s.param, mag, grid)
-                sd[fmt.vmean_key(s.fqn)] = _global(s.param, vmean, grid)
+                keys = schema.param_tensor_keys(s.fqn)
+                sd[keys["codes"]] = like_param(s.param, codes, shape)
+                sd[keys["magnitude"]] = like_param(s.param, mag, grid)
+                sd[keys["vmean"]] = like_param(s.param, vmean, grid)
             opt_id = slots[0].opt_id
-            record = {"blocking": "agreed", "deterministic": gs.options(optim)["deterministic"],
-                      "global_step": gs.global_step(optim), "params": params}
-            sd[fmt.optimizer_key(opt_id)] = json.dumps(record, sort_keys=True)
+            record = schema.OptimizerRecord(gs.options(optim)["deterministic"], gs.global_step(optim), params)
+            sd[schema.optimizer_key(opt_id)] = record.to_json()
             cb = books[id(optim)]
             if cb is not None:
-                sd[fmt.codebook_key_v2(opt_id)] = cb.detach().float().cpu().clone()
+                sd[schema.codebook_key(opt_id)] = cb.detach().float().cpu().clone()
         return sd
 
     def _counters(self, s: _Slot) -> tuple[int, int, int]:
@@ -168,16 +152,15 @@ class AgreedStateAdapter:
     @staticmethod
     def _check_replicated(sd: dict[str, Any]) -> None:
         """Entries written by several ranks must be equal: DCP keeps one copy."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not is_distributed():
             return
         mine = {}
         for key, value in sd.items():
             if isinstance(value, str):
                 mine[key] = hashlib.sha1(value.encode()).hexdigest()
-            elif isinstance(value, torch.Tensor) and not hasattr(value, "placements"):
+            elif isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
                 mine[key] = hashlib.sha1(value.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+        everyone = all_gather_objects(mine)
         seen: dict[str, str] = {}
         bad = set()
         for ranks in everyone:
@@ -194,14 +177,15 @@ class AgreedStateAdapter:
     def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
         """Read and check the records; fix the destinations. Collective."""
         ours = {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
-        opt_keys = sorted(k for k in ours if k.startswith(fmt.PREFIX + "optimizer/"))
-        books = sorted(k for k in ours if k.startswith(fmt.PREFIX + "codebook/") and k.count("/") == 2)
+        parsed = {k: schema.parse_key(k) for k in ours}
+        opt_keys = sorted(k for k, pk in parsed.items() if pk and pk.kind == "optimizer")
+        books = sorted(k for k, pk in parsed.items() if pk and pk.kind == "codebook")
         small = read_small(checkpoint_id, metadata, prefix, books, opt_keys)
         plan, error = None, None
         try:
             plan = self._plan_from(checkpoint_id, small, ours, opt_keys, books)
-        except (GefenCheckpointError, ValueError, KeyError, TypeError) as e:
-            error = str(e) if not isinstance(e, KeyError) else f"record field {e} missing (corrupt record)"
+        except (GefenCheckpointError, ValueError) as e:
+            error = str(e)
         agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
         self._plan = plan
 
@@ -212,18 +196,16 @@ class AgreedStateAdapter:
         records, source_opt, global_steps = {}, {}, {}
         deterministic = {}
         for key in opt_keys:
-            opt_id = key[len(fmt.PREFIX + "optimizer/"):]
-            rec = json.loads(small[key])
-            if rec.get("blocking") != "agreed":
-                raise GefenCheckpointError(f"optimizer record {opt_id} is not an agreed-blocking record")
-            global_steps[opt_id] = int(rec["global_step"])
-            deterministic[opt_id] = bool(rec["deterministic"])
-            for p in rec["params"]:
-                records[p["fqn"]] = p
-                source_opt[p["fqn"]] = opt_id
+            opt_id = schema.parse_key(key).name
+            rec = schema.OptimizerRecord.from_json(small[key], opt_id)
+            global_steps[opt_id] = rec.global_step
+            deterministic[opt_id] = rec.deterministic
+            for p in rec.params:
+                records[p.fqn] = p
+                source_opt[p.fqn] = opt_id
         codebook = None
         for key in books:
-            cb = check_codebook(small[key], f"codebook {key}")
+            cb = schema.check_codebook(small[key], f"codebook {key}")
             if codebook is not None and not torch.equal(codebook, cb):
                 raise GefenCheckpointError(
                     f"the checkpoint's codebooks disagree ({books[0]} != {key}); an agreed checkpoint "
@@ -238,9 +220,9 @@ class AgreedStateAdapter:
         for s in self.slots:
             rec = records[s.fqn]
             src = source_opt[s.fqn]
-            if tuple(rec["shape"]) != tuple(s.param.shape):
+            if rec.shape != tuple(s.param.shape):
                 raise GefenCheckpointError(
-                    f"{s.fqn}: checkpoint shape {tuple(rec['shape'])} != live shape {tuple(s.param.shape)}: "
+                    f"{s.fqn}: checkpoint shape {rec.shape} != live shape {tuple(s.param.shape)}: "
                     "the checkpoint is for another model")
             live_det = gs.options(s.optim)["deterministic"]
             if deterministic[src] != live_det:
@@ -248,13 +230,11 @@ class AgreedStateAdapter:
                     f"the checkpoint was written with optimizer.deterministic = {deterministic[src]} and "
                     f"the recipe sets {live_det}; they change Gefen's arithmetic: resume with "
                     f"optimizer.deterministic = {str(deterministic[src]).lower()}")
-            check_hyper(s.fqn, rec["group"])
-            period, step, vstep = int(rec["period"]), int(rec["step"]), int(rec["vmean_step"])
-            if period < 0 or step < 0 or vstep < 0 or vstep > step or (period == 0) != (step == 0):
-                raise GefenCheckpointError(
-                    f"{s.fqn}: counters do not add up (period {period}, step {step}, vmean_step {vstep})")
-            if step > global_steps[src]:
-                raise GefenCheckpointError(f"{s.fqn}: global step {global_steps[src]} < parameter step {step}")
+            schema.check_hyper(s.fqn, rec.group)
+            period = rec.period
+            why = schema.check_counters(s.fqn, period, rec.step, rec.vmean_step, global_steps[src])
+            if why:
+                raise GefenCheckpointError(why)
             if not period:
                 continue
             if codebook is None:
@@ -264,9 +244,7 @@ class AgreedStateAdapter:
             why = check_period_fits(s.fqn, s.param, period)
             if why:
                 raise GefenCheckpointError(why)
-            grid = grid_shape(tuple(s.param.shape), period)
-            for key, want in ((fmt.codes_key(s.fqn), tuple(s.param.shape)), (fmt.magnitude_key(s.fqn), grid),
-                              (fmt.vmean_key(s.fqn), grid)):
+            for key, (_, want) in schema.param_tensor_specs(s.fqn, tuple(s.param.shape), period).items():
                 md = ours.get(key)
                 if md is None:
                     raise GefenCheckpointError(f"{s.fqn}: {key} missing from the checkpoint (truncated or foreign)")
@@ -279,17 +257,18 @@ class AgreedStateAdapter:
         plan = self._plan
         sd: dict[str, Any] = {}
         for s in self.slots:
-            period = int(plan.records[s.fqn]["period"])
+            period = plan.records[s.fqn].period
             if not period:
                 continue
             shape = tuple(s.param.shape)
             local_shape = tuple(s.local.shape)
             dev = s.local.device
             local_grid = grid_shape(local_shape, period) if local_shape else ()
-            sd[fmt.codes_key(s.fqn)] = _global(s.param, torch.empty(local_shape, dtype=torch.uint8, device=dev), shape)
+            keys = schema.param_tensor_keys(s.fqn)
+            sd[keys["codes"]] = like_param(s.param, torch.empty(local_shape, dtype=torch.uint8, device=dev), shape)
             grid = grid_shape(shape, period)
-            for key in (fmt.magnitude_key(s.fqn), fmt.vmean_key(s.fqn)):
-                sd[key] = _global(s.param, torch.empty(local_grid, dtype=torch.float32, device=dev), grid)
+            for name in ("magnitude", "vmean"):
+                sd[keys[name]] = like_param(s.param, torch.empty(local_grid, dtype=torch.float32, device=dev), grid)
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -303,18 +282,19 @@ class AgreedStateAdapter:
         try:
             for s in self.slots:
                 rec = plan.records[s.fqn]
-                period = int(rec["period"])
+                period = rec.period
                 if not period:
                     staged[s.fqn] = None
                     continue
-                codes, mag, vmean = (_local_of(sd[k(s.fqn)]) for k in (fmt.codes_key, fmt.magnitude_key, fmt.vmean_key))
+                keys = schema.param_tensor_keys(s.fqn)
+                codes, mag, vmean = (local(sd[keys[name]]) for name in schema.PARAM_TENSORS)
                 for what, t in (("magnitude", mag), ("vmean", vmean)):
                     if not torch.isfinite(t).all() or (t < 0).any():
                         raise GefenCheckpointError(
                             f"{s.fqn}: non-finite or negative {what} in the checkpoint (corrupt file); "
                             "resume from another step with checkpoint.load_step")
                 staged[s.fqn] = gs.ParamState(
-                    period=period, step=int(rec["step"]), vmean_step=int(rec["vmean_step"]),
+                    period=period, step=rec.step, vmean_step=rec.vmean_step,
                     codes=codes.reshape(-1, period), magnitude=mag.reshape(-1, 1), vmean=vmean.reshape(-1, 1))
         except (GefenCheckpointError, ValueError, KeyError) as e:
             error = str(e)
@@ -334,7 +314,7 @@ class AgreedStateAdapter:
             else:
                 gs.write(s.optim, s.param, st)
             for k in HYPER:
-                s.group[k] = rec["group"][k]
+                s.group[k] = rec.group[k]
         for optim in self.optimizers:
             sources = {plan.source_opt[s.fqn] for s in self.slots if s.optim is optim}
             has_state = any(staged[s.fqn] is not None for s in self.slots if s.optim is optim)

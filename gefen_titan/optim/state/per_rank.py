@@ -27,21 +27,19 @@ against a codebook merged from the sources' codebooks weighted by use.
 
 from __future__ import annotations
 
-import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint import schema as fmt
-from gefen_titan.checkpoint.errors import HYPER as _HYPER
-from gefen_titan.checkpoint.errors import GefenCheckpointError, check_codebook, check_hyper, unreadable
-from gefen_titan.checkpoint.errors import agree as _agree
+from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint.errors import GefenCheckpointError, agree
 from gefen_titan.checkpoint.quant import Segment, block_mean_segments, dequantize_segments, requantize
-from gefen_titan.checkpoint.storage import storage_reader
+from gefen_titan.checkpoint.schema import HYPER
+from gefen_titan.checkpoint.storage import read_small
+from gefen_titan.distributed import like_param, local
 from gefen_titan.optim import gefen_state as gs
 from gefen_titan.optim.state.codebook_merge import K, merge_codebooks
 from gefen_titan.optim.state.layout import Region, UnsupportedLayout, param_region, target_period
@@ -62,8 +60,7 @@ class _Slot:
 
     @property
     def device(self) -> torch.device:
-        p = self.param
-        return p.to_local().device if hasattr(p, "to_local") else p.device
+        return local(self.param).device
 
 
 @dataclass
@@ -93,10 +90,6 @@ class _Plan:
     global_steps: dict[tuple[str, int], int]
     block_rows: dict[tuple[str, int], int]  # (opt, rank) -> rows of its blocks entry
     needed: dict[str, list[_Source]] = field(default_factory=dict)  # fqn -> overlapping
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class PerRankStateAdapter:
@@ -132,7 +125,7 @@ class PerRankStateAdapter:
             return {}
         if self._unsupported:
             raise GefenCheckpointError(f"cannot checkpoint Gefen state: {self._unsupported}")
-        sd: dict[str, Any] = {fmt.format_key(): json.dumps({"format": fmt.FORMAT, "version": fmt.V1, "blocking": "per_rank"})}
+        sd: dict[str, Any] = {schema.header_key(): schema.Header.for_blocking("per_rank").to_json()}
         for optim in self.optimizers:
             sd.update(self._save_optimizer(optim))
         return sd
@@ -142,17 +135,16 @@ class PerRankStateAdapter:
         opt_id, label = slots[0].opt_id, slots[0].region.label
         device = slots[0].device
         out: dict[str, Any] = {}
-        meta = {"nshards": slots[0].region.nshards, "params": []}
-        records = [[gs.global_step(optim), len(slots), 0, 0, 0, 0, 0]]
+        meta = schema.V1OptimizerRecord(slots[0].region.nshards, [])
+        rows: list[schema.V1RankRow] = []
         blocks, nblocks = [], 0
         for slot in slots:
             try:
                 st = gs.read(slot.optim, slot.param)
             except ValueError as e:
                 raise GefenCheckpointError(f"{slot.fqn}: {e}") from e
-            meta["params"].append(
-                {"fqn": slot.fqn, "shape": list(slot.param.shape), "group": {k: float(slot.group[k]) for k in _HYPER}}
-            )
+            meta.params.append(schema.V1ParamRecord(slot.fqn, tuple(slot.param.shape),
+                                                    {k: float(slot.group[k]) for k in HYPER}))
             r = slot.region
             if st is not None:
                 # Clones: an async save writes after the next step has
@@ -164,25 +156,16 @@ class PerRankStateAdapter:
                 codes = torch.zeros(slot.local_shape, dtype=torch.uint8, device=device)
                 b = torch.zeros(0, 2, dtype=torch.float32, device=device)
                 period, step, vstep = 0, 0, 0
-            records.append([r.start, r.length, period, step, vstep, nblocks, b.shape[0]])
+            rows.append(schema.V1RankRow(r.start, r.length, period, step, vstep, nblocks, b.shape[0]))
             blocks.append(b)
             nblocks += b.shape[0]
-            out[fmt.codes_key(slot.fqn)] = self._as_global(slot, codes)
-        out[fmt.optimizer_key(opt_id)] = json.dumps(meta, sort_keys=True)
-        out[fmt.records_key(opt_id, label)] = torch.tensor(records, dtype=torch.int64)
-        out[fmt.blocks_key(opt_id, label)] = torch.cat(blocks).to(device)
+            out[schema.codes_key(slot.fqn)] = like_param(slot.param, codes, tuple(slot.param.shape))
+        out[schema.optimizer_key(opt_id)] = meta.to_json()
+        out[schema.records_key(opt_id, label)] = schema.v1_rank_table(gs.global_step(optim), rows)
+        out[schema.blocks_key(opt_id, label)] = torch.cat(blocks).to(device)
         if gs.codebook(optim) is not None:
-            out[fmt.codebook_key(opt_id, label)] = gs.codebook(optim).detach().float().clone()
+            out[schema.rank_codebook_key(opt_id, label)] = gs.codebook(optim).detach().float().clone()
         return out
-
-    @staticmethod
-    def _as_global(slot: _Slot, local: torch.Tensor) -> torch.Tensor:
-        p = slot.param
-        if not hasattr(p, "placements"):
-            return local
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
     # ------------------------------------------------------------------ load
     def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
@@ -190,31 +173,22 @@ class PerRankStateAdapter:
 
         Collective: every rank calls it (it runs one small ``dcp.load``).
         """
-        import torch.distributed.checkpoint as dcp
-
         keys = metadata.state_dict_metadata
         ours = {k[len(prefix):]: v for k, v in keys.items() if k.startswith(prefix)}
         error = self._unsupported or self._check_keys(ours)
-        _agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
+        agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
 
-        small: dict[str, Any] = {}
-        for key, md in ours.items():
-            if key.startswith((fmt.PREFIX + "records/", fmt.PREFIX + "codebook/")):
-                small[prefix + key] = torch.empty(md.size, dtype=md.properties.dtype)
-            elif key.startswith(fmt.PREFIX + "optimizer/") or key == fmt.format_key():
-                small[prefix + key] = ""
-        try:
-            dcp.load(small, storage_reader=storage_reader(checkpoint_id))
-        except (Exception, CheckpointException) as e:  # DCP raises it on every rank
-            raise unreadable(checkpoint_id, e) from e
-        small = {k[len(prefix):]: v for k, v in small.items()}
+        kinds = {k: getattr(schema.parse_key(k), "kind", None) for k in ours}
+        tensors = sorted(k for k, kind in kinds.items() if kind in ("records", "rank_codebook", "codebook"))
+        strings = sorted(k for k, kind in kinds.items() if kind in ("optimizer", "header"))
+        small = read_small(checkpoint_id, metadata, prefix, tensors, strings)
 
         plan, error = None, None
         try:
             plan = self._plan_from_records(checkpoint_id, small, ours)
         except (GefenCheckpointError, UnsupportedLayout, ValueError, KeyError) as e:
             error = str(e)
-        _agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
+        agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
         self._plan = plan
 
     def abort_load(self) -> None:
@@ -223,8 +197,9 @@ class PerRankStateAdapter:
     def _check_keys(self, ours: dict[str, Any]) -> str | None:
         if not self.slots:
             return None
-        saved = {k[len(fmt.PREFIX + "codes/"):] for k in ours if k.startswith(fmt.PREFIX + "codes/")}
-        if fmt.format_key() not in ours or not saved:
+        parsed = [schema.parse_key(k) for k in ours]
+        saved = {pk.name for pk in parsed if pk and pk.kind == "codes"}
+        if schema.header_key() not in ours or not saved:
             foreign = sorted(k for k in ours if k.startswith("state."))[:3]
             what = (
                 f"it holds another optimizer's state ({', '.join(foreign)} ...)"
@@ -244,7 +219,7 @@ class PerRankStateAdapter:
                 "another model or optimizer grouping"
             )
         for s in self.slots:
-            codes = ours.get(fmt.codes_key(s.fqn))
+            codes = ours.get(schema.codes_key(s.fqn))
             if codes is None:
                 return f"{s.fqn}: codes missing from the checkpoint (truncated or foreign checkpoint)"
             if tuple(codes.size) != tuple(s.param.shape):
@@ -255,61 +230,53 @@ class PerRankStateAdapter:
         return None
 
     def _plan_from_records(self, checkpoint_id: str, small: dict[str, Any], ours: dict[str, Any]) -> _Plan:
-        header = json.loads(small[fmt.format_key()])
-        if header.get("format") != fmt.FORMAT or header.get("version") != fmt.V1:
+        header = schema.Header.from_json(small[schema.header_key()])
+        if header.version != schema.V1:
             raise GefenCheckpointError(
-                f"checkpoint format {header} is not {fmt.FORMAT} v{fmt.V1}; it was written by "
+                f"checkpoint format v{header.version} is not {schema.FORMAT} v{schema.V1}; it was written by "
                 "another gefen-titan version. Load it with that version or exclude the optimizer"
             )
         # Every saved parameter: which optimizer, its index there, its record.
-        where: dict[str, tuple[str, int, dict, int]] = {}
+        where: dict[str, tuple[str, int, schema.V1ParamRecord, int, int]] = {}
         for key, value in small.items():
-            if key.startswith(fmt.PREFIX + "optimizer/"):
-                opt_id = key[len(fmt.PREFIX + "optimizer/"):]
-                meta = json.loads(value)
-                for i, rec in enumerate(meta["params"]):
-                    where[rec["fqn"]] = (opt_id, i, rec, int(meta["nshards"]))
+            pk = schema.parse_key(key)
+            if pk and pk.kind == "optimizer":
+                meta = schema.V1OptimizerRecord.from_json(value, pk.name)
+                for i, rec in enumerate(meta.params):
+                    where[rec.fqn] = (pk.name, i, rec, meta.nshards, len(meta.params))
         params, sources = {}, {}
         codebooks, global_steps, block_rows = {}, {}, {}
         for slot in self.slots:
             if slot.fqn not in where:
                 raise GefenCheckpointError(f"{slot.fqn}: no record in the checkpoint (another model or optimizer grouping)")
-            opt_id, index, rec, nshards = where[slot.fqn]
+            opt_id, index, rec, nshards, nparams = where[slot.fqn]
             params[slot.fqn] = rec
-            check_hyper(slot.fqn, rec["group"])
+            schema.check_hyper(slot.fqn, rec.group)
             srcs = []
             for label in range(nshards):
-                rk = fmt.records_key(opt_id, label)
+                rk = schema.records_key(opt_id, label)
                 if rk not in small:
                     raise GefenCheckpointError(f"{slot.fqn}: records of source rank {label} missing (truncated checkpoint?)")
-                table = small[rk]
-                start, length, period, step, vstep, block0, nblocks = (int(x) for x in table[1 + index].tolist())
-                bk = ours.get(fmt.blocks_key(opt_id, label))
+                global_step, table = schema.read_v1_rank_table(small[rk], nparams, rk)
+                row = table[index]
+                bk = ours.get(schema.blocks_key(opt_id, label))
                 rows = bk.size[0] if bk is not None else -1
                 block_rows[(opt_id, label)] = rows
-                if (
-                    period < 0 or (period and (length % period or nblocks != length // period))
-                    or (not period and nblocks) or block0 < 0 or block0 + nblocks > rows
-                ):
-                    raise GefenCheckpointError(
-                        f"{slot.fqn}: source rank {label} has inconsistent blocks (length {length}, "
-                        f"period {period}, blocks {block0}+{nblocks} of {rows})"
-                    )
-                if (period == 0) != (step == 0) or vstep > step or step < 0 or vstep < 0:
-                    raise GefenCheckpointError(
-                        f"{slot.fqn}: source rank {label} counters do not add up (period {period}, step {step}, vmean_step {vstep})"
-                    )
-                srcs.append(_Source(label, start, length, period, step, vstep, opt_id, block0))
+                why = row.check(slot.fqn, label, rows) or schema.check_counters(
+                    f"{slot.fqn}: source rank {label}", row.period, row.step, row.vmean_step)
+                if why:
+                    raise GefenCheckpointError(why)
+                srcs.append(_Source(label, row.start, row.length, row.period, row.step, row.vmean_step, opt_id,
+                                    row.block0))
                 key = (opt_id, label)
-                if key not in global_steps:
-                    global_steps[key] = int(table[0, 0])
-                if global_steps[key] < step:
-                    raise GefenCheckpointError(f"{slot.fqn}: global step {global_steps[key]} < parameter step {step}")
-                if period and key not in codebooks:
-                    ck = fmt.codebook_key(*key)
+                global_steps.setdefault(key, global_step)
+                if global_steps[key] < row.step:
+                    raise GefenCheckpointError(f"{slot.fqn}: global step {global_steps[key]} < parameter step {row.step}")
+                if row.period and key not in codebooks:
+                    ck = schema.rank_codebook_key(*key)
                     if ck not in small:
                         raise GefenCheckpointError(f"codebook of source rank {label} for optimizer {opt_id} missing")
-                    codebooks[key] = check_codebook(small[ck], f"codebook of source rank {label} ({opt_id})")
+                    codebooks[key] = schema.check_codebook(small[ck], f"codebook of source rank {label} ({opt_id})")
             srcs.sort(key=lambda s: s.start)
             pos = 0
             for src in srcs:
@@ -337,10 +304,10 @@ class PerRankStateAdapter:
         for slot in self.slots:
             if not plan.needed[slot.fqn]:
                 continue
-            local = torch.empty(slot.local_shape, dtype=torch.uint8, device=slot.device)
-            sd[fmt.codes_key(slot.fqn)] = self._as_global(slot, local)
+            dest = torch.empty(slot.local_shape, dtype=torch.uint8, device=slot.device)
+            sd[schema.codes_key(slot.fqn)] = like_param(slot.param, dest, tuple(slot.param.shape))
             for src in plan.needed[slot.fqn]:
-                key = fmt.blocks_key(src.opt_id, src.label)
+                key = schema.blocks_key(src.opt_id, src.label)
                 if key not in sd:  # a source rank's blocks of the whole optimizer, read once
                     rows = plan.block_rows[(src.opt_id, src.label)]
                     sd[key] = torch.empty(rows, 2, dtype=torch.float32, device=slot.device)
@@ -361,7 +328,7 @@ class PerRankStateAdapter:
             staged = self._build(plan, sd)
         except (GefenCheckpointError, ValueError, KeyError) as e:
             error = str(e)
-        _agree(error, f"cannot load Gefen optimizer state from {plan.checkpoint_id}")
+        agree(error, f"cannot load Gefen optimizer state from {plan.checkpoint_id}")
         self._commit(plan, staged)
 
     def _build(self, plan: _Plan, sd: dict[str, Any]) -> dict:
@@ -371,9 +338,9 @@ class PerRankStateAdapter:
         for slot in self.slots:
             if not plan.needed[slot.fqn]:
                 continue
-            codes_of[slot.fqn] = _local(sd[fmt.codes_key(slot.fqn)]).reshape(-1)
+            codes_of[slot.fqn] = local(sd[schema.codes_key(slot.fqn)]).reshape(-1)
             for s in plan.needed[slot.fqn]:
-                b = sd[fmt.blocks_key(s.opt_id, s.label)][s.block0 : s.block0 + s.length // s.period]
+                b = sd[schema.blocks_key(s.opt_id, s.label)][s.block0 : s.block0 + s.length // s.period]
                 if not torch.isfinite(b).all() or (b < 0).any():
                     raise GefenCheckpointError(f"{slot.fqn}: source rank {s.label} has non-finite or negative magnitudes/vmean (corrupt checkpoint)")
                 blocks_of[(slot.fqn, s.label)] = b
@@ -469,8 +436,8 @@ class PerRankStateAdapter:
                 period=new["automatic_period"], step=new["step"], vmean_step=new["vmean_step"],
                 codes=new["m_codebook"].contiguous(), magnitude=new["m_magnitude"].contiguous(),
                 vmean=new["vmean"].contiguous()))
-            hyper = plan.params[slot.fqn]["group"]
-            for k in _HYPER:
+            hyper = plan.params[slot.fqn].group
+            for k in HYPER:
                 slot.group[k] = hyper[k]
         for optim in self.optimizers:
             # No saved state for any of its params (a checkpoint written before

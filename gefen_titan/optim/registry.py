@@ -1,0 +1,176 @@
+"""The optimizers a recipe can name, and what gefen-titan knows about each.
+
+torchtitan 0.3.0 resolves ``optimizer_name`` through a hard-coded dict
+(``OptimizersContainer._resolve_optimizer_factory``: Adam, AdamW, DistMuon).
+``GefenOptimizersContainer`` looks names up here first and falls back to
+torchtitan's dict for the rest (DistMuon, and whatever a later torchtitan
+adds). An entry (``OptimizerSpec``) is everything the container, the recipe
+checks and the checkpoint need to know about one optimizer, so a new Gefen
+variant is one ``register`` call plus its state type and records:
+
+* ``factory``: torchtitan's factory signature, ``(param_groups, **kwargs)``;
+* ``owns``: whether a built optimizer is of this entry, by exact type. gefen-x's
+  ``GefenMuon`` subclasses ``Gefen`` and keeps other state: a subclass is never
+  taken for its base (the container refuses a Gefen subclass no entry owns);
+* ``group_keys``: the ``optimizer_kwargs`` keys a param group of it honours
+  (torch and gefen-x keep unknown group keys without a word, so the recipe
+  checks refuse any other);
+* ``option_keys``: optimizer-wide constructor options the container fills in
+  from ``[optimizer]`` for every group of this optimizer;
+* ``state``: how its state is checkpointed (a ``StateAdapter`` factory over the
+  container's optimizers of this entry), None for torchtitan's flat
+  per-parameter state dict;
+* ``agreed_blocking``: the first step's agreement pre-sets its block periods
+  and codebook (``gefen_titan.optim.blocking``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim.state import GefenState, StateAdapter
+
+__all__ = ["GEFEN_OPTION_KEYS", "OptimizerSpec", "StateOptions", "build_gefen", "get", "names", "register", "spec_of",
+           "specs"]
+
+
+@dataclass(frozen=True)
+class StateOptions:
+    """What a state adapter needs from the optimizer config."""
+
+    blocking: str  # "agreed" | "per_rank"
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str
+    factory: Callable[..., Optimizer]
+    owns: Callable[[Optimizer], bool]
+    group_keys: tuple[str, ...]
+    option_keys: tuple[str, ...] = ()
+    state: Callable[[list[Optimizer], StateOptions], StateAdapter] | None = None
+    agreed_blocking: bool = False
+    group_key_hint: Callable[[str], str] = lambda key: ""
+    """A hint for a group key the optimizer does not read (where it goes instead)."""
+
+
+_REGISTRY: dict[str, OptimizerSpec] = {}
+
+
+def register(spec: OptimizerSpec) -> OptimizerSpec:
+    if spec.name in _REGISTRY:
+        raise ValueError(f"optimizer {spec.name!r} is already registered")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def get(name: str) -> OptimizerSpec | None:
+    return _REGISTRY.get(name)
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def specs() -> tuple[OptimizerSpec, ...]:
+    """Every entry, in registration order (the same on every rank)."""
+    return tuple(_REGISTRY.values())
+
+
+def spec_of(optim: Optimizer) -> OptimizerSpec | None:
+    """The entry that owns a built optimizer (by exact type), None if none does."""
+    return next((s for s in _REGISTRY.values() if s.owns(optim)), None)
+
+
+# ------------------------------------------------------------------ built-ins
+# Gefen constructor options that apply to the whole optimizer (the container
+# fills them in from [optimizer] for every Gefen group).
+GEFEN_OPTION_KEYS = ("factored_v_2d", "force_1d_period_one", "period_one_substrings", "codebook_refresh_every",
+                     "deterministic")
+# Keys torchtitan's container puts into every param group from
+# ``implementation``. Gefen takes ``fused`` as a constructor argument (it would
+# silently carry a group-level ``fused`` as an unused extra key) and has no
+# foreach path.
+_IMPL_KEYS = ("fused", "foreach")
+
+
+def build_gefen(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Optimizer:
+    """Build ``gefen.Gefen`` from torchtitan-style param groups.
+
+    Groups carry ``param_names`` (canonical FQNs); Gefen stores them as the
+    per-parameter state name, which is how checkpoints identify parameters.
+
+    Gefen-wide options (``fused``, ``deterministic``, ...) are constructor
+    arguments, not group options: they are taken from the first group (the
+    container gives every Gefen group the same ones) and removed from all of
+    them so they are not carried along as meaningless group keys.
+    """
+    options: dict[str, Any] = {}
+    groups = []
+    for group in param_groups:
+        group = dict(group)
+        for key in _IMPL_KEYS + GEFEN_OPTION_KEYS:
+            if key in group:
+                value = group.pop(key)
+                if key in options and options[key] != value:
+                    raise ValueError(
+                        f"Gefen option {key!r} must be the same for every Gefen "
+                        f"param group (got {options[key]!r} and {value!r}); it is "
+                        "a property of the optimizer, not of a group."
+                    )
+                options[key] = value
+        names_ = group.pop("param_names", None)
+        if names_ is not None:
+            # Gefen takes names only as (name, tensor) pairs; a bare
+            # "param_names" key would be ignored in favour of positional names.
+            group["params"] = list(zip(names_, group["params"], strict=True))
+        groups.append(group)
+    options.pop("foreach", None)
+    # Gefen's fused path is CUDA-only and downgrades itself with a warning per
+    # optimizer otherwise; decide here so CPU runs stay quiet.
+    options["fused"] = bool(options.get("fused", False)) and torch.cuda.is_available()
+    if "period_one_substrings" in options:
+        options["period_one_substrings"] = tuple(options["period_one_substrings"])
+    return gs.new_gefen(groups, **options, **factory_kwargs)
+
+
+def _gefen_group_key_hint(key: str) -> str:
+    if key in GEFEN_OPTION_KEYS:
+        return f"; it applies to every Gefen group: set optimizer.{key}"
+    if key in ("beta1", "beta2"):
+        return "; set betas = [beta1, beta2]"
+    if key == "foreach":
+        return "; Gefen has no foreach implementation"
+    return "; Gefen constructor options go in optimizer.optimizer_factory_kwargs_by_name.Gefen"
+
+
+def _torch_optimizer(cls: type[Optimizer]) -> OptimizerSpec:
+    return OptimizerSpec(
+        name=cls.__name__,
+        factory=cls,
+        owns=lambda optim: type(optim) is cls,
+        group_keys=tuple(n for n in inspect.signature(cls).parameters if n != "params"),
+    )
+
+
+register(OptimizerSpec(
+    name="Gefen",
+    factory=build_gefen,
+    owns=gs.is_gefen,
+    # gefen-x's add_param_group reads lr/betas/eps/weight_decay and carries any
+    # other key along unread; build_gefen turns ``fused`` into the constructor argument.
+    group_keys=("lr", "betas", "eps", "weight_decay", "fused"),
+    option_keys=GEFEN_OPTION_KEYS,
+    state=lambda optimizers, options: GefenState(optimizers, options.blocking),
+    agreed_blocking=True,
+    group_key_hint=_gefen_group_key_hint,
+))
+register(_torch_optimizer(torch.optim.AdamW))
+register(_torch_optimizer(torch.optim.Adam))
