@@ -141,7 +141,7 @@ _MEM = re.compile(r"memory:\s*([0-9.]+)\s*GiB")
 
 
 def stage_train(args, work: Path) -> dict[str, Any]:
-    from gefen_titan.validation.core import free_port
+    from gefen_titan.validation.runs import free_port
 
     folder = work / "train"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master-port={free_port()}",
@@ -176,7 +176,8 @@ def stage_train(args, work: Path) -> dict[str, Any]:
 
 
 def stage_checkpoint(args, work: Path, cuda: bool) -> dict[str, Any]:
-    from gefen_titan.validation.core import Settings, compare_global_state, reference_run, resume_run
+    from gefen_titan.validation.compare_global import compare_global_state
+    from gefen_titan.validation.runs import Settings, reference_run, resume_run
 
     settings = Settings(recipe=RECIPE, steps_before=2, steps_after=1, global_batch=8, backend="gloo")
     folder = work / "checkpoint"

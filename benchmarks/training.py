@@ -191,7 +191,7 @@ def settings(args: argparse.Namespace, model: str) -> tuple[int, int, int]:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from gefen_titan.validation.core import free_port
+    from gefen_titan.validation.runs import free_port
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

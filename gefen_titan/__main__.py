@@ -1,4 +1,4 @@
-"""``python -m gefen_titan ckpt ...``: the ``gefen-titan`` command without the console script."""
+"""``python -m gefen_titan ckpt|validate ...``: the ``gefen-titan`` command without the console script."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""Opt-in hooks for the reshard validation (``gefen_titan.validation.core``) and the resume tests.
+"""Opt-in hooks for the reshard validation (``gefen_titan.validation.command``) and the resume tests.
 
 ``dump_state``: dump state around checkpoints.
 
@@ -58,14 +58,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpointer.base import MODEL, OPTIMIZER, TRAIN_STATE
+from torchtitan.components.optimizer.utils import get_flat_optim_state_dict
 from torchtitan.config import override
 from torchtitan.config.override import derive
 
-from gefen_titan.checkpoint.schema import HYPER
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
+from gefen_titan.checkpoint.schema import HYPER
 from gefen_titan.data.global_loader import GlobalOrderDataLoader
+from gefen_titan.distributed import all_gather_objects, local, rank_and_world
 from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import registry
+from gefen_titan.optim.state import AgreedStateAdapter
+from gefen_titan.optim.state.layout import param_region
 
 __all__ = ["DumpingCheckpointManager", "RecordingGlobalOrderDataLoader", "dump_state", "record_batches", "DUMP_VERSION"]
 
@@ -75,34 +81,9 @@ __all__ = ["DumpingCheckpointManager", "RecordingGlobalOrderDataLoader", "dump_s
 DUMP_VERSION = 3
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _region(fqn: str, p: torch.Tensor) -> tuple[int, int]:
-    from gefen_titan.optim.state.layout import param_region
-
     region, _ = param_region(fqn, p)
     return region.start, region.length
-
-
-def _dist() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    import torch.distributed as dist
-
-    _, world = _dist()
-    if world == 1:
-        return [obj]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def _opt_id(optim: Any) -> str:
@@ -160,14 +141,15 @@ class DumpingCheckpointManager(GefenCheckpointManager):
 
     # ---------------------------------------------------- agreed: global state
     def _dump_global(self, container: Any, kind: str, step: int, seconds: float) -> None:
-        rank, world = _dist()
+        rank, world = rank_and_world()
         sd = _optimizer_entries(container)
         params = self._model_params()
         # The lowest rank of each distinct set of entries writes (pipeline
         # stages hold different ones; everything else has one set: rank 0).
         names = sorted(sd) + ["param:" + n for n, _ in params]
         digest = hashlib.sha1("\n".join(names).encode()).hexdigest()
-        everyone = _all_gather({"rank": rank, "digest": digest, "seconds": seconds, "live": _live_facts(container)})
+        everyone = all_gather_objects({"rank": rank, "digest": digest, "seconds": seconds,
+                                       "live": _live_facts(container)})
         writer = min(e["rank"] for e in everyone if e["digest"] == digest) == rank
         out: dict[str, Any] = {
             "kind": kind, "step": step, "rank": rank, "world": world, "blocking": "agreed",
@@ -193,21 +175,21 @@ class DumpingCheckpointManager(GefenCheckpointManager):
 
     # ------------------------------------------------- per_rank: this rank only
     def _dump_rank(self, container: Any, kind: str, step: int, seconds: float) -> None:
-        rank, world = _dist()
+        rank, world = rank_and_world()
         out: dict[str, Any] = {"kind": kind, "step": step, "rank": rank, "world": world, "seconds": seconds,
                                "blocking": "per_rank", "dump_version": DUMP_VERSION}
         out["params"] = {}
         for fqn, p in self._model_params():
             start, length = _region(fqn, p)
             out["params"][fqn] = {"shape": tuple(p.shape), "start": start, "length": length,
-                                  "local": _local(p).detach().reshape(-1).float().cpu().clone()}
+                                  "local": local(p).detach().reshape(-1).float().cpu().clone()}
         out["gefen"], out["codebooks"] = _rank_gefen_state(container)
         out["other_optim"] = _rank_other_state(container)
         torch.save(out, os.path.join(self._dump_dir, f"{kind}-{step}-rank{rank}.pt"))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
 
 def _gefen_optimizers(container: Any) -> list[Any]:
@@ -233,15 +215,12 @@ def _optimizer_entries(container: Any) -> dict[str, Any]:
     others = _other_optimizers(container)
     if all(o.state for o in others):
         return container.state_dict()
-    from torchtitan.components.optimizer.utils import get_flat_optim_state_dict
-
-    from gefen_titan.optim.state import AgreedStateAdapter
-
     sd: dict[str, Any] = {}
     for optim in others:
         if optim.state:
             sd.update(get_flat_optim_state_dict(optim))
-    sd.update(AgreedStateAdapter(container.optimizers).state_dict())
+    gefen = registry.get("Gefen")
+    sd.update(AgreedStateAdapter([o for o in container.optimizers if gefen.owns(o)]).state_dict())
     return sd
 
 
@@ -264,7 +243,7 @@ def _live_facts(container: Any) -> dict[str, Any]:
                 step, vstep = gs.empty_shard_counters(optim, p)
                 has_state = False
             params[fqn] = {"optimizer": opt_id, "period": int(period), "step": int(step), "vmean_step": int(vstep),
-                           "has_state": has_state, "local_numel": _local(p).numel(),
+                           "has_state": has_state, "local_numel": local(p).numel(),
                            "hyper": {k: float(group[k]) for k in HYPER}}
     return {"params": params, "optimizers": optimizers}
 
@@ -305,7 +284,7 @@ def _rank_other_state(container: Any) -> dict[str, dict[str, Any]]:
                 rec: dict[str, Any] = {"shape": tuple(p.shape), "start": start, "length": length}
                 for key, value in st.items():
                     if isinstance(value, torch.Tensor) and value.numel() == p.numel():
-                        rec[key] = _local(value).detach().reshape(-1).float().cpu().clone()
+                        rec[key] = local(value).detach().reshape(-1).float().cpu().clone()
                     elif isinstance(value, torch.Tensor) and value.numel() == 1:
                         rec[key] = float(value)
                 out[name] = rec

@@ -24,11 +24,12 @@ from pathlib import Path
 
 import pytest
 
-from gefen_titan.validation import core as vr
+from gefen_titan.validation import bands, runs
+from gefen_titan.validation.report import compare_batches
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "validate_reshard.py"
-CI = vr.CI_SETTINGS
+CI = runs.CI_SETTINGS
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +72,12 @@ def test_losses_are_compared_step_by_step_with_a_measured_tolerance(validated):
     # The tolerance is what the measurements give, nothing assumed.
     assert band["rerun_size"] == 2 and band["references"] == [1, 2]
     assert pair["loss_band"] == band["band"] == pytest.approx(
-        max(vr.LOG_RESOLUTION, vr.LOSS_K * max(band["rerun_deviation"], band["reduction_order_deviation"])))
+        max(bands.LOG_RESOLUTION, bands.LOSS_K * max(band["rerun_deviation"], band["reduction_order_deviation"])))
     assert max(pair["step_deviations"].values()) <= pair["loss_band"]
     # CPU runs are deterministic: the same-size rerun repeats the curve to the
     # logged decimals; the same batches in another reduction order stay at
     # float rounding, orders of magnitude below a data-order band (~0.1).
-    assert band["rerun_deviation"] <= vr.LOG_RESOLUTION
+    assert band["rerun_deviation"] <= bands.LOG_RESOLUTION
     assert band["band"] < 1e-2
     assert "loss deviation per step" in proc.stdout
 
@@ -88,30 +89,31 @@ def _run(tmp_path, name, nproc, losses, batches=None):
     for step, ids in (batches or {}).items():
         with open(folder / "batches" / "batches-dp1-rank0.jsonl", "a") as f:
             f.write(json.dumps({"start": (step - 1) * 4, "sample_ids": ids}) + "\n")
-    return vr.Run(str(folder), nproc, losses, 1.0)
+    return runs.Run(str(folder), nproc, losses, 1.0)
 
 
 def test_order_band_and_pair_tolerances(tmp_path):
-    s = vr.Settings(recipe="recipes/llama_gefen_global_order.toml", steps_before=2, steps_after=2)
+    s = runs.Settings(recipe="recipes/llama_gefen_global_order.toml", steps_before=2, steps_after=2)
     refs = {1: _run(tmp_path, "r1", 1, {1: 8.0, 2: 7.5, 3: 7.0, 4: 6.6}),
             2: _run(tmp_path, "r2", 2, {1: 8.0, 2: 7.5, 3: 7.00002, 4: 6.60004})}
     rerun = _run(tmp_path, "re", 1, {1: 8.0, 2: 7.5, 3: 7.0, 4: 6.60001})
-    band = vr.order_band(refs, rerun, s)
+    band = bands.order_band(refs, rerun, s)
     assert band["rerun_deviation"] == pytest.approx(1e-5) and band["reduction_order_deviation"] == pytest.approx(4e-5)
-    assert vr.pair_loss_band(1, 1, band) == pytest.approx(3e-5)  # LOSS_K x the rerun's
-    assert vr.pair_loss_band(1, 2, band) == pytest.approx(1.2e-4)  # LOSS_K x the reduction order's
-    exact = vr.order_band(refs | {2: refs[1]}, _run(tmp_path, "re2", 1, dict(refs[1].losses)), s)
-    assert vr.pair_loss_band(2, 1, exact) == vr.LOG_RESOLUTION  # nothing measured: one logged unit
-    assert vr.pair_loss_band(2, 1, {"band": 0.3}) == 0.3 and vr.pair_loss_band(2, 2, {"band": 0.3}) == 0.0
+    assert bands.pair_loss_band(1, 1, band) == pytest.approx(3e-5)  # LOSS_K x the rerun's
+    assert bands.pair_loss_band(1, 2, band) == pytest.approx(1.2e-4)  # LOSS_K x the reduction order's
+    exact = bands.order_band(refs | {2: refs[1]}, _run(tmp_path, "re2", 1, dict(refs[1].losses)), s)
+    assert bands.pair_loss_band(2, 1, exact) == bands.LOG_RESOLUTION  # nothing measured: one logged unit
+    assert bands.pair_loss_band(2, 1, {"band": 0.3}) == 0.3 and bands.pair_loss_band(2, 2, {"band": 0.3}) == 0.0
 
 
 def test_compare_batches_names_the_step_and_samples(tmp_path):
     ref = _run(tmp_path, "ref", 2, {}, {1: [0, 1, 2, 3], 2: [4, 5, 6, 7]})
     same = _run(tmp_path, "same", 1, {}, {2: [7, 6, 5, 4]})
-    assert vr.compare_batches(ref, same, 4, range(2, 3)) == []
+    assert compare_batches(ref, same, 4, range(2, 3)) == []
     other = _run(tmp_path, "other", 1, {}, {2: [4, 5, 6, 9]})
-    assert vr.compare_batches(ref, other, 4, range(2, 3)) == [
-        "step 2 read other samples than the uninterrupted run at 2 rank(s) (1 not in it, e.g. [9]; 1 missing, e.g. [7])"]
+    assert compare_batches(ref, other, 4, range(2, 3)) == [
+        "step 2 read other samples than the uninterrupted run at 2 rank(s) "
+        "(1 not in it, e.g. [9]; 1 missing, e.g. [7])"]
     twice = _run(tmp_path, "twice", 1, {}, {2: [4, 5, 6, 7, 7]})
-    assert vr.compare_batches(ref, twice, 4, range(2, 3)) == ["step 2 read some samples twice"]
-    assert "no batch record for step 3" in vr.compare_batches(ref, same, 4, range(2, 4))[0]
+    assert compare_batches(ref, twice, 4, range(2, 3)) == ["step 2 read some samples twice"]
+    assert "no batch record for step 3" in compare_batches(ref, same, 4, range(2, 4))[0]

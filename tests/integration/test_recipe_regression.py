@@ -3,11 +3,13 @@
 * CPU recipes (``recipes/llama_gefen*.toml``): trained for 7 steps on gloo at
   their own number of processes with the CI settings and compared, step by
   step, with the curve stored in ``tests/reference_curves/<recipe>.json``
-  within the tolerance stored there (runs are deterministic here; see
-  ``scripts/update_reference_curves.py``, which regenerates the curves when a
-  change is meant to change training). Recipes that resolve to the same run
+  within ``TOLERANCE`` of ``tests/helpers/reference_curves.py`` (runs are
+  deterministic here; see ``scripts/update_reference_curves.py``, which
+  regenerates the curves when a change is meant to change training). The
+  files repeat the tolerance for their readers; it must equal the constant,
+  so that editing a file cannot loosen the check. Recipes that resolve to the same run
   (``llama_gefen`` at 2 processes and ``llama_gefen_dp2``) share it, and so do
-  the reference runs of tests/test_validate_reshard.py (session cache).
+  the reference runs of tests/integration/test_validate_reshard.py (session cache).
 * GPU-only recipes (``llama3_8b_gefen.toml``): parsed and built without a GPU,
   in a subprocess: torchtitan's fake process group at the recipe's world size
   (8), the model on the meta device, torchtitan's parallelize (FSDP2), the
@@ -37,15 +39,26 @@ def test_every_shipped_recipe_is_covered():
     shipped = {p.name for p in (ROOT / "recipes").glob("*.toml")}
     assert shipped == {p.name for p in CPU_RECIPES} | set(GPU_RECIPES)
     for recipe in CPU_RECIPES:
-        assert urc.curve_path(recipe).exists(), f"no stored curve for {recipe.name}: run scripts/update_reference_curves.py"
+        assert urc.curve_path(recipe).exists(), \
+            f"no stored curve for {recipe.name}: run scripts/update_reference_curves.py"
+
+
+def test_stored_tolerance_is_the_code_constant():
+    for recipe in CPU_RECIPES:
+        stored = json.loads(urc.curve_path(recipe).read_text())
+        assert stored["tolerance"] == urc.TOLERANCE, \
+            f"{recipe.stem}: stored tolerance {stored['tolerance']} != TOLERANCE {urc.TOLERANCE}"
 
 
 def test_compare_flags_a_curve_off_by_more_than_the_tolerance():
-    stored = {"losses": {"1": 8.0, "2": 7.5}, "tolerance": 2e-4}
+    assert urc.TOLERANCE == 2e-4
+    stored = {"losses": {"1": 8.0, "2": 7.5}, "tolerance": urc.TOLERANCE}
     assert urc.compare(stored, {1: 8.0, 2: 7.5001})[1] == []
     dev, problems = urc.compare(stored, {1: 8.0, 2: 7.5005})
     assert dev == pytest.approx(5e-4) and "step 2: 7.50050 vs stored 7.50000" in problems[0]
     assert urc.compare(stored, {1: 8.0})[1]  # a missing step is a failure
+    # The file's own value is not what is compared with: a loosened file still fails.
+    assert urc.compare({**stored, "tolerance": 1.0}, {1: 8.0, 2: 7.5005})[1] == problems
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +69,7 @@ def runs_dir(tmp_path_factory):
 @pytest.mark.parametrize("recipe", CPU_RECIPES, ids=lambda p: p.stem)
 def test_cpu_recipe_matches_stored_curve(recipe, runs_dir, tmp_path_factory):
     stored = json.loads(urc.curve_path(recipe).read_text())
-    assert stored["recipe"] == f"recipes/{recipe.name}"
+    assert stored["recipe"] == f"recipes/{recipe.name}" and stored["tolerance"] == urc.TOLERANCE
     cache = tmp_path_factory.getbasetemp() / "reshard_reference_cache"
     _, nproc, run = urc.run_recipe(recipe, out=runs_dir, cache=cache, stored=stored)
     assert nproc == stored["nproc"]

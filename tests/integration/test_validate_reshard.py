@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pytest
 
-from gefen_titan.validation import core as vr
+from gefen_titan.validation import bands, compare_global, identity, recipes, runs
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "validate_reshard.py"
 
-CI = vr.CI_SETTINGS
+CI = runs.CI_SETTINGS
 CI_ARGS = ["--recipe", "recipes/llama_gefen.toml", "--backend", "gloo",
            "--steps-before", str(CI["steps_before"]), "--steps-after", str(CI["steps_after"]),
            "--global-batch", str(CI["global_batch"]), "--local-batch", str(CI["local_batch"])]
@@ -107,7 +107,7 @@ def test_loss_band_is_measured_not_assumed(standard):
     band = report["loss_band"]
     assert band["references"] == [1, 2, 4]  # every size of the pairs, targets included
     assert band["sigma_second_difference"] > 0 and band["sigma_between_references"] > 0
-    assert band["band"] == pytest.approx(max(vr.LOSS_FLOOR, vr.LOSS_K * band["sigma"]))
+    assert band["band"] == pytest.approx(max(bands.LOSS_FLOOR, bands.LOSS_K * band["sigma"]))
     for p in report["pairs"]:
         assert p["loss_deviation"] <= band["band"]
 
@@ -164,54 +164,54 @@ def test_global_comparison_is_bit_exact_and_names_what_differs():
     from gefen_titan.checkpoint import schema as fmt
 
     ref = _global_dump()
-    st = vr.compare_global_state([ref], [copy.deepcopy(ref)])
+    st = compare_global.compare_global_state([ref], [copy.deepcopy(ref)])
     assert st["exact"] and not st["problems"] and st["momentum_rel_l2"] == 0.0
 
     res = copy.deepcopy(ref)
     res["state"][fmt.codes_key("w")][1, 2] ^= 1  # one code, one bit
-    st = vr.compare_global_state([ref], [res])
+    st = compare_global.compare_global_state([ref], [res])
     assert not st["exact"] and st["entries_differ"] == [fmt.codes_key("w")]
     assert "not bit-exact" in st["problems"][0] and 0 < st["momentum_rel_l2"] < 1
 
     res = copy.deepcopy(ref)
     res["params"]["w"] = res["params"]["w"].double()  # equal values, other dtype
-    assert vr.compare_global_state([ref], [res])["problems"] == ["parameters differ after load (1: w)"]
+    assert compare_global.compare_global_state([ref], [res])["problems"] == ["parameters differ after load (1: w)"]
 
     res = copy.deepcopy(ref)
     res["live"][1]["optimizers"]["w"]["codebook"][7] += 1e-7  # one rank's live codebook
-    assert "the live codebook differs" in vr.compare_global_state([ref], [res])["problems"][0]
+    assert "the live codebook differs" in compare_global.compare_global_state([ref], [res])["problems"][0]
 
     res = copy.deepcopy(ref)
     res["state"]["state.n.exp_avg"][0] += 1  # another optimizer's state
-    assert "non-Gefen optimizer state differs" in vr.compare_global_state([ref], [res])["problems"][0]
+    assert "non-Gefen optimizer state differs" in compare_global.compare_global_state([ref], [res])["problems"][0]
 
     res = copy.deepcopy(ref)
     del res["state"][fmt.vmean_key("w")]
-    st = vr.compare_global_state([ref], [res])
+    st = compare_global.compare_global_state([ref], [res])
     assert f"{fmt.vmean_key('w')} (missing)" in st["entries_differ"]
     assert any("have no optimizer state" in p for p in st["problems"])
 
     res = copy.deepcopy(ref)
     res["covers"] = [0]  # a writer's dump lost
-    assert "do not cover every rank" in vr.compare_global_state([ref], [res])["problems"][0]
+    assert "do not cover every rank" in compare_global.compare_global_state([ref], [res])["problems"][0]
 
 
 def test_blocking_option_reaches_every_run():
-    s = vr.Settings(recipe="recipes/llama_gefen.toml", blocking="per_rank", **CI)
+    s = runs.Settings(recipe="recipes/llama_gefen.toml", blocking="per_rank", **CI)
     args = s.overrides(2)
     assert args[args.index("--optimizer.blocking") + 1] == "per_rank"
-    assert "--optimizer.blocking" not in vr.Settings(recipe="recipes/llama_gefen.toml", **CI).overrides(2)
+    assert "--optimizer.blocking" not in runs.Settings(recipe="recipes/llama_gefen.toml", **CI).overrides(2)
 
 
 def test_equal_runs_share_one_identity():
-    s = vr.Settings(recipe="recipes/llama_gefen.toml", **CI)
-    base2 = vr.run_identity("recipes/llama_gefen.toml", 2, s.overrides(2))
-    assert base2 == vr.run_identity("recipes/llama_gefen_dp2.toml", 2, s.overrides(2))
-    assert base2 != vr.run_identity("recipes/llama_gefen.toml", 4, s.overrides(4))
-    assert base2 != vr.run_identity("recipes/llama_gefen_mixed.toml", 2, s.overrides(2))
-    assert base2 != vr.run_identity("recipes/llama_gefen.toml", 2, s.overrides(2) + ["--optimizer.lr", "1e-3"])
-    v1 = vr.Settings(recipe="recipes/llama_gefen.toml", blocking="per_rank", **CI)
-    assert base2 != vr.run_identity("recipes/llama_gefen.toml", 2, v1.overrides(2))
+    s = runs.Settings(recipe="recipes/llama_gefen.toml", **CI)
+    base2 = identity.run_identity("recipes/llama_gefen.toml", 2, s.overrides(2))
+    assert base2 == identity.run_identity("recipes/llama_gefen_dp2.toml", 2, s.overrides(2))
+    assert base2 != identity.run_identity("recipes/llama_gefen.toml", 4, s.overrides(4))
+    assert base2 != identity.run_identity("recipes/llama_gefen_mixed.toml", 2, s.overrides(2))
+    assert base2 != identity.run_identity("recipes/llama_gefen.toml", 2, s.overrides(2) + ["--optimizer.lr", "1e-3"])
+    v1 = runs.Settings(recipe="recipes/llama_gefen.toml", blocking="per_rank", **CI)
+    assert base2 != identity.run_identity("recipes/llama_gefen.toml", 2, v1.overrides(2))
 
 
 def test_second_difference_noise_measures_batch_noise():
@@ -221,8 +221,8 @@ def test_second_difference_noise_measures_batch_noise():
     sigma = 0.05
     curve = {t: 8.0 - 0.01 * t + rng.gauss(0, sigma) for t in range(1, 2001)}
     # the spread of the difference of two runs' losses: sqrt(2) sigma
-    assert vr.second_difference_noise(curve) == pytest.approx(sigma * 2 ** 0.5, rel=0.05)
-    assert vr.second_difference_noise({1: 8.0, 2: 7.0, 3: 6.0, 4: 5.0}) == 0.0  # a straight line is no noise
+    assert bands.second_difference_noise(curve) == pytest.approx(sigma * 2 ** 0.5, rel=0.05)
+    assert bands.second_difference_noise({1: 8.0, 2: 7.0, 3: 6.0, 4: 5.0}) == 0.0  # a straight line is no noise
 
 
 def test_hook_override_reaches_the_config():
@@ -232,6 +232,7 @@ def test_hook_override_reaches_the_config():
 
     recipe = "recipes/llama_gefen.toml"
     hook = ["gefen_titan.validation.hooks.dump_state", {"dir": "/tmp/x y", "save_steps": [4]}]
-    imports = vr.recipe_imports(recipe)
-    config = load_cli(["--job.config", vr.resolve_recipe(recipe), *vr.imports_flag(imports + [hook])], world_size=2).config
+    imports = recipes.recipe_imports(recipe)
+    argv = ["--job.config", recipes.resolve_recipe(recipe), *runs.imports_flag(imports + [hook])]
+    config = load_cli(argv, world_size=2).config
     assert config.override.imports == imports + [tuple(hook)]

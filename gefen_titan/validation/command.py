@@ -1,0 +1,293 @@
+"""End-to-end reshard validation: save at N data-parallel ranks, resume at M.
+
+The command line is ``gefen-titan validate`` (``python -m gefen_titan
+validate``), from the installed package, with the same flags as the
+checkout's ``scripts/validate_reshard.py`` (and its standard set,
+``scripts/reshard_smoke.sh``); this module is what they run, and what
+``tests/integration/test_validate_reshard.py`` tests. The recipe is a path
+from the current directory; the runs are ``python -m torch.distributed.run
+-m gefen_titan.train`` (``gefen_titan.validation.runs``).
+
+For every pair N:M, with S = ``steps_before`` and K = ``steps_after``:
+
+1. reference: an uninterrupted run at N ranks for S+K steps that checkpoints
+   at step S (``training.steps = S+K`` in every run, so the LR schedule is the
+   same). Its step-S checkpoint is exactly what an interrupted run saves.
+   There is one reference per size that appears in the pairs (targets too:
+   they measure the loss band), shared by all pairs.
+2. resume: the step-S checkpoint copied into the pair's own folder, loaded by
+   ``torchrun --nproc_per_node M -m gefen_titan.train`` (same recipe,
+   ``--checkpoint.load_step S``), trained K more steps.
+3. compare the state right after the load with the reference's state at the
+   save (``gefen_titan.validation.hooks`` dumps both; it is switched on per run
+   through torchtitan's ``--override.imports``):
+
+   * agreed blocking (the default; checkpoint format v2): the dumps are the
+     *global* state (every checkpoint entry gathered with ``full_tensor``,
+     every parameter, and every rank's live periods, codebook, counters and
+     hyperparameters). The load must reproduce it bit for bit, for every
+     pair (splits and merges alike): ``compare_global.compare_global_state``.
+   * per-rank blocking (``blocking="per_rank"``; format v1): the dumps are per
+     rank; parameters bit-exact, Gefen momentum and second moment bit-exact
+     wherever the v1 adapter promises it (a target shard on whole blocks of
+     one source rank, with that rank's codebook adopted), otherwise within
+     the adapter's error bounds; step counters equal; other optimizers'
+     state bit-exact: ``compare_rank.compare_state``.
+
+   Both report the first update the loaded state gives against the
+   reference state's (the Adam-style direction m / (sqrt(v) + eps) for a zero
+   new gradient: the state's whole share of the next step's error), and the
+   loss of steps S+1..S+K against the reference, step by step:
+
+   * elastic loader (torchtitan's per-rank document order): within a band
+     measured on the reference runs (the resumed run reads other documents:
+     the elastic loader hands the unread documents to M ranks, so the losses
+     cannot be equal; ``bands.loss_band``); N->N resumes must match exactly.
+   * global-order loader (``[dataloader] loader = "global_order"``): the
+     resumed run must read the reference's very global batches (every run
+     records them, ``report.compare_batches``), and its losses may differ only by
+     arithmetic: by a same-size rerun's noise for N->N, and for N->M by what
+     the references at the different sizes, which read the same batches
+     too, differ by (another gradient reduction order): ``bands.order_band``.
+     The deviation of every step is reported.
+
+   ``bands.pair_loss_band`` picks the pair's tolerance.
+4. prints a table (pair, loss deviation and band, state and first-update
+   errors, whether the state is exact, checkpoint bytes, save/load seconds),
+   writes ``report.json`` and a PNG of the loss curves (one panel per pair),
+   and returns 1 naming each pair and figure that broke its tolerance
+   (``gefen_titan.validation.report``).
+
+The global batch is held fixed (``training.global_batch_size``, default 16;
+torchtitan turns the per-rank ``local_batch_size`` into gradient
+accumulation), so the curves at different DP sizes are comparable.
+
+Backend: NCCL with one GPU per rank when ``torch.cuda.device_count()`` is at
+least the largest rank count, else gloo on CPU (``CUDA_VISIBLE_DEVICES`` is
+emptied for the runs); ``backend`` forces one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from gefen_titan.validation.bands import LOG_RESOLUTION, LOSS_FLOOR, LOSS_K, loss_band, order_band, pair_loss_band
+from gefen_titan.validation.compare_rank import TOL_MOMENTUM, TOL_UPDATE, TOL_VMEAN
+from gefen_titan.validation.dumps import dumps_params
+from gefen_titan.validation.recipes import resolve_recipe
+from gefen_titan.validation.report import TOLERANCES, compare_batches, evaluate, plot, table
+from gefen_titan.validation.runs import Run, Settings, global_order_batch, reference_run, resume_run
+
+__all__ = ["DESCRIPTION", "add_arguments", "choose_backend", "parse_pairs", "parse_sets", "validate"]
+
+DESCRIPTION = "End-to-end reshard validation: save at N data-parallel ranks, resume at M."
+
+
+def parse_pairs(pairs: str | None, source: int | None = None, target: int | None = None) -> list[tuple[int, int]]:
+    """``"2:4,4:2"`` (or one ``source``/``target``) as [(2, 4), (4, 2)]."""
+    if pairs:
+        out = []
+        for item in pairs.split(","):
+            a, _, b = item.strip().partition(":")
+            out.append((int(a), int(b)))
+        return out
+    if source is None or target is None:
+        raise SystemExit("give --from N --to M, or --pairs N:M,...")
+    return [(source, target)]
+
+
+def parse_sets(items: list[str]) -> list[str]:
+    """``["section.key=value", ...]`` as torchtitan CLI overrides."""
+    extra = []
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit(f"--set {item}: expected SECTION.KEY=VALUE")
+        extra += [f"--{key}", value]
+    return extra
+
+
+def choose_backend(requested: str, max_ranks: int) -> tuple[str, str]:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "nccl":
+        if gpus < max_ranks:
+            raise SystemExit(f"--backend nccl needs {max_ranks} GPUs, {gpus} visible")
+        return "nccl", f"NCCL, one GPU per rank ({gpus} visible)"
+    if requested == "gloo" or gpus < max_ranks:
+        why = "forced" if requested == "gloo" else f"{gpus} GPU(s) visible, {max_ranks} needed for NCCL"
+        return "gloo", f"gloo on CPU ({why})"
+    return "nccl", f"NCCL, one GPU per rank ({gpus} visible)"
+
+
+def validate(*, recipe: str, pairs: str | None = None, source: int | None = None,
+             target: int | None = None, steps_before: int = 4, steps_after: int = 3, global_batch: int = 16,
+             local_batch: int | None = None, sets: list[str] | None = None,
+             out: str = "outputs/validate_reshard", plot_path: str | None = None, backend: str = "auto",
+             reference_cache: str | None = None, blocking: str | None = None,
+             inject_fault: str | None = None) -> int:
+    """The whole validation (``gefen-titan validate`` and
+    ``scripts/validate_reshard.py`` pass their options).
+
+    ``recipe`` is a path from the current directory (SystemExit naming it
+    when there is no such file).
+
+    Returns 0 when every pair is within tolerance, 1 naming each pair and
+    figure that is not (or each resume that failed), 2 when a reference run
+    failed (nothing to validate against).
+    """
+    try:
+        resolve_recipe(recipe)
+    except FileNotFoundError as e:
+        raise SystemExit(f"--recipe: {e}") from None
+    pair_list = parse_pairs(pairs, source, target)
+    if steps_before < 1 or steps_after < 1:
+        raise SystemExit("--steps-before and --steps-after must be >= 1")
+    if blocking not in (None, "agreed", "per_rank"):
+        raise SystemExit(f"--blocking must be agreed or per_rank, got {blocking!r}")
+    chosen, backend_note = choose_backend(backend, max(max(p) for p in pair_list))
+    settings = Settings(recipe=recipe, steps_before=steps_before, steps_after=steps_after,
+                        global_batch=global_batch or None, local_batch=local_batch, extra=parse_sets(sets or []),
+                        backend=chosen, blocking=blocking)
+    out_dir = Path(out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cache = Path(reference_cache).resolve() if reference_cache else None
+    png = Path(plot_path).resolve() if plot_path else out_dir / "loss_curves.png"
+    print(f"validate_reshard: {recipe}, pairs {', '.join(f'{a}->{b}' for a, b in pair_list)}, "
+          f"S={settings.steps_before}, K={settings.steps_after}, global batch {settings.global_batch or 'recipe'}, "
+          f"blocking {blocking or 'of the recipe'}; backend: {backend_note}", flush=True)
+
+    begin = time.monotonic()
+    references: dict[int, Run] = {}
+    # References at every size of the pairs: the sources are what the resumes
+    # are compared with; all of them together measure the loss band.
+    for n in sorted({n for pair in pair_list for n in pair}):
+        try:
+            references[n] = reference_run(settings, n, out=out_dir, cache=cache)
+        except RuntimeError as e:  # nothing to validate against
+            print(f"\nERROR: the reference run at {n} rank(s) failed: {e}", file=sys.stderr)
+            return 2
+    global_batch = global_order_batch(settings)
+    rerun = None
+    if global_batch:
+        # The same-size rerun whose run-to-run noise sets the N->N tolerance.
+        try:
+            rerun = reference_run(settings, pair_list[0][0], out=out_dir, cache=cache, tag="rerun")
+        except RuntimeError as e:
+            print(f"\nERROR: the same-size rerun at {pair_list[0][0]} rank(s) failed: {e}", file=sys.stderr)
+            return 2
+    resumed, crashed = {}, []
+    for a, b in pair_list:
+        try:
+            resumed[(a, b)] = resume_run(settings, references[a], b, out_dir / f"{a}-to-{b}", fault=inject_fault)
+        except RuntimeError as e:  # the resume itself failed: that pair fails
+            crashed.append(f"{a}->{b}: the resumed run failed: {e}")
+    if crashed:
+        print("\nFAILED:", file=sys.stderr)
+        for line in crashed:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+
+    band = order_band(references, rerun, settings) if global_batch else loss_band(references, settings)
+    results = [evaluate(settings, references[a], resumed[(a, b)], pair_loss_band(a, b, band), global_batch)
+               for a, b in pair_list]
+    if global_batch:
+        # The DP-invariance the comparison rests on: every uninterrupted run
+        # read the same global batches.
+        first, *others = sorted(references)
+        for n in others:
+            problems = compare_batches(references[first], references[n], global_batch,
+                                       range(1, settings.total_steps + 1))
+            results[0].failures += [f"references at {first} and {n} rank(s): {p}" for p in problems]
+    n_params = dumps_params(next(iter(references.values())).dumps("save", settings.steps_before))
+    plot(results, settings, png, references)
+    used = sorted({r.state.get("blocking") or "?" for r in results})
+    report = {
+        "recipe": recipe, "backend": chosen, "backend_note": backend_note, "blocking": used,
+        "settings": asdict(settings), "loss_band": band,
+        "data_order": "global" if global_batch else "per_dp_size",
+        "tolerances": {**{b: TOLERANCES[b] for b in used if b in TOLERANCES},
+                       "loss": (f"N->N max({LOG_RESOLUTION}, {LOSS_K} * rerun deviation); N->M max({LOG_RESOLUTION}, "
+                                f"{LOSS_K} * max(rerun, reduction-order deviation))" if global_batch
+                                else f"max({LOSS_FLOOR}, {LOSS_K} * sigma)")},
+        "parameters": n_params, "plot": str(png), "fault": inject_fault,
+        "pairs": [asdict(r) for r in results],
+        "seconds": time.monotonic() - begin,
+    }
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1, default=str))
+
+    print()
+    print(table(results, n_params))
+    refs = ", ".join(str(n) for n in sorted(references))
+    print(f"\nbackend: {backend_note}")
+    if global_batch:
+        print(f"data order: global (the same {global_batch} samples in global batch b at every size); "
+              "every resumed run read the uninterrupted run's batches" if all(r.batches_equal for r in results)
+              else f"data order: global ({global_batch} samples a step); BATCHES DIFFER (see below)")
+        print("loss deviation per step, |resumed - uninterrupted at the source size|:")
+        for r in results:
+            print(f"  {r.pair}: " + ", ".join(f"step {t} {d:.1e}" for t, d in sorted(r.step_deviations.items()))
+                  + f"  (tolerance {r.loss_band:.1e})")
+        print(f"tolerance: N->N {band['band_same_size']:.1e} = max({LOG_RESOLUTION:g}, {LOSS_K:g} x the same-size "
+              f"rerun's deviation {band['rerun_deviation']:.1e} at {band['rerun_size']} rank(s)); N->M "
+              f"{band['band']:.1e} = max({LOG_RESOLUTION:g}, {LOSS_K:g} x max(that, the references at {refs} ranks' "
+              f"deviation {band['reduction_order_deviation']:.1e}: same batches, other gradient reduction order))")
+    else:
+        print(f"loss band (N->M): {band['band']:.4f} = max({LOSS_FLOOR}, {LOSS_K:g} x sigma), "
+              f"sigma {band['sigma']:.4f} = max("
+              f"RMS difference between the references at {refs} ranks {band['sigma_between_references']:.4f}, "
+              f"their second-difference noise {band['sigma_second_difference']:.4f}); N->N: exact")
+    for b in used:
+        if b == "agreed":
+            print("state after load (agreed blocking, checkpoint format v2): bit-exact for every pair: every "
+                  "checkpoint entry and parameter gathered to global tensors, and every rank's periods, "
+                  "codebook, counters and hyperparameters, equal to the save's")
+        elif b == "per_rank":
+            print(f"state after load (per-rank blocking, format v1; relative L2 where not bit-exact): "
+                  f"momentum <= {TOL_MOMENTUM:g}, vmean <= {TOL_VMEAN:g}, first update <= {TOL_UPDATE:g}; "
+                  "parameters and step counters exact")
+    print(f"plot: {png}\nreport: {out_dir / 'report.json'}  ({time.monotonic() - begin:.0f} s)")
+    failures = [f for r in results for f in r.failures]
+    if failures:
+        print("\nFAILED:", file=sys.stderr)
+        for f in failures:
+            print(f"  {f}", file=sys.stderr)
+        print(f"  plot: {png}\n  report: {out_dir / 'report.json'}", file=sys.stderr)
+        return 1
+    print("all pairs within tolerance")
+    return 0
+
+
+def add_arguments(ap: argparse.ArgumentParser, *, recipe_default: str | None = None) -> None:
+    """The validation's flags (``gefen-titan validate``, ``scripts/validate_reshard.py``).
+
+    ``recipe_default``: the checkout's script has a default recipe; the
+    package has none (its recipes are the user's), so there ``--recipe`` is required.
+    """
+    ap.add_argument("--recipe", default=recipe_default, required=recipe_default is None,
+                    help="the recipe, a path from the current directory"
+                    + (f" (default {recipe_default})" if recipe_default else ""))
+    ap.add_argument("--from", dest="source", type=int)
+    ap.add_argument("--to", dest="target", type=int)
+    ap.add_argument("--pairs", help="comma-separated N:M pairs, e.g. 2:4,4:2,2:1")
+    ap.add_argument("--steps-before", type=int, default=4, help="S: checkpoint step (default 4)")
+    ap.add_argument("--steps-after", type=int, default=3, help="K: steps after the resume (default 3)")
+    ap.add_argument("--global-batch", type=int, default=16,
+                    help="training.global_batch_size for every run (0: the recipe's)")
+    ap.add_argument("--local-batch", type=int, help="training.local_batch_size (default: the recipe's)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="another override for every run")
+    ap.add_argument("--blocking", choices=("agreed", "per_rank"),
+                    help="optimizer.blocking for every run (default: the recipe's, normally agreed)")
+    ap.add_argument("--out", default="outputs/validate_reshard", help="folder for the runs, report.json and the plot")
+    ap.add_argument("--plot", dest="plot_path", metavar="PNG", help="PNG path (default <out>/loss_curves.png)")
+    ap.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    ap.add_argument("--reference-cache", help="keep reference runs here and reuse those of the same identity")
+    ap.add_argument("--inject-fault", choices=("drop-optimizer",), help=argparse.SUPPRESS)
+

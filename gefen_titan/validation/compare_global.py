@@ -1,0 +1,215 @@
+"""Agreed blocking (checkpoint format v2): the global state after a load against the global state at the save.
+
+Format v2 makes the whole state a function of the model alone, and DCP
+reshards it with no requantization (``docs/checkpoint_format.md``), so the
+comparison has no tolerance: everything must be bit-exact, for splits and
+merges alike. The inputs are the global dumps of
+``gefen_titan.validation.hooks`` (``dumps.merge_global`` joins the writers').
+Record JSON and entry keys are read only through
+``gefen_titan.checkpoint.schema``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from gefen_titan.checkpoint import schema
+from gefen_titan.validation.dumps import first_update, merge_global, rel_l2
+
+__all__ = ["compare_global_state"]
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+    return a == b
+
+
+def _records(state: dict[str, Any]) -> dict[str, tuple[str, schema.ParamRecord]]:
+    """fqn -> (optimizer id, the saved v2 record of a Gefen parameter)."""
+    out = {}
+    for key, value in state.items():
+        parsed = schema.parse_key(key)
+        if parsed is not None and parsed.kind == "optimizer":
+            for p in schema.OptimizerRecord.from_json(value, parsed.name).params:
+                out[p.fqn] = (parsed.name, p)
+    return out
+
+
+def _record_difference(a: str, b: str, opt: str) -> str:
+    """The first field in which two records of an optimizer differ."""
+    try:
+        ra, rb = schema.OptimizerRecord.from_json(a, opt), schema.OptimizerRecord.from_json(b, opt)
+    except schema.FormatError as e:
+        return str(e)
+    for key in ("blocking", "deterministic", "global_step"):
+        if getattr(ra, key) != getattr(rb, key):
+            return f"{key} {getattr(rb, key)} != saved {getattr(ra, key)}"
+    pa = {p.fqn: p.to_dict() for p in ra.params}
+    pb = {p.fqn: p.to_dict() for p in rb.params}
+    for fqn in pa:
+        if fqn not in pb:
+            return f"{fqn} missing"
+        for key in sorted(set(pa[fqn]) | set(pb[fqn])):
+            if pa[fqn].get(key) != pb[fqn].get(key):
+                return f"{fqn} {key} {pb[fqn].get(key)} != saved {pa[fqn].get(key)}"
+    return "parameter order"
+
+
+def _dense(state: dict[str, Any], fqn: str, period: int, codebook):
+    """Dense momentum and per-element vmean of one parameter from v2 entries
+    (Gefen's dequantization: codebook[codes] * magnitude), or None."""
+    keys = schema.param_tensor_keys(fqn)
+    codes, mag, vmean = (state.get(keys[name]) for name in schema.PARAM_TENSORS)
+    if codes is None or mag is None or vmean is None or codebook is None:
+        return None
+    m = codebook.float().index_select(0, codes.reshape(-1).long()).reshape(codes.shape)
+    if codes.dim():
+        m = m * mag.float().repeat_interleave(period, dim=-1)
+        v = vmean.float().repeat_interleave(period, dim=-1)
+    else:
+        m, v = m * mag.float(), vmean.float()
+    return m.reshape(-1), v.reshape(-1)
+
+
+def compare_global_state(ref_dumps: list[dict], res_dumps: list[dict]) -> dict[str, Any]:
+    """Agreed blocking (format v2): the global state right after the load
+    against the global state at the save. Everything must be bit-exact.
+
+    * every parameter (gathered) equal in dtype and value;
+    * every entry of the optimizer container's ``state_dict()`` (Gefen codes,
+      magnitudes, ``vmean``, records and codebook; other optimizers' flat
+      state), gathered, equal; none missing, none extra;
+    * on every rank of the resumed run, the live facts equal the saved job's:
+      each Gefen parameter's period, step, ``vmean_step`` and
+      hyperparameters, each Gefen optimizer's codebook (on every rank that
+      holds state) and global step.
+
+    The momentum, ``vmean`` and first-update errors are computed as for
+    per-rank blocking (and are 0 when the state is exact).
+    """
+    ref, res = merge_global(ref_dumps), merge_global(res_dumps)
+    problems: list[str] = []
+    if not ref["complete"] or not res["complete"]:
+        problems.append("the global dumps do not cover every rank")
+
+    param_mismatch = [fqn for fqn, t in ref["params"].items() if not _same(t, res["params"].get(fqn))]
+    param_mismatch += [fqn for fqn in res["params"] if fqn not in ref["params"]]
+    if param_mismatch:
+        problems.append(f"parameters differ after load ({len(param_mismatch)}: {', '.join(param_mismatch[:3])})")
+
+    # Every checkpoint entry.
+    rs, ss = ref["state"], res["state"]
+    differ: list[str] = []
+    for key, value in rs.items():
+        if key not in ss:
+            differ.append(f"{key} (missing)")
+        elif not _same(value, ss[key]):
+            parsed = schema.parse_key(key)
+            if parsed is not None and parsed.kind == "optimizer":
+                differ.append(f"{key} ({_record_difference(value, ss[key], parsed.name)})")
+            else:
+                differ.append(key)
+    differ += [f"{key} (extra)" for key in ss if key not in rs]
+    gefen_differ = [d for d in differ if schema.is_gefen_key(d)]
+    other_differ = [d for d in differ if not schema.is_gefen_key(d)]
+
+    # Live facts on every rank against the saved job's.
+    saved_params: dict[str, dict] = {}
+    saved_opts: dict[str, dict] = {}
+    for live in ref["live"]:
+        for fqn, rec in live["params"].items():
+            saved_params.setdefault(fqn, rec)
+        for opt_id, rec in live["optimizers"].items():
+            if opt_id not in saved_opts or saved_opts[opt_id]["codebook"] is None:
+                saved_opts[opt_id] = rec
+    counters, lrs, books, gsteps = [], [], [], []
+    for rank, live in enumerate(res["live"]):
+        for fqn, rec in live["params"].items():
+            want = saved_params.get(fqn)
+            if want is None:
+                continue
+            got = (rec["period"], rec["step"], rec["vmean_step"])
+            saved = (want["period"], want["step"], want["vmean_step"])
+            if got != saved:
+                counters.append(f"{fqn} on rank {rank}: {got} != saved {saved}")
+            if rec["hyper"] != want["hyper"]:
+                lrs.append(f"{fqn} on rank {rank}: lr {rec['hyper']['lr']:g} != saved {want['hyper']['lr']:g}"
+                           if rec["hyper"]["lr"] != want["hyper"]["lr"] else f"{fqn} on rank {rank}: {rec['hyper']}")
+        for opt_id, rec in live["optimizers"].items():
+            want = saved_opts.get(opt_id)
+            if want is None:
+                continue
+            holds = any(p["has_state"] for p in live["params"].values() if p["optimizer"] == opt_id)
+            cb = rec["codebook"]
+            if (cb is None and holds) or (cb is not None and not _same(want["codebook"], cb)):
+                books.append(f"{opt_id} on rank {rank}")
+            if rec["global_step"] != want["global_step"]:
+                gsteps.append(f"{opt_id} on rank {rank}: {rec['global_step']} != saved {want['global_step']}")
+    if counters:
+        problems.append(f"step counters (period, step, vmean_step) differ after the load in {len(counters)} "
+                        f"(parameter, rank) pairs, e.g. {counters[0]}")
+    if lrs:
+        problems.append(f"learning rate or other hyperparameters differ after the load in {len(lrs)} "
+                        f"(parameter, rank) pairs, e.g. {lrs[0]}")
+    if books:
+        problems.append(f"the live codebook differs from the saved one ({len(books)}: {', '.join(books[:3])})")
+    if gsteps:
+        problems.append(f"global step differs after the load ({len(gsteps)}, e.g. {gsteps[0]})")
+
+    # Dense figures (0 where exact), over the saved Gefen parameters with state.
+    records = _records(rs)
+    num = {"m": 0.0, "v": 0.0, "u": 0.0}
+    den = {"m": 0.0, "v": 0.0, "u": 0.0}
+    worst_update, total, missing = 0.0, 0, 0
+    for fqn, (opt_id, rec) in records.items():
+        period = rec.period
+        if not period:
+            continue
+        cb_ref = rs.get(schema.codebook_key(opt_id))
+        saved = _dense(rs, fqn, period, cb_ref)
+        if saved is None:
+            continue
+        m_ref, v_ref = saved
+        total += m_ref.numel()
+        loaded = _dense(ss, fqn, period, ss.get(schema.codebook_key(opt_id)))
+        if loaded is None:
+            missing += m_ref.numel()
+            m_res, v_res = torch.zeros_like(m_ref), torch.zeros_like(v_ref)
+        else:
+            m_res, v_res = loaded
+        vstep = rec.vmean_step + 1
+        u_ref = first_update(m_ref, v_ref, rec.group, vstep)
+        u_res = first_update(m_res, v_res, rec.group, vstep)
+        for key, (a, b) in {"m": (m_res, m_ref), "v": (v_res, v_ref), "u": (u_res, u_ref)}.items():
+            num[key] += float((a - b).double().square().sum())
+            den[key] += float(b.double().square().sum())
+        worst_update = max(worst_update, rel_l2(u_res, u_ref))
+    if missing:
+        problems.append(f"{missing} of {total} Gefen elements have no optimizer state after the load")
+    if gefen_differ:
+        problems.append(f"Gefen state after the load is not bit-exact (format v2 promises it): {len(gefen_differ)} "
+                        f"of {sum(schema.is_gefen_key(k) for k in rs)} checkpoint entries differ, e.g. "
+                        f"{', '.join(gefen_differ[:3])}")
+    if other_differ:
+        problems.append(f"non-Gefen optimizer state differs after load ({', '.join(other_differ[:3])})")
+
+    rel = {k: math.sqrt(num[k] / den[k]) if den[k] > 0 else 0.0 for k in num}
+    exact = not problems
+    return {
+        "blocking": "agreed",
+        "exact": exact,
+        "params_exact": not param_mismatch,
+        "momentum_rel_l2": rel["m"],
+        "vmean_rel_l2": rel["v"],
+        "first_update_rel_l2": rel["u"],
+        "first_update_worst_param": worst_update,
+        "entries": len(rs),
+        "entries_differ": differ,
+        "gefen_elements": total,
+        "problems": problems,
+    }
+

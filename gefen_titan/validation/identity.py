@@ -1,0 +1,91 @@
+"""What a run computes, as a key: the reference cache (``--reference-cache``) reuses a run of equal key.
+
+A key holds the merged recipe tables and flags (the config), and also the
+code that runs them: a digest of the installed ``gefen_titan`` package's
+files (its modules, the patches it applies and its assets) and the versions
+of the libraries whose arithmetic training runs (torch, torchtitan, gefen-x).
+A reference trained before an edit of the optimizer, or under another torch,
+is another run, and is never handed to a validator as if it were this one.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from importlib import metadata
+from pathlib import Path
+
+import gefen_titan
+from gefen_titan import patches
+from gefen_titan.validation.hooks import DUMP_VERSION
+from gefen_titan.validation.recipes import merged_tables
+
+__all__ = ["LIBRARIES", "code_digest", "installed_code_digest", "library_versions", "package_roots", "run_identity"]
+
+# The distributions whose code a training run executes, besides gefen_titan.
+LIBRARIES = ("torch", "torchtitan", "gefen-x")
+
+
+def package_roots() -> list[Path]:
+    """The folders of the installed package: ``gefen_titan`` and its
+    ``patches`` (a separate folder in a checkout, ``patches/``)."""
+    roots = {Path(p).resolve() for p in [*gefen_titan.__path__, *patches.__path__]}
+    # In a wheel patches/ lies inside gefen_titan/: hash it once.
+    return sorted(r for r in roots if not any(o in r.parents for o in roots))
+
+
+def code_digest(roots: list[Path]) -> str:
+    """sha256 over every file under ``roots`` (relative path and bytes),
+    compiled caches left out: it changes with any edit of the code."""
+    h = hashlib.sha256()
+    for root in roots:
+        files = sorted(p for p in root.rglob("*")
+                       if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
+        for path in files:
+            h.update(f"{root.name}/{path.relative_to(root).as_posix()}\0".encode())
+            h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()
+
+
+@functools.cache
+def installed_code_digest() -> str:
+    """``code_digest`` of the package this process imported (computed once)."""
+    return code_digest(package_roots())
+
+
+def library_versions() -> dict[str, str]:
+    """The installed version of each of ``LIBRARIES`` ("?" where absent)."""
+    out = {}
+    for dist in LIBRARIES:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "?"
+    return out
+
+
+def run_identity(recipe: str, nproc: int, overrides: list[str], *, code: str | None = None,
+                 versions: dict[str, str] | None = None) -> str:
+    """What a run computes: the merged recipe tables plus the recipe flags of
+    the overrides, with the fields that do not change training (description,
+    dump folder) left out, the other (torchtitan) flags as given, the version
+    of the state dumps it holds, the code digest (``code``, default: the
+    installed package's) and the library versions (``versions``, default: the
+    installed ones).
+
+    Two recipes that resolve to the same tables (``llama_gefen.toml`` at 2
+    ranks and ``llama_gefen_dp2.toml``) are the same run.
+    """
+    data, flags = merged_tables(recipe, overrides)
+    job = data.get("job", {})
+    for key in ("description", "dump_folder", "extends"):
+        job.pop(key, None)
+    par = data.setdefault("parallelism", {})
+    if par.get("data_parallel_shard_degree", -1) == -1:
+        par["data_parallel_shard_degree"] = nproc
+    blob = json.dumps({"nproc": nproc, "tables": data, "flags": flags, "dumps": DUMP_VERSION,
+                       "code": installed_code_digest() if code is None else code,
+                       "versions": library_versions() if versions is None else versions},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

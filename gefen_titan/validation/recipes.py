@@ -1,0 +1,69 @@
+"""The recipe as the reshard validation reads it: where it is, its tables, its imports, its config.
+
+Every read of the recipe layer (``gefen_titan.recipe``) by the validation goes
+through here, so a change of that layer's names touches one module.
+
+Recipe paths are resolved against the current directory only: the
+validation runs from an installed wheel as well as from a checkout, so it
+knows no folder of its own to look in (``scripts/validate_reshard.py``, a
+command line of the checkout, adds the checkout's ``recipes/`` itself).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# Underscore names of the recipe layer; its restructure renames them
+# (read_recipe_tables, merge_tables in gefen_titan.recipe.files): change here only.
+from gefen_titan.recipe.build import _merge, _read_recipe_data, build_recipe, declared_world_size, load_recipe
+from gefen_titan.recipe.cli import parse_cli, parse_flags
+
+__all__ = ["config_of", "merged_tables", "recipe_imports", "recipe_tables", "recipe_world_size", "resolve_recipe"]
+
+
+def resolve_recipe(recipe: str) -> str:
+    """The recipe's absolute path, resolved against the current directory.
+
+    Raises FileNotFoundError naming the path given and the path tried.
+    """
+    path = Path(recipe).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"recipe {recipe!r} not found (looked for {path}, relative to the current "
+                                f"directory {Path.cwd()})")
+    return str(path)
+
+
+def recipe_tables(recipe: str) -> dict[str, Any]:
+    """The recipe's TOML tables with ``extends`` resolved."""
+    return _read_recipe_data(resolve_recipe(recipe))
+
+
+def recipe_world_size(recipe: str) -> int:
+    """The number of processes the recipe's own mesh declares."""
+    return declared_world_size(resolve_recipe(recipe))
+
+
+def merged_tables(recipe: str, overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """The recipe's tables (``extends`` resolved) with the recipe flags of
+    ``overrides`` merged in, and the other (torchtitan) flags as given."""
+    recipe = resolve_recipe(recipe)
+    data = _read_recipe_data(recipe)
+    cl = parse_cli(["--job.config", recipe, *overrides])
+    _merge(data, cl.overrides, recipe)
+    return data, cl.args
+
+
+def config_of(recipe: str, overrides: list[str]) -> Any:
+    """The ``Trainer.Config`` a run of the recipe with these flags builds,
+    without the mesh check (it is asked once for every size)."""
+    cl = parse_cli(["--job.config", resolve_recipe(recipe), *overrides])
+    return parse_flags(build_recipe(cl.path, cl.overrides).config, cl.args)
+
+
+def recipe_imports(recipe: str) -> list[Any]:
+    """The recipe's own ``[override] imports``, as JSON-able entries (a target, or [target, kwargs])."""
+    # Only [override] is read: any world size the recipe's own mesh accepts.
+    path = resolve_recipe(recipe)
+    imports = load_recipe(path, world_size=declared_world_size(path)).config.override.imports
+    return [e if isinstance(e, str) else [e[0], dict(e[1])] for e in imports]

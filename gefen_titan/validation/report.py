@@ -1,0 +1,189 @@
+"""One pair's verdict and the validation's report: ``evaluate``, the table, the plot.
+
+``evaluate`` checks a resumed run against its reference: the losses of
+steps S+1..S+K within the pair's band, the batches read (global order), and
+the state after the load (``compare_global.compare_global_state`` under
+agreed blocking, ``compare_rank.compare_state`` under per-rank blocking)
+within ``TOLERANCES``. ``table`` and ``plot`` show the pairs; the command
+(``gefen_titan.validation.command``) writes them with ``report.json``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from gefen_titan.validation.compare_global import compare_global_state
+from gefen_titan.validation.compare_rank import TOL_MOMENTUM, TOL_UPDATE, TOL_VMEAN, compare_state
+from gefen_titan.validation.dumps import dumps_blocking, dumps_complete, dumps_seconds
+from gefen_titan.validation.runs import Run, Settings, checkpoint_bytes
+
+__all__ = ["TOLERANCES", "PairResult", "compare_batches", "evaluate", "plot", "state_verdict", "table"]
+
+# The state figures' tolerances by blocking. Per-rank (format v1): the v1
+# adapter's bounds where it does not promise bit-exactness. Agreed (format
+# v2): none, every figure must be 0 and every entry equal.
+TOLERANCES = {
+    "per_rank": {"momentum_rel_l2": TOL_MOMENTUM, "vmean_rel_l2": TOL_VMEAN, "first_update_rel_l2": TOL_UPDATE},
+    "agreed": {"momentum_rel_l2": 0.0, "vmean_rel_l2": 0.0, "first_update_rel_l2": 0.0},
+}
+
+
+@dataclass
+class PairResult:
+    pair: str
+    source: int
+    target: int
+    backend: str
+    reference_losses: dict[int, float]
+    resumed_losses: dict[int, float]
+    loss_deviation: float
+    loss_band: float
+    state: dict[str, Any]
+    checkpoint: dict[str, Any]
+    save_seconds: float
+    load_seconds: float
+    failures: list[str]
+    step_deviations: dict[int, float] = field(default_factory=dict)  # step -> |resumed - reference|
+    data_order: str = "per_dp_size"  # or "global": the same global batches at every size
+    batches_equal: bool | None = None  # global order: the resumed run read the reference's batches
+
+
+def compare_batches(ref: Run, res: Run, global_batch: int, steps: range) -> list[str]:
+    """Problems (none when equal) of the resumed run's global batches against
+    the reference's, at the given steps."""
+    want, got = ref.batches(global_batch), res.batches(global_batch)
+    problems = []
+    for t in steps:
+        if t not in want or t not in got:
+            problems.append(f"no batch record for step {t} ({'reference' if t not in want else 'resumed run'})")
+        elif want[t] != got[t]:
+            extra, lost = sorted(set(got[t]) - set(want[t])), sorted(set(want[t]) - set(got[t]))
+            problems.append(f"step {t} read other samples than the uninterrupted run at {ref.nproc} rank(s) "
+                            f"({len(extra)} not in it, e.g. {extra[:3]}; {len(lost)} missing, e.g. {lost[:3]})"
+                            if extra or lost else f"step {t} read some samples twice")
+    return problems
+
+
+def evaluate(settings: Settings, ref: Run, res: Run, band: float, global_batch: int | None = None) -> PairResult:
+    pair = f"{ref.nproc}->{res.nproc}"
+    s = settings.steps_before
+    window = range(s + 1, settings.total_steps + 1)
+    failures = []
+    missing_steps = [t for t in window if t not in res.losses or t not in ref.losses]
+    if missing_steps:
+        failures.append(f"{pair}: no loss logged for step(s) {missing_steps}")
+    step_devs = {t: abs(res.losses[t] - ref.losses[t]) for t in window if t in res.losses and t in ref.losses}
+    dev = max(step_devs.values()) if step_devs else float("inf")
+    batches_equal = None
+    if global_batch:
+        batch_problems = compare_batches(ref, res, global_batch, window)
+        batches_equal = not batch_problems
+        failures += [f"{pair}: {p}" for p in batch_problems]
+    if not all(math.isfinite(res.losses.get(t, float("nan"))) for t in window):
+        failures.append(f"{pair}: non-finite loss after resume")
+    if dev > band:
+        failures.append(f"{pair}: max loss deviation {dev:.4f} > band {band:.4f}")
+
+    ref_dumps, res_dumps = ref.dumps("save", s), res.dumps("load", s)
+    blocking = dumps_blocking(ref_dumps) or dumps_blocking(res_dumps)
+    if not (dumps_complete(ref_dumps, ref.nproc) and dumps_complete(res_dumps, res.nproc)) \
+            or dumps_blocking(res_dumps) != blocking:
+        failures.append(f"{pair}: state dumps missing or mismatched ({len(ref_dumps)} file(s) saved at {ref.nproc} "
+                        f"rank(s), {len(res_dumps)} loaded at {res.nproc}; blocking "
+                        f"{dumps_blocking(ref_dumps) or '?'} / {dumps_blocking(res_dumps) or '?'})")
+        state: dict[str, Any] = {"blocking": blocking, "exact": False, "problems": ["no dumps"]}
+    else:
+        state = (compare_global_state if blocking == "agreed" else compare_state)(ref_dumps, res_dumps)
+        failures += [f"{pair}: {p}" for p in state["problems"]]
+        for key, what in (("momentum_rel_l2", "momentum error"), ("vmean_rel_l2", "second-moment error"),
+                          ("first_update_rel_l2", "first-update error")):
+            tol = TOLERANCES[blocking][key]
+            if not state[key] <= tol:
+                failures.append(f"{pair}: {what} {state[key]:.3g} > {tol:g}")
+    ckpt = checkpoint_bytes(Path(ref.folder, "checkpoint", f"step-{s}"))
+    return PairResult(pair, ref.nproc, res.nproc, settings.backend, ref.losses, res.losses, dev, band,
+                      state, ckpt, dumps_seconds(ref_dumps), dumps_seconds(res_dumps), failures, step_devs,
+                      "global" if global_batch else "per_dp_size", batches_equal)
+
+
+def state_verdict(state: dict[str, Any]) -> str:
+    """The table's ``state`` column: ``exact`` when the state after the load
+    equals the saved state bit for bit."""
+    if state.get("exact"):
+        return "exact"
+    if state.get("blocking") == "per_rank" and "exact_promised_fraction" in state:
+        # v1: the share of the elements the adapter promises exact (the rest within bounds)
+        return f"{100 * state['exact_promised_fraction']:.0f}% exact" + ("" if state.get("exact_held") else " BROKEN")
+    return "DIFFER"
+
+
+def _loss_figure(x: float) -> str:
+    # Global-order tolerances sit at float rounding, far below 4 decimals.
+    return f"{x:.4f}" if x == 0 or x >= 1e-3 else f"{x:.1e}"
+
+
+def table(results: list[PairResult], n_params: int | None) -> str:
+    head = ("pair", "max|dloss|", "band", "momentum", "vmean", "1st update", "state", "params",
+            "ckpt MB", "opt B/param", "save s", "load s", "verdict")
+    rows = [head]
+    for r in results:
+        st = r.state
+        opt_bpp = r.checkpoint["optimizer"] / n_params if n_params else float("nan")
+        rows.append((
+            r.pair, _loss_figure(r.loss_deviation), _loss_figure(r.loss_band),
+            f"{st.get('momentum_rel_l2', float('nan')):.2e}", f"{st.get('vmean_rel_l2', float('nan')):.2e}",
+            f"{st.get('first_update_rel_l2', float('nan')):.2e}", state_verdict(st),
+            "exact" if st.get("params_exact") else "DIFFER",
+            f"{r.checkpoint['total'] / 1e6:.1f}", f"{opt_bpp:.3f}",
+            f"{r.save_seconds:.2f}", f"{r.load_seconds:.2f}", "FAIL" if r.failures else "ok",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot(results: list[PairResult], settings: Settings, path: Path, references: dict[int, Run] | None = None) -> None:
+    """A PNG of the loss curves, one panel per pair: the reference, the
+    band, the resumed run and the uninterrupted run at the target size."""
+    n = len(results)
+    # A bare Figure (no pyplot): renders with Agg and sets no global backend.
+    fig = Figure(figsize=(3.6 * n, 3.0))
+    axes = fig.subplots(1, n, squeeze=False, sharey=True)
+    s = settings.steps_before
+    for ax, r in zip(axes[0], results):
+        ref = sorted(r.reference_losses.items())
+        res = sorted(r.resumed_losses.items())
+        other = (references or {}).get(r.target)
+        if other is not None and r.target != r.source:
+            pts = sorted(other.losses.items())
+            ax.plot([t for t, _ in pts], [v for _, v in pts], "-", lw=1, color="grey", alpha=0.6,
+                    label=f"uninterrupted at {r.target} ranks")
+        ax.plot([t for t, _ in ref], [v for _, v in ref], "-o", ms=3, color="tab:blue",
+                label=f"reference ({r.source} ranks)")
+        win = [(t, v) for t, v in ref if t > s]
+        if win:
+            ax.fill_between([t for t, _ in win], [v - r.loss_band for _, v in win], [v + r.loss_band for _, v in win],
+                            color="tab:blue", alpha=0.15, lw=0, label="tolerance band")
+        ax.plot([t for t, _ in res], [v for _, v in res], "s--", ms=4, color="tab:red" if r.failures else "tab:orange",
+                label=f"resumed ({r.target} ranks)")
+        ax.axvline(s + 0.5, color="grey", lw=0.8, ls=":")
+        state = "state exact" if r.state.get("exact") else \
+            f"1st upd {r.state.get('first_update_rel_l2', float('nan')):.1e}"
+        ax.set_title(f"{r.pair}: |dloss| {r.loss_deviation:.3f}, {state}" + (" FAIL" if r.failures else ""), fontsize=8)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6)
+    axes[0][0].set_ylabel("loss", fontsize=8)
+    blocking = next((r.state.get("blocking") for r in results if r.state.get("blocking")), None)
+    fig.suptitle(f"{Path(settings.recipe).name}: save at step {s}, resume, {settings.steps_after} more steps "
+                 f"({settings.backend}{', ' + blocking + ' blocking' if blocking else ''})", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+

@@ -1,0 +1,260 @@
+"""The runs of a reshard validation: torchrun launches of ``gefen_titan.train`` and the reference cache.
+
+Every run is ``python -m torch.distributed.run --nproc_per_node N -m
+gefen_titan.train`` with the recipe, the settings' overrides and the dump
+hooks of ``gefen_titan.validation.hooks`` (switched on through torchtitan's
+``--override.imports``), so it trains the installed package as a user's
+run does, from any directory. A reference is the uninterrupted run at N
+ranks that checkpoints at step S; a resume loads a copy of that checkpoint
+at M ranks. References are kept under ``--reference-cache`` by their
+identity (``gefen_titan.validation.identity``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torchtitan.config.override import format_cli_imports
+
+from gefen_titan.data.global_loader import GlobalOrderDataLoader
+from gefen_titan.validation.identity import run_identity
+from gefen_titan.validation.recipes import config_of, recipe_imports, recipe_tables, resolve_recipe
+
+__all__ = [
+    "BATCH_HOOK", "CI_SETTINGS", "HOOK", "Run", "Settings",
+    "checkpoint_bytes", "free_port", "global_order_batch", "imports_flag", "launch", "parse_losses",
+    "reference_run", "resume_run", "run_env",
+]
+
+HOOK = "gefen_titan.validation.hooks.dump_state"
+BATCH_HOOK = "gefen_titan.validation.hooks.record_batches"
+STEP_RE = re.compile(r"step:\s+(\d+)\s+\S*\s*loss:\s+([0-9.eE+-]+)")
+ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
+
+# The settings CI uses (tests/integration/test_validate_reshard.py and the
+# stored recipe curves, scripts/update_reference_curves.py): small, so a run
+# is seconds of compute. Runs with equal settings share one reference (reference_cache).
+CI_SETTINGS = {"steps_before": 4, "steps_after": 3, "global_batch": 8, "local_batch": 2}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_losses(log: str) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for step, loss in STEP_RE.findall(ANSI_RE.sub("", log)):
+        # Pipeline stages other than the last log a negative placeholder
+        # (torchtitan: -1 per microbatch step); only the last stage has the loss.
+        if float(loss) >= 0:
+            out.setdefault(int(step), float(loss))
+    return out
+
+
+def imports_flag(imports: list[Any]) -> list[str]:
+    """``--override.imports`` with these entries (a target, or [target,
+    kwargs]), in torchtitan's CLI form (``target`` / ``target={json}``)."""
+    return ["--override.imports", *format_cli_imports([e if isinstance(e, str) else (e[0], e[1]) for e in imports])]
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def checkpoint_bytes(step_dir: Path) -> dict[str, Any]:
+    """Bytes on disk of the step-S checkpoint, and the optimizer's share of
+    them (the stored lengths of the ``optimizer.`` items, from DCP's metadata)."""
+    meta = FileSystemReader(str(step_dir)).read_metadata()
+    opt = sum(info.length for index, info in meta.storage_data.items() if index.fqn.startswith("optimizer."))
+    return {"total": dir_bytes(step_dir), "optimizer": opt}
+
+
+@dataclass
+class Settings:
+    recipe: str
+    steps_before: int = 4
+    steps_after: int = 3
+    global_batch: int | None = 16
+    local_batch: int | None = None
+    extra: list[str] = field(default_factory=list)  # more "--section.key value" overrides
+    backend: str = "gloo"
+    blocking: str | None = None  # optimizer.blocking for every run (None: the recipe's)
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps_before + self.steps_after
+
+    def overrides(self, nproc: int) -> list[str]:
+        """Overrides every run gets (reference and resume alike)."""
+        # The data-parallel shard degree takes what the recipe's other
+        # degrees (TP, PP, CP, replicate) leave of the processes.
+        par = recipe_tables(self.recipe).get("parallelism", {})
+        others = 1
+        for key in ("data_parallel_replicate_degree", "context_parallel_degree", "tensor_parallel_degree",
+                    "pipeline_parallel_degree"):
+            others *= max(1, int(par.get(key, 1)))
+        shard = nproc // others if nproc % others == 0 else nproc
+        args = [
+            "--training.steps", str(self.total_steps),
+            "--parallelism.data_parallel_shard_degree", str(shard),
+            "--checkpoint.enable", "true",
+            "--checkpoint.interval", str(self.steps_before),
+            "--checkpoint.keep_latest_k", "0",
+            "--checkpoint.last_save_model_only", "true",  # the end state is not compared
+            "--metrics.log_freq", "1",
+        ]
+        if self.global_batch:
+            args += ["--training.global_batch_size", str(self.global_batch)]
+        if self.local_batch:
+            args += ["--training.local_batch_size", str(self.local_batch)]
+        if self.blocking:
+            args += ["--optimizer.blocking", self.blocking]
+        return args + list(self.extra)
+
+
+def global_order_batch(settings: Settings) -> int | None:
+    """The global batch size when the runs use the DP-invariant global-order
+    loader (``[dataloader] loader = "global_order"``), else None.
+
+    With it every run reads the same global batch b at every DP size, so the
+    resumed losses are compared with the reference's step by step
+    (``bands.order_band``) and the batches themselves are checked (``Run.batches``).
+    """
+    config = config_of(settings.recipe, settings.overrides(1))
+    if not isinstance(config.dataloader, GlobalOrderDataLoader.Config):
+        return None
+    return int(config.training.global_batch_size)
+
+
+@dataclass
+class Run:
+    """One torchrun launch: its folder, log, loss curve and dumps."""
+
+    folder: str
+    nproc: int
+    losses: dict[int, float]
+    seconds: float
+    identity: str = ""
+
+    def dumps(self, kind: str, step: int) -> list[dict]:
+        """The hook's dumps of a load or save: one per rank (per-rank
+        blocking) or one per writer of the global state (agreed blocking)."""
+        files = sorted(Path(self.folder, "validate").glob(f"{kind}-{step}-*rank*.pt"),
+                       key=lambda p: int(p.stem.rsplit("rank", 1)[1]))
+        return [torch.load(f, weights_only=True) for f in files]
+
+    def batches(self, global_batch: int) -> dict[int, list[int]]:
+        """step -> the sorted global sample ids of that step's batch, from every
+        rank's record (global-order runs only; ``hooks.record_batches``)."""
+        out: dict[int, list[int]] = {}
+        for f in Path(self.folder, "batches").glob("batches-*.jsonl"):
+            for line in f.read_text().splitlines():
+                row = json.loads(line)
+                out.setdefault(row["start"] // global_batch + 1, []).extend(row["sample_ids"])
+        return {step: sorted(ids) for step, ids in sorted(out.items())}
+
+
+def launch(settings: Settings, nproc: int, folder: Path, extra: list[str], *, save_steps: list[int],
+           env: dict[str, str], quiet: bool = False) -> Run:
+    """``torchrun --nproc_per_node nproc -m gefen_titan.train`` with the dump hook on."""
+    folder.mkdir(parents=True, exist_ok=True)
+    hook = [HOOK, {"dir": str(folder / "validate"), "save_steps": save_steps}]
+    imports = recipe_imports(settings.recipe) + [hook]
+    if global_order_batch(settings):
+        imports.append([BATCH_HOOK, {"dir": str(folder / "batches")}])
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        f"--master-port={free_port()}", "-m", "gefen_titan.train",
+        "--job.config", resolve_recipe(settings.recipe), "--job.dump_folder", str(folder),
+        *settings.overrides(nproc), *extra,
+        *imports_flag(imports),
+    ]
+    if not quiet:
+        print(f"  $ torchrun --nproc_per_node={nproc} -m gefen_titan.train ... --job.dump_folder {folder} "
+              f"{' '.join(extra)}", flush=True)
+    begin = time.monotonic()
+    with open(folder / "train.log", "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    seconds = time.monotonic() - begin
+    text = (folder / "train.log").read_text(errors="replace")
+    if proc.returncode != 0:
+        raise RuntimeError(f"run in {folder} failed (exit {proc.returncode}); last lines of {folder / 'train.log'}:\n"
+                           + "\n".join(text.splitlines()[-40:]))
+    run = Run(str(folder), nproc, parse_losses(text), seconds)
+    (folder / "run.json").write_text(json.dumps({**asdict(run), "cmd": cmd}, indent=1))
+    return run
+
+
+def run_env(backend: str) -> dict[str, str]:
+    env = dict(os.environ)
+    if backend == "gloo":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU even where GPUs are visible
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def reference_run(settings: Settings, nproc: int, *, out: Path, cache: Path | None = None, quiet: bool = False,
+                  tag: str = "ref") -> Run:
+    """The uninterrupted S+K-step run at ``nproc`` ranks, dumped at step S.
+
+    With ``cache``, a run of the same identity already there is reused (and a
+    new one is kept there for the next caller). ``tag = "rerun"`` is a second,
+    independent run of the same identity (the same-size rerun that measures
+    run-to-run noise).
+    """
+    overrides = settings.overrides(nproc)
+    identity = run_identity(settings.recipe, nproc, overrides)
+    folder = (cache / f"{tag}-{nproc}-{identity}") if cache else (out / f"{tag}-{nproc}")
+    done = folder / "run.json"
+    if cache and done.exists():
+        run = Run(**{k: v for k, v in json.loads(done.read_text()).items() if k in Run.__dataclass_fields__})
+        run.losses = {int(k): v for k, v in run.losses.items()}
+        if not quiet:
+            print(f"  reference at {nproc} rank(s): reusing {folder}", flush=True)
+        return run
+    if folder.exists():
+        shutil.rmtree(folder)
+    if not quiet:
+        what = "same-size rerun" if tag == "rerun" else "reference"
+        print(f"  {what} at {nproc} rank(s), {settings.total_steps} steps, checkpoint at {settings.steps_before}",
+              flush=True)
+    run = launch(settings, nproc, folder, [], save_steps=[settings.steps_before], env=run_env(settings.backend),
+                 quiet=quiet)
+    run.identity = identity
+    data = json.loads(done.read_text())
+    data["identity"] = identity
+    done.write_text(json.dumps(data, indent=1))
+    return run
+
+
+def resume_run(settings: Settings, ref: Run, nproc: int, folder: Path, fault: str | None = None) -> Run:
+    """The reference's step-S checkpoint, copied into ``folder``, loaded at
+    ``nproc`` ranks and trained K more steps (``fault``: a deliberately broken
+    resume, for the validation's own test)."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    step = settings.steps_before
+    src = Path(ref.folder, "checkpoint", f"step-{step}")
+    if not src.is_dir():
+        raise RuntimeError(f"reference {ref.folder} has no step-{step} checkpoint")
+    shutil.copytree(src, folder / "checkpoint" / f"step-{step}")
+    extra = ["--checkpoint.load_step", str(step)]
+    if fault == "drop-optimizer":
+        extra += ["--checkpoint.exclude_from_loading", "optimizer"]
+    print(f"  resume {ref.nproc} -> {nproc} rank(s) from step {step}, {settings.steps_after} more steps"
+          + (f" [fault injected: {fault}]" if fault else ""), flush=True)
+    return launch(settings, nproc, folder, extra, save_steps=[], env=run_env(settings.backend))
