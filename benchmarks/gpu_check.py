@@ -3,7 +3,7 @@
 ``scripts/gpu_check.sh`` runs this on a machine with one CUDA GPU (under 8
 minutes on an H100/H200 class part). Stages, in order:
 
-1. ``kernels``: ``tests/test_quant_kernels.py`` on CUDA (the compiled Triton
+1. ``kernels``: ``tests/unit/test_quant_kernels.py`` on CUDA (the compiled Triton
    kernels against the torch reference, bit for bit); the CUDA test must
    run, not skip.
 2. ``bandwidth``: the reshard kernels' throughput (``benchmarks.quant.
@@ -17,13 +17,18 @@ minutes on an H100/H200 class part). Stages, in order:
    ranks (gloo, global batch 8), saves a checkpoint of step 2 in the current
    format and dumps the global state; the GPU half loads it on
    the GPU (1 rank, NCCL) and its state right after the load must equal the
-   saved one bit for bit (``validation.compare_global_state``).
+   saved one bit for bit (``gefen_titan.validation.compare_global``).
 
 Without CUDA only the CPU half of ``checkpoint`` runs (so it cannot rot
 before a GPU runs it), every GPU stage is reported as skipped, and the exit
-status is 3 with a line saying so. Exit status: 0 every check passed, 1 a
-check failed, 2 bad arguments, 3 no CUDA. A stage that would start after
-``--budget-s`` is skipped and reported as such.
+status is 3 with a line saying so. A stage that would start after
+``--budget-s`` is not run: the report marks it ``"ok": null`` with
+``"skipped": "not run: budget ..."``, and the run is not a pass, however the
+other stages went (status ``incomplete``, exit 4): a check that did not run
+proved nothing. ``verdict`` turns the stages' results into the status.
+
+Exit status: 0 every stage ran and passed; 1 a check failed; 2 bad
+arguments; 3 no CUDA; 4 a stage was not run (time budget).
 """
 
 from __future__ import annotations
@@ -46,9 +51,9 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("kernels", "bandwidth", "train", "checkpoint")
 RECIPE = "recipes/llama_gefen.toml"
 BANDWIDTH_TARGET, BANDWIDTH_MIN_ELEMENTS = 0.70, 64 << 20
-NO_CUDA = 3
+OK, FAILED, NO_CUDA, NOT_RUN = 0, 1, 3, 4
 
-__all__ = ["main", "parse_args", "STAGES", "NO_CUDA"]
+__all__ = ["FAILED", "NOT_RUN", "NO_CUDA", "OK", "STAGES", "main", "parse_args", "verdict"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,8 +103,8 @@ def _env() -> dict[str, Any]:
 # ----------------------------------------------------------------- stages
 def stage_kernels(args, work: Path) -> dict[str, Any]:
     xml = work / "kernels.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_quant_kernels.py"),
-           f"--junitxml={xml}", f"--basetemp={work / 'pytest'}"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           str(ROOT / "tests" / "unit" / "test_quant_kernels.py"), f"--junitxml={xml}", f"--basetemp={work / 'pytest'}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     (work / "kernels.log").write_text(proc.stdout + proc.stderr)
     suite = ET.parse(xml).getroot()
@@ -108,7 +113,8 @@ def stage_kernels(args, work: Path) -> dict[str, Any]:
     cuda_cases = [c for c in suite.iter("testcase") if "cuda" in c.get("name", "")]
     cuda_ran = bool(cuda_cases) and not any(c.find("skipped") is not None for c in cuda_cases)
     ok = proc.returncode == 0 and counts["failures"] == 0 and counts["errors"] == 0 and cuda_ran
-    why = "" if ok else ("the CUDA kernel tests were skipped" if not cuda_ran else "kernel tests failed (see kernels.log)")
+    why = "" if ok else ("the CUDA kernel tests were skipped" if not cuda_ran
+                         else "kernel tests failed (see kernels.log)")
     return {"ok": ok, "why": why, **counts, "cuda_tests": len(cuda_cases), "cuda_tests_ran": cuda_ran}
 
 
@@ -145,7 +151,7 @@ def stage_train(args, work: Path) -> dict[str, Any]:
 
     folder = work / "train"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master-port={free_port()}",
-           str(ROOT / "train.py"), "--job.config", str(ROOT / RECIPE), "--job.dump_folder", str(folder),
+           "-m", "gefen_titan.train", "--job.config", str(ROOT / RECIPE), "--job.dump_folder", str(folder),
            "--optimizer.implementation", "fused", "--training.steps", str(args.train_steps),
            "--checkpoint.enable", "false", "--metrics.log_freq", "1"]
     begin = time.monotonic()
@@ -179,7 +185,7 @@ def stage_checkpoint(args, work: Path, cuda: bool) -> dict[str, Any]:
     from gefen_titan.validation.compare_global import compare_global_state
     from gefen_titan.validation.runs import Settings, reference_run, resume_run
 
-    settings = Settings(recipe=RECIPE, steps_before=2, steps_after=1, global_batch=8, backend="gloo")
+    settings = Settings(recipe=str(ROOT / RECIPE), steps_before=2, steps_after=1, global_batch=8, backend="gloo")
     folder = work / "checkpoint"
     begin = time.monotonic()
     ref = reference_run(settings, 2, out=folder, quiet=True)
@@ -206,6 +212,23 @@ def stage_checkpoint(args, work: Path, cuda: bool) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------- main
+def verdict(stages: dict[str, dict[str, Any]], cuda: bool) -> tuple[str, int]:
+    """(status, exit code) of a run from its stages' results.
+
+    A stage's ``ok`` is True (passed), False (failed) or None (not run: no
+    CUDA, or the time budget). Any failure fails the run; without CUDA the
+    run is ``no_cuda``; with CUDA, a stage that did not run makes the run
+    ``incomplete``, never ``ok``: only a run whose every stage ran and passed is.
+    """
+    if any(r.get("ok") is False for r in stages.values()):
+        return "failed", FAILED
+    if not cuda:
+        return "no_cuda", NO_CUDA
+    if not stages or any(r.get("ok") is not True for r in stages.values()):
+        return "incomplete", NOT_RUN
+    return "ok", OK
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -220,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.stages:
         elapsed = time.monotonic() - begin
         if elapsed > args.budget_s:
-            report["stages"][name] = {"ok": None, "skipped": f"budget: {elapsed:.0f} s elapsed of {args.budget_s:.0f}"}
+            why = f"not run: budget: {elapsed:.0f} s elapsed of {args.budget_s:.0f}"
+            report["stages"][name] = {"ok": None, "skipped": why}
+            print(f"gpu_check: {name}: NOT RUN ({why.removeprefix('not run: ')})", flush=True)
             continue
         if not cuda and name != "checkpoint":
             report["stages"][name] = {"ok": None, "skipped": "no CUDA"}
@@ -228,7 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: {name} ...", flush=True)
         t0 = time.monotonic()
         try:
-            result = stage_checkpoint(args, work, cuda) if name == "checkpoint" else globals()[f"stage_{name}"](args, work)
+            if name == "checkpoint":
+                result = stage_checkpoint(args, work, cuda)
+            else:
+                result = globals()[f"stage_{name}"](args, work)
         except Exception as e:  # a broken stage is a failed check with its reason, the others still run
             result = {"ok": False, "why": f"{type(e).__name__}: {e}"}
         result["wall_s"] = time.monotonic() - t0
@@ -236,18 +264,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: {name}: {'ok' if result['ok'] else 'FAILED: ' + str(result.get('why'))} "
               f"({result['wall_s']:.0f} s)", flush=True)
     report["wall_s"] = time.monotonic() - begin
-    failed = [n for n, r in report["stages"].items() if r.get("ok") is False]
-    report["status"] = "failed" if failed else ("no_cuda" if not cuda else "ok")
+    report["status"], code = verdict(report["stages"], cuda)
     out.write_text(json.dumps(report, indent=1, default=str))
-    if failed:
+    if code == FAILED:
+        failed = [n for n, r in report["stages"].items() if r.get("ok") is False]
         print(f"gpu_check: FAILED: {', '.join(failed)}; report {out}")
-        return 1
-    if not cuda:
+    elif code == NO_CUDA:
         print(f"gpu_check: no CUDA device (torch.cuda.is_available() is False): ran the CPU half of the checkpoint "
               f"check only, the GPU stages were skipped; report {out}")
-        return NO_CUDA
-    print(f"gpu_check: ok in {report['wall_s']:.0f} s; report {out}")
-    return 0
+    elif code == NOT_RUN:
+        not_run = [n for n, r in report["stages"].items() if r.get("ok") is not True]
+        print(f"gpu_check: NOT A PASS: {', '.join(not_run)} not run within --budget-s {args.budget_s:.0f}; "
+              f"report {out}")
+    else:
+        print(f"gpu_check: ok in {report['wall_s']:.0f} s; report {out}")
+    return code
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@
 #   scripts/gpu_check.sh --stages kernels,bandwidth --out /tmp/r.json
 #
 # Without CUDA it runs the CPU half of the checkpoint check, skips the rest and
-# exits 3. Exit 0: every check passed; 1: a check failed; 2: bad arguments.
+# exits 3. A stage that would start after --budget-s is reported "not run" and
+# the run is no pass (status "incomplete", exit 4). Exit 0: every stage ran and
+# passed; 1: a check failed; 2: bad arguments; 3: no CUDA; 4: a stage not run.
 # The stages are benchmarks.gpu_check (its docstring says what
 # each one checks). PYTHON picks the interpreter (default: python3, i.e. the
 # active virtual environment's).

@@ -1,0 +1,66 @@
+"""``scripts/gpu_check.sh``'s verdict (``benchmarks.gpu_check``), without CUDA.
+
+A stage the time budget left out proved nothing: it is reported "not run"
+and the run is not a pass (status ``incomplete``, exit 4), whatever the
+stages that ran gave. Checked on ``verdict`` (stage results -> status and
+exit code) and through ``main`` with CUDA faked, the stages stubbed and a
+clock that the first stage runs past the budget.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+from benchmarks import gpu_check as gc
+
+PASSED = {"ok": True, "why": ""}
+FAILED = {"ok": False, "why": "kernel tests failed"}
+NOT_RUN = {"ok": None, "skipped": "not run: budget: 460 s elapsed of 450"}
+NO_CUDA = {"ok": None, "skipped": "no CUDA"}
+
+
+def test_exit_codes_are_distinct():
+    assert len({gc.OK, gc.FAILED, 2, gc.NO_CUDA, gc.NOT_RUN}) == 5 and gc.OK == 0
+
+
+@pytest.mark.parametrize("stages,cuda,want", [
+    ({"kernels": PASSED, "train": PASSED}, True, ("ok", gc.OK)),
+    ({"kernels": PASSED, "train": NOT_RUN}, True, ("incomplete", gc.NOT_RUN)),
+    ({"kernels": NOT_RUN}, True, ("incomplete", gc.NOT_RUN)),
+    ({}, True, ("incomplete", gc.NOT_RUN)),
+    ({"kernels": FAILED, "train": NOT_RUN}, True, ("failed", gc.FAILED)),
+    ({"kernels": NO_CUDA, "checkpoint": PASSED}, False, ("no_cuda", gc.NO_CUDA)),
+    ({"kernels": NO_CUDA, "checkpoint": NOT_RUN}, False, ("no_cuda", gc.NO_CUDA)),
+    ({"kernels": NO_CUDA, "checkpoint": FAILED}, False, ("failed", gc.FAILED)),
+])
+def test_verdict(stages, cuda, want):
+    assert gc.verdict(stages, cuda) == want
+
+
+def test_a_stage_past_the_budget_is_not_run_and_the_run_is_no_pass(tmp_path, monkeypatch, capsys):
+    now = [0.0]
+
+    def kernels(args, work):  # passes, and takes longer than the whole budget
+        now[0] += 100.0
+        return dict(PASSED)
+
+    def bandwidth(args, work):  # pragma: no cover - must not be reached
+        raise AssertionError("a stage started after the budget")
+
+    monkeypatch.setattr(gc, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(gc, "stage_kernels", kernels)
+    monkeypatch.setattr(gc, "stage_bandwidth", bandwidth)
+    monkeypatch.setattr(gc, "_env", lambda: {"cuda": True})
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    out = tmp_path / "r.json"
+    code = gc.main(["--stages", "kernels,bandwidth", "--budget-s", "50", "--work", str(tmp_path), "--out", str(out)])
+    assert code == gc.NOT_RUN
+    report = json.loads(out.read_text())
+    assert report["status"] == "incomplete"
+    assert report["stages"]["kernels"]["ok"] is True
+    assert report["stages"]["bandwidth"] == {"ok": None, "skipped": "not run: budget: 100 s elapsed of 50"}
+    printed = capsys.readouterr().out
+    assert "bandwidth: NOT RUN" in printed and "NOT A PASS: bandwidth not run" in printed
