@@ -24,6 +24,7 @@ with different periods, codebooks and a phase, requantized at a third period.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -96,7 +97,8 @@ def default_sizes(cuda: bool) -> list[int]:
     return [1 << e for e in (20, 22, 24, 26, 28, 30) if cuda or e <= 26]
 
 
-def measure(sizes: list[int], device: torch.device, repeat: int = 0, period: int = 256, echo: bool = True) -> list[dict]:
+def measure(sizes: list[int], device: torch.device, repeat: int = 0, period: int = 256,
+            echo: bool = True) -> list[dict]:
     """One row per (size, op): seconds and throughput of the reference and (CUDA) the kernel.
 
     ``gbps``/``of_peak`` for the byte-bound ops, ``gelps`` for the block mean;
@@ -126,10 +128,12 @@ def measure(sizes: list[int], device: torch.device, repeat: int = 0, period: int
         codes, segs, cb = inputs(n, device)
         with quant.use_backend("reference"):
             dense = quant.dequantize_segments(codes, segs)
+        # Each op holds its own inputs: a closure over the loop's names would
+        # see whatever they are bound to when called (and none after the del below).
         ops = {
-            "dequantize": lambda: quant.dequantize_segments(codes, segs),
-            "requantize": lambda: quant.requantize(dense, cb, period),
-            "block mean": lambda: quant.block_mean_segments(segs, period),
+            "dequantize": functools.partial(quant.dequantize_segments, codes, segs),
+            "requantize": functools.partial(quant.requantize, dense, cb, period),
+            "block mean": functools.partial(quant.block_mean_segments, segs, period),
         }
         for op, fn in ops.items():
             row = {}
@@ -159,7 +163,7 @@ def measure(sizes: list[int], device: torch.device, repeat: int = 0, period: int
             else:
                 out["gelps"] = {m: n / t / 1e9 for m, t in row.items()}
             rows.append(out)
-        del codes, segs, dense
+        del ops, codes, segs, cb, dense  # free the size's tensors before the next, larger one
         if cuda:
             torch.cuda.empty_cache()
     return rows
