@@ -79,8 +79,7 @@ where the plain ones do.
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -91,8 +90,7 @@ __all__ = [
     "codebook_from_counts",
     "histogram_counts",
     "histogram_stats",
-    "benchmark_histograms",
-    "benchmark",
+    "solve_codebook_full_scans",
     "dp_window_misses",
 ]
 
@@ -559,102 +557,17 @@ def histogram_counts(
     return counts
 
 
-# ------------------------------------------------------------------ benchmark
-def _model_grads(seed: int) -> list[tuple[str, torch.Tensor]]:
-    """Gradients of a small MLP + embedding language-model-ish net."""
-    g = torch.Generator().manual_seed(seed)
-    vocab, dim, hidden, batch = 512, 128, 512, 64
-    emb = torch.nn.Embedding(vocab, dim)
-    up = torch.nn.Linear(dim, hidden)
-    down = torch.nn.Linear(hidden, dim)
-    head = torch.nn.Linear(dim, vocab, bias=False)
-    with torch.no_grad():
-        for p in (*emb.parameters(), *up.parameters(), *down.parameters(), *head.parameters()):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    tokens = torch.randint(0, vocab, (batch, 16), generator=g)
-    targets = torch.randint(0, vocab, (batch, 16), generator=g)
-    h = emb(tokens)
-    h = h + down(torch.nn.functional.gelu(up(h)))
-    loss = torch.nn.functional.cross_entropy(head(h).reshape(-1, vocab), targets.reshape(-1))
-    loss.backward()
-    mods = {"emb": emb, "up": up, "down": down, "head": head}
-    return [(f"{m}.{n}", p.grad) for m, mod in mods.items() for n, p in mod.named_parameters()]
-
-
-def benchmark_histograms(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
-    """Ten realistic 4096-bin histograms: (name, int64 counts).
-
-    Gradients of a small embedding/MLP net block-normalized at several periods,
-    and block-normalized synthetic gradients (Gaussian, Laplace, Student-t,
-    sparse) of a few million elements, like one refresh of a small model.
-    """
-    out = []
-    grads = _model_grads(seed)
-    for period in (32, 128, 512):
-        pairs = [(t, period if t.numel() % period == 0 else 1) for _, t in grads]
-        out.append((f"model grads, period {period}", histogram_counts(pairs)))
-    pairs = [(t, t.shape[-1]) for _, t in grads]
-    out.append(("model grads, period = row", histogram_counts(pairs)))
-    g = torch.Generator().manual_seed(seed + 1)
-    n = 1 << 22
-    gauss = torch.randn(n, generator=g)
-    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
-    laplace = sign * torch.empty(n).exponential_(generator=g)
-    chi2_3 = torch.randn(3, n, generator=g).square().sum(0)
-    student = torch.randn(n, generator=g) / (chi2_3 / 3.0).sqrt()  # Student-t, 3 dof
-    sparse = gauss * (torch.rand(n, generator=g) < 0.05)
-    mixed = torch.cat([gauss[: n // 2] * 1e-3, student[: n // 2]])
-    out += [
-        ("gaussian, period 64", histogram_counts([(gauss, 64)])),
-        ("gaussian, period 1024", histogram_counts([(gauss, 1024)])),
-        ("laplace, period 256", histogram_counts([(laplace, 256)])),
-        ("student-t(3), period 256", histogram_counts([(student, 256)])),
-        ("sparse 5% gaussian, period 128", histogram_counts([(sparse, 128)])),
-        ("mixed scales, periods 16+4096", histogram_counts([(mixed, 16), (student, 4096)])),
-    ]
-    return out
-
-
-def benchmark(
-    histograms: Sequence[tuple[str, torch.Tensor]] | None = None,
+def solve_codebook_full_scans(
+    active_centers: torch.Tensor,
+    active_counts: torch.Tensor,
     num_codebooks: int = 256,
-    reference: bool = True,
-) -> list[dict]:
-    """Time gefen-x's ``exact_dp`` against :func:`solve_codebook`.
+    force_endpoints: bool = True,
+) -> tuple[torch.Tensor, int]:
+    """:func:`solve_codebook` and the number of DP layers it solved by full scan.
 
-    One row per histogram: ``name``, ``n_active``, ``reference_s`` (None when
-    ``reference`` is False), ``ours_s``, ``speedup``, ``identical`` (the float32
-    codebooks have the same bits) and ``full_scan_layers`` (layers the near-tie
-    guard sent to a full scan). Both compiled kernels are warmed up first, so
-    compile time is not counted.
+    A diagnostic, like :func:`dp_window_misses`: a layer goes to a full scan
+    when the near-tie guard cannot certify divide and conquer, so the count
+    says how often the fast path was given up (``benchmarks/codebook_solver.py``
+    reports it per histogram).
     """
-    from gefen import quantization
-
-    if histograms is None:
-        histograms = benchmark_histograms()
-    warm = torch.zeros(64, dtype=torch.int64)
-    warm[::3] = 5
-    warm_stats = histogram_stats(warm)
-    solve_codebook(warm_stats["active_centers"], warm_stats["active_counts"], 8)
-    if reference:
-        quantization.exact_dp(warm_stats, 8, True)
-    rows = []
-    for name, counts in histograms:
-        stats = histogram_stats(counts)
-        t0 = time.perf_counter()
-        ours, full_scans = _solve(stats["active_centers"], stats["active_counts"],
-                                  num_codebooks, True)
-        ours_s = time.perf_counter() - t0
-        row = {"name": name, "n_active": int(stats["active_centers"].numel()),
-               "reference_s": None, "ours_s": ours_s, "speedup": None,
-               "identical": None, "full_scan_layers": full_scans}
-        if reference:
-            t0 = time.perf_counter()
-            ref = quantization.exact_dp(stats, num_codebooks, True)
-            row["reference_s"] = time.perf_counter() - t0
-            row["speedup"] = row["reference_s"] / ours_s if ours_s > 0 else math.inf
-            row["identical"] = bool(
-                ref.dtype == ours.dtype and ref.shape == ours.shape
-                and torch.equal(ref.view(torch.int32), ours.view(torch.int32)))
-        rows.append(row)
-    return rows
+    return _solve(active_centers, active_counts, num_codebooks, force_endpoints)

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 from gefen import quantization
 
+from benchmarks import codebook_solver as bench_cs
 from gefen_titan.optim import codebook_solver as cs
 
 BINS = 4096
@@ -340,6 +341,6 @@ def test_output_contract():
 
 def test_benchmark_rows():
     counts = cs.histogram_counts(with_period(tiny_mlp_grads(7), 32))
-    (row,) = cs.benchmark([("tiny", counts)])
+    (row,) = bench_cs.benchmark([("tiny", counts)])
     assert row["identical"] is True and row["n_active"] == int((counts > 0).sum())
     assert row["reference_s"] > 0 and row["ours_s"] > 0 and row["full_scan_layers"] == 0
