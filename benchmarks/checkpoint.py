@@ -107,14 +107,15 @@ def _worker(args) -> None:
     ).build(model_parts=[model])
 
     def set_grads(step):
-        for i, (name, p) in enumerate(model.named_parameters()):
+        for i, p in enumerate(model.parameters()):
             g = torch.Generator().manual_seed(step * 1000 + i)
             full = torch.randn(p.shape, generator=g)
             full *= torch.rand(p.shape[0], *([1] * (p.dim() - 1)), generator=g) * 2 + 0.1
             shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
             local = full[offset[0] : offset[0] + shape[0]].clone()
             del full
-            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                        stride=p.stride())
 
     def next_update():
         """Step ``args.steps + 1``: digests of the weights before it, and (rank 0) the update it made."""
@@ -316,7 +317,8 @@ def run(args: argparse.Namespace, tmp: str) -> list[dict]:
                "ckpt": ckpt, "loads": {}}
         for m in args.load_ranks:
             out = os.path.join(tmp, f"{method}-load{m}.json")
-            _launch(m, *common, "--mode", "load", "--method", method, "--ckpt", ckpt, "--out", out, "--reference", update)
+            _launch(m, *common, "--mode", "load", "--method", method, "--ckpt", ckpt, "--out", out,
+                    "--reference", update)
             loaded = json.load(open(out))
             # The comparison is only meaningful if the weights came back whole.
             assert loaded["weights_equal"], f"{method}: weights differ after the load at {m}"
@@ -334,7 +336,8 @@ def targets(rows: list[dict], n: int, loads: list[int]) -> list[dict]:
     ours, adamw = by.get("current"), by["adamw"]
     if ours is None:
         return []
-    out = [{"what": "save", "ratio": ours["save_s"] / adamw["save_s"], "target": SAVE_TARGET, "mode": "save", "ranks": n}]
+    out = [{"what": "save", "ratio": ours["save_s"] / adamw["save_s"], "target": SAVE_TARGET, "mode": "save",
+            "ranks": n}]
     for m in loads:
         out.append({"what": f"load {n}->{m}", "ratio": ours["loads"][m]["load_s"] / adamw["loads"][m]["load_s"],
                     "target": LOAD_TARGET, "mode": "load", "ranks": m})
@@ -354,8 +357,8 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
     n, loads = args.save_ranks, args.load_ranks
     numel = rows[0]["numel"]
     lines = [f"Llama 3 {MODELS[args.model]} ({numel / 1e6:.2f}M params), optimizer state saved at {n} ranks after "
-             f"{args.steps} steps, loaded at {', '.join(map(str, loads))} (gloo, CPU); peak RSS growth is the worst rank's, "
-             "in MiB, and in brackets over that rank's loaded state plus its largest parameter shard", ""]
+             f"{args.steps} steps, loaded at {', '.join(map(str, loads))} (gloo, CPU); peak RSS growth is the worst "
+             "rank's, in MiB, and in brackets over that rank's loaded state plus its largest parameter shard", ""]
     head = "| method | on disk B/param | disk / memory | first step s | save s | save peak MiB |" + "".join(
         f" load {n}->{m} s | peak MiB (/bound) | 1st-update err (worst param) |" for m in loads)
     lines += [head, "|" + "---|" * (6 + 3 * len(loads))]
@@ -365,15 +368,17 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
         for m in loads:
             ld = row["loads"][m]
             err = "identical" if ld["err"] == 0 and ld["worst"] == 0 else f"{ld['err']:.2e} ({ld['worst']:.2e})"
-            cells += [f"{ld['load_s']:.2f}", f"{_mib(max(r['growth'] for r in ld['rss']))} ({peak_ratio(ld['rss']):.2f})", err]
+            peak = f"{_mib(max(r['growth'] for r in ld['rss']))} ({peak_ratio(ld['rss']):.2f})"
+            cells += [f"{ld['load_s']:.2f}", peak, err]
         lines.append("| " + " | ".join(cells) + " |")
     adamw = next(r for r in rows if r["method"] == "adamw")
     lines.append("")
     for ours in rows:
         if ours is adamw:
             continue
-        lines.append(f"{ours['label']} vs AdamW in this run: save x{ours['save_s'] / adamw['save_s']:.2f}; " + "; ".join(
-            f"load {n}->{m} x{ours['loads'][m]['load_s'] / adamw['loads'][m]['load_s']:.2f}" for m in loads))
+        ratios = "; ".join(f"load {n}->{m} x{ours['loads'][m]['load_s'] / adamw['loads'][m]['load_s']:.2f}"
+                           for m in loads)
+        lines.append(f"{ours['label']} vs AdamW in this run: save x{ours['save_s'] / adamw['save_s']:.2f}; {ratios}")
     return "\n".join(lines)
 
 
@@ -397,14 +402,15 @@ def main(argv: list[str] | None = None) -> None:
             if t["mode"] == "save":
                 ckpt = os.path.join(tmp, "profiled-save")
             _launch(t["ranks"], "--model", args.model, "--steps", str(args.steps), "--mode", t["mode"],
-                    "--method", "current", "--ckpt", ckpt, "--out", os.path.join(tmp, "profile.json"), "--profile", prof)
+                    "--method", "current", "--ckpt", ckpt, "--out", os.path.join(tmp, "profile.json"),
+                    "--profile", prof)
             if os.path.exists(prof):
                 print(f"\nMISSED {t['what']}: where rank 0's time goes (cProfile, cumulative):\n{profile_top(prof)}")
         if args.json:
             for row in rows:
                 row.pop("ckpt", None)
             with open(args.json, "w") as f:
-                json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows, "targets": checks}, f, indent=1, default=str)
+                json.dump({"args": dict(vars(args)), "rows": rows, "targets": checks}, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

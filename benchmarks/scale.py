@@ -364,7 +364,8 @@ def saved_length(obj: Any) -> int:
                 _SAVED[key] = sink.n
             else:
                 small = (64,) * len(sizes)
-                _SAVED[key] = saved_length((dtype, small)) - math.prod(small) * torch._utils._element_size(dtype) + nbytes
+                _SAVED[key] = (saved_length((dtype, small)) - math.prod(small) * torch._utils._element_size(dtype)
+                               + nbytes)
         return _SAVED[key]
     try:
         key = ("v", type(obj).__name__, obj)
@@ -541,14 +542,16 @@ def metadata_bytes(entries: list[Entry], world: int, chunks: Chunks, checkpoint_
             if e.kind == "dtensor":
                 sizes, offsets = table[r]
                 offsets, sizes = torch.Size(offsets), torch.Size(sizes)
+                chunk = ChunkStorageMetadata(offsets=offsets, sizes=sizes)
                 items.append(WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                                       tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                                       tensor_data=TensorWriteData(chunk=chunk,
                                                                    properties=TensorProperties(dtype=e.dtype),
                                                                    size=torch.Size(e.shape))))
             elif e.kind == "tensor":
                 offsets = torch.Size((0,) * len(e.shape))
+                chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(e.shape))
                 items.append(WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.TENSOR,
-                                       tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(e.shape)),
+                                       tensor_data=TensorWriteData(chunk=chunk,
                                                                    properties=TensorProperties(dtype=e.dtype),
                                                                    size=torch.Size(e.shape))))
             else:
@@ -567,7 +570,8 @@ def metadata_bytes(entries: list[Entry], world: int, chunks: Chunks, checkpoint_
         (bucket,) = _split_by_size_and_type(1, plan.items)
         file_name = f"{plan.storage_data.prefix}0.distcp"
         offset, res = 0, []
-        ordered = [w for w in bucket if w.type == WriteItemType.BYTE_IO] + [w for w in bucket if w.type != WriteItemType.BYTE_IO]
+        ordered = ([w for w in bucket if w.type == WriteItemType.BYTE_IO]
+                   + [w for w in bucket if w.type != WriteItemType.BYTE_IO])
         for w in ordered:
             e = by_key[w.index.fqn]
             if w.type == WriteItemType.BYTE_IO:
@@ -576,7 +580,8 @@ def metadata_bytes(entries: list[Entry], world: int, chunks: Chunks, checkpoint_
                 length = saved_length((e.dtype, tuple(w.tensor_data.chunk.sizes)))
             index = MetadataIndex(_fresh(w.index.fqn), None if w.index.offset is None else torch.Size(w.index.offset),
                                   w.index.index)
-            res.append(WriteResult(index=index, size_in_bytes=length, storage_data=_StorageInfo(file_name, offset, length)))
+            res.append(WriteResult(index=index, size_in_bytes=length,
+                                   storage_data=_StorageInfo(file_name, offset, length)))
             offset += length
         if r in sampled:
             result_bytes.append(len(pickle.dumps(res)))
@@ -708,11 +713,14 @@ FIGURES = {
     "AdamW ckpt written / rank": (lambda r: r["adamw"]["written_max"], lambda r: r["adamw"]["written_total"]),
     "Gefen chunks": (lambda r: r["gefen"]["items_max"], lambda r: r["gefen"]["chunks"]),
     "AdamW chunks": (lambda r: r["adamw"]["items_max"], lambda r: r["adamw"]["chunks"]),
-    "Gefen metadata (read by every rank)": (lambda r: r["gefen"]["metadata"], lambda r: r["gefen"]["metadata"] * r["world"]),
-    "AdamW metadata (read by every rank)": (lambda r: r["adamw"]["metadata"], lambda r: r["adamw"]["metadata"] * r["world"]),
+    "Gefen metadata (read by every rank)": (lambda r: r["gefen"]["metadata"],
+                                            lambda r: r["gefen"]["metadata"] * r["world"]),
+    "AdamW metadata (read by every rank)": (lambda r: r["adamw"]["metadata"],
+                                            lambda r: r["adamw"]["metadata"] * r["world"]),
     "Gefen save gather at rank 0": (lambda r: r["gefen"]["gathered"], lambda r: r["gefen"]["gathered"]),
     "AdamW save gather at rank 0": (lambda r: r["adamw"]["gathered"], lambda r: r["adamw"]["gathered"]),
-    "Gefen first-step agreement / rank": (lambda r: r["agreement_per_rank"], lambda r: r["agreement_per_rank"] * r["world"]),
+    "Gefen first-step agreement / rank": (lambda r: r["agreement_per_rank"],
+                                          lambda r: r["agreement_per_rank"] * r["world"]),
 }
 
 
@@ -771,7 +779,8 @@ def growth_table(found: list[dict]) -> str:
         cells = []
         for m in meshes:
             f = ms.get(m)
-            cells.append("" if f is None else f"W^{f['per_rank']:+.2f} / W^{f['job']:.2f}" + (" **FLAG**" if f["flag"] else ""))
+            cells.append("" if f is None else
+                         f"W^{f['per_rank']:+.2f} / W^{f['job']:.2f}" + (" **FLAG**" if f["flag"] else ""))
         lines.append(f"| {flavor} | {figure} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -791,11 +800,13 @@ def report(rows: list[dict], max_tp: int) -> list[dict]:
         if flagged:
             print("\nflagged (faster than linear in W):")
             for f in flagged:
-                print(f"  {f['flavor']} {f['mesh']}: {f['figure']}: per rank W^{f['per_rank']:+.2f}, job W^{f['job']:.2f}")
+                print(f"  {f['flavor']} {f['mesh']}: {f['figure']}: per rank W^{f['per_rank']:+.2f}, "
+                      f"job W^{f['job']:.2f}")
     if rows:
         r = rows[-1]
-        print(f"\nfirst-step collectives of the agreement ({r['flavor']}, {r['label']}): " + "; ".join(
-            f"{c['what']} {c['op']} {c['numel']:,} x {c['dtype']} -> {_b(c['per_rank'])}/rank" for c in r["collectives"]))
+        collectives = "; ".join(f"{c['what']} {c['op']} {c['numel']:,} x {c['dtype']} -> {_b(c['per_rank'])}/rank"
+                                for c in r["collectives"])
+        print(f"\nfirst-step collectives of the agreement ({r['flavor']}, {r['label']}): {collectives}")
     return found
 
 
@@ -858,7 +869,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"done: {flavor} {mesh.label} ({time.monotonic() - begin:.1f} s)", file=sys.stderr, flush=True)
     found = report(rows, args.max_tp_degree)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "growth": found}, indent=1, default=str))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "growth": found}, indent=1,
+                                              default=str))
 
 
 if __name__ == "__main__":

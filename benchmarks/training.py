@@ -111,7 +111,8 @@ def _worker(out: str, train_args: list[str]) -> None:
             trainer.train()
         state_bytes, numel = trainer.optimizers.state_bytes()
         peak = torch.cuda.max_memory_allocated() if cuda else rss.peak
-        mine = {"steps": steps, "opt_steps": opt_steps, "agreement_s": sum(agreement_s), "peak": peak, "state_bytes": state_bytes, "numel": numel,
+        mine = {"steps": steps, "opt_steps": opt_steps, "agreement_s": sum(agreement_s), "peak": peak,
+                "state_bytes": state_bytes, "numel": numel,
                 "memory": "cuda max_memory_allocated" if cuda else f"peak RSS ({rss.method})"}
         world = dist.get_world_size() if dist.is_initialized() else 1
         everyone = [None] * world
@@ -209,7 +210,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                     sys.stderr.write((proc.stdout + proc.stderr)[-6000:])
                     raise SystemExit(f"training run failed: {model} {optimizer}")
                 row = summarize(json.loads(Path(out).read_text()), args.ranks)
-                row.update(model=model, optimizer=optimizer, seq_len=seq, local_batch=batch, wall_s=time.monotonic() - begin)
+                row.update(model=model, optimizer=optimizer, seq_len=seq, local_batch=batch,
+                           wall_s=time.monotonic() - begin)
                 rows.append(row)
                 print(f"done: {model} {optimizer} ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
     return rows
@@ -218,8 +220,9 @@ def run(args: argparse.Namespace) -> list[dict]:
 def report(rows: list[dict], ranks: int) -> str:
     lines = [f"recipes/llama_gefen.toml at {ranks} ranks through torchtitan's Trainer; step times are the slowest "
              f"rank's, steady = median from step 3; peak memory: {rows[0]['memory']}, worst rank", "",
-             "| model | steps x seq x local batch | optimizer | tokens/s (job) | first step s (agreement) | steady step s "
-             "| optimizer step s (steady) | peak MiB/rank | opt B/param |", "|---|---|---|---|---|---|---|---|---|"]
+             "| model | steps x seq x local batch | optimizer | tokens/s (job) | first step s (agreement) "
+             "| steady step s | optimizer step s (steady) | peak MiB/rank | opt B/param |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         agreed = f" ({r['agreement_s']:.2f})" if r.get("agreement_s") else ""
         lines.append(f"| {r['model']} | {r['steps']} x {r['seq_len']} x {r['local_batch']} | {r['optimizer']} | "
@@ -234,7 +237,8 @@ def report(rows: list[dict], ranks: int) -> str:
                          f"first step x{g['first_step_s'] / a['first_step_s']:.2f}, steady step "
                          f"x{g['steady_step_s'] / a['steady_step_s']:.2f}, optimizer step "
                          f"x{g['steady_opt_s'] / a['steady_opt_s']:.2f}, peak memory "
-                         f"x{g['peak_bytes'] / a['peak_bytes']:.2f}, state x{g['opt_bytes_per_param'] / a['opt_bytes_per_param']:.3f}")
+                         f"x{g['peak_bytes'] / a['peak_bytes']:.2f}, "
+                         f"state x{g['opt_bytes_per_param'] / a['opt_bytes_per_param']:.3f}")
     return "\n".join(lines)
 
 

@@ -8,7 +8,7 @@ The benchmark itself is ``benchmarks.quality``.
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is a folder of the checkout, not of the wheel
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: a folder of the checkout, not the wheel
 from benchmarks.quality import main
 
 if __name__ == "__main__":

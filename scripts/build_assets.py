@@ -57,6 +57,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT_DIR = REPO_ROOT / "gefen_titan" / "assets"
 
@@ -297,8 +300,6 @@ def write_corpus(docs: list[str], path: Path) -> None:
 
 
 def train_tokenizer(docs: list[str]):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
     tok = Tokenizer(models.BPE())
     # GPT-2 style byte-level BPE: lossless on any UTF-8 text, no <unk>.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -387,8 +388,6 @@ def build(out_dir: Path, stdlib: Path) -> dict:
 
     n_tokens = sum(len(e.ids) for e in tok.encode_batch(docs))
     lengths = sorted(len(d) for d in docs)
-    import tokenizers
-
     info = {
         "source": "CPython standard library docstrings + pydoc_data/topics.py",
         "license": "PSF-2.0 (see LICENSE-PSF.txt)",
