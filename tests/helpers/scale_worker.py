@@ -1,6 +1,6 @@
 """The scale plan's checks that need a (fake) process group, in one fresh process.
 
-Run by tests/test_scale.py as ``python tests/scale_worker.py STEP_DIR``; prints
+Run by tests/integration/test_scale.py as ``python -m tests.helpers.scale_worker STEP_DIR``; prints
 one JSON line. STEP_DIR is a real format-v2 checkpoint of the debug recipe
 saved at 2 gloo ranks (the CPU half of ``scripts/gpu_check.sh``).
 
@@ -122,7 +122,8 @@ def extrapolation(built) -> dict:
 def hand(built) -> dict:
     p = next(q for q in built.params if q.fqn == "tok_embeddings.weight")
     return {"shape": list(p.shape), "unit": p.unit, "fallback": p.period("fallback"), "finest": p.period("finest"),
-            "chunks": scale.Chunks().per_rank(p.shape, p), "state": scale.gefen_param_bytes(1024 * 256, p.period("fallback"))}
+            "chunks": scale.Chunks().per_rank(p.shape, p),
+            "state": scale.gefen_param_bytes(1024 * 256, p.period("fallback"))}
 
 
 if __name__ == "__main__":

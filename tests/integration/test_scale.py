@@ -4,7 +4,7 @@
   parser); a run does the CPU half of the checkpoint check (a real v2 checkpoint of the
   debug recipe at 2 gloo ranks), skips every GPU stage, writes its report
   and exits 3 saying "no CUDA".
-* The scale plan against that real checkpoint (``tests/scale_worker.py``):
+* The scale plan against that real checkpoint (``tests/helpers/scale_worker.py``):
   the same DCP entries, chunks, bytes per rank file and writer of each
   replicated entry, exactly, and the metadata size within 0.5%; its
   first-step collectives are the ones real Gefen makes (recorded under a
