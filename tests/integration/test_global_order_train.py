@@ -11,7 +11,7 @@ bit-exact (agreed blocking); so its losses are compared with the
 uninterrupted run's step by step, with a tolerance measured from a same-size
 rerun and from the references at 1 and 2 ranks (which read the same batches
 too and differ only by the gradient reduction order), not from a data-order
-band. The references are shared with tests/test_recipe_regression.py
+band. The references are shared with tests/integration/test_recipe_regression.py
 (session cache).
 """
 
@@ -30,6 +30,15 @@ from gefen_titan.validation.report import compare_batches
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "validate_reshard.py"
 CI = runs.CI_SETTINGS
+
+# The global-order band of this pair: measured 3e-5 (= 3 x the references at
+# 1 and 2 ranks differing by 1e-5, one unit of the 5 logged decimals) on
+# 2026-12-01 and again on this branch. The cap leaves room for another CPU's
+# reduction order: running with OMP_NUM_THREADS=2 moved the recipe curves by
+# up to 2e-5 (tests/helpers/reference_curves.py), a band of 6e-5, which is
+# also what the references at 1, 2 and 4 ranks give (docs/validation.md).
+# 1e-4 holds that and stays 3000x below the elastic loader's data-order band.
+BAND_CAP = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +85,9 @@ def test_losses_are_compared_step_by_step_with_a_measured_tolerance(validated):
     assert max(pair["step_deviations"].values()) <= pair["loss_band"]
     # CPU runs are deterministic: the same-size rerun repeats the curve to the
     # logged decimals; the same batches in another reduction order stay at
-    # float rounding, orders of magnitude below a data-order band (~0.1).
+    # float rounding, orders of magnitude below a data-order band (~0.4).
     assert band["rerun_deviation"] <= bands.LOG_RESOLUTION
-    assert band["band"] < 1e-2
+    assert band["band"] <= BAND_CAP, band
     assert "loss deviation per step" in proc.stdout
 
 
