@@ -38,3 +38,24 @@ gefen-titan ckpt verify "$WORK/run/checkpoint/step-2"
 gefen-titan ckpt inspect --json "$WORK/run/checkpoint/step-2" > "$WORK/inspect.json"
 python -c "import json, sys; json.load(open(sys.argv[1]))" "$WORK/inspect.json"
 echo "wheel smoke: gefen-titan ckpt verify / inspect ran on the saved checkpoint"
+# The reshard validation as a user runs it on their own cluster: the installed
+# console script, a recipe from the current directory (no checkout around it),
+# the runs launched as `-m gefen_titan.train` from the wheel. One rank saved,
+# one resumed (1:1, the state must be bit-exact and the loss equal), small
+# settings: about a minute of CPU.
+gefen-titan validate --help > "$WORK/validate_help.txt"
+grep -q -- "--pairs" "$WORK/validate_help.txt" && grep -q -- "--reference-cache" "$WORK/validate_help.txt"
+mkdir "$WORK/recipes"
+cp "$ROOT/recipes/llama_gefen.toml" "$ROOT/recipes/llama_gefen_dp1.toml" "$WORK/recipes/"
+gefen-titan validate --recipe recipes/llama_gefen_dp1.toml --pairs 1:1 --backend gloo \
+    --steps-before 2 --steps-after 1 --global-batch 4 --local-batch 2 --out "$WORK/validate" \
+    > "$WORK/validate.log" 2>&1 || { tail -40 "$WORK/validate.log"; exit 1; }
+grep -q "all pairs within tolerance" "$WORK/validate.log" || { tail -40 "$WORK/validate.log"; exit 1; }
+python - "$WORK/validate/report.json" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+(pair,) = report["pairs"]
+assert pair["pair"] == "1->1" and pair["state"]["exact"] and pair["failures"] == [], pair
+assert pair["loss_deviation"] == 0.0, pair["loss_deviation"]
+PY
+echo "wheel smoke: gefen-titan validate (1->1) passed from the installed wheel"
