@@ -227,7 +227,7 @@ def state_tensors(optim: Optimizer) -> Iterator[torch.Tensor]:
             for value in optim.state.get(p, {}).values():
                 if isinstance(value, torch.Tensor):
                     yield value
-    cb = getattr(optim, "_gefen_codebook", None)
+    cb = optim._gefen_codebook
     if isinstance(cb, torch.Tensor):
         yield cb
 
