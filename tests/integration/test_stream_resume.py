@@ -1,4 +1,4 @@
-"""Elastic resume of streaming datasets (issue 12; gefen_titan/stream_reshard.py).
+"""Elastic resume of streaming datasets (issue 12; gefen_titan/data/stream_reshard.py).
 
 Real gloo ranks read a local multi-file corpus through ``gefen_tiny_stream``
 (``load_dataset("json", streaming=True)``, one shard per file) and save and
@@ -52,7 +52,7 @@ from gefen_titan.data import corpus as data
 from gefen_titan.data import stream as stream_data
 from gefen_titan.data.elastic import STREAM_KEY, DataLoaderReshardError, ElasticTextDataLoader
 from gefen_titan.data.loader_state import read_saved_loader
-from gefen_titan.data.stream_reshard import _kept, as_worker, unit_shares
+from gefen_titan.data.stream_reshard import advance_filters, as_worker, unit_shares
 from tests.helpers.loader_checkpoint import manager as _manager
 
 # Rank processes import this module, not conftest: what train.py does first.
@@ -546,7 +546,7 @@ def test_nested_filters_partition_a_stream():
     for first in range(3):
         for second in range(2):
             filters = [[3, first, first + 1, 0], [2, second, second + 1, 0]]
-            owners.update(i for i in range(100) if _kept(filters))
+            owners.update(i for i in range(100) if advance_filters(filters))
     assert owners == collections.Counter(range(100))
 
 
