@@ -54,18 +54,11 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from torchtitan.components.checkpoint import CheckpointManager
 
-from gefen_titan.data.elastic import ElasticTextDataLoader, lift_dataloader_config
 from gefen_titan.data.global_loader import GlobalOrderDataLoader
+from gefen_titan.data.registry import UnknownLoaderError, lift_dataloader_config, loader_config_class
 from gefen_titan.optim.container import GROUP_DEFAULTS, GefenOptimizersContainer
 
 __all__ = ["RecipeError", "Recipe", "build_recipe", "declared_world_size", "finish_recipe", "load_recipe", "validate_mesh"]
-
-# ``[dataloader] loader = "..."`` picks the data loader class; the section's
-# other keys are that class's fields.
-DATALOADERS = {
-    "elastic": ElasticTextDataLoader.Config,  # torchtitan's text loader + on_dp_change (the default)
-    "global_order": GlobalOrderDataLoader.Config,  # DP-invariant global batches (docs/data_order.md)
-}
 
 JOB_KEYS = ("module", "base_config", "extends", "description", "dump_folder", "hf_assets_path")
 MODEL_KEYS = ("flavor", "attn_backend")
@@ -375,9 +368,10 @@ def _as_gefen_checkpoint_config(ckpt: Any) -> Any:
 def _choose_dataloader(current: Any, kind: Any, where: str) -> Any:
     """``[dataloader] loader``: keep ``current`` if it is already of that kind,
     else a fresh config of the chosen class (its defaults, then the section's keys)."""
-    if kind not in DATALOADERS:
-        raise RecipeError(f"{where}: must be one of {list(DATALOADERS)}, got {kind!r}")
-    cls = DATALOADERS[kind]
+    try:
+        cls = loader_config_class(kind)
+    except UnknownLoaderError as e:
+        raise RecipeError(f"{where}: {e}") from None
     return current if type(current) is cls else cls()
 
 
