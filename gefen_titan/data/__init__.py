@@ -1,8 +1,9 @@
 """Data: the embedded corpus, datasets, and the two resumable data loaders.
 
-Importing the package imports none of its modules (they pull in
-``datasets`` and torchtitan); import the one you need. Layers, each
-importing only the ones above it in this list:
+This file imports none of the modules (they pull in ``datasets`` and
+torchtitan); import the one you need. (``import gefen_titan`` loads the
+loaders anyway, through the recipe layer.) Layers, each importing only the
+ones above it in this list:
 
 * ``cache``: where data built on first use goes, and the lock that makes a
   host's ranks build it once;
