@@ -168,11 +168,11 @@ class Settings:
 
     def overrides(self, nproc: int) -> list[str]:
         """Overrides every run gets (reference and resume alike)."""
-        from gefen_titan.recipe.build import _read_recipe_data
+        from gefen_titan.recipe.files import read_recipe_tables
 
         # The data-parallel shard degree takes what the recipe's other
         # degrees (TP, PP, CP, replicate) leave of the processes.
-        par = _read_recipe_data(resolve_recipe(self.recipe)).get("parallelism", {})
+        par = read_recipe_tables(resolve_recipe(self.recipe)).get("parallelism", {})
         others = 1
         for key in ("data_parallel_replicate_degree", "context_parallel_degree", "tensor_parallel_degree",
                     "pipeline_parallel_degree"):
@@ -207,13 +207,13 @@ def resolve_recipe(recipe: str) -> str:
 def merged_tables(recipe: str, overrides: list[str]) -> tuple[dict[str, Any], list[str]]:
     """The recipe's tables (``extends`` resolved) with the recipe flags of
     ``overrides`` merged in, and the other (torchtitan) flags as given."""
-    from gefen_titan.recipe.build import _merge, _read_recipe_data
     from gefen_titan.recipe.cli import parse_cli
+    from gefen_titan.recipe.files import merge_tables, read_recipe_tables
 
     recipe = resolve_recipe(recipe)
-    data = _read_recipe_data(recipe)
+    data = read_recipe_tables(recipe)
     cl = parse_cli(["--job.config", recipe, *overrides])
-    _merge(data, cl.overrides, recipe)
+    merge_tables(data, cl.overrides, recipe)
     return data, cl.args
 
 
@@ -261,7 +261,8 @@ def run_identity(recipe: str, nproc: int, overrides: list[str]) -> str:
 
 
 def recipe_imports(recipe: str) -> list[Any]:
-    from gefen_titan.recipe.build import declared_world_size, load_recipe
+    from gefen_titan.recipe.build import load_recipe
+    from gefen_titan.recipe.files import declared_world_size
 
     # Only [override] is read: any world size the recipe's own mesh accepts.
     path = resolve_recipe(recipe)

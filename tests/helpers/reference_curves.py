@@ -48,7 +48,7 @@ def cpu_recipes() -> list[Path]:
 
 
 def nproc_of(recipe: Path) -> int:
-    from gefen_titan.recipe.build import declared_world_size
+    from gefen_titan.recipe.files import declared_world_size
 
     return declared_world_size(recipe)
 
