@@ -11,7 +11,7 @@ registered by the data loader that reads it.
 
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.optim.container import GefenOptimizersContainer
-from gefen_titan.recipe.build import RecipeError, load_recipe
+from gefen_titan.recipe import RecipeError, load_recipe
 
 __all__ = ["GefenCheckpointManager", "GefenOptimizersContainer", "RecipeError", "load_recipe"]
 __version__ = "0.1.0"

@@ -40,9 +40,10 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
+
+from gefen_titan.checkpoint.segments import MEAN_CHUNK, Segment
 
 __all__ = [
     "Segment",
@@ -60,9 +61,6 @@ __all__ = [
 
 # Bound the int64/fp32 temporaries of the codeword search (as gefen-x does).
 _CHUNK = 1 << 22
-# Width of the pairwise-summed chunks of a block mean (see ``block_mean``).
-# Part of the contract: the kernel reads it from here.
-MEAN_CHUNK = 1024
 
 ENV = "GEFEN_TITAN_KERNELS"
 _MODES = ("auto", "triton", "reference")
@@ -106,14 +104,13 @@ def backend_for(t: torch.Tensor) -> str:
         if mode == "triton":
             return "triton"
         try:
-            import triton  # noqa: F401
+            import triton  # noqa: F401, PLC0415 (only asks whether Triton is installed)
         except ImportError:
             return "reference"
         return "triton"
     if mode == "auto":
         return "reference"
-    from gefen_titan.checkpoint import kernels
-
+    kernels = _kernels()
     if not kernels.INTERPRETED:
         raise RuntimeError(
             f"{ENV}=triton on {t.device} tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
@@ -123,39 +120,11 @@ def backend_for(t: torch.Tensor) -> str:
 
 
 def _kernels():
-    from gefen_titan.checkpoint import kernels
+    # Imported on first use: it imports Triton, and on CPU tensors Triton's
+    # interpreter must be chosen (TRITON_INTERPRET=1) before that import.
+    from gefen_titan.checkpoint import kernels  # noqa: PLC0415
 
     return kernels
-
-
-# ------------------------------------------------------------------ segments
-@dataclass(frozen=True, eq=False)  # holds tensors: compare by identity
-class Segment:
-    """``length`` consecutive elements of one source shard.
-
-    They start ``start`` elements into that shard, whose blocks are ``period``
-    long; ``magnitude`` and ``vmean`` hold one value per source block (block 0
-    starting at element 0), ``codebook`` the shard's 256 sorted codewords.
-    """
-
-    length: int
-    period: int
-    start: int
-    codebook: torch.Tensor | None = None
-    magnitude: torch.Tensor | None = None
-    vmean: torch.Tensor | None = None
-
-    @property
-    def blocks(self) -> tuple[int, int]:
-        """[first, last) source blocks the segment touches."""
-        if self.length <= 0:
-            return self.start // self.period, self.start // self.period
-        return self.start // self.period, (self.start + self.length - 1) // self.period + 1
-
-    @property
-    def phase(self) -> int:
-        """Offset of the segment's first element into its first block."""
-        return self.start % self.period
 
 
 def _check_segments(segments: Sequence[Segment], n: int | None, what: str) -> None:
@@ -165,7 +134,8 @@ def _check_segments(segments: Sequence[Segment], n: int | None, what: str) -> No
             raise ValueError(f"{what}: bad segment (length {s.length}, period {s.period}, start {s.start})")
         values = s.vmean if what == "block_mean_segments" else s.magnitude
         if values is None or (what != "block_mean_segments" and s.codebook is None):
-            raise ValueError(f"{what}: segment lacks {'vmean' if what == 'block_mean_segments' else 'codebook/magnitude'}")
+            lacks = "vmean" if what == "block_mean_segments" else "codebook/magnitude"
+            raise ValueError(f"{what}: segment lacks {lacks}")
         if s.length and values.numel() < s.blocks[1]:
             raise ValueError(f"{what}: segment needs blocks up to {s.blocks[1]}, has {values.numel()}")
         total += s.length
@@ -223,7 +193,8 @@ def nearest_codes(codebook: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out.view(x.shape)
 
 
-def _requantize_reference(dense: torch.Tensor, codebook: torch.Tensor, period: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _requantize_reference(dense: torch.Tensor, codebook: torch.Tensor,
+                          period: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not torch.isfinite(dense).all():
         raise ValueError("requantize: momentum has non-finite values")
     m = dense.float().reshape(-1, period)
@@ -272,7 +243,8 @@ def _dequantize_segments_reference(codes, segments, out_dtype):
     pos = 0
     for s in segments:
         seg = codes[pos : pos + s.length]
-        out[pos : pos + s.length] = dequantize(seg, s.codebook.float(), s.magnitude.float(), s.period, s.start, out_dtype)
+        out[pos : pos + s.length] = dequantize(seg, s.codebook.float(), s.magnitude.float(), s.period, s.start,
+                                               out_dtype)
         pos += s.length
     return out
 

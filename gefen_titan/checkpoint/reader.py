@@ -123,7 +123,8 @@ class Checkpoint:
         try:
             names = storage.list_files(self.path)
         except OSError:
-            return f"{self.path} does not exist or is not a folder: give a checkpoint folder such as .../checkpoint/step-10"
+            return (f"{self.path} does not exist or is not a folder: give a checkpoint folder such as "
+                    ".../checkpoint/step-10")
         steps = sorted((n for n in names if re.fullmatch(r"step-\d+", n)), key=lambda n: int(n[5:]))
         if steps:
             return (f"{self.path} holds checkpoints, not one: give one of its step folders "

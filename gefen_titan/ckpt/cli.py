@@ -14,6 +14,9 @@ import os
 import sys
 from typing import Any
 
+from gefen_titan.checkpoint.reader import CkptError
+from gefen_titan.ckpt import convert, inspection, verify
+
 DESCRIPTION = "Inspect, verify or convert a gefen-titan / torchtitan DCP checkpoint (one step-N folder)."
 OK, BAD, USAGE = 0, 1, 2
 
@@ -76,31 +79,23 @@ def _fail(args: argparse.Namespace, message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gefen_titan.checkpoint.reader import CkptError
-
     try:
         if args.action == "inspect":
-            from gefen_titan.ckpt.inspection import inspect_checkpoint, render
-
-            report = inspect_checkpoint(args.path)
-            _emit(args, report, render(report))
+            report = inspection.inspect_checkpoint(args.path)
+            _emit(args, report, inspection.render(report))
             return OK
         if args.action == "verify":
-            from gefen_titan.ckpt.verify import render, verify_checkpoint
-
-            report = verify_checkpoint(args.path)
-            _emit(args, report, render(report))
+            report = verify.verify_checkpoint(args.path)
+            _emit(args, report, verify.render(report))
             return OK if report["ok"] else BAD
         if args.action == "convert":
-            from gefen_titan.ckpt.convert import ConvertOptions, convert, render
-
-            options = ConvertOptions(
+            options = convert.ConvertOptions(
                 implementation=args.implementation,
                 max_tensor_parallel_degree=args.max_tensor_parallel_degree,
                 period_one_substrings=tuple(s for s in args.period_one_substrings.split(",") if s),
                 deterministic=args.deterministic)
-            report = convert(args.path, args.out, args.to, options)
-            _emit(args, report, render(report))
+            report = convert.convert(args.path, args.out, args.to, options)
+            _emit(args, report, convert.render(report))
             return OK
     except CkptError as e:
         return _fail(args, str(e))

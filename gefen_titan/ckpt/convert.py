@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torchtitan.tools import filesystem
 
 from gefen_titan.checkpoint import schema, storage
 from gefen_titan.checkpoint.errors import root_cause
@@ -104,8 +105,6 @@ def _check_out(source: str, out: str) -> None:
             os.path.abspath(out) == os.path.abspath(source))
     if same:
         raise CkptError("OUT is the source checkpoint: write the converted checkpoint to a new folder")
-    from torchtitan.tools import filesystem
-
     if filesystem.exists(out):
         raise CkptError(f"{out} exists: give a new folder (convert never overwrites a checkpoint)")
 

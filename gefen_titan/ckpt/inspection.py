@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint import schema, storage
 from gefen_titan.checkpoint.reader import MODEL, OPTIMIZER, Checkpoint, Entry, split_state_key
 from gefen_titan.checkpoint.records import GefenState, codebook_summary, read_gefen
 
@@ -73,8 +73,6 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
 
 
 def _file_bytes(ck: Checkpoint, name: str) -> int | None:
-    from gefen_titan.checkpoint import storage
-
     return storage.file_size(ck.path, name)
 
 
@@ -267,8 +265,11 @@ def _group(g: dict) -> str:
 
 def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    line = lambda cells: indent + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                                            for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    def line(cells: list[str]) -> str:
+        cols = (c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return (indent + "  ".join(cols)).rstrip()
+
     return [line(header)] + [line(r) for r in rows]
 
 

@@ -195,7 +195,10 @@ class _Verifier:
     def records(self, ck: Checkpoint) -> dict[str, Any]:
         summary: dict[str, Any] = {}
         opt = ck.optimizer
-        file_of = lambda n: (opt[n].files[0] if n in opt and opt[n].files else None)
+
+        def file_of(n: str) -> str | None:
+            return opt[n].files[0] if n in opt and opt[n].files else None
+
         try:
             gefen = read_gefen(ck)
         except CkptError as err:
@@ -314,7 +317,8 @@ def verify_checkpoint(path: str) -> dict[str, Any]:
 
 def render(report: dict[str, Any]) -> str:
     c = report["checked"]
-    read = f"{c['files']} file(s), {c['items']:,} items, {c['bytes'] / 1e6:.2f} MB read, {c['crc_checked']:,} CRC32 checked"
+    read = (f"{c['files']} file(s), {c['items']:,} items, {c['bytes'] / 1e6:.2f} MB read, "
+            f"{c['crc_checked']:,} CRC32 checked")
     lines = []
     if report["ok"]:
         lines.append(f"OK      {report['path']}: {read}")

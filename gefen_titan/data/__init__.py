@@ -1,13 +1,23 @@
 """Data: the embedded corpus, datasets, and the two resumable data loaders.
 
+This file imports none of the modules (they pull in ``datasets`` and
+torchtitan); import the one you need. (``import gefen_titan`` loads the
+loaders anyway, through the recipe layer.) Layers, each importing only the
+ones above it in this list:
+
+* ``cache``: where data built on first use goes, and the lock that makes a
+  host's ranks build it once;
+* ``indexed``: pre-tokenized, memory-mapped token datasets (the format);
+* ``stream``: local multi-file corpora read as a ``datasets`` stream;
 * ``corpus``: the tiny corpus and tokenizer shipped in the package, and the
-  ``gefen_tiny`` datasets registered with torchtitan;
-* ``indexed`` / ``indexed_build``: pre-tokenized, memory-mapped token
-  datasets and their builder;
-* ``stream``: the embedded corpus as a multi-file streaming dataset;
-* ``elastic``: torchtitan's text loader that resumes at another
-  data-parallel size (``on_dp_change``), with ``stream_reshard`` and
-  ``loader_state`` for streaming datasets and loader workers;
+  ``gefen_tiny`` / ``gefen_tiny_stream`` datasets registered with torchtitan;
+* ``indexed_build``: builds token datasets (and caches one per file);
 * ``global_order`` / ``global_loader``: one global sample order that every
-  data-parallel size reads in the same batches.
+  data-parallel size reads in the same batches;
+* ``loader_state``, ``stream_reshard``, ``elastic_passes``,
+  ``elastic_dataset``, ``elastic``: torchtitan's text loader that resumes at
+  another data-parallel size (``on_dp_change``): torchdata's saved loader
+  layout, what a stream had not read, which documents and tokens each new
+  rank reads, the dataset that reads them, and the loader;
+* ``registry``: the loaders a recipe picks by name (``[dataloader] loader``).
 """

@@ -15,7 +15,7 @@ the ``r``-th run of ``local_batch_size`` of them (Megatron's layout). One step
 therefore reads global batch ``b`` = positions ``[b * G, (b + 1) * G)`` at
 every DP size, provided ``training.global_batch_size`` (``G``) is fixed; the
 recipe layer refuses a global-order recipe that leaves it unset or not
-divisible (``recipe._check_global_order_batch``).
+divisible (``gefen_titan.recipe.checks.check_global_order_batch``).
 
 The state is one global position, ``consumed_samples``, the same on every
 rank, saved as one replicated entry (``dataloader.global_order.*``) rather
@@ -38,6 +38,7 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.tools.logging import logger
 
+from gefen_titan.data.corpus import DATASET_NAME, DEFAULT_DATASET_PATH
 from gefen_titan.data.global_order import GlobalSampleOrder
 from gefen_titan.data.indexed import IndexedDataset
 from gefen_titan.data.indexed_build import cached_dataset
@@ -57,7 +58,9 @@ class DataOrderError(ValueError):
     """The global-order loader cannot be built or resumed as configured."""
 
 
-def open_dataset(dataset: str, dataset_path: str | None, tokenizer: BaseTokenizer, cache_dir: str = "") -> IndexedDataset:
+def open_dataset(
+    dataset: str, dataset_path: str | None, tokenizer: BaseTokenizer, cache_dir: str = ""
+) -> IndexedDataset:
     """The token dataset a config names, checked against the run's tokenizer.
 
     ``dataset_path`` a directory: a dataset built by
@@ -65,20 +68,18 @@ def open_dataset(dataset: str, dataset_path: str | None, tokenizer: BaseTokenize
     file: built on first use into ``cache_dir``. None with ``dataset =
     "gefen_tiny"``: the embedded corpus, likewise.
     """
-    from gefen_titan.data import corpus as data
-
     if dataset_path:
         path = os.path.expanduser(dataset_path)
         if os.path.isdir(path):
             return IndexedDataset.open(path, tokenizer)
         return cached_dataset(path, tokenizer, cache_dir or None)
-    if dataset != data.DATASET_NAME:
+    if dataset != DATASET_NAME:
         raise DataOrderError(
             f"dataloader.dataset = {dataset!r}: the global-order loader reads pre-tokenized datasets; "
             f"build one with scripts/build_indexed_dataset.py and set dataloader.dataset_path to it "
-            f"(or use dataset = {data.DATASET_NAME!r}, the embedded corpus)"
+            f"(or use dataset = {DATASET_NAME!r}, the embedded corpus)"
         )
-    return cached_dataset(data.DEFAULT_DATASET_PATH, tokenizer, cache_dir or None)
+    return cached_dataset(DEFAULT_DATASET_PATH, tokenizer, cache_dir or None)
 
 
 class GlobalOrderDataLoader(BaseDataLoader):
@@ -107,11 +108,9 @@ class GlobalOrderDataLoader(BaseDataLoader):
         ~/.cache/gefen_titan)."""
 
         def __post_init__(self) -> None:
-            from gefen_titan.data import corpus as data
-
             # open_dataset reads dataset_path alone when it is set: another
             # dataset name would be dropped without a word.
-            if self.dataset_path and self.dataset != data.DATASET_NAME:
+            if self.dataset_path and self.dataset != DATASET_NAME:
                 raise ValueError(
                     f"dataloader.dataset = {self.dataset!r} is not read when dataloader.dataset_path is set "
                     "(the global-order loader reads the token dataset at dataset_path); leave dataset out"
@@ -230,7 +229,9 @@ class GlobalOrderDataLoader(BaseDataLoader):
                 "checkpoint.exclude_from_loading = [\"dataloader\"] to start the data order over."
             )
         if int(saved.get("version", -1)) != STATE_VERSION:
-            raise DataOrderError(f"global-order state version {saved.get('version')!r}, this gefen-titan reads {STATE_VERSION}")
+            raise DataOrderError(
+                f"global-order state version {saved.get('version')!r}, this gefen-titan reads {STATE_VERSION}"
+            )
         mine = self._identity()
         changed = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in mine.items() if saved.get(k) != v]
         if changed:

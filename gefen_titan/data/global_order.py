@@ -22,7 +22,7 @@ one global token stream of an ``IndexedDataset`` before any rank is involved:
   ``perm_e[k mod samples_per_epoch]`` with ``e = k // samples_per_epoch``.
 * **Batches.** Global batch ``b`` is stream positions ``[b * G, (b + 1) * G)``
   for global batch size ``G``, whatever the DP size. How ranks share it is the
-  loader's business (``global_dataloader``); nothing here knows about ranks.
+  loader's business (``gefen_titan.data.global_loader``); nothing here knows about ranks.
 
 The permutation is a sort by a bijective 64-bit hash of the index
 (splitmix64's finalizer), not numpy's random streams, so it is the same on

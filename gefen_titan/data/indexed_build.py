@@ -27,9 +27,9 @@ always give the same bytes and a change of either gives a new build.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gzip
 import json
+import multiprocessing
 import os
 import shutil
 import sys
@@ -40,7 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+from torchtitan.tools.logging import logger
 
+from gefen_titan.data.cache import default_cache_dir, locked
+from gefen_titan.data.corpus import DEFAULT_TOKENIZER_PATH, GZIP_MAGIC
 from gefen_titan.data.indexed import (
     BUILD_INFO_FILE,
     FORMAT_VERSION,
@@ -55,12 +59,10 @@ from gefen_titan.data.indexed import (
     tokenizer_identity,
 )
 
-__all__ = ["BuildResult", "build_indexed_dataset", "cached_dataset", "default_cache_dir", "main", "source_files"]
+__all__ = ["BuildResult", "build_indexed_dataset", "cached_dataset", "iter_documents", "main", "source_files"]
 
 PROGRESS_FILE = "progress.json"
 LENGTHS_FILE = "lengths.bin"
-CACHE_ENV = "GEFEN_TITAN_CACHE"
-_GZIP_MAGIC = b"\x1f\x8b"
 _SUFFIXES = (".jsonl", ".jsonl.gz", ".txt")
 
 
@@ -121,7 +123,7 @@ def iter_documents(files: list[Path]) -> Iterator[tuple[str, int]]:
             done += size
             continue
         with open(path, "rb") as raw:
-            gzipped = raw.read(2) == _GZIP_MAGIC
+            gzipped = raw.read(2) == GZIP_MAGIC
             raw.seek(0)
             stream = gzip.GzipFile(fileobj=raw) if gzipped else raw
             with stream:
@@ -153,8 +155,8 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 def _progress_bar(total: int, initial: int, enabled: bool):
     if not enabled:
         return None
-    try:
-        from tqdm import tqdm
+    try:  # optional: tqdm comes with datasets, but a build runs without it
+        from tqdm import tqdm  # noqa: PLC0415
     except ImportError:  # pragma: no cover - tqdm comes with datasets
         return None
     return tqdm(total=total, initial=initial, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr)
@@ -229,8 +231,6 @@ class _Encoder:
 
     def __enter__(self) -> _Encoder:
         if self.workers > 1:
-            import multiprocessing
-
             methods = multiprocessing.get_all_start_methods()
             ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
             self.pool = ctx.Pool(self.workers, initializer=_worker_init, initargs=(self.tokenizer,))
@@ -383,7 +383,9 @@ def build_indexed_dataset(
     return _commit(partial, out, plan, tokenizer, begin, resumed_at=resumed_at)
 
 
-def _commit(partial: Path, out: Path, plan: dict[str, Any], tokenizer: Any, begin: float, resumed_at: int) -> BuildResult:
+def _commit(
+    partial: Path, out: Path, plan: dict[str, Any], tokenizer: Any, begin: float, resumed_at: int
+) -> BuildResult:
     """Check the finished build and move it into place in one rename.
 
     ``resumed_at == -1``: an earlier run finished the files but died before
@@ -408,44 +410,27 @@ def _commit(partial: Path, out: Path, plan: dict[str, Any], tokenizer: Any, begi
 # ---------------------------------------------------------------- cache ---
 
 
-def default_cache_dir() -> Path:
-    """``$GEFEN_TITAN_CACHE``, else ``$XDG_CACHE_HOME/gefen_titan``, else ``~/.cache/gefen_titan``."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "gefen_titan"
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    """An exclusive lock on ``path`` (ranks on one host build once, the others wait)."""
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def cached_dataset(source: str | os.PathLike, tokenizer: Any, cache_dir: str | os.PathLike | None = None) -> IndexedDataset:
-    """The dataset of one input file, built on first use under ``cache_dir``."""
+def cached_dataset(
+    source: str | os.PathLike, tokenizer: Any, cache_dir: str | os.PathLike | None = None
+) -> IndexedDataset:
+    """The dataset of one input file, built on first use under ``cache_dir``
+    (default: ``gefen_titan.data.cache.default_cache_dir()``)."""
     source = Path(os.path.expanduser(os.fspath(source)))
     if not source.is_file():
-        raise IndexedDataError(f"{source}: not a file (expected a .jsonl, .jsonl.gz or .txt file, or a token dataset directory)")
+        raise IndexedDataError(
+            f"{source}: not a file (expected a .jsonl, .jsonl.gz or .txt file, or a token dataset directory)"
+        )
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     content = file_sha256(source)[:12]
     name = source.name.split(".")[0]
     out = cache / "indexed" / f"{name}-{content}-{tokenizer_identity(tokenizer)[0][:12]}"
-    with _locked(out.with_name(out.name + ".lock")):
+    with locked(out.with_name(out.name + ".lock")):
         if not (out / INDEX_FILE).is_file():
-            from torchtitan.tools.logging import logger
-
             logger.info(f"Building the token dataset of {source} into {out}")
             result = build_indexed_dataset([source], tokenizer, out, progress=False, overwrite=True)
-            logger.info(f"Built {result.num_documents} documents, {result.num_tokens} tokens in {result.seconds:.1f} s")
+            logger.info(
+                f"Built {result.num_documents} documents, {result.num_tokens} tokens in {result.seconds:.1f} s"
+            )
     return IndexedDataset.open(out, tokenizer)
 
 
@@ -467,11 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
 
-    from torchtitan.components.tokenizer import HuggingFaceTokenizer
-
-    from gefen_titan.data import corpus as data
-
-    path = data.DEFAULT_TOKENIZER_PATH if args.tokenizer == "builtin://tokenizer" else args.tokenizer
+    path = DEFAULT_TOKENIZER_PATH if args.tokenizer == "builtin://tokenizer" else args.tokenizer
     try:
         tokenizer = HuggingFaceTokenizer(tokenizer_path=path)
         r = build_indexed_dataset(args.inputs, tokenizer, args.out, chunk_documents=args.chunk_documents,

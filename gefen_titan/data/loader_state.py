@@ -16,8 +16,9 @@ A **unit** is one reading process of a rank: the rank itself with no
 workers, else each of its workers. ``read_saved_loader`` returns a rank's
 units' dataset states; ``build_loader_state`` writes the state a loader with
 ``num_workers`` workers resumes from, given one dataset state per unit.
-Reaches inside torchdata 0.11's state layout; tests/test_stream_resume.py
-checks it against real worker processes.
+Reaches inside torchdata 0.11's state layout on purpose (it has no public
+reader); ``tests/integration/test_stream_resume.py`` checks it against real
+worker processes.
 """
 
 from __future__ import annotations

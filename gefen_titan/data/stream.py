@@ -13,34 +13,22 @@ one file. Every record needs a string ``text`` field. Unset, it is the
 embedded ``gefen_tiny`` corpus cut into ``EMBEDDED_SHARDS`` contiguous
 ``.jsonl.gz`` files, written once under the cache directory
 (``$GEFEN_TITAN_CACHE``, else ``~/.cache/gefen_titan``); ranks on one host
-take a file lock, so they write it once.
+take a file lock, so they write it once. That default belongs to the
+embedded corpus and is resolved there (``gefen_titan.data.corpus``, which
+also registers this dataset with torchtitan); this module only reads files.
 """
 
 from __future__ import annotations
 
 import glob
-import gzip
-import json
 import os
-from pathlib import Path
-from typing import Any
 
 from datasets import IterableDataset, load_dataset
 
-from gefen_titan.data.corpus import DEFAULT_DATASET_PATH, _sample_text, read_jsonl_texts
-from gefen_titan.data.indexed import file_sha256
-from gefen_titan.data.indexed_build import _locked, default_cache_dir
-
-__all__ = ["EMBEDDED_SHARDS", "EMBEDDED_STREAM", "STREAM_DATASET_NAME", "embedded_shards", "load_stream", "stream_files"]
+__all__ = ["STREAM_DATASET_NAME", "load_stream", "stream_files", "stream_of"]
 
 STREAM_DATASET_NAME = "gefen_tiny_stream"
-
-EMBEDDED_STREAM = "builtin://tiny_corpus"
-"""The default ``dataset_path``: the embedded corpus, cut into files."""
-
-EMBEDDED_SHARDS = 12
-"""Files the embedded corpus is cut into: divides 1, 2, 3, 4, 6 and 12 ranks
-(each rank reads whole files); 8 ranks fall back to every 8th document."""
+"""Name under which the stream is registered in torchtitan's DATASETS."""
 
 _SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
 
@@ -65,34 +53,14 @@ def stream_files(path: str) -> list[str]:
     return files
 
 
-def embedded_shards(cache_dir: str | os.PathLike | None = None, shards: int = EMBEDDED_SHARDS) -> list[str]:
-    """The embedded corpus as ``shards`` contiguous ``.jsonl.gz`` files (document
-    i in file ``i * shards // n``), written on first use."""
-    cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    out = cache / "stream" / f"tiny_corpus-{file_sha256(DEFAULT_DATASET_PATH)[:12]}-{shards}"
-    names = [out / f"part-{k:05d}-of-{shards:05d}.jsonl.gz" for k in range(shards)]
-    with _locked(out.with_name(out.name + ".lock")):
-        if not all(n.is_file() for n in names):
-            texts = read_jsonl_texts(DEFAULT_DATASET_PATH)
-            out.mkdir(parents=True, exist_ok=True)
-            for k, name in enumerate(names):
-                part = texts[k * len(texts) // shards:(k + 1) * len(texts) // shards]
-                tmp = name.with_name(name.name + ".tmp")
-                with gzip.GzipFile(tmp, "wb", mtime=0) as f:
-                    f.write("".join(json.dumps({"text": t}) + "\n" for t in part).encode("utf-8"))
-                os.replace(tmp, name)
-    return [str(n) for n in names]
-
-
 def load_stream(path: str) -> IterableDataset:
-    """torchtitan ``DatasetConfig.loader``: the files as one ``datasets`` stream
+    """The files ``path`` names (``stream_files``) as one ``datasets`` stream
     with one shard per file."""
-    files = embedded_shards() if path == EMBEDDED_STREAM else stream_files(path)
+    return stream_of(stream_files(path))
+
+
+def stream_of(files: list[str]) -> IterableDataset:
+    """``files`` (all JSONL or all parquet) as one ``datasets`` stream with one
+    shard per file, in the order given."""
     builder = "parquet" if files[0].endswith(".parquet") else "json"
     return load_dataset(builder, data_files=files, split="train", streaming=True)
-
-
-def _config() -> Any:
-    from torchtitan.hf_datasets import DatasetConfig
-
-    return DatasetConfig(path=EMBEDDED_STREAM, loader=load_stream, sample_processor=_sample_text)

@@ -35,8 +35,10 @@ examples iterables whose resume is exact and tested here, and names the
 first other one it finds.
 
 Reaches inside ``datasets`` 4.7 (``IterableDataset._ex_iterable`` and its
-``ex_iterable(s)`` chain) and torch's worker-info global (``as_worker``);
-``tests/test_stream_resume.py`` checks both against real DataLoader workers.
+``ex_iterable(s)`` chain) and torch's worker-info global (``as_worker``) on
+purpose: neither has a public way in. ``datasets`` is pinned for that, and
+``tests/integration/test_stream_resume.py`` checks both against real
+DataLoader workers.
 """
 
 from __future__ import annotations
@@ -54,10 +56,13 @@ from torch.utils.data._utils.worker import WorkerInfo
 
 __all__ = [
     "EXACT_EXAMPLES_ITERABLES",
+    "StreamNotResumable",
+    "advance_filters",
     "as_worker",
     "check_resumable",
     "current_worker",
     "read_leaves",
+    "share_leaves",
     "source_leaves",
     "unit_shares",
 ]
@@ -86,14 +91,15 @@ def as_worker(worker: int, workers: int):
     (None for ``workers == 0``, the main process), as torchdata's worker loop
     sets it. ``datasets`` reads it when an iteration starts to pick the
     worker's files, so a stream read here is the one that worker read."""
-    saved = _torch_worker._worker_info
-    _torch_worker._worker_info = (
+    # torch keeps the worker identity in this module global (no setter).
+    saved = _torch_worker._worker_info  # noqa: SLF001
+    _torch_worker._worker_info = (  # noqa: SLF001
         None if workers == 0 else WorkerInfo(id=worker, num_workers=workers, seed=0, dataset=None)
     )
     try:
         yield
     finally:
-        _torch_worker._worker_info = saved
+        _torch_worker._worker_info = saved  # noqa: SLF001
 
 
 def _chain(ex_iterable: Any) -> Iterator[Any]:
@@ -114,7 +120,7 @@ def check_resumable(ds: Any, name: str) -> None:
             f"dataset {name!r} loads as {type(ds).__name__}, which is neither a map-style "
             "datasets.Dataset nor a datasets.IterableDataset; its saved position cannot be read"
         )
-    for node in _chain(ds._ex_iterable):
+    for node in _chain(ds._ex_iterable):  # noqa: SLF001 - the stream's examples-iterable chain
         kind = type(node).__name__
         if kind == "BufferShuffledExamplesIterable":
             raise StreamNotResumable(
@@ -177,7 +183,7 @@ def share_leaves(remainders: list[list[dict]], dst_units: int, dst: int) -> list
     return leaves
 
 
-def _kept(filters: list[list[int]]) -> bool:
+def advance_filters(filters: list[list[int]]) -> bool:
     """Advance the filter counters for one example; whether it is kept."""
     for f in filters:
         stride, lo, hi, count = f
@@ -206,7 +212,7 @@ def read_leaves(full: IterableDataset, leaves: list[dict]) -> Iterator[dict]:
                     example = next(it)
                 except StopIteration:
                     break
-            if _kept(leaf["filters"]):
+            if advance_filters(leaf["filters"]):
                 leaf["state"] = ds.state_dict()
                 yield example
         leaves.pop(0)

@@ -51,9 +51,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.optim import Optimizer
 
+from gefen_titan.distributed import comm_device, is_distributed, local, raise_on_any_rank
 from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim.codebook_solver import codebook_from_counts
 
 __all__ = ["AgreedBlocking", "BlockingError", "row_unit", "candidate_periods", "check_period_fits",
            "block_variance_sums", "histogram", "period_from_sums", "agreement_collectives"]
@@ -70,8 +74,6 @@ class BlockingError(RuntimeError):
 # ----------------------------------------------------------------- layout
 def _last_dim_cuts(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements, dims: list[int]) -> list[int]:
     """Offsets and lengths of the last-dim slices over mesh dims ``dims``."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
     out: list[int] = []
     coords = [[0] * len(mesh_shape)]
     for d in dims:
@@ -88,12 +90,10 @@ def row_unit(fqn: str, param: torch.Tensor, max_tp_degree: int = 1) -> int:
     Raises ``BlockingError`` for layouts whose local shard is not a box of
     whole rows of that unit (a strided shard of the last dim).
     """
-    from torch.distributed.tensor import Shard
-
     shape = tuple(param.shape)
     last = shape[-1]
     unit = last
-    if hasattr(param, "placements"):
+    if isinstance(param, DTensor):
         placements = tuple(param.placements)
         dims = []
         for i, pl in enumerate(placements):
@@ -153,16 +153,12 @@ def check_period_fits(fqn: str, param: torch.Tensor, period: int) -> str | None:
     if unit % period:
         return (
             f"{fqn}: saved block period {period} crosses a shard cut of the live layout "
-            f"{tuple(getattr(param, 'placements', ()))} (row unit {unit}); the run that wrote the "
-            "checkpoint did not declare this tensor-parallel degree: set "
+            f"{tuple(param.placements) if isinstance(param, DTensor) else ()} (row unit {unit}); the run that "
+            "wrote the checkpoint did not declare this tensor-parallel degree: set "
             "optimizer.max_tensor_parallel_degree there, or resume at a layout whose "
             "last-dim cuts are multiples of the period"
         )
     return None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _contributes(param: torch.Tensor) -> bool:
@@ -245,36 +241,11 @@ class _Param:
     candidates: list[int]
 
 
-def _comm_device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _all_gather(t: torch.Tensor, world: int) -> torch.Tensor:
     """[world, *t.shape] on CPU (list all_gather: gloo and NCCL both have it)."""
     parts = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(parts, t)
     return torch.stack([x.cpu() for x in parts])
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def agree_error(error: str | None, what: str) -> None:
-    """Raise ``error`` on every rank if any rank has one (no rank hangs)."""
-    if not _distributed():
-        if error:
-            raise BlockingError(f"{what}: {error}")
-        return
-    flag = torch.tensor([1 if error else 0], device=_comm_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() == 0:
-        return
-    errors: list = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    raise BlockingError(f"{what}: " + "; ".join(sorted({e for e in errors if e})))
 
 
 def agreement_collectives(width: int) -> list[tuple[str, str, torch.dtype, int]]:
@@ -360,7 +331,7 @@ class AgreedBlocking:
                 )
         except BlockingError as e:
             error = str(e)
-        agree_error(error, what)
+        raise_on_any_rank(error, what, BlockingError)
 
         group = self._stage_group(params)
         counts_here = [self._counts_here(q, group) for q in params]
@@ -370,15 +341,15 @@ class AgreedBlocking:
             counts = torch.zeros(HIST_BINS, dtype=torch.int64)
             for q, period, here in zip(params, periods, counts_here):
                 if here:
-                    counts += histogram(_local(q.param.grad), period).cpu()
+                    counts += histogram(local(q.param.grad), period).cpu()
         except (RuntimeError, ValueError) as e:
             error = f"{type(e).__name__}: {e}"
-        agree_error(error, what)
+        raise_on_any_rank(error, what, BlockingError)
         codebook = self._solve(counts)
         for q, period in zip(params, periods):
             gs.set_period(q.optim, q.param, period)
         for optim in optimizers if codebook is not None else ():
-            device = next((_local(p).device for _, p, _ in gs.named_params(optim)), torch.device("cpu"))
+            device = next((local(p).device for _, p, _ in gs.named_params(optim)), torch.device("cpu"))
             gs.set_codebook(optim, codebook.to(device).clone())
         self.needed = False
 
@@ -393,9 +364,9 @@ class AgreedBlocking:
             repr([(q.fqn, tuple(q.param.shape), q.candidates) for q in params]).encode()
         ).digest()
         sig = int.from_bytes(signature[:8], "little", signed=True)
-        if not _distributed():
+        if not is_distributed():
             return [0]
-        sigs = _all_gather(torch.tensor([sig], dtype=torch.int64, device=_comm_device()), dist.get_world_size())
+        sigs = _all_gather(torch.tensor([sig], dtype=torch.int64, device=comm_device()), dist.get_world_size())
         return [r for r in range(dist.get_world_size()) if int(sigs[r, 0]) == sig]
 
     @staticmethod
@@ -408,24 +379,24 @@ class AgreedBlocking:
         DTensor on a sub-mesh (FSDP's mesh under FSDP x TP, for a parameter
         TP leaves whole) is replicated over the other copies.
         """
-        rank = dist.get_rank() if _distributed() else 0
-        if not hasattr(q.param, "placements"):
+        rank = dist.get_rank() if is_distributed() else 0
+        if not isinstance(q.param, DTensor):
             return rank == group[0]
         mesh = q.param.device_mesh
         if not _contributes(q.param):
             return False
-        return group[0] in mesh.mesh.flatten().tolist() if _distributed() else True
+        return group[0] in mesh.mesh.flatten().tolist() if is_distributed() else True
 
     def _agree_periods(self, params: list[_Param], counts_here: list[bool], group: list[int]) -> list[int]:
         searched = [(q, here) for q, here in zip(params, counts_here) if q.unit]
-        local = [
-            block_variance_sums(_local(q.param.grad), q.candidates, q.unit).cpu() if here
+        sums = [
+            block_variance_sums(local(q.param.grad), q.candidates, q.unit).cpu() if here
             else torch.zeros(len(q.candidates), dtype=torch.float64)
             for q, here in searched
         ]
-        flat = torch.cat(local) if local else torch.zeros(0, dtype=torch.float64)
-        if _distributed():
-            device, world = _comm_device(), dist.get_world_size()
+        flat = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64)
+        if is_distributed():
+            device, world = comm_device(), dist.get_world_size()
             width = int(_all_gather(torch.tensor([flat.numel()], device=device), world).max())
             mine = torch.zeros(width, dtype=torch.float64, device=device)
             mine[: flat.numel()] = flat.to(device)
@@ -449,11 +420,9 @@ class AgreedBlocking:
 
         None when the job has no Gefen elements at all (Gefen learns none then).
         """
-        from gefen_titan.optim.codebook_solver import codebook_from_counts
-
-        if not _distributed():
+        if not is_distributed():
             return codebook_from_counts(counts) if int(counts.sum()) else None
-        device = _comm_device()
+        device = comm_device()
         total = counts.to(device)
         dist.all_reduce(total)
         total = total.cpu()
@@ -466,6 +435,6 @@ class AgreedBlocking:
                 payload.copy_(codebook_from_counts(total))
             except (ValueError, RuntimeError) as e:
                 message = f"{type(e).__name__}: {e}"
-        agree_error(message, "cannot solve the job's Gefen codebook")
+        raise_on_any_rank(message, "cannot solve the job's Gefen codebook", BlockingError)
         dist.broadcast(payload, src=0)
         return payload.cpu()

@@ -1,14 +1,16 @@
-"""The one place that reads and writes gefen-x's private optimizer state.
+"""The one place that reads and writes gefen-x's private optimizer state,
+and the one module that imports gefen-x at all (``lint-imports`` checks it).
 
 gefen-x 0.5.0 keeps what a checkpoint needs outside any public API: per
 parameter ``automatic_period``, ``step``, ``vmean_step``, ``m_codebook``
 (uint8 ``[blocks, period]``), ``m_magnitude`` and ``vmean`` (fp32
 ``[blocks, 1]``) in ``optim.state[p]``, and per optimizer ``_gefen_codebook``
 (fp32 ``[256]``), its per-device caches and ``_gefen_global_step`` as
-attributes. Every other module of gefen_titan (the agreement hook, the
-checkpoint adapters, the validation hook) and the tests go through the
-functions here, so a change of gefen-x's internals is fixed in one file.
-``tests/test_contract_gefen.py`` pins, against the real gefen-x, every fact
+attributes. Every other module of gefen_titan (the registry's factory, the
+agreement hook, the checkpoint adapters, the validation hook) goes through
+the functions here, so a change of gefen-x's internals is fixed in one file.
+``is_gefen`` is exact: gefen-x's subclasses (GefenMuon) keep other state.
+``tests/unit/test_contract_gefen.py`` pins, against the real gefen-x, every fact
 this module relies on (it reads the internals raw on purpose: it is the
 specification of this module). ``docs/gefen_internals.md`` explains them.
 """
@@ -227,7 +229,7 @@ def state_tensors(optim: Optimizer) -> Iterator[torch.Tensor]:
             for value in optim.state.get(p, {}).values():
                 if isinstance(value, torch.Tensor):
                     yield value
-    cb = getattr(optim, "_gefen_codebook", None)
+    cb = optim._gefen_codebook
     if isinstance(cb, torch.Tensor):
         yield cb
 

@@ -34,8 +34,14 @@ import sys
 import typing
 from typing import Any
 
+import tyro
+from torchtitan.config.manager import ConfigManager
+
+from gefen_titan.data.registry import loader_names
 from gefen_titan.optim.container import GROUP_DEFAULTS
-from gefen_titan.recipe.build import JOB_KEYS, MODEL_KEYS, Recipe, RecipeError, _hints, build_recipe, finish_recipe
+from gefen_titan.recipe.build import JOB_KEYS, MODEL_KEYS, Recipe, build_recipe, finish_recipe
+from gefen_titan.recipe.coerce import type_hints
+from gefen_titan.recipe.errors import RecipeError
 
 __all__ = ["CommandLine", "RECIPE_FLAGS", "USAGE", "load_cli", "parse_cli", "parse_flags"]
 
@@ -47,7 +53,8 @@ RECIPE_FLAGS: dict[str, tuple[str, ...]] = {
     "activation_checkpoint": ("mode",),
 }
 
-USAGE = """\
+# The loader choices are the registry's names when this module is imported (the built-ins).
+USAGE = f"""\
 usage: train.py --job.config RECIPE.toml [FLAGS ...]
 
 Trains what the TOML recipe describes (e.g. recipes/llama_gefen.toml). FLAGS
@@ -62,8 +69,8 @@ Recipe flags (applied as recipe keys, before the others):
                               tokenizer shipped with gefen_titan)
   --job.module NAME, --job.base_config NAME, --job.description TEXT
   --model.flavor NAME, --model.attn_backend NAME   rebuild the model spec
-  --dataloader.loader {elastic,global_order}       pick the data loader class
-  --activation_checkpoint.mode {none,selective,full,memory_budget}
+  --dataloader.loader {{{",".join(loader_names())}}}       pick the data loader class
+  --activation_checkpoint.mode {{none,selective,full,memory_budget}}
 
 Bools: --section.key, --section.no-key, or --section.key true|false.
 """
@@ -159,9 +166,6 @@ def _tyro_registry() -> Any:
     them (``list[str]`` as ``a,b,c``, ``--override.imports`` targets)."""
     global _registry
     if _registry is None:
-        import tyro
-        from torchtitan.config.manager import ConfigManager
-
         registry = tyro.constructors.ConstructorRegistry()
         ConfigManager.register_tyro_rules(registry)
         _registry = registry
@@ -175,8 +179,6 @@ def parse_flags(config: Any, args: list[str], *, prog: str = "train.py", descrip
     A parse error is a ``RecipeError`` carrying tyro's message; ``--help``
     prints tyro's help and raises ``SystemExit(0)``.
     """
-    import tyro
-
     args = _bool_values_as_flags(list(args), config)
     captured = io.StringIO()
     try:
@@ -256,7 +258,7 @@ def _is_bool_field(config: Any, name: str) -> bool:
             return False
     if not dataclasses.is_dataclass(obj):
         return False
-    tp = _hints(type(obj)).get(parts[-1])
+    tp = type_hints(type(obj)).get(parts[-1])
     while typing.get_origin(tp) is typing.Annotated:
         tp = typing.get_args(tp)[0]
     return tp is bool

@@ -13,26 +13,36 @@ sharding and initialisation are those of the shipped flavors.
 flavor, and by the benchmarks) adds it to
 ``torchtitan.models.llama3.llama3_configs``, so ``[model] flavor = "150M"``
 and ``model_registry("150M")`` work like any torchtitan flavor.
+
+Uses torchtitan 0.3.0's private llama3 builders on purpose
+(``_build_llama3_layers``, ``_EMBEDDING_INIT``, ``_NORM_INIT``,
+``_output_linear_init``): they are what make the flavor a shipped one in all
+but size. Importing this module imports ``torchtitan.models.llama3``
+(seconds), so the recipe layer imports it only for llama3 recipes.
 """
 
 from __future__ import annotations
+
+from torchtitan.models import llama3
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
+from torchtitan.models.llama3 import Llama3Model
 
 __all__ = ["FLAVORS", "register_flavors"]
 
 
 def _150m(attn_backend: str, tp_gemm_backend: str = "default"):
-    from torchtitan.models import llama3
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
-    from torchtitan.models.llama3 import Llama3Model
-
     dim, n_heads, n_kv_heads, n_layers, vocab = 1024, 16, 8, 8, 32768
     return Llama3Model.Config(
         dim=dim,
         vocab_size=vocab,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)),
-        layers=llama3._build_llama3_layers(
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT  # noqa: SLF001
+        ),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),  # noqa: SLF001
+        lm_head=Linear.Config(
+            in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)  # noqa: SLF001
+        ),
+        layers=llama3._build_llama3_layers(  # noqa: SLF001
             fuse_qkv=True,
             n_layers=n_layers,
             dim=dim,
@@ -51,8 +61,6 @@ FLAVORS = {"150M": _150m}
 
 def register_flavors() -> None:
     """Add ``FLAVORS`` to torchtitan's llama3 registry (idempotent)."""
-    from torchtitan.models import llama3
-
     for name, fn in FLAVORS.items():
         existing = llama3.llama3_configs.get(name)
         if existing is not None and existing is not fn:

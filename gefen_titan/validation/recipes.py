@@ -14,10 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-# Underscore names of the recipe layer; its restructure renames them
-# (read_recipe_tables, merge_tables in gefen_titan.recipe.files): change here only.
-from gefen_titan.recipe.build import _merge, _read_recipe_data, build_recipe, declared_world_size, load_recipe
+from gefen_titan.recipe.build import build_recipe, load_recipe
 from gefen_titan.recipe.cli import parse_cli, parse_flags
+from gefen_titan.recipe.files import declared_world_size, merge_tables, read_recipe_tables
 
 __all__ = ["config_of", "merged_tables", "recipe_imports", "recipe_tables", "recipe_world_size", "resolve_recipe"]
 
@@ -36,7 +35,7 @@ def resolve_recipe(recipe: str) -> str:
 
 def recipe_tables(recipe: str) -> dict[str, Any]:
     """The recipe's TOML tables with ``extends`` resolved."""
-    return _read_recipe_data(resolve_recipe(recipe))
+    return read_recipe_tables(resolve_recipe(recipe))
 
 
 def recipe_world_size(recipe: str) -> int:
@@ -48,9 +47,9 @@ def merged_tables(recipe: str, overrides: list[str]) -> tuple[dict[str, Any], li
     """The recipe's tables (``extends`` resolved) with the recipe flags of
     ``overrides`` merged in, and the other (torchtitan) flags as given."""
     recipe = resolve_recipe(recipe)
-    data = _read_recipe_data(recipe)
+    data = read_recipe_tables(recipe)
     cl = parse_cli(["--job.config", recipe, *overrides])
-    _merge(data, cl.overrides, recipe)
+    merge_tables(data, cl.overrides, recipe)
     return data, cl.args
 
 

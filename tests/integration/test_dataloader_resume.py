@@ -1,4 +1,4 @@
-"""Elastic data-loader resume (gefen_titan/dataloader.py, issue 6).
+"""Elastic data-loader resume (gefen_titan/data/elastic*.py, issue 6).
 
 The main scenario runs real gloo ranks (torch.multiprocessing) and saves and
 loads through ``GefenCheckpointManager`` (torchtitan's DCP save/load plus our
@@ -19,7 +19,7 @@ Variants: the embedded ``gefen_tiny`` loader on a small corpus of unique
 documents (exhaustive), the same file through ``load_dataset("json")`` (an
 HF-style local text dataset, exhaustive), the packaged default corpus (2 -> 4,
 first batches only), and a streaming HF dataset (continues; one shuffled
-through a buffer must refuse, naming the key; tests/test_stream_resume.py
+through a buffer must refuse, naming the key; tests/integration/test_stream_resume.py
 checks streaming resumes exactly).
 Everything else (restart, error, re-resharding, epochs) runs in this process
 on checkpoints written by the real 2-rank phase.
@@ -43,15 +43,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from gefen_titan.data import corpus as data
-from gefen_titan.data.elastic import (
-    ON_DP_CHANGE_KEY,
-    PASS_KEY,
-    DataLoaderReshardError,
-    ElasticTextDataLoader,
-    block_pass,
-    lift_dataloader_config,
-    plan_reshard,
-)
+from gefen_titan.data.elastic import ON_DP_CHANGE_KEY, ElasticTextDataLoader
+from gefen_titan.data.elastic_dataset import PASS_KEY, DataLoaderReshardError
+from gefen_titan.data.elastic_passes import block_pass, decode_pass, encode_pass, plan_reshard
+from gefen_titan.data.registry import lift_dataloader_config
 from tests.helpers.loader_checkpoint import manager as _manager
 
 SEQ, BATCH, K, J = 32, 2, 6, 5  # seq_len, local batch, steps before save, steps compared after
@@ -224,7 +219,9 @@ def runs(tmp_path_factory):
     _start(_phase_a, (root, corpus), 2)
     for world in (4, 1):
         _start(_phase_resume, (world, root, corpus), world)
-    load = lambda name: torch.load(os.path.join(root, name), weights_only=False)
+    def load(name):
+        return torch.load(os.path.join(root, name), weights_only=False)
+
     return {
         "root": root,
         "corpus": corpus,
@@ -423,7 +420,7 @@ def test_error_policy_names_the_key(runs, tok):
 
 
 def test_streaming_dataset_continues_and_a_shuffle_buffer_refuses(runs, tok, hf_json):
-    """A plain local stream continues at another degree (tests/test_stream_resume.py
+    """A plain local stream continues at another degree (tests/integration/test_stream_resume.py
     checks it exactly); one shuffled through a buffer has no position to
     continue from and refuses, naming the key, with nothing changed."""
     ckpt = os.path.join(runs["root"], "ckpt", "stream", f"step-{STEP}")
@@ -568,17 +565,15 @@ def test_block_pass_matches_torchtitans_reading_order(tmp_path, tok):
 
 
 def test_plan_and_encoding():
-    from gefen_titan.data.elastic import _decode_pass, _encode_pass
-
     passes = [np.arange(0, 5), np.arange(5, 10)]
     parts = plan_reshard(passes, [2, 4], 3)
     assert [p.tolist() for p in parts] == [[2, 3], [4], [9]]
     parts = plan_reshard([np.array([7, 3, 1]), np.array([0, 2])], [3, 0], 1)
     assert [p.tolist() for p in parts] == [[0, 2]]
     for idx in (np.arange(3, 40), np.array([5, 1, 9, 2]), np.zeros(0, np.int64), np.r_[0:10, 20:30]):
-        assert _decode_pass(_encode_pass(idx, 50)).tolist() == idx.tolist()
-    assert "runs" in _encode_pass(np.arange(1000), 1000)
-    assert "indices" in _encode_pass(np.random.default_rng(0).permutation(100), 100)
+        assert decode_pass(encode_pass(idx, 50)).tolist() == idx.tolist()
+    assert "runs" in encode_pass(np.arange(1000), 1000)
+    assert "indices" in encode_pass(np.random.default_rng(0).permutation(100), 100)
 
 
 def test_reshard_twice_then_reloop_on_the_new_layout(tmp_path, tok):

@@ -1,5 +1,5 @@
 """Resume the global-order data loader at another DP size through the real
-checkpoint managers and DCP, on real gloo ranks (gefen_titan/global_dataloader.py).
+checkpoint managers and DCP, on real gloo ranks (gefen_titan/data/global_loader.py).
 
   reference, N = 2, 3, 4 ranks: read K steps (gradient accumulation as the
       trainer does it), save at step K through GefenCheckpointManager, read J

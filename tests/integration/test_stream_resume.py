@@ -1,4 +1,4 @@
-"""Elastic resume of streaming datasets (issue 12; gefen_titan/stream_reshard.py).
+"""Elastic resume of streaming datasets (issue 12; gefen_titan/data/stream_reshard.py).
 
 Real gloo ranks read a local multi-file corpus through ``gefen_tiny_stream``
 (``load_dataset("json", streaming=True)``, one shard per file) and save and
@@ -50,9 +50,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from gefen_titan import patches
 from gefen_titan.data import corpus as data
 from gefen_titan.data import stream as stream_data
-from gefen_titan.data.elastic import STREAM_KEY, DataLoaderReshardError, ElasticTextDataLoader
+from gefen_titan.data.elastic import ElasticTextDataLoader
+from gefen_titan.data.elastic_dataset import STREAM_KEY, DataLoaderReshardError
 from gefen_titan.data.loader_state import read_saved_loader
-from gefen_titan.data.stream_reshard import _kept, as_worker, unit_shares
+from gefen_titan.data.stream_reshard import advance_filters, as_worker, unit_shares
 from tests.helpers.loader_checkpoint import manager as _manager
 
 # Rank processes import this module, not conftest: what train.py does first.
@@ -279,7 +280,9 @@ def runs(tmp_path_factory, tok):
     _start([4, "src"], 3, root)
     _start([3, "refuse"], 2, root)
     res = {"root": root, ("dst", 2, 1): [_destination(root, 0, 1, 2, tok)]}
-    load = lambda name: torch.load(os.path.join(root, name), weights_only=False)
+    def load(name):
+        return torch.load(os.path.join(root, name), weights_only=False)
+
     for n in (2, 4, 3):
         res[("src", n)] = [load(f"src_{n}_{r}.pt") for r in range(n)]
     for n, m in PAIRS[1:]:
@@ -476,7 +479,8 @@ def test_map_style_with_workers_reads_the_pass_once(tmp_path, tok):
     _load_ranks([final], str(tmp_path / "c2"))
     rest = list(final)
     record = {"stage": _units(stage, saved, 2), "final": (_tokens(rest), list(final.dataset._inputs_buffer)),
-              "in_pass": all("elastic_pass" in s for s in saved.dataset_states), "positions_ok": _positions_ok(stage + rest)}
+              "in_pass": all("elastic_pass" in s for s in saved.dataset_states),
+              "positions_ok": _positions_ok(stage + rest)}
     _check_pass_read_once(units, [record], 2, tok)
 
 
@@ -492,14 +496,17 @@ def test_batches_read_since_a_worker_snapshot_are_replayed(runs, tmp_path, tok, 
 
     root = runs["root"]
     if kind == "stream":
-        build = lambda rank=1, world=2, **kw: _build(root, 5, rank, world, 2, tok, **kw)
+        def build(rank=1, world=2, **kw):
+            return _build(root, 5, rank, world, 2, tok, **kw)
     else:
         corpus = str(tmp_path / "corpus.jsonl")
         with open(corpus, "w") as f:
             f.writelines(json.dumps({"text": t}) + "\n" for t in _texts())
-        build = lambda rank=1, world=2, **kw: ElasticTextDataLoader.Config(
-            dataset="gefen_tiny", dataset_path=corpus, infinite=False, num_workers=2,
-        ).build(dp_world_size=world, dp_rank=rank, tokenizer=tok, seq_len=SEQ, local_batch_size=B, **kw)
+
+        def build(rank=1, world=2, **kw):
+            return ElasticTextDataLoader.Config(
+                dataset="gefen_tiny", dataset_path=corpus, infinite=False, num_workers=2,
+            ).build(dp_world_size=world, dp_rank=rank, tokenizer=tok, seq_len=SEQ, local_batch_size=B, **kw)
     states = []
     for every in (1, 3):
         dl = build(snapshot_every_n_steps=every)
@@ -546,7 +553,7 @@ def test_nested_filters_partition_a_stream():
     for first in range(3):
         for second in range(2):
             filters = [[3, first, first + 1, 0], [2, second, second + 1, 0]]
-            owners.update(i for i in range(100) if _kept(filters))
+            owners.update(i for i in range(100) if advance_filters(filters))
     assert owners == collections.Counter(range(100))
 
 

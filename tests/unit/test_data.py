@@ -1,6 +1,6 @@
 """The embedded corpus and tokenizer load through torchtitan's own classes.
 
-Covers gefen_titan/data.py and gefen_titan/assets/: the tokenizer as
+Covers gefen_titan/data/corpus.py and gefen_titan/assets/: the tokenizer as
 torchtitan's HuggingFaceTokenizer sees it, the ``gefen_tiny`` dataset as
 HuggingFaceTextDataset sees it (shapes, id range, rank split), and a
 user-given ``dataset_path``.

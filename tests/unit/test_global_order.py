@@ -1,9 +1,9 @@
-"""The DP-invariant global data order (gefen_titan/global_order.py,
-gefen_titan/global_dataloader.py) in one process: samples are torchtitan's,
+"""The DP-invariant global data order (gefen_titan/data/global_order.py,
+gefen_titan/data/global_loader.py) in one process: samples are torchtitan's,
 every global batch holds the same samples at DP 1, 2, 3 and 4 over several
 epochs, the loader state is one position that any DP size reads, and the
 recipe key chooses the loader and refuses global batches that do not split.
-The multi-rank resume through DCP is tests/test_global_order_resume.py."""
+The multi-rank resume through DCP is tests/integration/test_global_order_resume.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from gefen_titan.data.global_loader import STATE_KEY, DataOrderError, GlobalOrde
 from gefen_titan.data.global_order import GlobalSampleOrder, epoch_permutation
 from gefen_titan.data.indexed import IndexedDataError, IndexedDataset
 from gefen_titan.data.indexed_build import build_indexed_dataset
-from gefen_titan.recipe.build import RecipeError, load_recipe
+from gefen_titan.recipe import RecipeError, load_recipe
 
 SEQ = 32
 G = 12  # global batch: splits at DP 1, 2, 3, 4

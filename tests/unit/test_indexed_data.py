@@ -1,5 +1,5 @@
-"""The pre-tokenized, memory-mapped token dataset (gefen_titan/indexed_dataset.py,
-gefen_titan/build_indexed.py): round trip, determinism, the embedded corpus,
+"""The pre-tokenized, memory-mapped token dataset (gefen_titan/data/indexed.py,
+gefen_titan/data/indexed_build.py): round trip, determinism, the embedded corpus,
 refusals of bad files and of another tokenizer, and resuming a build that was
 interrupted."""
 

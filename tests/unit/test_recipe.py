@@ -8,8 +8,9 @@ import pytest
 from torchtitan.trainer import Trainer
 
 from gefen_titan.optim.container import GefenOptimizersContainer
-from gefen_titan.recipe.build import RecipeError, load_recipe
+from gefen_titan.recipe import RecipeError, declared_world_size, load_recipe
 from gefen_titan.recipe.cli import load_cli, parse_cli
+from gefen_titan.recipe.files import read_recipe_tables
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
@@ -18,8 +19,6 @@ DEBUG = str(ROOT / "recipes" / "llama_gefen.toml")
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_every_shipped_recipe_parses(path):
-    from gefen_titan.recipe.build import declared_world_size
-
     world = declared_world_size(path)
     recipe = load_recipe(path, world_size=world)
     config = recipe.config
@@ -33,9 +32,9 @@ def test_every_shipped_recipe_parses(path):
 
 
 def test_recipes_declare_1_2_4_shards():
-    from gefen_titan.recipe.build import _read_recipe_data
-
-    declared = {_read_recipe_data(str(p)).get("parallelism", {}).get("data_parallel_shard_degree", -1) for p in RECIPES}
+    declared = {
+        read_recipe_tables(str(p)).get("parallelism", {}).get("data_parallel_shard_degree", -1) for p in RECIPES
+    }
     assert {1, 2, 4} <= declared
 
 
@@ -150,3 +149,37 @@ def test_bad_recipe_fails_before_any_process_group(tmp_path):
     with pytest.raises(RecipeError):
         build_config(["--job.config", path, "--training.steps", "x"])
     assert not dist.is_initialized()
+
+
+def test_a_registered_loader_is_a_recipe_choice(monkeypatch):
+    """A new loader is its component plus ``register_loader``: ``[dataloader]
+    loader`` then picks it and the section's keys are its fields; names are
+    not silently taken over."""
+    from dataclasses import dataclass
+
+    from torchtitan.components.dataloader import BaseDataLoader
+
+    from gefen_titan.data import registry
+    from gefen_titan.data.elastic import ElasticTextDataLoader
+
+    monkeypatch.setattr(registry, "_LOADERS", dict(registry._LOADERS))  # this test's registrations only
+
+    @dataclass(kw_only=True, slots=True)
+    class ShardedConfig(BaseDataLoader.Config):
+        shards: int = 1
+
+    registry.register_loader("sharded", ShardedConfig)
+    registry.register_loader("sharded", ShardedConfig)  # the same class again: no-op
+    assert registry.loader_names() == ["elastic", "global_order", "sharded"]
+    config = load_recipe(DEBUG, {"dataloader": {"loader": "sharded", "shards": 3}}, world_size=2).config
+    assert type(config.dataloader) is ShardedConfig and config.dataloader.shards == 3
+    with pytest.raises(RecipeError, match=r"\[dataloader\] shards: expected an integer"):
+        load_recipe(DEBUG, {"dataloader": {"loader": "sharded", "shards": "3"}}, world_size=2)
+    with pytest.raises(
+        RecipeError, match=r"\[dataloader\] loader: must be one of \['elastic', 'global_order', 'sharded'\], got 'x'"
+    ):
+        load_recipe(DEBUG, {"dataloader": {"loader": "x"}}, world_size=2)
+    with pytest.raises(ValueError, match="'sharded' is already registered as"):
+        registry.register_loader("sharded", ElasticTextDataLoader.Config)
+    with pytest.raises(TypeError, match="not a BaseDataLoader.Config dataclass"):
+        registry.register_loader("plain", dict)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gefen_titan.recipe.build import RecipeError, declared_world_size, load_recipe
+from gefen_titan.recipe import RecipeError, declared_world_size, load_recipe
 from gefen_titan.recipe.cli import USAGE, load_cli, parse_cli, parse_flags
 
 ROOT = Path(__file__).resolve().parents[2]

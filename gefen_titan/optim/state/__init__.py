@@ -72,7 +72,8 @@ def checkpoint_blocking(checkpoint_id: str, metadata: Any, prefix: str, has_gefe
                      "checkpoint.exclude_from_loading = [\"optimizer\"] (and lr_scheduler if needed)")
     else:
         try:
-            blocking = schema.Header.from_json(read_small(checkpoint_id, metadata, prefix, [], [key])[key]).implied_blocking
+            raw = read_small(checkpoint_id, metadata, prefix, [], [key])[key]
+            blocking = schema.Header.from_json(raw).implied_blocking
         except schema.FormatError as e:
             error = str(e)
     agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")

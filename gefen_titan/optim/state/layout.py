@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 __all__ = ["Region", "param_region", "target_period", "UnsupportedLayout"]
 
@@ -40,11 +42,8 @@ class Region:
 def param_region(fqn: str, param: torch.Tensor) -> tuple[Region, tuple[int, ...]]:
     """(region, local shape) of this rank's shard of ``param``."""
     numel = param.numel()
-    if not hasattr(param, "placements"):
+    if not isinstance(param, DTensor):
         return Region(0, 1, 0, numel), tuple(param.shape)
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     shard_dims = [i for i, pl in enumerate(param.placements) if not isinstance(pl, Replicate)]
     for i in shard_dims:
         pl = param.placements[i]
@@ -57,7 +56,8 @@ def param_region(fqn: str, param: torch.Tensor) -> tuple[Region, tuple[int, ...]
                 "= ['optimizer'] on resume."
             )
     if len(shard_dims) > 1:
-        raise UnsupportedLayout(f"{fqn}: parameter is sharded on {len(shard_dims)} mesh dims; only one Shard(0) dim is supported")
+        raise UnsupportedLayout(
+            f"{fqn}: parameter is sharded on {len(shard_dims)} mesh dims; only one Shard(0) dim is supported")
     local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     row = math.prod(param.shape[1:]) if param.dim() > 1 else 1
     local_numel = math.prod(local_shape)

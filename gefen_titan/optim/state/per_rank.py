@@ -178,9 +178,9 @@ class PerRankStateAdapter:
         error = self._unsupported or self._check_keys(ours)
         agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
 
-        kinds = {k: getattr(schema.parse_key(k), "kind", None) for k in ours}
-        tensors = sorted(k for k, kind in kinds.items() if kind in ("records", "rank_codebook", "codebook"))
-        strings = sorted(k for k, kind in kinds.items() if kind in ("optimizer", "header"))
+        parsed = {k: key for k in ours if (key := schema.parse_key(k)) is not None}
+        tensors = sorted(k for k, key in parsed.items() if key.kind in ("records", "rank_codebook", "codebook"))
+        strings = sorted(k for k, key in parsed.items() if key.kind in ("optimizer", "header"))
         small = read_small(checkpoint_id, metadata, prefix, tensors, strings)
 
         plan, error = None, None
@@ -248,7 +248,8 @@ class PerRankStateAdapter:
         codebooks, global_steps, block_rows = {}, {}, {}
         for slot in self.slots:
             if slot.fqn not in where:
-                raise GefenCheckpointError(f"{slot.fqn}: no record in the checkpoint (another model or optimizer grouping)")
+                raise GefenCheckpointError(
+                    f"{slot.fqn}: no record in the checkpoint (another model or optimizer grouping)")
             opt_id, index, rec, nshards, nparams = where[slot.fqn]
             params[slot.fqn] = rec
             schema.check_hyper(slot.fqn, rec.group)
@@ -256,7 +257,8 @@ class PerRankStateAdapter:
             for label in range(nshards):
                 rk = schema.records_key(opt_id, label)
                 if rk not in small:
-                    raise GefenCheckpointError(f"{slot.fqn}: records of source rank {label} missing (truncated checkpoint?)")
+                    raise GefenCheckpointError(
+                        f"{slot.fqn}: records of source rank {label} missing (truncated checkpoint?)")
                 global_step, table = schema.read_v1_rank_table(small[rk], nparams, rk)
                 row = table[index]
                 bk = ours.get(schema.blocks_key(opt_id, label))
@@ -271,7 +273,8 @@ class PerRankStateAdapter:
                 key = (opt_id, label)
                 global_steps.setdefault(key, global_step)
                 if global_steps[key] < row.step:
-                    raise GefenCheckpointError(f"{slot.fqn}: global step {global_steps[key]} < parameter step {row.step}")
+                    raise GefenCheckpointError(
+                        f"{slot.fqn}: global step {global_steps[key]} < parameter step {row.step}")
                 if row.period and key not in codebooks:
                     ck = schema.rank_codebook_key(*key)
                     if ck not in small:
@@ -281,7 +284,8 @@ class PerRankStateAdapter:
             pos = 0
             for src in srcs:
                 if src.length and src.start != pos:
-                    raise GefenCheckpointError(f"{slot.fqn}: source shards do not tile the parameter (gap or overlap at element {pos})")
+                    raise GefenCheckpointError(
+                        f"{slot.fqn}: source shards do not tile the parameter (gap or overlap at element {pos})")
                 pos = src.stop if src.length else pos
             if pos != slot.param.numel():
                 raise GefenCheckpointError(f"{slot.fqn}: source shards cover {pos} of {slot.param.numel()} elements")
@@ -293,7 +297,8 @@ class PerRankStateAdapter:
         for slot in self.slots:
             r = slot.region
             plan.needed[slot.fqn] = [
-                src for src in sources[slot.fqn] if src.length and src.period and src.start < r.stop and r.start < src.stop
+                src for src in sources[slot.fqn]
+                if src.length and src.period and src.start < r.stop and r.start < src.stop
             ]
         return plan
 
@@ -342,7 +347,8 @@ class PerRankStateAdapter:
             for s in plan.needed[slot.fqn]:
                 b = sd[schema.blocks_key(s.opt_id, s.label)][s.block0 : s.block0 + s.length // s.period]
                 if not torch.isfinite(b).all() or (b < 0).any():
-                    raise GefenCheckpointError(f"{slot.fqn}: source rank {s.label} has non-finite or negative magnitudes/vmean (corrupt checkpoint)")
+                    raise GefenCheckpointError(f"{slot.fqn}: source rank {s.label} has non-finite or negative "
+                                               "magnitudes/vmean (corrupt checkpoint)")
                 blocks_of[(slot.fqn, s.label)] = b
 
         # One codebook per live optimizer: adopt it when all of the optimizer's
@@ -398,7 +404,8 @@ class PerRankStateAdapter:
         vstep = max(s.vmean_step for s in srcs)
         if len(srcs) == 1:
             s = srcs[0]
-            aligned = s.start <= r.start and r.stop <= s.stop and (r.start - s.start) % s.period == 0 and (r.stop - s.start) % s.period == 0
+            aligned = (s.start <= r.start and r.stop <= s.stop and (r.start - s.start) % s.period == 0
+                       and (r.stop - s.start) % s.period == 0)
             if aligned and adopted == (s.opt_id, s.label):
                 b = blocks_of[(slot.fqn, s.label)]
                 j0, j1 = (r.start - s.start) // s.period, (r.stop - s.start) // s.period

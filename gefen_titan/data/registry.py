@@ -1,0 +1,104 @@
+"""The data loaders a recipe can pick, by name: ``[dataloader] loader = "..."``.
+
+A loader is a torchtitan data-loader component (its ``Config`` builds it);
+this registry maps the name a recipe uses to that ``Config`` class, and the
+recipe layer (``gefen_titan.recipe.build``) applies the section's other keys
+as the fields of that class. The built-in loaders:
+
+* ``"elastic"`` (the default): ``ElasticTextDataLoader``, torchtitan's text
+  loader that resumes at another data-parallel size
+  (``gefen_titan.data.elastic``, ``docs/data_resume.md``);
+* ``"global_order"``: ``GlobalOrderDataLoader``, global batches that are the
+  same samples at every data-parallel size
+  (``gefen_titan.data.global_loader``, ``docs/data_order.md``).
+
+A new loader is one module with its component plus one
+``register_loader(name, MyLoader.Config)`` call, made before the recipe is
+read. The built-ins are registered here, when this module is imported (the
+recipe layer imports it), not by importing ``gefen_titan``: the registry is
+this module's dict, and nothing outside the package changes.
+
+``lift_dataloader_config`` turns the ``HuggingFaceTextDataLoader.Config``
+that torchtitan's base config functions build into the default loader's
+config, so a recipe that names no loader still resumes elastically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+from gefen_titan.data.elastic import ElasticTextDataLoader
+from gefen_titan.data.global_loader import GlobalOrderDataLoader
+
+__all__ = [
+    "DEFAULT_LOADER",
+    "UnknownLoaderError",
+    "lift_dataloader_config",
+    "loader_config_class",
+    "loader_names",
+    "register_loader",
+]
+
+DEFAULT_LOADER = "elastic"
+"""The loader of a recipe that names none (what ``lift_dataloader_config`` makes)."""
+
+_LOADERS: dict[str, type[BaseDataLoader.Config]] = {}
+
+
+class UnknownLoaderError(ValueError):
+    """A loader name nobody registered; the message lists the known ones."""
+
+
+def register_loader(name: str, config_cls: type[BaseDataLoader.Config]) -> None:
+    """Make ``[dataloader] loader = name`` build ``config_cls``'s component.
+
+    ``config_cls`` must be a ``BaseDataLoader.Config`` dataclass (what
+    ``Trainer.Config.dataloader`` holds) whose fields all have defaults: the
+    recipe layer starts from ``config_cls()`` and sets the section's keys.
+    Registering the same class again is a no-op; another class under a taken
+    name is refused rather than silently replacing a loader.
+    """
+    if not (isinstance(config_cls, type) and issubclass(config_cls, BaseDataLoader.Config)
+            and dataclasses.is_dataclass(config_cls)):
+        raise TypeError(f"loader {name!r}: {config_cls!r} is not a BaseDataLoader.Config dataclass")
+    existing = _LOADERS.get(name)
+    if existing is not None and existing is not config_cls:
+        raise ValueError(
+            f"loader {name!r} is already registered as {existing.__qualname__}; "
+            f"choose another name for {config_cls.__qualname__}"
+        )
+    _LOADERS[name] = config_cls
+
+
+def loader_names() -> list[str]:
+    """The registered names, in registration order (the built-ins first)."""
+    return list(_LOADERS)
+
+
+def loader_config_class(name: Any) -> type[BaseDataLoader.Config]:
+    """The ``Config`` class registered as ``name``.
+
+    Raises ``UnknownLoaderError`` ("must be one of [...], got ..."), which the
+    recipe layer prefixes with the file and key.
+    """
+    cls = _LOADERS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise UnknownLoaderError(f"must be one of {loader_names()}, got {name!r}")
+    return cls
+
+
+def lift_dataloader_config(cfg: Any) -> Any:
+    """``HuggingFaceTextDataLoader.Config`` -> ``ElasticTextDataLoader.Config``
+    (same field values); any other config, including ours, is returned as is."""
+    if type(cfg) is not HuggingFaceTextDataLoader.Config:
+        return cfg
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
+    return ElasticTextDataLoader.Config(**values)
+
+
+register_loader(DEFAULT_LOADER, ElasticTextDataLoader.Config)  # torchtitan's text loader + on_dp_change
+register_loader("global_order", GlobalOrderDataLoader.Config)  # DP-invariant global batches

@@ -1,0 +1,124 @@
+"""The cross-section checks ``finish_recipe`` runs on the final config.
+
+Each refuses, with a ``RecipeError`` that names the recipe keys, a config no
+run can use, before any process group exists (torchtitan would assert the
+same later, on some ranks, or not at all): a mesh whose degrees do not
+multiply to the world size (``validate_mesh``), a global-order loader
+without a global batch that splits into equal rank slices
+(``check_global_order_batch``), and an ``[optimizer]`` key that has no effect
+or a group key its optimizer ignores (``check_optimizer``). They need the
+values the command line may still change, so they run after it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from gefen_titan.data.global_loader import GlobalOrderDataLoader
+from gefen_titan.optim.container import GefenOptimizersContainer
+from gefen_titan.recipe.errors import RecipeError
+
+__all__ = ["check_global_order_batch", "check_optimizer", "validate_mesh"]
+
+
+def validate_mesh(config: Any, path: str, world_size: int | None = None) -> None:
+    """Degrees must multiply to the world size (``dp_shard = -1`` fills in).
+
+    Mirrors ``ParallelDims._validate`` but runs before any process group work
+    and names the recipe keys instead of asserting.
+    """
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    p = config.parallelism
+    degrees = {
+        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
+        "context_parallel_degree": p.context_parallel_degree,
+        "tensor_parallel_degree": p.tensor_parallel_degree,
+        "pipeline_parallel_degree": p.pipeline_parallel_degree,
+    }
+    for key, degree in degrees.items():
+        if degree < 1:
+            raise RecipeError(f"{path}: [parallelism] {key} must be >= 1, got {degree}")
+    others = 1
+    for degree in degrees.values():
+        others *= degree
+    shard = p.data_parallel_shard_degree
+    listing = " * ".join(f"{k}({v})" for k, v in degrees.items())
+    if shard == -1:
+        if world_size % others:
+            raise RecipeError(
+                f"{path}: [parallelism] impossible mesh: {listing} = {others} does not "
+                f"divide the world size {world_size}; data_parallel_shard_degree = -1 "
+                "cannot fill the rest. Change the degrees or the number of processes."
+            )
+        return
+    if shard < 1:
+        raise RecipeError(f"{path}: [parallelism] data_parallel_shard_degree must be -1 or >= 1, got {shard}")
+    if shard * others != world_size:
+        raise RecipeError(
+            f"{path}: [parallelism] impossible mesh: data_parallel_shard_degree({shard}) * "
+            f"{listing} = {shard * others}, but the world size is {world_size}. Set "
+            "data_parallel_shard_degree = -1 to use all ranks, or launch "
+            f"{shard * others} processes."
+        )
+
+
+def check_global_order_batch(config: Any, path: str, world_size: int | None) -> None:
+    """A global-order recipe must fix the global batch, divisible at this DP size.
+
+    The loader's batches are the same samples at every DP size only if a step
+    is the same number of samples at every DP size (the trainer otherwise
+    makes it local_batch_size x dp degree). torchtitan also asserts the
+    divisibility, but only once the process group exists.
+    """
+    if not isinstance(config.dataloader, GlobalOrderDataLoader.Config):
+        return
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    p, t = config.parallelism, config.training
+    shard = p.data_parallel_shard_degree
+    if shard == -1:
+        others = (p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
+                  * p.pipeline_parallel_degree)
+        shard = world_size // others
+    dp = p.data_parallel_replicate_degree * shard
+    local, gbs = t.local_batch_size, t.global_batch_size
+    if gbs <= 0:
+        raise RecipeError(
+            f"{path}: [training] global_batch_size: [dataloader] loader = \"global_order\" needs a fixed "
+            "global batch (samples per optimizer step), so that a resume at another data-parallel size "
+            f"reads the same batches; set it, e.g. global_batch_size = {local * dp} (local_batch_size "
+            f"{local} x dp degree {dp}; a multiple of it for gradient accumulation)"
+        )
+    if gbs % (local * dp):
+        fits = [b for b in range(1, gbs // dp + 1) if gbs % (b * dp) == 0] if gbs % dp == 0 else []
+        hint = (f"local_batch_size values that fit: {', '.join(map(str, fits))}" if fits
+                else f"no local_batch_size fits: make global_batch_size a multiple of {dp}")
+        raise RecipeError(
+            f"{path}: [training] global_batch_size {gbs} is not a multiple of local_batch_size {local} x "
+            f"data-parallel degree {dp} = {local * dp}: the global batch cannot be cut into equal rank "
+            f"slices at this size ({hint})"
+        )
+
+
+def check_optimizer(opt: GefenOptimizersContainer.Config, path: str, set_by: dict[str, str]) -> None:
+    """No [optimizer] key set without effect, no group key its optimizer ignores.
+
+    ``set_by`` says where the ``GROUP_DEFAULTS`` were set (``Recipe.set_by``):
+    only a default someone set is reported, at the place it was set.
+    """
+    try:
+        opt.check_param_groups()
+    except ValueError as e:
+        raise RecipeError(f"{path}: [optimizer] {e}") from None
+    for key in opt.unused_defaults():
+        where = set_by.get(f"optimizer.{key}")
+        if where is None:  # a default nobody set: nothing to report
+            continue
+        group_key = "optimizer_name" if key == "name" else f"optimizer_kwargs.{key}"
+        raise RecipeError(
+            f"{where}: has no effect: every [[optimizer.param_groups]] sets its own {group_key}. "
+            f"[optimizer] {key} is the default of the groups that leave it out: leave it out of the "
+            f"groups that should use it, or do not set [optimizer] {key}"
+        )
