@@ -115,6 +115,8 @@ def parse_sets(items: list[str]) -> list[str]:
 
 
 def choose_backend(requested: str, max_ranks: int) -> tuple[str, str]:
+    """(backend, why): NCCL with a GPU per rank where enough GPUs are visible
+    (or asked for: an error if there are too few), else gloo on CPU."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested == "nccl":
         if gpus < max_ranks:
