@@ -14,15 +14,24 @@ pages it touched, which the kernel can drop at any time).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LoaderFigures", "bench_loader", "bench_train_step", "in_fresh_process", "memory", "synthesize_corpus"]
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+from gefen_titan.data import corpus
+from gefen_titan.data.indexed_build import build_indexed_dataset
+
+__all__ = ["LoaderFigures", "bench_loader", "bench_train_step", "in_fresh_process", "main", "memory",
+           "synthesize_corpus"]
 
 
 def memory() -> dict[str, int]:
@@ -99,7 +108,8 @@ def bench_loader(dataset_dir: str, tokenizer: Any, *, seq_len: int, local_batch_
                          after["RssAnon"] - before["RssAnon"], after["RssFile"] - before["RssFile"], opened)
 
 
-def bench_train_step(recipe: str, overrides: dict[str, Any], steps: int, threads: int = 1) -> tuple[float, int, list[float]]:
+def bench_train_step(recipe: str, overrides: dict[str, Any], steps: int,
+                     threads: int = 1) -> tuple[float, int, list[float]]:
     """Tokens/s of the training step (forward, backward, optimizer; data loading
     excluded) of ``recipe`` at one rank, in this process, after one warm-up step.
 
@@ -110,9 +120,9 @@ def bench_train_step(recipe: str, overrides: dict[str, Any], steps: int, threads
 
     torch.set_num_threads(threads)
     from gefen_titan.recipe.build import load_recipe
-    from gefen_titan.train import _single_process_env
+    from gefen_titan.train import single_process_env
 
-    _single_process_env()
+    single_process_env()
     config = load_recipe(recipe, overrides, world_size=1).config
     trainer = config.build()
     try:
@@ -142,3 +152,63 @@ def in_fresh_process(fn, *args: Any, **kwargs: Any) -> Any:
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(fn, *args, **kwargs).result()
 
+
+# ------------------------------------------------------------------ command line
+MB = 1 << 20
+RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "llama_gefen_global_order.toml")
+
+
+def tokenizer():
+    return HuggingFaceTokenizer(tokenizer_path=corpus.DEFAULT_TOKENIZER_PATH)
+
+
+def main() -> None:
+    """``scripts/bench_data_order.py``: build, loader and training-step figures on a synthetic big corpus."""
+    ap = argparse.ArgumentParser(description="Benchmark the global-order data path on a corpus 100x the embedded one.")
+    ap.add_argument("--factor", type=int, default=100, help="copies of the embedded corpus (default 100)")
+    ap.add_argument("--workdir", help="where the corpus and datasets go (default: a temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the workdir")
+    ap.add_argument("--train-steps", type=int, default=3, help="timed training steps (after one warm-up)")
+    ap.add_argument("--workers", type=int, default=1, help="tokenizer processes for the big build")
+    args = ap.parse_args()
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="gefen_data_bench_"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        tok = tokenizer()
+        r = build_indexed_dataset([corpus.DEFAULT_DATASET_PATH], tok, work / "tiny", progress=False, overwrite=True)
+        print(f"embedded gefen_tiny: {r.num_documents:,} documents, {r.num_tokens:,} tokens, "
+              f"built in {r.seconds:.1f} s")
+
+        begin = time.monotonic()
+        big, docs, size = synthesize_corpus(work, args.factor)
+        print(f"x{args.factor} corpus: {docs:,} documents, {size / MB:,.0f} MB of JSONL "
+              f"(written in {time.monotonic() - begin:.0f} s)")
+        r = build_indexed_dataset([big], tok, work / f"x{args.factor}", overwrite=True, workers=args.workers)
+        bin_mb = os.path.getsize(Path(r.path) / "tokens.bin") / MB
+        print(f"x{args.factor} build ({args.workers} worker(s)): {r.num_tokens:,} tokens in {r.seconds:.0f} s "
+              f"({r.num_tokens / r.seconds:,.0f} tokens/s); tokens.bin {bin_mb:,.0f} MB")
+        big.unlink()
+
+        shapes = [(256, 2, 2, 4000), (2048, 8, 8, 5400)]
+        loader = {}
+        for seq, local, dp, batches in shapes:
+            f = in_fresh_process(bench_loader, r.path, tok, seq_len=seq,
+                                            local_batch_size=local, dp_world_size=dp, batches=batches)
+            loader[seq] = f
+            read = batches * local * seq
+            print(f"loader seq {seq} x local {local} (rank 0 of {dp}): {f.tokens_per_s:,.0f} tokens/s; "
+                  f"opened in {f.open_seconds * 1e3:.0f} ms; read {read:,} tokens ({100 * read / r.num_tokens:.1f}% "
+                  f"of the corpus): RssAnon +{f.anon_growth / MB:.1f} MB, RssFile +{f.file_growth / MB:.1f} MB "
+                  f"(tokens.bin {bin_mb:,.0f} MB)")
+
+        tps, tokens, times = in_fresh_process(
+            bench_train_step, RECIPE,
+            {"checkpoint": {"enable": False}, "metrics": {"log_freq": 1000},
+             "dataloader": {"dataset_path": r.path}}, args.train_steps)
+        print(f"train step (llama_gefen_global_order.toml, 1 rank, {tokens:,} tokens/step): {tps:,.0f} tokens/s "
+              f"(steps {', '.join(f'{t:.2f}' for t in times)} s)")
+        print(f"loader / train step: {loader[256].tokens_per_s / tps:,.0f}x at the recipe's shape")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)

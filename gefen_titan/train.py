@@ -11,9 +11,12 @@ fails every rank the same way and at once.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 import torch
+from torchtitan.observability import structured_logger as sl
+from torchtitan.tools.logging import init_logger, logger
 
 from gefen_titan import patches
 from gefen_titan.recipe.cli import load_cli
@@ -23,7 +26,7 @@ def build_config(argv: list[str] | None = None):
     return load_cli(sys.argv[1:] if argv is None else argv).config
 
 
-def _single_process_env() -> None:
+def single_process_env() -> None:
     """Let ``python -m gefen_titan.train`` run as one rank without torchrun.
 
     torchtitan reads the torchrun variables unconditionally; with none set we
@@ -31,8 +34,6 @@ def _single_process_env() -> None:
     """
     if "LOCAL_RANK" in os.environ or "RANK" in os.environ:
         return
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -41,14 +42,11 @@ def _single_process_env() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from torchtitan.observability import structured_logger as sl
-    from torchtitan.tools.logging import init_logger, logger
-
     init_logger()
     # Before any torchtitan component is built; a no-op for what CUDA does not need.
     patches.apply_all()
     config = build_config(argv)
-    _single_process_env()
+    single_process_env()
     sl.init_structured_logger(
         source="training",
         output_dir=config.dump_folder,

@@ -30,7 +30,7 @@ def require_params(fn: Callable, expected: Sequence[str], what: str) -> None:
     try:
         params = list(inspect.signature(fn).parameters)
     except (TypeError, ValueError) as e:  # builtins without signatures
-        raise PatchTargetChanged(f"gefen_titan.patches: cannot inspect {what}: {e}")
+        raise PatchTargetChanged(f"gefen_titan.patches: cannot inspect {what}: {e}") from e
     if params[: len(expected)] != list(expected):
         raise PatchTargetChanged(
             f"gefen_titan.patches: {what} has parameters {params}, expected them "

@@ -8,7 +8,8 @@ What it fixes
     returns the *string* ``"cpu"``, so the call fails at the end of step 1 with::
 
         TypeError: (): incompatible function arguments. The following argument types are supported:
-            1. (self: torch._C._distributed_c10d.BarrierOptions, arg0: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> None
+            1. (self: torch._C._distributed_c10d.BarrierOptions,
+                arg0: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex]) -> None
         Invoked with: <torch.distributed.distributed_c10d.BarrierOptions object at 0x...>, ['cpu']
 
 What it does

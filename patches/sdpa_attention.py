@@ -73,15 +73,15 @@ from __future__ import annotations
 
 from . import check_versions
 
-check_versions()  # this module imports torchtitan internals at import time
+check_versions()  # this module imports torchtitan internals at import time: refuse other versions first
 
-from torchtitan.config import override
-from torchtitan.models.common.attention import (
+from torchtitan.config import override  # noqa: E402
+from torchtitan.models.common.attention import (  # noqa: E402
     FlexAttention,
     ScaledDotProductAttention,
 )
 
-from ._util import PatchTargetChanged
+from ._util import PatchTargetChanged  # noqa: E402
 
 try:
     ScaledDotProductAttention.Config()

@@ -115,7 +115,8 @@ def test_gefen_reads_the_group_keys_we_accept():
     opt = spec.factory([{"params": [p], "param_names": ["w"], "lr": 0.5, "betas": (0.7, 0.8), "eps": 0.25,
                          "weight_decay": 0.125, "fused": False}])
     (group,) = opt.param_groups
-    assert (group["lr"], group["beta1"], group["beta2"], group["eps"], group["weight_decay"]) == (0.5, 0.7, 0.8, 0.25, 0.125)
+    hyper = (group["lr"], group["beta1"], group["beta2"], group["eps"], group["weight_decay"])
+    assert hyper == (0.5, 0.7, 0.8, 0.25, 0.125)
     assert "fused" not in group  # a constructor argument, not a stray group key
 
 
@@ -137,7 +138,7 @@ def test_an_unregistered_gefen_subclass_is_refused(monkeypatch):
 
     def resolve(name):
         assert name == "GefenVariant"
-        return lambda groups, **kw: _GefenVariant([(n, p) for g in groups for n, p in zip(g["param_names"], g["params"])])
+        return lambda groups, **kw: _GefenVariant([pair for g in groups for pair in zip(g["param_names"], g["params"])])
 
     monkeypatch.setattr(OptimizersContainer, "_resolve_optimizer_factory", staticmethod(resolve))
     config = _config(param_groups=[ParamGroup(pattern=".*", optimizer_name="GefenVariant")])
