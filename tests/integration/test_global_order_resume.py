@@ -131,7 +131,8 @@ def _start(fn, args, nprocs):
     import torch.multiprocessing as mp
 
     multiprocessing.set_forkserver_preload(
-        ["gefen_titan", "gefen_titan.data.global_loader", "gefen_titan.checkpoint.manager", "torch.distributed.checkpoint"]
+        ["gefen_titan", "gefen_titan.data.global_loader", "gefen_titan.checkpoint.manager",
+         "torch.distributed.checkpoint"]
     )
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
@@ -157,7 +158,9 @@ def runs(tmp_path_factory):
         _start(_reference, (n, root), n)
     for m in sorted(sources):
         _start(_resume, (m, root, sources[m]), m)
-    load = lambda name: torch.load(os.path.join(root, name), weights_only=False)
+    def load(name):
+        return torch.load(os.path.join(root, name), weights_only=False)
+
     ref = {n: [load(f"ref{n}_{r}.pt") for r in range(n)] for n in sorted({n for n, _ in PAIRS})}
     res = {m: [load(f"res{m}_{r}.pt") for r in range(m)] for m in sorted(sources)}
     return root, ref, res
@@ -185,7 +188,8 @@ def test_the_reads_cross_an_epoch_and_the_reference_runs_agree(runs):
     assert sum(_global([r["after"] for r in ref[2]], 0).values()) == G
 
 
-@pytest.mark.parametrize("pair", PAIRS + [PLAIN + ("torchtitan",)], ids=lambda p: "%d->%d" % p[:2] + (" plain" if len(p) > 2 else ""))
+@pytest.mark.parametrize("pair", PAIRS + [PLAIN + ("torchtitan",)],
+                         ids=lambda p: f"{p[0]}->{p[1]}" + (" plain" if len(p) > 2 else ""))
 def test_resume_reads_the_uninterrupted_runs_global_batches(runs, pair):
     _, ref, res = runs
     n, m = pair[:2]

@@ -6,12 +6,8 @@ install (as the tests run) would still find it.
 """
 
 import sys
+import tomllib
 from pathlib import Path
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -85,7 +85,8 @@ def both(fn, what: str):
             except ValueError as e:
                 out[mode] = ("ValueError", str(e))
     k, r = out["triton"], out["reference"]
-    assert k[0] == r[0], f"{what}: kernel gave {k[0]} ({k[1] if k[0] != 'ok' else ''}), reference {r[0]} ({r[1] if r[0] != 'ok' else ''})"
+    kernel, ref = (k[1] if k[0] != "ok" else ""), (r[1] if r[0] != "ok" else "")
+    assert k[0] == r[0], f"{what}: kernel gave {k[0]} ({kernel}), reference {r[0]} ({ref})"
     if k[0] == "ok":
         same(k[1], r[1], what)
     else:
@@ -108,7 +109,8 @@ def _segments(g, device, spec, duplicates=False, scale=None):
     segs = []
     for length, period, start in spec:
         nb = (start + length + period - 1) // period + 1  # one spare block: the slice must be taken
-        mag = torch.rand(nb, generator=g) * 3 if scale is None else torch.full((nb,), scale) * (1 + torch.rand(nb, generator=g))
+        mag = (torch.rand(nb, generator=g) * 3 if scale is None
+               else torch.full((nb,), scale) * (1 + torch.rand(nb, generator=g)))
         vmean = torch.rand(nb, generator=g) * 1e-3
         segs.append(Segment(length, period, start, _codebook(g, device, duplicates), mag.to(device), vmean.to(device)))
     return segs
@@ -128,7 +130,8 @@ def requantize_random(device):
     g = torch.Generator().manual_seed(1)
     cb = _codebook(g, device)
     # periods around the kernel's tile (2048): one chunk, exactly a tile, several chunks
-    for period, nblocks in [(1, 4099), (3, 1001), (7, 300), (64, 65), (100, 37), (256, 9), (2048, 3), (2049, 2), (5000, 2)]:
+    for period, nblocks in [(1, 4099), (3, 1001), (7, 300), (64, 65), (100, 37), (256, 9), (2048, 3), (2049, 2),
+                            (5000, 2)]:
         d = (torch.randn(period * nblocks, generator=g) * torch.rand(period * nblocks, generator=g) ** 4).to(device)
         both(lambda: quant.requantize(d, cb, period), f"random period {period}")
 
@@ -204,7 +207,8 @@ def dequantize_segments_mixed(device):
     specs = [
         [(5003, 128, 0)],  # one segment, length not a multiple of block or tile
         [(1000, 64, 17), (37, 5, 0), (5003, 128, 130), (1, 3, 2), (777, 1000, 999)],  # phases, periods
-        [(300 + 7 * i, p, (i * 13) % p) for i, p in enumerate([1, 2, 3, 8, 100, 256, 4096, 7, 9])],  # 9 segs: table of 16
+        # 9 segments: a table of 16
+        [(300 + 7 * i, p, (i * 13) % p) for i, p in enumerate([1, 2, 3, 8, 100, 256, 4096, 7, 9])],
         [(1, 1, 0)],
     ]
     for spec in specs:
@@ -260,7 +264,8 @@ def _build_slot(device, region, sources, g):
         srcs.append(_Source(label, start, length, period, 7, 7, "opt"))
         codebooks[("opt", label)] = _codebook(g, device)
         nb = length // period
-        blocks_of[("w", label)] = torch.stack([torch.rand(nb, generator=g) * 2, torch.rand(nb, generator=g) * 1e-4], 1).to(device)
+        blocks_of[("w", label)] = torch.stack([torch.rand(nb, generator=g) * 2,
+                                               torch.rand(nb, generator=g) * 1e-4], 1).to(device)
     r = Region(0, 1, *region)
     needed = [s for s in srcs if s.start < r.stop and r.start < s.stop]
     plan = SimpleNamespace(needed={"w": needed}, codebooks=codebooks)
@@ -307,7 +312,8 @@ def _run_child(device: str, interpret: bool) -> dict[str, str]:
                           capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     if proc.returncode or not lines:
-        pytest.fail(f"kernel check subprocess failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        pytest.fail(f"kernel check subprocess failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                    f"{proc.stderr[-6000:]}")
     return json.loads(lines[-1][len("RESULTS "):])
 
 
@@ -319,7 +325,8 @@ def interpreted():
 @pytest.fixture(scope="module")
 def on_cuda():
     if not torch.cuda.is_available():
-        pytest.skip("CUDA absent: compiled kernels are checked on a GPU only (the interpreter tests cover the kernel code)")
+        pytest.skip("CUDA absent: compiled kernels are checked on a GPU only "
+                    "(the interpreter tests cover the kernel code)")
     return _run_child("cuda", interpret=False)
 
 
@@ -368,7 +375,8 @@ def test_kernels_compile_for_sm90():
         ptx = compiled.asm["ptx"]
         assert compiled.asm.get("cubin"), fn.__name__
         # the float divisions are IEEE round-to-nearest, nothing is flushed or contracted
-        assert "div.full" not in ptx and "div.approx" not in ptx and ".ftz" not in ptx and "fma.rn.f32" not in ptx, fn.__name__
+        banned = ("div.full", "div.approx", ".ftz", "fma.rn.f32")
+        assert not any(b in ptx for b in banned), fn.__name__
 
 
 # --------------------------------------------------------------- the reference's own contract
