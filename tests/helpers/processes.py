@@ -17,14 +17,15 @@ torchrun, or torchrun's process group, leaves the workers running. So:
   in several checkouts of one machine do not collide on a fixed one);
 * :func:`spawn` is ``torch.multiprocessing`` spawn whose ranks are killed
   when the wait ends early;
-* :func:`fork_ranks` runs a function on N ranks as torchrun would (the same
+* :func:`run_ranks` runs a function on N ranks as torchrun would (the same
   environment), forked from a fork server that has done the heavy imports
-  once per session: a launch's start-up drops from ~7 s of CPU per rank
-  (15-30 s a launch on 2 cores) to well under a second.
+  once per session where that is safe: a launch's start-up drops from ~7 s
+  of CPU per rank (15-30 s a launch on 2 cores) to well under a second.
 """
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing.connection as mp_connection
 import os
 import signal
@@ -40,7 +41,7 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# What the fork server of fork_ranks imports before it forks any rank: what
+# What the fork server of run_ranks imports before it forks any rank: what
 # the test workers and the trainer import (importing a worker also applies
 # gefen_titan's patches, as every one of them does first).
 PRELOAD = ["gefen_titan.train", "tests.helpers.agreed_worker", "tests.helpers.reshard_worker"]
@@ -161,23 +162,41 @@ def _rank_main(rank: int, world: int, port: int, log: str, cwd: str, target: Cal
     target(argv)
 
 
-def fork_ranks(world: int, target: Callable[[list[str]], None], argv: list[str], *, logs: Path,
-               timeout: float, cwd: str | Path = ROOT) -> str:
-    """``target(argv)`` on ``world`` ranks, as torchrun would start them, but
-    forked from multiprocessing's fork server instead of started afresh.
+def can_fork() -> bool:
+    """Whether ranks may be forked from a server that has imported torch and torchtitan.
 
-    The fork server imports :data:`PRELOAD` once per session (torch,
-    torchtitan, gefen_titan, the workers: ~7 s of CPU), so a launch of N
-    ranks costs no N fresh imports; each rank is a fresh fork of a process
-    that has only imported modules (no process group, no thread pool yet).
-    ``target`` must be importable by name (a module-level function); it runs
-    in ``cwd``. Every rank writes its output to ``logs/rank{i}.log``. Returns the logs; raises
-    when a rank fails (the others are killed, as torchrun does) or on a
-    timeout.
+    Only with a CPU-only torch on Linux: torchtitan asks at import whether
+    CUDA is available, which initializes the CUDA driver in a CUDA build,
+    and a process forked after that cannot use CUDA.
     """
+    return sys.platform == "linux" and torch.version.cuda is None and torch.version.hip is None
+
+
+def run_ranks(world: int, target: Callable[[list[str]], None], argv: list[str], *, logs: Path,
+              timeout: float, cwd: str | Path = ROOT) -> str:
+    """``target(argv)`` on ``world`` ranks with torchrun's environment (env://
+    rendezvous, one thread a rank), in ``cwd``; ``target`` is a module-level
+    function (importable by name). Returns the ranks' output, also left in
+    ``logs``; raises when a rank fails (the others are stopped, as torchrun
+    does) or on a timeout.
+
+    Where :func:`can_fork`, the ranks are forked from multiprocessing's fork
+    server, which imports :data:`PRELOAD` once per session (torch, torchtitan,
+    gefen_titan, the workers: ~7 s of CPU): a launch then costs no fresh
+    imports, each rank a fresh fork of a process that has only imported
+    modules (no process group, no thread pool). Elsewhere, a torchrun launch.
+    """
+    logs.mkdir(parents=True, exist_ok=True)
+    if not can_fork():
+        proc = torchrun(world, "-m", __spec__.name, f"{target.__module__}:{target.__qualname__}", *argv,
+                        timeout=timeout, cwd=cwd)
+        out = proc.stdout + proc.stderr
+        (logs / "torchrun.log").write_text(out)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{world} ranks of {target.__qualname__} failed:\n{out[-8000:]}")
+        return out
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the session's first call)
-    logs.mkdir(parents=True, exist_ok=True)
     port = free_port()
     ranks = [ctx.Process(target=_rank_main, args=(r, world, port, str(logs / f"rank{r}.log"), str(cwd), target,
                                                    argv))
@@ -209,3 +228,12 @@ def fork_ranks(world: int, target: Callable[[list[str]], None], argv: list[str],
             if p.pid is not None:
                 p.join()
 
+
+def _torchrun_rank(argv: list[str]) -> None:
+    """One rank of run_ranks' torchrun path: ``MODULE:FUNCTION ARGS...``."""
+    module, _, name = argv[0].partition(":")
+    getattr(importlib.import_module(module), name)(argv[1:])
+
+
+if __name__ == "__main__":
+    _torchrun_rank(sys.argv[1:])

@@ -13,7 +13,7 @@ done with it before a later job of the launch loads it.
 
 A test's plan is a list of :class:`Launch`; :func:`launch_all` starts the
 ranks of each as torchrun would, forked from a session-wide server that has
-imported the workers once (``processes.fork_ranks``: a fresh torchrun
+imported the workers once (``processes.run_ranks``: a fresh torchrun
 launch costs 15-30 s of imports and rendezvous on 2 cores before any
 work). By hand, one worker's jobs (without the WORKER words):
 ``torchrun --nproc_per_node=N -m tests.helpers.agreed_worker ARGS [--then
@@ -156,5 +156,5 @@ def launch_all(plan: list[Launch], logs: Path) -> None:
     for i, launch in enumerate(plan):
         for prepare in launch.before:
             prepare()
-        processes.fork_ranks(launch.world, run_mixed, chain(*launch.jobs), logs=logs / f"launch{i}",
+        processes.run_ranks(launch.world, run_mixed, chain(*launch.jobs), logs=logs / f"launch{i}",
                              timeout=LAUNCH_TIMEOUT_S)

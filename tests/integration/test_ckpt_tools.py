@@ -46,13 +46,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
 def train(dump: Path, *args: str) -> dict[int, float]:
     """One single-process train.py run of the recipe into ``dump``: its losses.
 
-    Forked from the session's fork server (``processes.fork_ranks``), one
-    thread, as torchrun starts a rank: what is tested here is the tools, and
-    a fresh interpreter would cost each run ~7 s of imports.
+    train.py's main on one rank as torchrun starts it (one thread), by
+    ``processes.run_ranks``: forked from the session's fork server where it
+    can be, since what is tested here is the tools, and a fresh interpreter
+    would cost each run ~7 s of imports.
     """
     argv = ["--job.config", RECIPE, "--job.dump_folder", str(dump), "--lr_scheduler.total_steps", "5",
             "--checkpoint.interval", "1", *args]
-    log = processes.fork_ranks(1, gefen_titan.train.main, argv, logs=dump / "logs", timeout=600)
+    log = processes.run_ranks(1, gefen_titan.train.main, argv, logs=dump / "logs", timeout=600)
     text = re.sub(r"\x1b\[[0-9;]*m", "", log)
     out: dict[int, float] = {}
     for step, loss in STEP_RE.findall(text):

@@ -170,7 +170,7 @@ def _strided_rng_check(rank: int, world_size: int) -> None:
 
 
 def _two_rank_worker(argv: list[str]) -> None:
-    """Both checks on this rank (``processes.fork_ranks``), a marker file in ``argv[0]`` for each passed."""
+    """Both checks on this rank (``processes.run_ranks``), a marker file in ``argv[0]`` for each passed."""
     (out_dir,) = argv
     P.apply_all()
     dist.init_process_group("gloo")
@@ -189,7 +189,7 @@ def two_rank_checks(tmp_path_factory):
     """One 2-rank launch for both checks."""
     out = tmp_path_factory.mktemp("two_rank")
     try:
-        processes.fork_ranks(2, _two_rank_worker, [str(out)], logs=out / "logs", timeout=600)
+        processes.run_ranks(2, _two_rank_worker, [str(out)], logs=out / "logs", timeout=600)
     except Exception as e:  # reported by the tests below, each naming its check
         return out, e
     return out, None

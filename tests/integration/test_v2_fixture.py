@@ -39,8 +39,8 @@ def saved() -> dict:
 
 def _load(nproc: int, out: Path) -> dict:
     hook = json.dumps({"dir": str(out / "dumps")})
-    # train.py's main on nproc ranks started as torchrun would (processes.fork_ranks).
-    processes.fork_ranks(nproc, gefen_titan.train.main, [
+    # train.py's main on nproc ranks started as torchrun would (processes.run_ranks).
+    processes.run_ranks(nproc, gefen_titan.train.main, [
         "--job.config", "recipes/llama_gefen.toml", "--training.steps", str(STEP),
         "--checkpoint.initial_load_path", str(FIXTURE), "--checkpoint.no-initial-load-model-only",
         "--dump_folder", str(out), "--override.imports", "gefen_titan.patches.sdpa_attention.sdpa_attention",
