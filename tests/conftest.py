@@ -1,11 +1,18 @@
-"""Shared, expensive set-up.
+"""Shared, expensive set-up, and the suite's two tiers.
 
 Gefen's first step learns block periods and a codebook with ~8 s of
 single-threaded numba per process, so tests that need stepped Gefen state share
 one stepped optimizer per session instead of stepping their own.
+
+Tiers: ``tests/unit`` is the fast one (single process, ~1-2 min on 2 cores:
+``python -m pytest tests/unit -q``); every test under ``tests/integration``
+(torchrun / gloo launches, minutes) is marked ``integration`` here, so
+``-m "not integration"`` selects the fast tier from anywhere and
+``python -m pytest -q`` runs everything (what CI runs).
 """
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +39,15 @@ class TinyBlock(nn.Module):
         return self.out(self.norm(self.attn(x)))
 
 
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if INTEGRATION in item.path.parents:
+            item.add_marker(pytest.mark.integration)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def token_cache(tmp_path_factory):
     """Token datasets tokenized on first use (the global-order loader's
@@ -39,6 +55,15 @@ def token_cache(tmp_path_factory):
     from tests inherit it."""
     os.environ.setdefault("GEFEN_TITAN_CACHE", str(tmp_path_factory.mktemp("token_cache")))
     return os.environ["GEFEN_TITAN_CACHE"]
+
+
+@pytest.fixture(scope="session")
+def reference_cache(tmp_path_factory) -> Path:
+    """The session's cache of CI reference runs (``gefen_titan.validation.core.reference_run``):
+    a run of the same identity (recipe, processes, settings) is trained once
+    and reused by every test that asks for it (recipe regression, reshard
+    validation, meshes)."""
+    return tmp_path_factory.getbasetemp() / "reshard_reference_cache"
 
 
 @pytest.fixture(scope="session")

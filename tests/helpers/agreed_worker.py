@@ -1,8 +1,9 @@
-"""One rank of the agreed-blocking layout runs, launched by tests via torchrun.
+"""One rank of the agreed-blocking layout runs (tests.helpers.agreed_runs).
 
-A small Llama-like model (embedding, attention-less MLP blocks with norms,
-an output projection, and a 2-row matrix so that W=3 has an empty shard)
-under one of these layouts, built with the real torch APIs:
+The small Llama-like model of ``small_model`` (embedding, MLP blocks with
+norms, an output projection, and a 2-row matrix so that W=3 has an empty
+shard; only its parameters are used here) under one of these layouts, built
+with the real torch APIs:
 
   fsdp      FSDP2 over all ranks (uneven rows at W=3)
   fsdp_tp   FSDP 2 x TP 2 (colwise w1/output, rowwise w2 then fully_shard)
@@ -40,49 +41,20 @@ import sys
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from gefen_titan import patches
 from tests.helpers import worker_jobs
 
 patches.apply_all()  # CPU / gloo FSDP2
-from torchtitan.components.optimizer import LRSchedulersContainer
-
-from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.optim import gefen_state as gs
 from gefen_titan.optim.container import GefenOptimizersContainer
+from tests.helpers import small_model as sm
 
-VOCAB, DIM, HIDDEN, LAYERS = 256, 64, 192, 2
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.RMSNorm(DIM)
-        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
-        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        # A ModuleDict, as torchtitan's models: a pipeline split deletes
-        # entries and the remaining FQNs stay those of the whole model.
-        self.layers = nn.ModuleDict({str(i): Block() for i in range(LAYERS)})
-        self.norm = nn.RMSNorm(DIM)
-        self.gate = nn.Linear(DIM, 2, bias=False)  # 2 rows: an empty shard at W=3
-        self.output = nn.Linear(DIM, VOCAB, bias=False)
-
-
-class TrainState:
-    def __init__(self):
-        self.step = 0
-
-    def state_dict(self):
-        return {"step": torch.tensor(self.step)}
-
-    def load_state_dict(self, sd):
-        self.step = int(sd["step"])
+# A 2-row gate: an empty shard at W=3.
+SIZES = sm.Sizes(vocab=256, dim=64, hidden=192, layers=2, gate_rows=2)
 
 
 def global_grad(name: str, shape, step: int) -> torch.Tensor:
@@ -95,19 +67,12 @@ def global_grad(name: str, shape, step: int) -> torch.Tensor:
 
 
 def build(layout: str, world: int, max_tp: int, **config):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    torch.manual_seed(0)
-    model = Net()
+    model = sm.build_model(SIZES)
     if layout == "fsdp":
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-        for layer in model.layers.values():
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        sm.shard(model, sm.dp_mesh(world))
     elif layout == "pp":
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp_shard"))
+        worker_jobs.own(mesh)
         stage = mesh.get_coordinate()[0]
         if stage == 0:
             del model.layers["1"]
@@ -115,47 +80,31 @@ def build(layout: str, world: int, max_tp: int, **config):
         else:
             del model.layers["0"]
             model.tok_embeddings = None
-        for layer in model.layers.values():
-            fully_shard(layer, mesh=mesh["dp_shard"])
-        fully_shard(model, mesh=mesh["dp_shard"])
+        sm.shard(model, mesh["dp_shard"])
     elif layout == "hsdp":
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-        for layer in model.layers.values():
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        sm.shard(model, sm.dp_mesh(world, replicate=2))
     elif layout in ("fsdp_tp", "tp"):
         dp = 2 if layout == "fsdp_tp" else 1
         mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp_shard", "tp"))
+        worker_jobs.own(mesh)
         tp = mesh["tp"]
         for layer in model.layers.values():
             parallelize_module(layer, tp, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
         parallelize_module(model, tp, {"output": ColwiseParallel(), "tok_embeddings": RowwiseParallel()})
         if dp > 1:
-            for layer in model.layers.values():
-                fully_shard(layer, mesh=mesh["dp_shard"])
-            fully_shard(model, mesh=mesh["dp_shard"])
+            sm.shard(model, mesh["dp_shard"])
     else:
         raise ValueError(layout)
-    worker_jobs.own(mesh)
-    opt = GefenOptimizersContainer.Config(
-        name="Gefen", lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, max_tensor_parallel_degree=max_tp, **config
-    ).build(model_parts=[model])
-    return model, opt
+    return model, sm.optimizer(model, max_tensor_parallel_degree=max_tp, **config)
 
 
 def set_grads(model: nn.Module, step: int) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     for name, p in model.named_parameters():
         full = global_grad(name, tuple(p.shape), step)
         if isinstance(p, DTensor):
             p.grad = distribute_tensor(full, p.device_mesh, p.placements)
         else:
             p.grad = full
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
 
 
 def global_state(opt: GefenOptimizersContainer) -> dict:
@@ -166,7 +115,7 @@ def global_state(opt: GefenOptimizersContainer) -> dict:
     has the same picture.
     """
     sd = opt.state_dict()
-    out = {k: (full(v) if isinstance(v, torch.Tensor) else v) for k, v in sd.items() if k.startswith("gefen/")}
+    out = {k: (sm.full(v) if isinstance(v, torch.Tensor) else v) for k, v in sd.items() if k.startswith("gefen/")}
     (optim,) = opt.gefen_optimizers
     out["periods"] = {n: gs.period(optim, p) for n, p, _ in gs.named_params(optim)}
     out["codebook"] = gs.codebook(optim).cpu().clone()
@@ -185,17 +134,6 @@ def snapshot(opt: GefenOptimizersContainer) -> dict:
             out[n] = None if st is None else (st.period, st.step, st.vmean_step, st.codes.clone(),
                                               st.magnitude.clone(), st.vmean.clone(), float(group["lr"]))
     return out
-
-
-def full_params(model):
-    return {n: full(p) for n, p in model.named_parameters()}
-
-
-def make_ckpt(model, opt, sched, train_state, folder, interval):
-    return GefenCheckpointManager.Config(
-        enable=True, folder="ckpt", interval=interval, last_save_model_only=False, keep_latest_k=0,
-    ).build(dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched,
-            states={"train_state": train_state}, sd_adapter=None, base_folder=folder)
 
 
 def step(model, opt, sched, s):
@@ -229,13 +167,11 @@ def job(args, rank: int, world: int) -> None:
     def fresh(**config):
         max_tp = int(config.pop("max_tp", args.max_tp))
         model, opt = build(args.layout, world, max_tp, **config)
-        sched = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=None, min_lr_factor=0.1).build(
-            optimizers=opt, training_steps=S + K)
-        return model, opt, sched, TrainState()
+        return model, opt, sm.schedulers(opt, S + K), sm.TrainState()
 
     if args.ref:
         model, opt, sched, ts = fresh(blocking=args.blocking)
-        ckpt = make_ckpt(model, opt, sched, ts, args.ref, S)
+        ckpt = sm.checkpointer(model, opt, sched, ts, args.ref, S)
         res = {"params": {}}
         for s in range(1, S + K + 1):
             step(model, opt, sched, s)
@@ -245,19 +181,19 @@ def job(args, rank: int, world: int) -> None:
                 res["state"] = global_state(opt)
                 res["bytes"] = opt.state_bytes()
             if s >= S:
-                res["params"][s] = full_params(model)
+                res["params"][s] = sm.full_params(model)
         ckpt.close()
         results["ref"] = res
     if args.load:
         with worker_jobs.no_codebook_learning():
             for base in args.load.split(","):
                 model, opt, sched, ts = fresh(blocking=args.blocking)
-                ckpt = make_ckpt(model, opt, sched, ts, base, S)
+                ckpt = sm.checkpointer(model, opt, sched, ts, base, S)
                 assert ckpt.load(step=S)
-                res = {"state": global_state(opt), "params": {S: full_params(model)}}
+                res = {"state": global_state(opt), "params": {S: sm.full_params(model)}}
                 for s in range(S + 1, S + K + 1):
                     step(model, opt, sched, s)
-                    res["params"][s] = full_params(model)
+                    res["params"][s] = sm.full_params(model)
                 ckpt.close()
                 results["resume"][os.path.basename(base)] = res
     for case in filter(None, args.cases.split(",")):
@@ -269,7 +205,7 @@ def job(args, rank: int, world: int) -> None:
             config[key] = value if key == "blocking" else bool(int(value)) if key == "deterministic" else int(value)
         model, opt, sched, ts = fresh(**config)
         step(model, opt, sched, 1)
-        ckpt = make_ckpt(model, opt, sched, ts, base, S)
+        ckpt = sm.checkpointer(model, opt, sched, ts, base, S)
         before = snapshot(opt)
         try:
             ckpt.load(step=S)
@@ -287,7 +223,7 @@ def job(args, rank: int, world: int) -> None:
             cb = gs.codebook(optim).clone()
             cb[100] = (cb[99] + cb[100]) / 2
             gs.set_codebook(optim, cb)
-        ckpt = make_ckpt(model, opt, sched, ts, args.tamper_save, 1)
+        ckpt = sm.checkpointer(model, opt, sched, ts, args.tamper_save, 1)
         try:
             ckpt.save(1)
             results["tamper"] = None

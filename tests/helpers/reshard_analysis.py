@@ -9,7 +9,8 @@ import torch
 
 
 def load_run(out_dir: str, mode: str, world: int) -> list[dict]:
-    files = sorted(glob.glob(os.path.join(out_dir, f"{mode}_w{world}_r*.pt")), key=lambda f: int(f.rsplit("_r", 1)[1][:-3]))
+    files = sorted(glob.glob(os.path.join(out_dir, f"{mode}_w{world}_r*.pt")),
+                   key=lambda f: int(f.rsplit("_r", 1)[1][:-3]))
     assert len(files) == world, files
     return [torch.load(f, weights_only=False) for f in files]
 
@@ -39,7 +40,7 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def state_bytes_per_param(ranks: list[dict]) -> float:
     total, numel = 0, 0
-    for r, rank in enumerate(ranks):
+    for rank in ranks:
         for rec in rank["state"].values():
             numel += rec["length"]
             if "codes" in rec:

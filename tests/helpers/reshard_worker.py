@@ -1,12 +1,12 @@
-"""One rank of a save-at-N / load-at-M run, launched by tests via torchrun.
+"""One rank of a save-at-N / load-at-M run (tests.helpers.reshard_runs).
 
 Per-rank blocking (format v1, ``--blocking per_rank``) by default here: the
 agreed default is covered by ``agreed_worker.py``.
 
-A small real model (embedding, MLP blocks with norms, output projection;
-uneven rows at 3 ranks) under FSDP2 on gloo, trained with the real Gefen
-through ``GefenOptimizersContainer``, torchtitan's LR schedulers and our
-``GefenCheckpointManager``. The global batch of every step is a function of
+The small real model of ``small_model`` (embedding, MLP blocks with norms,
+output projection; uneven rows at 3 ranks) under FSDP2 on gloo, trained with
+the real Gefen through ``GefenOptimizersContainer``, torchtitan's LR
+schedulers and our ``GefenCheckpointManager``. The global batch of every step is a function of
 the step alone and each rank takes its slice, so runs at different world
 sizes see the same gradients (up to the order of the reduction).
 
@@ -32,97 +32,36 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
 from gefen_titan import patches
 from tests.helpers import worker_jobs
 
 patches.apply_all()  # CPU / gloo FSDP2
-from torchtitan.components.optimizer import LRSchedulersContainer
+from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim.state.layout import param_region
+from tests.helpers import small_model as sm
 
-from gefen_titan.checkpoint.manager import GefenCheckpointManager
-from gefen_titan.optim.container import GefenOptimizersContainer
-
-VOCAB, DIM, HIDDEN, LAYERS = 512, 128, 384, 2
+SIZES = sm.Sizes(vocab=512, dim=128, hidden=384, layers=2)
 GLOBAL_BATCH, SEQ = 12, 32
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.RMSNorm(DIM)
-        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
-        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
-
-    def forward(self, x):
-        return x + self.w2(F.silu(self.w1(self.norm(x))))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.norm = nn.RMSNorm(DIM)
-        self.output = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens):
-        x = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.output(self.norm(x))
-
-
-class TrainState:
-    def __init__(self):
-        self.step = 0
-
-    def state_dict(self):
-        return {"step": torch.tensor(self.step)}
-
-    def load_state_dict(self, sd):
-        self.step = int(sd["step"])
 
 
 def batch(step: int, rank: int, world: int):
     g = torch.Generator().manual_seed(1000 + step)
-    data = torch.randint(VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    data = torch.randint(SIZES.vocab, (GLOBAL_BATCH, SEQ + 1), generator=g)
     per = GLOBAL_BATCH // world
     mine = data[rank * per : (rank + 1) * per]
     return mine[:, :-1], mine[:, 1:]
 
 
 def build(world: int, args):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = Net()
-    if args.hsdp:  # replicate x shard: replicas hold identical Gefen state
-        mesh = init_device_mesh("cpu", (args.hsdp, world // args.hsdp), mesh_dim_names=("dp_replicate", "dp_shard"))
-    else:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-    worker_jobs.own(mesh)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = GefenOptimizersContainer.Config(name=args.optimizer, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1,
-                                          blocking=args.blocking).build(
-        model_parts=[model]
-    )
-    sched = LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=None, min_lr_factor=0.1).build(
-        optimizers=opt, training_steps=args.save_step + args.steps
-    )
-    train_state = TrainState()
-    ckpt = GefenCheckpointManager.Config(
-        enable=True, folder="ckpt", interval=args.save_step, last_save_model_only=False,
-        keep_latest_k=0, async_mode=args.async_mode,
-    ).build(
-        dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=sched,
-        states={"train_state": train_state}, sd_adapter=None, base_folder=args.ckpt,
-    )
-    worker_jobs.own(ckpt.pg)  # torchtitan's async-save group (async modes)
+    model = sm.build_model(SIZES)
+    # HSDP: replicate x shard, the replicas hold identical Gefen state.
+    sm.shard(model, sm.dp_mesh(world, replicate=args.hsdp or 1))
+    opt = sm.optimizer(model, name=args.optimizer, blocking=args.blocking)
+    sched = sm.schedulers(opt, args.save_step + args.steps)
+    train_state = sm.TrainState()
+    ckpt = sm.checkpointer(model, opt, sched, train_state, args.ckpt, args.save_step, async_mode=args.async_mode)
     return model, opt, sched, ckpt, train_state
 
 
@@ -141,9 +80,6 @@ def train_step(model, opt, sched, step, rank, world):
 
 def snapshot(opt):
     """This rank's raw Gefen state, by parameter name."""
-    from gefen_titan.optim import gefen_state as gs
-    from gefen_titan.optim.state.layout import param_region
-
     out = {}
     for optim in opt.gefen_optimizers:
         cb = gs.codebook(optim)
@@ -160,10 +96,6 @@ def snapshot(opt):
                 )
             out[name] = rec
     return out
-
-
-def full_params(model):
-    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -195,17 +127,17 @@ def job(args, rank: int, world: int) -> None:
                 ckpt.save(step)
                 result["state"] = snapshot(opt)
             if step >= args.save_step:
-                result["params"][step] = full_params(model)
+                result["params"][step] = sm.full_params(model)
         ckpt.maybe_wait_for_saving()
     elif args.mode == "resume":
         with worker_jobs.no_codebook_learning():
             assert ckpt.load(step=args.save_step)
             assert train_state.step == args.save_step
             result["state"] = snapshot(opt)
-            result["params"][args.save_step] = full_params(model)
+            result["params"][args.save_step] = sm.full_params(model)
             for step in range(args.save_step + 1, args.save_step + args.steps + 1):
                 result["losses"][step] = train_step(model, opt, sched, step, rank, world)
-                result["params"][step] = full_params(model)
+                result["params"][step] = sm.full_params(model)
     else:
         train_step(model, opt, sched, 1, rank, world)
         result["cases"] = {}

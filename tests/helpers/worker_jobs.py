@@ -1,15 +1,23 @@
-"""Several jobs in one torchrun launch, for the test workers.
+"""Several jobs in one launch of the test workers' ranks.
 
-A launch costs 15-30 s (interpreter, torch and torchtitan imports,
-rendezvous) before any work, so a worker's command line is a sequence of
-jobs, ``JOB [--then JOB ...]``, each parsed by the worker's own argparse
-parser and run in order in one gloo process group. Jobs of one launch share
-nothing but that group and the files they write: each builds its meshes,
-model, optimizer and checkpoint manager afresh from a fixed seed, and the
-process groups it registers with :func:`own` (its meshes' dimensions,
-torchtitan's async-checkpoint group) are destroyed on every rank when it
-ends, after a barrier, so a job that saves a checkpoint is done with it
-before a later job of the launch loads it.
+A world size's jobs share one launch: one gloo process group, and the ranks'
+start-up paid once. A launch's command line is a sequence of jobs, ``WORKER
+ARGS [--then WORKER ARGS ...]`` (WORKER a name of :data:`WORKERS`), each
+parsed by that worker's own argparse parser and run in order. Jobs of one
+launch share nothing but that group and the files they write: each builds
+its meshes, model, optimizer and checkpoint manager afresh from a fixed
+seed, and the process groups it registers with :func:`own` (its meshes'
+dimensions, torchtitan's async-checkpoint group) are destroyed on every
+rank when it ends, after a barrier, so a job that saves a checkpoint is
+done with it before a later job of the launch loads it.
+
+A test's plan is a list of :class:`Launch`; :func:`launch_all` starts the
+ranks of each as torchrun would, forked from a session-wide server that has
+imported the workers once (``processes.run_ranks``: a fresh torchrun
+launch costs 15-30 s of imports and rendezvous on 2 cores before any
+work). By hand, one worker's jobs (without the WORKER words):
+``torchrun --nproc_per_node=N -m tests.helpers.agreed_worker ARGS [--then
+ARGS ...]`` (or ``reshard_worker``).
 """
 
 from __future__ import annotations
@@ -17,13 +25,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from tests.helpers import processes
 
 THEN = "--then"
+# The workers a launch can mix, by the name that starts each of their jobs.
+WORKERS = {"agreed": "tests.helpers.agreed_worker", "reshard": "tests.helpers.reshard_worker"}
+LAUNCH_TIMEOUT_S = 600
 
 _owned: list[dist.ProcessGroup] = []
 
@@ -54,7 +72,7 @@ def own(*things) -> None:
     for thing in things:
         if thing is None:
             continue
-        groups = [thing.get_group(d) for d in range(thing.ndim)] if hasattr(thing, "get_group") else [thing]
+        groups = [thing.get_group(d) for d in range(thing.ndim)] if isinstance(thing, DeviceMesh) else [thing]
         _owned.extend(g for g in groups if g is not dist.group.WORLD and g not in _owned)
 
 
@@ -68,6 +86,8 @@ def _release() -> None:
 def no_codebook_learning() -> Iterator[None]:
     """Any codebook learning inside the block raises (a load must never
     learn one: seconds of numba per rank); restored on exit, for the next job."""
+    # Lazy: gefen-x's and our numba solvers are needed only by the workers'
+    # loading jobs, not by the test processes that import this module for Launch.
     import gefen.quantization
 
     import gefen_titan.optim.codebook_solver
@@ -83,19 +103,58 @@ def no_codebook_learning() -> Iterator[None]:
         gefen.quantization.exact_dp, gefen_titan.optim.codebook_solver.solve_codebook = saved
 
 
-def run(parser: argparse.ArgumentParser, job: Callable[[argparse.Namespace, int, int], None],
-        argv: Sequence[str] | None = None) -> None:
-    """Parse every job first (a bad argument fails before any work), then run them."""
-    raw = split(sys.argv[1:] if argv is None else argv)
-    jobs = [parser.parse_args(a) for a in raw]
+Job = Callable[[argparse.Namespace, int, int], None]
+
+
+def _run_jobs(jobs: list[tuple[Job, argparse.Namespace, list[str]]]) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    for i, (args, words) in enumerate(zip(jobs, raw)):
+    for i, (job, args, words) in enumerate(jobs):
         if rank == 0:
             print(f"[job {i + 1}/{len(jobs)}] {' '.join(words)}", flush=True)
+        begin = time.monotonic()
         job(args, rank, world)
         dist.barrier()
         _release()
+        if rank == 0:
+            print(f"[job {i + 1}/{len(jobs)}] done in {time.monotonic() - begin:.1f} s", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def run(parser: argparse.ArgumentParser, job: Job, argv: Sequence[str] | None = None) -> None:
+    """One worker's jobs. Parse every job first (a bad argument fails before any work), then run them."""
+    raw = split(sys.argv[1:] if argv is None else argv)
+    _run_jobs([(job, parser.parse_args(words), words) for words in raw])
+
+
+def run_mixed(argv: Sequence[str] | None = None) -> None:
+    """Jobs of any of the workers, each ``WORKER ARGS``; parsed first, as in :func:`run`."""
+    jobs = []
+    for words in split(sys.argv[1:] if argv is None else argv):
+        worker = importlib.import_module(WORKERS[words[0]])
+        jobs.append((worker.job, worker.parser().parse_args(words[1:]), words))
+    _run_jobs(jobs)
+
+
+# ------------------------------------------------------------ the test side
+@dataclass
+class Launch:
+    """One launch: its world size, its jobs (each ``[WORKER, *args]``)
+    and what must be done before it starts (e.g. editing, from checkpoints
+    earlier launches saved, the bad checkpoints its jobs try)."""
+
+    world: int
+    jobs: list[list[str]]
+    before: list[Callable[[], None]] = field(default_factory=list)
+
+
+def launch_all(plan: list[Launch], logs: Path) -> None:
+    """Every launch of ``plan`` in order, each after its ``before``; the
+    ranks' output goes to ``logs/launchN``."""
+    for i, launch in enumerate(plan):
+        for prepare in launch.before:
+            prepare()
+        processes.run_ranks(launch.world, run_mixed, chain(*launch.jobs), logs=logs / f"launch{i}",
+                             timeout=LAUNCH_TIMEOUT_S)

@@ -14,34 +14,27 @@ gradients:
 * fail closed: bad v2 checkpoints, a layout the periods do not fit, a
   ``deterministic`` or blocking mismatch, ranks that disagree at save time.
 
-Five torchrun launches (PLAN: one per world size, 2 twice) run all these
-jobs, each launch several in turn in one process group (``worker_jobs``).
+The jobs are ``tests.helpers.agreed_runs``'s plan: five launches (one per
+world size, 2 twice), several jobs each (``worker_jobs``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
 from gefen_titan.checkpoint.schema import grid_shape
 from gefen_titan.optim import gefen_state as gs
 from gefen_titan.optim.blocking import BlockingError, candidate_periods, histogram, row_unit
 from gefen_titan.optim.container import GefenOptimizersContainer
-from tests.helpers import worker_jobs
-
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = "tests.helpers.agreed_worker"
-S, K = 3, 2
-_port = [29720]
+from tests.helpers import agreed_runs, worker_jobs
+from tests.helpers.agreed_runs import PAIRS, RUNS, target
+from tests.helpers.bad_checkpoints import V2_CASES, v2_case_key
 
 
 # ------------------------------------------------------------ single process
@@ -149,22 +142,17 @@ def test_capturable_refused_at_construction():
 
 
 # ------------------------------------------------------------------ layouts
-def launch(nproc: int, *jobs: list[str]) -> None:
-    """One torchrun launch of the worker running ``jobs`` in order."""
-    _port[0] += 1
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master-port={_port[0]}", "-m", WORKER, *worker_jobs.chain(*jobs)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-
-
-def job(layout: str, tag: str, out: Path, *args: str) -> list[str]:
-    return ["--layout", layout, "--tag", tag, "--out", str(out), "--save-step", str(S), "--steps", str(K), *args]
-
-
 def load(out: Path, tag: str) -> list[dict]:
     ranks = sorted(out.glob(f"{tag}_r[0-9]*.pt"), key=lambda p: int(p.stem.rsplit("_r", 1)[1]))
     return [torch.load(p, weights_only=False) for p in ranks]
+
+
+@pytest.fixture(scope="module")
+def agreed(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """Every job of ``agreed_runs.PLAN``: (base folder, outputs, bad checkpoints)."""
+    base = tmp_path_factory.mktemp("agreed")
+    worker_jobs.launch_all(agreed_runs.plan(base), base / "logs")
+    return base, base / "out", base / "bad"
 
 
 def merged(ranks: list[dict], kind: str, src: str | None = None) -> dict:
@@ -184,74 +172,6 @@ def merged(ranks: list[dict], kind: str, src: str | None = None) -> dict:
             params.setdefault(s, {}).update(ps)
     # Optimizer records are per stage (their own parameters): compare content.
     return {"state": state, "params": params}
-
-
-# (layout, nproc, tag, ref base, loads): one worker job each
-RUNS = [
-    ("fsdp", 2, "fsdp2", "c_fsdp2", []),
-    ("fsdp", 4, "fsdp4", "c_fsdp4", ["c_fsdp2"]),
-    ("fsdp", 3, "fsdp3", "c_fsdp3", ["c_fsdp2"]),
-    ("fsdp", 1, "fsdp1", "c_fsdp1", ["c_fsdp2"]),
-    ("fsdp_tp", 4, "fsdp_tp4", "c_fsdp_tp4", ["c_fsdp2"]),
-    ("tp", 2, "tp2", "c_tp2", ["c_fsdp_tp4"]),
-    ("hsdp", 4, "hsdp4", "c_hsdp4", []),
-    ("pp", 2, "pp2", "c_pp2", []),
-    ("pp", 4, "pp4", "c_pp4", ["c_fsdp2"]),
-    ("fsdp", 2, "fsdp2_resume", "", ["c_fsdp2", "c_fsdp4", "c_fsdp3", "c_fsdp1", "c_fsdp_tp4", "c_hsdp4", "c_pp2"]),
-    ("fsdp", 4, "fsdp4_resume", "", ["c_fsdp_tp4"]),
-]
-PAIRS = [(src, tag.split("_resume")[0]) for _, _, tag, _, loads in RUNS for src in loads]
-
-# The launches: torchrun's start-up is most of a launch's cost, so the jobs
-# of one world size share one where the order allows. A job's loads must be
-# saved by an earlier launch or an earlier job of its own; "v1", "notp",
-# "misfit" and "bad" are the fail-closed jobs (`bad` below), and the bad
-# checkpoints "bad" tries are edited, between launches, from c_fsdp2 and
-# c_pp2.
-PLAN = [
-    (2, ["fsdp2", "pp2", "v1", "notp", "misfit"]),
-    (4, ["fsdp4", "fsdp_tp4", "hsdp4", "pp4", "fsdp4_resume"]),
-    (3, ["fsdp3"]),
-    (1, ["fsdp1"]),
-    (2, ["tp2", "fsdp2_resume", "bad"]),
-]
-
-
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """Every job of PLAN, launched in order: (base, out, bad checkpoints' root)."""
-    base = tmp_path_factory.mktemp("agreed")
-    out, root = base / "out", base / "bad"
-    out.mkdir()
-    root.mkdir()
-    jobs = {}
-    for layout, n, tag, ref, loads in RUNS:
-        args = []
-        if ref:
-            args += ["--ref", str(base / ref)]
-        if loads:
-            args += ["--load", ",".join(str(base / c) for c in loads)]
-        jobs[tag] = (n, job(layout, tag, out, *args))
-    # A per-rank (format v1) checkpoint, one whose periods assume no TP (a TP
-    # layout then tries it), and every bad checkpoint of CASES.
-    jobs["v1"] = (2, job("fsdp", "v1", out, "--ref", str(base / "c_v1"), "--blocking", "per_rank", "--steps", "0"))
-    jobs["notp"] = (2, job("fsdp", "notp", out, "--ref", str(root / "c_notp"), "--max-tp", "1", "--steps", "0"))
-    jobs["misfit"] = (2, job("tp", "misfit", out, "--cases", str(root / "c_notp")))
-    for n, tags in PLAN:
-        if "bad" in tags:
-            cases = _write_bad_checkpoints(base, root)
-            jobs["bad"] = (2, job("fsdp", "bad", out, "--cases", ",".join(cases),
-                                  "--tamper-save", str(root / "c_tampered")))
-        assert all(jobs[t][0] == n for t in tags), (n, tags)
-        launch(n, *(jobs[t][1] for t in tags))
-    assert set(jobs) == {t for _, tags in PLAN for t in tags}, "a job that PLAN does not launch"
-    return base, out, root
-
-
-@pytest.fixture(scope="module")
-def runs(launched):
-    base, out, _ = launched
-    return base, out
 
 
 def _ref(out, tag):
@@ -287,8 +207,8 @@ def _records(state: dict) -> dict:
 
 
 @pytest.mark.parametrize("tag", ["fsdp2", "fsdp3", "fsdp4", "fsdp_tp4", "tp2", "hsdp4", "pp2", "pp4"])
-def test_state_is_bit_identical_at_every_layout(runs, tag):
-    _, out = runs
+def test_state_is_bit_identical_at_every_layout(agreed, tag):
+    _, out, _ = agreed
     one, other = _ref(out, "fsdp1"), _ref(out, tag)
     assert _equal_state(one["state"], other["state"]) == []
     assert _records(one["state"]) == _records(other["state"])
@@ -297,8 +217,8 @@ def test_state_is_bit_identical_at_every_layout(runs, tag):
             assert torch.equal(p, other["params"][s][name]), (tag, s, name)
 
 
-def test_the_state_is_quantized_and_compact(runs):
-    _, out = runs
+def test_the_state_is_quantized_and_compact(agreed):
+    _, out, _ = agreed
     ref = _ref(out, "fsdp1")["state"]
     periods = ref["periods"]
     assert all(p > 1 for n, p in periods.items() if "norm" not in n)
@@ -309,9 +229,9 @@ def test_the_state_is_quantized_and_compact(runs):
 
 
 @pytest.mark.parametrize("src, tgt", PAIRS)
-def test_reshard_matrix_is_bit_exact(runs, src, tgt):
-    _, out = runs
-    resume_tag = next(tag for _, _, tag, _, loads in RUNS if src in loads and tag.split("_resume")[0] == tgt)
+def test_reshard_matrix_is_bit_exact(agreed, src, tgt):
+    _, out, _ = agreed
+    resume_tag = next(tag for _, _, tag, _, loads in RUNS if src in loads and target(tag) == tgt)
     saved = _ref(out, src.removeprefix("c_"))
     loaded = merged(load(out, resume_tag), "resume", src)
     uninterrupted = _ref(out, tgt)
@@ -323,89 +243,16 @@ def test_reshard_matrix_is_bit_exact(runs, src, tgt):
 
 
 # -------------------------------------------------------------- fail closed
-def _edited(src: Path, dst: Path, edit) -> None:
-    full = dst.parent / (dst.name + ".pt")
-    dcp_to_torch_save(str(src / "ckpt" / f"step-{S}"), str(full))
-    sd = torch.load(full, weights_only=False)
-    edit(sd["optimizer"])
-    torch.save(sd, full)
-    torch_save_to_dcp(str(full), str(dst / "ckpt" / f"step-{S}"))
-
-
-def _set(key, fn):
-    def edit(opt):
-        opt[key] = fn(opt[key])
-    return edit
-
-
-def _set_record(fqn, field, value):
-    def edit(opt):
-        for key in [k for k in opt if k.startswith("gefen/optimizer/")]:
-            rec = json.loads(opt[key])
-            for p in rec["params"]:
-                if p["fqn"] == fqn:
-                    p[field] = value
-            opt[key] = json.dumps(rec)
-    return edit
-
-
-def _nudged(cb):
-    cb = cb.clone()
-    cb[100] = (cb[99] + cb[100]) / 2
-    return cb
-
-
-# name -> (source checkpoint, edit or None, config overrides, expected text)
-CASES = {
-    "grid_missing": ("c_fsdp2", lambda o: o.pop("gefen/vmean/layers.0.w1.weight"), "", "missing from the checkpoint"),
-    "grid_corrupt": ("c_fsdp2", _set("gefen/magnitude/output.weight", lambda v: v.fill_(float("nan"))), "",
-                     "non-finite"),
-    "grid_shape": ("c_fsdp2", _set("gefen/vmean/output.weight", lambda v: v[:, :1].clone()), "", "expected"),
-    "counters": ("c_fsdp2", _set_record("layers.1.w2.weight", "vmean_step", 99), "", "counters do not add up"),
-    "codebook_corrupt": ("c_fsdp2", _set("gefen/codebook/tok_embeddings.weight", lambda v: v.flip(0)), "",
-                         "is corrupt"),
-    "codebooks_disagree": ("c_pp2", _set("gefen/codebook/layers.1.norm.weight", _nudged), "", "codebooks disagree"),
-    "deterministic": ("c_fsdp2", None, "|deterministic=1", "optimizer.deterministic"),
-    "blocking": ("c_fsdp2", None, "|blocking=per_rank", 'optimizer.blocking = "agreed"'),
-    "v1_into_agreed": ("c_v1", None, "", 'optimizer.blocking = "per_rank"'),
-    "truncated": ("c_fsdp2", "truncate", "", "cannot read"),
-}
-
-
-def _write_bad_checkpoints(base: Path, root: Path) -> list[str]:
-    """The bad checkpoints of CASES under ``root`` (from the saved ones in
-    ``base``), as the worker's ``--cases``."""
-    cases = []
-    for name, (src, edit, overrides, _) in CASES.items():
-        if edit is None:
-            cases.append(f"{base / src}{overrides}")
-            continue
-        dst = root / name
-        if edit == "truncate":
-            shutil.copytree(base / src, dst)
-            f = dst / "ckpt" / f"step-{S}" / "__1_0.distcp"
-            f.write_bytes(f.read_bytes()[:1000])
-        else:
-            _edited(base / src, dst, edit)
-        cases.append(f"{dst}{overrides}")
-    return cases
-
-
 @pytest.fixture(scope="module")
-def bad(launched):
-    _, out, root = launched
+def bad(agreed):
+    _, out, root = agreed
     return load(out, "bad"), load(out, "misfit"), root
 
 
-def _key(name):
-    src, edit, overrides, _ = CASES[name]
-    return (src if edit is None else name) + overrides.replace("|", "")
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(V2_CASES))
 def test_bad_v2_checkpoint_fails_closed_on_every_rank(bad, name):
     ranks, _, _ = bad
-    _assert_closed([r["cases"][_key(name)] for r in ranks], CASES[name][3])
+    _assert_closed([r["cases"][v2_case_key(name)] for r in ranks], V2_CASES[name][3])
 
 
 def _assert_closed(got: list[dict], expected: str) -> None:

@@ -19,10 +19,8 @@ import contextlib
 import io
 import json
 import math
-import os
 import re
 import shutil
-import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -31,10 +29,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+import gefen_titan.train
 from gefen_titan.checkpoint import schema as fmt
 from gefen_titan.checkpoint.reader import Checkpoint, Entry
 from gefen_titan.ckpt import cli
 from gefen_titan.ckpt.verify import _cover_once
+from tests.helpers import processes
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_RE = re.compile(r"step:\s+(\d+)\s+\S*\s*loss:\s+([0-9.]+)")
@@ -43,22 +43,18 @@ RECIPE = "recipes/llama_gefen_dp1.toml"
 pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
 
 
-def start_train(dump: Path, *args: str) -> tuple[subprocess.Popen, Path]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    # One thread: much faster on a shared, oversubscribed CI machine; every run alike.
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "gefen_titan.train", "--job.config", RECIPE, "--job.dump_folder", str(dump),
-           "--lr_scheduler.total_steps", "5", "--checkpoint.interval", "1", *args]
-    dump.mkdir(parents=True, exist_ok=True)
-    log = dump / "train.log"
-    with open(log, "w") as f:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env), log
+def train(dump: Path, *args: str) -> dict[int, float]:
+    """One single-process train.py run of the recipe into ``dump``: its losses.
 
-
-def losses_of(started: tuple[subprocess.Popen, Path]) -> dict[int, float]:
-    proc, log = started
-    assert proc.wait(timeout=900) == 0, log.read_text()[-4000:]
-    text = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text())
+    train.py's main on one rank as torchrun starts it (one thread), by
+    ``processes.run_ranks``: forked from the session's fork server where it
+    can be, since what is tested here is the tools, and a fresh interpreter
+    would cost each run ~7 s of imports.
+    """
+    argv = ["--job.config", RECIPE, "--job.dump_folder", str(dump), "--lr_scheduler.total_steps", "5",
+            "--checkpoint.interval", "1", *args]
+    log = processes.run_ranks(1, gefen_titan.train.main, argv, logs=dump / "logs", timeout=600)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", log)
     out: dict[int, float] = {}
     for step, loss in STEP_RE.findall(text):
         out.setdefault(int(step), float(loss))
@@ -75,15 +71,15 @@ def convert_json(*args) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("ckpt_tools")
-    gefen = losses_of(start_train(base / "gefen", "--training.steps", "4"))
+    gefen = train(base / "gefen", "--training.steps", "4")
     assert sorted(gefen) == [1, 2, 3, 4]
     to_adamw = convert_json("convert", step_dir(base, "gefen", 2), step_dir(base, "as_adamw", 2), "--to", "adamw")
     assert to_adamw[0] == 0, to_adamw
-    as_adamw = losses_of(start_train(base / "as_adamw", "--training.steps", "5", "--optimizer.name", "AdamW"))
+    as_adamw = train(base / "as_adamw", "--training.steps", "5", "--optimizer.name", "AdamW")
     to_gefen = convert_json("convert", step_dir(base, "as_adamw", 3), step_dir(base, "as_gefen", 3), "--to",
                             "gefen", "--max-tensor-parallel-degree", "2")
     assert to_gefen[0] == 0, to_gefen
-    as_gefen = losses_of(start_train(base / "as_gefen", "--training.steps", "5"))
+    as_gefen = train(base / "as_gefen", "--training.steps", "5")
     return {"base": base, "gefen": gefen, "as_adamw": as_adamw, "as_gefen": as_gefen,
             "to_adamw": to_adamw[1], "to_gefen": to_gefen[1]}
 

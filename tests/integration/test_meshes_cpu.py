@@ -1,28 +1,34 @@
 """Meshes beyond FSDP, for real on CPU ranks (gloo): FSDP2 x TP and pipeline
-parallelism train the debug model with Gefen, and the pieces that make them
-work (the SDPA override's local_map, FSDP2 x TP random init) are checked
-against single-device results.
+parallelism train the debug model with Gefen and save format-v2
+checkpoints, and the pieces that make them work (the SDPA override's
+local_map, FSDP2 x TP random init) are checked against single-device results.
 
-* torchrun, 4 ranks, ``recipes/llama_gefen_fsdp_tp.toml`` (FSDP 2 x TP 2):
-  completes, loss falls, and step 1 equals a 2-rank FSDP 2 run on the same
-  data (same init, same forward).
-* torchrun, 2 ranks, ``recipes/llama_gefen_pp2.toml`` (PP 2, 1F1B): completes
-  and the last stage's loss falls.
-* torch.multiprocessing, 2 gloo ranks (one spawn): the SDPA override on a TP
+* ``recipes/llama_gefen_fsdp_tp.toml`` at 4 ranks (FSDP 2 x TP 2): trains, the
+  loss falls, its step-4 checkpoint is written, and step 1 equals the FSDP 2
+  run of ``recipes/llama_gefen_dp2.toml`` at 2 ranks on the same data (same
+  init, same forward);
+* ``recipes/llama_gefen_pp2.toml`` at 2 ranks (PP 2, 1F1B): trains, the last
+  stage's loss falls, its step-4 checkpoint is written;
+* 2 gloo ranks (one launch): the SDPA override on a TP
   mesh (head-sharded DTensors through torchtitan's local_map) against plain
   SDPA on the full tensors (forward equal, input grads within 1e-6); and
   ``cpu_dtensor_rng`` with FSDP2's ``_StridedShard`` placements equals one
   draw of the full tensor.
 
-Checkpoints are disabled in the launches: saving Gefen state under TP is not
-supported by the checkpoint adapter yet.
+The three trainings are the recipes' CI runs (``tests.helpers.reference_curves``:
+7 steps, a checkpoint at step 4), taken from the session's reference cache
+(``reference_cache`` in tests/conftest.py): the recipe regression and the
+reshard validation train the same runs, so a session trains each once.
+Whether a checkpoint resumes bit-exactly under other layouts is
+tests/integration/test_agreed_blocking.py's (TP included) and the
+validation's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -31,59 +37,53 @@ import torch
 import torch.distributed as dist
 
 import gefen_titan.patches as P
+from gefen_titan.validation import core as vr
+from tests.helpers import processes
+from tests.helpers import reference_curves as urc
 
 ROOT = Path(__file__).resolve().parents[2]
-STEP_RE = re.compile(r"step:\s+(\d+)\s+\S*\s*loss:\s+(-?[0-9.]+)")
 PKG = P.__name__
 
 
-def torchrun(nproc, *args, port):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master-port={port}", str(ROOT / "train.py"), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-    return log
+def ci_run(recipe: str, reference_cache: Path) -> tuple[vr.Run, str]:
+    """(run, its log) of ``recipe``'s CI run, trained or reused from the cache."""
+    path = ROOT / "recipes" / recipe
+    # The stored curve's settings and process count: the same run identity
+    # as the recipe regression's, so that one run serves both.
+    stored = json.loads(urc.curve_path(path).read_text())
+    _, nproc, run = urc.run_recipe(path, out=reference_cache.parent / "meshes_cpu", cache=reference_cache,
+                                   stored=stored)
+    assert nproc == stored["nproc"]
+    return run, re.sub(r"\x1b\[[0-9;]*m", "", (Path(run.folder) / "train.log").read_text())
 
 
-def losses(log):
-    """{step: loss} from the ranks that compute it (PP's other stages log -1)."""
-    out = {}
-    for step, loss in STEP_RE.findall(re.sub(r"\x1b\[[0-9;]*m", "", log)):
-        if float(loss) >= 0:
-            out.setdefault(int(step), float(loss))
-    return out
+def _trained(run: vr.Run) -> None:
+    steps = vr.CI_SETTINGS["steps_before"] + vr.CI_SETTINGS["steps_after"]
+    assert sorted(run.losses) == list(range(1, steps + 1)), run.losses
+    assert run.losses[steps] < run.losses[1] - 0.4, run.losses
+    # The checkpoint at steps_before, under the run's own layout.
+    step_dir = Path(run.folder) / "checkpoint" / f"step-{vr.CI_SETTINGS['steps_before']}"
+    assert (step_dir / ".metadata").exists(), sorted(Path(run.folder, "checkpoint").iterdir())
 
 
-def _common(tmp_path, steps):
-    return ["--training.steps", str(steps), "--checkpoint.enable", "false",
-            "--job.dump_folder", str(tmp_path)]
+# ------------------------------------------------------------ torchrun runs
 
 
-# ------------------------------------------------------------ torchrun launches
-
-
-def test_fsdp2_x_tp2_trains_and_matches_fsdp2_at_step_1(tmp_path):
-    log = torchrun(4, "--job.config", "recipes/llama_gefen_fsdp_tp.toml",
-                   *_common(tmp_path / "fsdp_tp", 4), port=29741)
-    assert "dp_shard=2, cp=1, tp=2" in log
-    curve = losses(log)
-    assert sorted(curve) == [1, 2, 3, 4], curve
-    assert curve[4] < curve[1] - 0.4, curve
-
+def test_fsdp2_x_tp2_trains_and_matches_fsdp2_at_step_1(reference_cache):
+    run, log = ci_run("llama_gefen_fsdp_tp.toml", reference_cache)
+    assert run.nproc == 4 and "dp_shard=2, cp=1, tp=2" in log
+    _trained(run)
     # Same data (2 data-parallel shards), same init: TP must not change step 1.
-    ref = losses(torchrun(2, "--job.config", "recipes/llama_gefen_dp2.toml",
-                          *_common(tmp_path / "fsdp2", 1), port=29742))
-    assert abs(curve[1] - ref[1]) < 1e-4, (curve[1], ref[1])
+    ref, _ = ci_run("llama_gefen_dp2.toml", reference_cache)
+    assert ref.nproc == 2
+    assert abs(run.losses[1] - ref.losses[1]) < 1e-4, (run.losses[1], ref.losses[1])
 
 
-def test_pipeline_parallel_2_stages_trains(tmp_path):
-    log = torchrun(2, "--job.config", "recipes/llama_gefen_pp2.toml",
-                   *_common(tmp_path, 4), port=29743)
-    assert "Using pipeline schedule 1F1B with 4 microbatches" in log  # local batch 4, microbatch 1
-    curve = losses(log)
-    assert sorted(curve) == [1, 2, 3, 4], curve
-    assert curve[4] < curve[1] - 0.4, curve
+def test_pipeline_parallel_2_stages_trains(reference_cache):
+    run, log = ci_run("llama_gefen_pp2.toml", reference_cache)
+    # local batch 2 of the CI settings, microbatch 1 (the recipe's)
+    assert run.nproc == 2 and "Using pipeline schedule 1F1B with 2 microbatches" in log
+    _trained(run)
 
 
 # ------------------------------- 2 gloo ranks: SDPA local_map, strided init
@@ -169,9 +169,12 @@ def _strided_rng_check(rank: int, world_size: int) -> None:
             assert torch.equal(d.full_tensor(), ref), (shape, placements)
 
 
-def _two_rank_worker(rank: int, world_size: int, store: str, out_dir: str) -> None:
+def _two_rank_worker(argv: list[str]) -> None:
+    """Both checks on this rank (``processes.run_ranks``), a marker file in ``argv[0]`` for each passed."""
+    (out_dir,) = argv
     P.apply_all()
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     try:
         for check in (_sdpa_check, _strided_rng_check):
             check(rank, world_size)
@@ -183,12 +186,10 @@ def _two_rank_worker(rank: int, world_size: int, store: str, out_dir: str) -> No
 
 @pytest.fixture(scope="module")
 def two_rank_checks(tmp_path_factory):
-    """One 2-rank spawn for both checks (spawning re-imports torch per rank)."""
-    import torch.multiprocessing as mp
-
+    """One 2-rank launch for both checks."""
     out = tmp_path_factory.mktemp("two_rank")
     try:
-        mp.spawn(_two_rank_worker, args=(2, str(out / "store"), str(out)), nprocs=2, join=True)
+        processes.run_ranks(2, _two_rank_worker, [str(out)], logs=out / "logs", timeout=600)
     except Exception as e:  # reported by the tests below, each naming its check
         return out, e
     return out, None

@@ -6,8 +6,8 @@ Claims asserted where they hold: same layout is bit-exact (state and the
 parameters after more steps); splits on whole blocks are bit-exact state;
 merges are within error bounds. Measured figures are printed (-s) and quoted
 in the README. Also an HSDP 2 x 2 save resumed as plain FSDP at 2. The runs
-are conftest's ``runs``: five launches of ``reshard_worker.py``, several
-jobs each (``RUN_PLAN``).
+are conftest's ``runs``: the jobs of ``reshard_runs.RUN_PLAN``, in the five
+launches they share with the format-v2 runs (``worker_runs``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def _load(runs, n, m):
 def _first_update(ref, res):
     names = list(ref[0]["state"])
     s = SAVE_STEP
-    diffs = {n: (res[0]["params"][s + 1][n] - res[0]["params"][s][n], ref[0]["params"][s + 1][n] - ref[0]["params"][s][n]) for n in names}
+    diffs = {n: (res[0]["params"][s + 1][n] - res[0]["params"][s][n],
+                 ref[0]["params"][s + 1][n] - ref[0]["params"][s][n]) for n in names}
     per = {n: rel_l2(a, b) for n, (a, b) in diffs.items()}
     num = math.sqrt(sum(float(((a - b) ** 2).sum()) for a, b in diffs.values()))
     den = math.sqrt(sum(float((b ** 2).sum()) for _, b in diffs.values()))

@@ -2,22 +2,22 @@
 model with Gefen from recipes/llama_gefen.toml, save DCP checkpoints on the
 interval, and a second launch resumes from the last one."""
 
+import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import processes
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_RE = re.compile(r"step:\s+(\d+)\s+\S*\s*loss:\s+([0-9.]+)")
 BYTES_RE = re.compile(r"= ([0-9.]+) bytes/param")
 
 
-def torchrun(nproc, *args, port):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master-port={port}", str(ROOT / "train.py"), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+def torchrun(nproc, *args):
+    proc = processes.torchrun(nproc, str(ROOT / "train.py"), *args, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     return log
@@ -35,8 +35,8 @@ def run(tmp_path_factory):
     dump = tmp_path_factory.mktemp("train")
     common = ["--job.config", "recipes/llama_gefen.toml", "--job.dump_folder", str(dump),
               "--checkpoint.interval", "3"]
-    first = torchrun(2, *common, "--training.steps", "6", port=29531)
-    second = torchrun(2, *common, "--training.steps", "8", port=29532)
+    first = torchrun(2, *common, "--training.steps", "6")
+    second = torchrun(2, *common, "--training.steps", "8")
     return dump, first, second
 
 
@@ -76,11 +76,10 @@ def test_module_entry_single_process_resumes_from_fsspec_url(tmp_path):
     cmd = [sys.executable, "-m", "gefen_titan.train", "--job.config", "recipes/llama_gefen_dp1.toml",
            "--checkpoint.enable", "true", "--checkpoint.folder", url, "--checkpoint.interval", "2",
            "--job.dump_folder", str(tmp_path / "dump")]
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     logs = []
     for steps in ("2", "3"):
-        proc = subprocess.run([*cmd, "--training.steps", steps], cwd=ROOT, capture_output=True, text=True,
-                              timeout=600, env=env)
+        proc = processes.run([*cmd, "--training.steps", steps], timeout=600, env=env)
         logs.append(proc.stdout + proc.stderr)
         assert proc.returncode == 0, logs[-1][-4000:]
     assert sorted(losses(logs[0])) == [1, 2]
@@ -96,11 +95,10 @@ def test_components_in_torchtitans_own_trainer(tmp_path):
     from gefen_titan.checkpoint import schema as fmt
     from gefen_titan.checkpoint.storage import read_metadata
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master-port=29533",
-           "-m", "torchtitan.train", "--module", "torchtitan_config", "--config", "llama3_debug_gefen",
-           "--training.steps", "2", "--checkpoint.interval", "2", "--dump_folder", str(tmp_path)]
-    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT / "examples")}
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "examples")}
+    proc = processes.torchrun(1, "-m", "torchtitan.train", "--module", "torchtitan_config", "--config",
+                              "llama3_debug_gefen", "--training.steps", "2", "--checkpoint.interval", "2",
+                              "--dump_folder", str(tmp_path), timeout=600, cwd=tmp_path, env=env)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert sorted(losses(log)) == [1, 2] and "bytes/param" in log  # our container's report

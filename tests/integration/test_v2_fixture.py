@@ -3,7 +3,7 @@
 ``tests/fixtures/v2_debug_fsdp2_step3`` was written by the trainer (the debug
 recipe, 2 gloo ranks, FSDP2, 3 steps, agreed blocking; without the model's
 weights, see ``tests/helpers/fixture_hooks.py`` and ``tests/fixtures/README.md``). Loaded
-by ``train.py`` at 1 and at 3 ranks (3: uneven row shards), the optimizer
+by the trainer (``train.py``'s main) at 1 and at 3 ranks (3: uneven row shards), the optimizer
 state that the container then holds, gathered to global tensors, must be the
 fixture's entries bit for bit: every code, block magnitude and ``vmean``,
 the codebook, and the JSON records (periods, counters, hyperparameters).
@@ -12,14 +12,14 @@ the codebook, and the JSON records (periods, counters, hyperparameters).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import gefen_titan.train
 from gefen_titan.checkpoint.reader import OPTIMIZER, Checkpoint
+from tests.helpers import processes
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "v2_debug_fsdp2_step3"
@@ -37,15 +37,14 @@ def saved() -> dict:
     return values
 
 
-def _load(nproc: int, out: Path, port: int) -> dict:
+def _load(nproc: int, out: Path) -> dict:
     hook = json.dumps({"dir": str(out / "dumps")})
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master-port={port}",
-           "train.py", "--job.config", "recipes/llama_gefen.toml", "--training.steps", str(STEP),
-           "--checkpoint.initial_load_path", str(FIXTURE), "--checkpoint.no-initial-load-model-only",
-           "--dump_folder", str(out), "--override.imports", "gefen_titan.patches.sdpa_attention.sdpa_attention",
-           f"tests.helpers.fixture_hooks.without_model={hook}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    # train.py's main on nproc ranks started as torchrun would (processes.run_ranks).
+    processes.run_ranks(nproc, gefen_titan.train.main, [
+        "--job.config", "recipes/llama_gefen.toml", "--training.steps", str(STEP),
+        "--checkpoint.initial_load_path", str(FIXTURE), "--checkpoint.no-initial-load-model-only",
+        "--dump_folder", str(out), "--override.imports", "gefen_titan.patches.sdpa_attention.sdpa_attention",
+        f"tests.helpers.fixture_hooks.without_model={hook}"], logs=out / "logs", timeout=600)
     dump = torch.load(out / "dumps" / f"load-{STEP}-global-rank0.pt", weights_only=False)
     assert dump["world"] == nproc and dump["blocking"] == "agreed"
     return dump
@@ -53,7 +52,7 @@ def _load(nproc: int, out: Path, port: int) -> dict:
 
 @pytest.mark.parametrize("nproc", [1, 3])
 def test_v2_fixture_loads_bit_exactly(saved, nproc, tmp_path):
-    dump = _load(nproc, tmp_path, 29880 + nproc)
+    dump = _load(nproc, tmp_path)
     loaded = dump["state"]
     assert sorted(loaded) == sorted(saved)
     stateful = 0

@@ -375,7 +375,8 @@ def _check_layout(opt, model, expect_keys_for, expect_local_numel):
                      f"{name}: automatic_period {period!r} does not divide local numel {n}")
             for key in [k for k in st if torch.is_tensor(st[k]) and not k.startswith(PAYLOAD_PREFIX)]:
                 contract(type(st[key]) is torch.Tensor,
-                         f"{name}: state[{key!r}] is a {type(st[key]).__name__} (expected a plain local tensor, never a DTensor)")
+                         f"{name}: state[{key!r}] is a {type(st[key]).__name__} "
+                         "(expected a plain local tensor, never a DTensor)")
             contract(st["m_codebook"].dtype == torch.uint8 and tuple(st["m_codebook"].shape) == (n // period, period),
                      "{}: m_codebook is {} {}, expected uint8 {}".format(
                          name, st["m_codebook"].dtype, tuple(st["m_codebook"].shape), (n // period, period)))
@@ -386,7 +387,8 @@ def _check_layout(opt, model, expect_keys_for, expect_local_numel):
             if "vmean" in want:
                 contract(st["vmean"].dtype == torch.float32 and tuple(st["vmean"].shape) == (n // period, 1),
                          f"{name}: vmean is not fp32 [n/period, 1]")
-                contract(type(st["vmean_step"]) is int and st["vmean_step"] == steps, f"{name}: vmean_step is not int step")
+                contract(type(st["vmean_step"]) is int and st["vmean_step"] == steps,
+                         f"{name}: vmean_step is not int step")
             else:
                 contract(tuple(st["v_row"].shape) == (p.shape[0],) and tuple(st["v_col"].shape) == (p.shape[1],)
                          and st["v_row"].dtype == st["v_col"].dtype == torch.float32,
@@ -434,7 +436,8 @@ def test_fsdp_state_layout(fsdp):
              "'_gefen_rank_local_payload_<rank>'")
     contract(all(opt.state[p].get(MEMBER_KEY) is True for p in params[1:]),
              "other DTensor params' live state no longer carries '_gefen_rank_local_member': True")
-    contract(all(grp == GROUP_KEYS | {"fused", "foreach", "_gefen_checkpoint_metadata"} for grp in fsdp["live_group_keys"]),
+    contract(all(grp == GROUP_KEYS | {"fused", "foreach", "_gefen_checkpoint_metadata"}
+                 for grp in fsdp["live_group_keys"]),
              "live DTensor param groups no longer carry the '_gefen_checkpoint_metadata' placeholder")
     before = fsdp["live_before_step"]
     contract(set(before[next(iter(before))]) == {"name", PAYLOAD_PREFIX + "0"},
@@ -463,7 +466,8 @@ def test_step_math_matches_reference(which, request):
                      f"{name} step {step_i + 1}: m_magnitude is no longer the per-block max |m|")
             ours = ref_dequant(codebook, after["m_codebook"], after["m_magnitude"])
             deq = opt._gefen_dequantize_m_coefficients(after, torch.empty(0)) * after["m_magnitude"]
-            contract(torch.equal(ours, deq), f"{name}: Gefen's own dequant != codebook[m_codebook.long()] * m_magnitude")
+            contract(torch.equal(ours, deq),
+                     f"{name}: Gefen's own dequant != codebook[m_codebook.long()] * m_magnitude")
             keys = ("v_row", "v_col") if factored else ("vmean",)
             for key in keys:
                 contract(torch.allclose(after[key], exp_state[key], rtol=1e-6, atol=0),
@@ -471,7 +475,8 @@ def test_step_math_matches_reference(which, request):
             contract(after["step"] == exp_state["step"], f"{name}: step counter did not advance by 1")
             contract(torch.allclose(res["p_after"][step_i][name], exp_p, rtol=1e-6, atol=1e-7),
                      "{} step {}: parameter update no longer p*(1-lr*wd) - lr*m_hat/(sqrt(v_hat)+eps) "
-                     "(max err {:.3e})".format(name, step_i + 1, (res["p_after"][step_i][name] - exp_p).abs().max().item()))
+                     "(max err {:.3e})".format(name, step_i + 1,
+                                               (res["p_after"][step_i][name] - exp_p).abs().max().item()))
 
 
 def test_dcp_dense_momentum_formula(plain):
@@ -524,7 +529,8 @@ def test_fsdp_state_dict_is_rank_local_payload(fsdp):
     marker = md["rank_local_sharded_state"]
     contract(md["format_version"] == 3 and md["codebook"] is None and marker["format"] == "rank_local_dtensor_v2"
              and marker["world_size"] == 1,
-             "rank-local metadata/marker format changed: version={} format={}".format(md.get("format_version"), marker.get("format")))
+             "rank-local metadata/marker format changed: version={} format={}".format(
+                 md.get("format_version"), marker.get("format")))
     payload = Gefen._deserialize_rank_local_payload(first[PAYLOAD_PREFIX + "0"])
     contract(set(payload) >= {"states", "codebook", "global_step", "signature"} and payload["global_step"] == 1
              and torch.equal(payload["codebook"], fsdp["codebook"][0]),

@@ -110,7 +110,8 @@ def test_text_dataset_resume_state(tmp_path):
 
     from gefen_titan.data import corpus as data
 
-    assert isinstance(DATASETS, dict) and {f.name for f in fields(DatasetConfig)} == {"path", "loader", "sample_processor"}
+    assert isinstance(DATASETS, dict)
+    assert {f.name for f in fields(DatasetConfig)} == {"path", "loader", "sample_processor"}
     data.register_datasets()
     path, loader, _ = _validate_dataset(data.DATASET_NAME, None)
     assert callable(loader) and path

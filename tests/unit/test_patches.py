@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import gefen_titan.patches as P
+from tests.helpers import processes
 
 PKG = P.__name__  # "patches" or "gefen_titan.patches"
 
@@ -423,14 +424,7 @@ def _two_rank_worker(rank: int, world_size: int, store: str, out_dir: str) -> No
 
 
 def test_two_gloo_ranks_end_to_end(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(
-        _two_rank_worker,
-        args=(2, str(tmp_path / "store"), str(tmp_path)),
-        nprocs=2,
-        join=True,
-    )
+    processes.spawn(_two_rank_worker, (2, str(tmp_path / "store"), str(tmp_path)), 2, timeout=300)
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
 
 
@@ -452,19 +446,19 @@ def test_sdpa_override_keeps_the_tp_local_map():
     cfg = llama3_debugmodel()
     cfg.parallelism.tensor_parallel_degree = 2
     cfg.model_spec.model.update_from_config(config=cfg)
-    before = [l.attention.inner_attention.sharding_config for l in cfg.model_spec.model.layers]
+    before = [layer.attention.inner_attention.sharding_config for layer in cfg.model_spec.model.layers]
     assert all(sc is not None and sc.local_map is not None for sc in before)
     apply_overrides(OverrideConfig(imports=[f"{PKG}.sdpa_attention.sdpa_attention"]), cfg)
-    after = [l.attention.inner_attention for l in cfg.model_spec.model.layers]
+    after = [layer.attention.inner_attention for layer in cfg.model_spec.model.layers]
     assert all(type(a) is ScaledDotProductAttention.Config for a in after)
     assert [a.sharding_config for a in after] == before
     # Python helper form: the same carry-over.
     cfg = llama3_debugmodel()
     cfg.model_spec.model.update_from_config(config=cfg)
-    flex = [l.attention.inner_attention for l in cfg.model_spec.model.layers]
+    flex = [layer.attention.inner_attention for layer in cfg.model_spec.model.layers]
     assert all(type(f) is FlexAttention.Config for f in flex)
     assert sdpa.use_sdpa_attention(cfg.model_spec) == len(flex)
-    assert [l.attention.inner_attention.sharding_config for l in cfg.model_spec.model.layers] == [
+    assert [layer.attention.inner_attention.sharding_config for layer in cfg.model_spec.model.layers] == [
         f.sharding_config for f in flex
     ]
 
