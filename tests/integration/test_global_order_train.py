@@ -18,7 +18,6 @@ band. The references are shared with tests/integration/test_recipe_regression.py
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import pytest
 
 from gefen_titan.validation import bands, runs
 from gefen_titan.validation.report import compare_batches
+from tests.helpers import processes
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "validate_reshard.py"
@@ -49,7 +49,7 @@ def validated(tmp_path_factory):
            "--global-batch", str(CI["global_batch"]), "--local-batch", str(CI["local_batch"]),
            "--pairs", "2:1", "--out", str(out),
            "--reference-cache", str(tmp_path_factory.getbasetemp() / "reshard_reference_cache")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    proc = processes.run(cmd, cwd=ROOT, timeout=850)  # below pytest-timeout's 900 s: a hang fails here, ranks stopped
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
     return proc, report, out
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import processes
 from tests.helpers import reference_curves as urc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,7 +124,7 @@ def _build(recipe: str, world_size: int, overrides: dict | None = None) -> subpr
     cmd = [sys.executable, "-m", "tests.integration.test_recipe_regression", "--build", recipe, str(world_size),
            json.dumps(overrides or {})]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    return processes.run(cmd, cwd=ROOT, timeout=600, env=env)
 
 
 def _check_built(proc, world_size):

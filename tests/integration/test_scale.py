@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from benchmarks import checkpoint as bench_ckpt
 from benchmarks import scale
 from benchmarks import training as bench_train
 from benchmarks.gpu_check import NO_CUDA
+from tests.helpers import processes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,8 +40,8 @@ def gpu_check_cpu(tmp_path_factory):
         pytest.skip("CUDA present: gpu_check.sh runs its GPU stages there (not a CI check)")
     work = tmp_path_factory.mktemp("gpu_check")
     env = {**os.environ, "PYTHON": sys.executable}
-    proc = subprocess.run([str(ROOT / "scripts" / "gpu_check.sh"), "--work", str(work), "--out", str(work / "r.json")],
-                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    proc = processes.run([str(ROOT / "scripts" / "gpu_check.sh"), "--work", str(work), "--out", str(work / "r.json")],
+                         cwd=ROOT, env=env, timeout=600)
     return proc, work
 
 
@@ -74,8 +74,7 @@ def test_gpu_check_without_cuda_runs_the_cpu_half_and_says_so(gpu_check_cpu):
 def worker(gpu_check_cpu):
     _, work = gpu_check_cpu
     step_dir = json.loads((work / "r.json").read_text())["stages"]["checkpoint"]["cpu_half"]["checkpoint"]
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.scale_worker", step_dir], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = processes.run([sys.executable, "-m", "tests.helpers.scale_worker", step_dir], cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

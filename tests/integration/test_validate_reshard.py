@@ -31,6 +31,7 @@ import pytest
 
 from gefen_titan.validation import bands, compare_global, identity, recipes, runs
 from gefen_titan.validation.compare_rank import TOL_MOMENTUM, TOL_UPDATE, TOL_VMEAN
+from tests.helpers import processes
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "validate_reshard.py"
@@ -65,7 +66,7 @@ def validate(tmp_path_factory, out: Path, *args: str,
     else:
         cmd, cwd = [sys.executable, str(SCRIPT), *CI_ARGS], ROOT
     cmd += ["--out", str(out), "--reference-cache", str(reference_cache(tmp_path_factory)), *args]
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=1200)
+    proc = processes.run(cmd, cwd=cwd, timeout=850)  # below pytest-timeout's 900 s: a hang fails here, ranks stopped
     report = out / "report.json"
     return proc, (json.loads(report.read_text()) if report.exists() else {})
 

@@ -30,7 +30,8 @@ def test_the_wheel_holds_every_module_and_asset(tmp_path):
     import subprocess
     import zipfile
 
-    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True,
+                             timeout=60)
     src = tmp_path / "src"
     for rel in filter(None, tracked.stdout.split("\0")):
         if (ROOT / rel).is_file():
