@@ -59,7 +59,7 @@ def token_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference_cache(tmp_path_factory) -> Path:
-    """The session's cache of CI reference runs (``gefen_titan.validation.core.reference_run``):
+    """The session's cache of CI reference runs (``gefen_titan.validation.runs.reference_run``):
     a run of the same identity (recipe, processes, settings) is trained once
     and reused by every test that asks for it (recipe regression, reshard
     validation, meshes)."""

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 import gefen_titan.patches as P
-from gefen_titan.validation import core as vr
+from gefen_titan.validation import runs as vr
 from tests.helpers import processes
 from tests.helpers import reference_curves as urc
 
