@@ -77,6 +77,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.meta import build_on_meta
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/llama3_8b_gefen.toml"
 FLAVORS = ("8B", "70B", "405B")
@@ -166,15 +168,6 @@ class Built:
     deterministic: bool
 
 
-def _fake_pg(world: int) -> None:
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
-
-
 def _coords(mesh, world: int, fqn: str) -> list[tuple[int, ...]]:
     ranks = mesh.mesh
     if ranks.numel() != world:
@@ -228,32 +221,12 @@ def build(flavor: str, mesh: Mesh, max_tp: int = 8, recipe: str = RECIPE) -> Bui
     Replaces any process group of this process by torchtitan's fake one at
     ``mesh.world`` ranks: run it in a process of its own, never inside a job.
     """
-    from torchtitan.config.override import apply_overrides
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
-
     from gefen_titan.optim.blocking import AgreedBlocking
-    from gefen_titan.recipe.build import load_recipe
 
     overrides = {"model": {"flavor": flavor}, "parallelism": mesh.parallelism(),
                  "optimizer": {"max_tensor_parallel_degree": max_tp}}
-    config = load_recipe(str(ROOT / recipe) if not Path(recipe).exists() else recipe, overrides,
-                         world_size=mesh.world).config
-    _fake_pg(mesh.world)
-    parallel_dims = ParallelDims.from_config(config.parallelism, mesh.world)
-    dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
-    model_config = config.model_spec.model
-    model_config.update_from_config(config=config)
-    if config.override.imports:
-        apply_overrides(config.override, config)
-    with torch.device("meta"):
-        model = model_config.build()
-    numel = sum(p.numel() for p in model.parameters())
-    model = config.model_spec.parallelize_fn(
-        model, parallel_dims=parallel_dims, training=config.training, parallelism=config.parallelism,
-        compile_config=config.compile, ac_config=config.activation_checkpoint, dump_folder="/nonexistent",
-    )
-    container = config.optimizer.build(model_parts=[model])
+    built = build_on_meta(str(ROOT / recipe) if not Path(recipe).exists() else recipe, mesh.world, overrides)
+    config, numel, container = built.config, built.numel, built.optimizers
     agreement = AgreedBlocking(config.optimizer.max_tensor_parallel_degree)
     coords_by_mesh: dict[int, list] = {}
     params = []

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import scale
+from benchmarks.meta import fake_process_group
 from gefen_titan import patches
 from gefen_titan.recipe import flavors
 
@@ -39,7 +40,7 @@ def collectives() -> dict:
     from gefen_titan.optim.blocking import AgreedBlocking, agreement_collectives
     from gefen_titan.optim.container import GefenOptimizersContainer
 
-    scale._fake_pg(4)
+    fake_process_group(4)
     recorded = []
 
     def all_gather(parts, t, *a, **k):

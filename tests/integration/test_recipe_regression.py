@@ -79,42 +79,23 @@ def test_cpu_recipe_matches_stored_curve(recipe, runs_dir, tmp_path_factory):
 
 
 # ------------------------------------------------------------ GPU recipes
-def build_on_meta(recipe: str, world_size: int, overrides: dict) -> dict:
-    """The Trainer's build steps up to the optimizer, with no GPU and no data
-    (run in a fresh process: it creates a fake process group)."""
-    import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torchtitan.config.override import apply_overrides
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
+def built_on_meta(recipe: str, world_size: int, overrides: dict) -> dict:
+    """What the Trainer builds for ``recipe`` up to the optimizer, on the meta
+    device (``benchmarks.meta``; run in a fresh process: it creates a fake
+    process group)."""
+    from benchmarks.meta import build_on_meta
+    from gefen_titan.optim import gefen_state as gs
 
-    from gefen_titan.recipe.build import load_recipe
-
-    config = load_recipe(recipe, overrides, world_size=world_size).config
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
-    parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
-    dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
-    model_config = config.model_spec.model
-    model_config.update_from_config(config=config)
-    if config.override.imports:
-        apply_overrides(config.override, config)
-    with torch.device("meta"):
-        model = model_config.build()
-    numel = sum(p.numel() for p in model.parameters())
-    model = config.model_spec.parallelize_fn(
-        model, parallel_dims=parallel_dims, training=config.training, parallelism=config.parallelism,
-        compile_config=config.compile, ac_config=config.activation_checkpoint, dump_folder="/nonexistent",
-    )
-    optimizers = config.optimizer.build(model_parts=[model])
+    built = build_on_meta(recipe, world_size, overrides)
+    config, optimizers = built.config, built.optimizers
     config.lr_scheduler.build(optimizers=optimizers, training_steps=config.training.steps)
-    params = list(model.named_parameters())
+    params = list(built.model.named_parameters())
     return {
-        "numel": numel,
+        "numel": built.numel,
         "placements": sorted({str(tuple(p.placements)) for _, p in params}),
         "mesh_sizes": sorted({p.device_mesh.size() for _, p in params}),
         "optimizers": [type(o).__name__ for o in optimizers.optimizers],
-        "gefen_params": len(optimizers._gefen_state.slots),
+        "gefen_params": sum(1 for o in optimizers.gefen_optimizers for _ in gs.named_params(o)),
         "params": len(params),
         "checkpoint": type(config.checkpoint).__qualname__,
     }
@@ -146,4 +127,4 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--build"]:
 
     patches.apply_all()
 
-    print(json.dumps(build_on_meta(sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]))))
+    print(json.dumps(built_on_meta(sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]))))
