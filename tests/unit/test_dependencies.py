@@ -6,7 +6,7 @@
   pyproject's ``[project] dependencies``: an undeclared one works in the
   development environment, which happens to have it, and fails for a user.
   An import inside ``try: ... except ImportError`` is optional and exempt.
-* The package imports neither ``benchmarks`` nor ``tests``: they are folders
+* The package imports none of ``benchmarks``, ``tools``, ``tests``: they are folders
   of the checkout, not of the wheel.
 * The validation derives no path from its own file: it runs from the
   installed wheel, where no checkout surrounds it.
@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = (ROOT / "gefen_titan", ROOT / "patches")
 FIRST_PARTY = {"gefen_titan"}
-CHECKOUT_ONLY = {"benchmarks", "tests"}
+CHECKOUT_ONLY = {"benchmarks", "tests", "tools"}
 
 # Import name -> distribution name, where they differ.
 IMPORT_TO_DIST = {"gefen": "gefen-x", "yaml": "pyyaml", "PIL": "pillow", "sklearn": "scikit-learn"}

@@ -1,0 +1,1 @@
+"""Developer tools of the checkout (not in the wheel): rebuilding the embedded assets."""
