@@ -9,7 +9,12 @@ parameter ``automatic_period``, ``step``, ``vmean_step``, ``m_codebook``
 attributes. Every other module of gefen_titan (the registry's factory, the
 agreement hook, the checkpoint adapters, the validation hook) goes through
 the functions here, so a change of gefen-x's internals is fixed in one file.
-``is_gefen`` is exact: gefen-x's subclasses (GefenMuon) keep other state.
+``is_gefen`` is exact: gefen-x's subclasses keep other state. GefenMuon's
+(``automatic_period``, ``step``, ``m_codebook``, ``m_magnitude``, NorMuon's
+``normuon_v`` [rows, 1] and ``normuon_step``; no ``vmean``) and the pieces of
+its step that ``gefen_titan.optim.muon`` drives on shards (the momentum
+update, Newton-Schulz, NorMuon, the apply) are the ``muon_*`` functions of
+the last section.
 ``tests/unit/test_contract_gefen.py`` pins, against the real gefen-x, every fact
 this module relies on (it reads the internals raw on purpose: it is the
 specification of this module). ``docs/gefen_internals.md`` explains them.
@@ -17,12 +22,15 @@ specification of this module). ``docs/gefen_internals.md`` explains them.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gefen import Gefen, partitioning
+from gefen import Gefen, GefenMuon, partitioning
+from gefen.gefen_muon import _zeropower_via_newtonschulz
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gefen_titan.checkpoint import schema
@@ -51,6 +59,25 @@ __all__ = [
     "finalize_period",
     "fallback_enabled",
     "state_tensors",
+    "CODEBOOK_FAMILIES",
+    "codebook_family",
+    "MUON_GROUP_KEYS",
+    "MUON_REFUSED",
+    "MuonState",
+    "new_gefen_muon",
+    "is_gefen_muon",
+    "muon_defaults",
+    "muon_refused",
+    "muon_deterministic",
+    "muon_read",
+    "muon_write",
+    "muon_rows",
+    "muon_set_rows",
+    "muon_momentum",
+    "muon_orthogonalize",
+    "muon_normuon",
+    "muon_apply",
+    "advance_global_step",
 ]
 
 K = schema.K  # codebook entries (gefen-x: num_codebooks=256)
@@ -248,3 +275,197 @@ def finalize_period(results: list[tuple[int, float]]) -> int:
 def fallback_enabled() -> bool:
     """gefen-x replaces a period-1 result by a coarse block (its memory-safe fallback)."""
     return bool(partitioning.MEMORY_SAFE_FALLBACK)
+
+
+# ------------------------------------------------------------ codebook families
+# Each gefen-x optimizer class learns its codebook from its own gradients:
+# Gefen's from Gefen's, GefenMuon's from GefenMuon's. The agreement keeps one
+# codebook per family for the whole job (index: ``codebook_family``).
+CODEBOOK_FAMILIES = 2
+
+
+def codebook_family(optim: Optimizer) -> int:
+    """0 for Gefen, 1 for GefenMuon (exact types; anything else raises)."""
+    if type(optim) is Gefen:
+        return 0
+    if type(optim) is GefenMuon:
+        return 1
+    raise TypeError(f"{type(optim).__name__} has no agreed codebook family")
+
+
+# ------------------------------------------------------------------ GefenMuon
+# GefenMuon (Muon whose momentum is Gefen-quantized) keeps, per 2-D parameter,
+# ``automatic_period``, ``step``, ``m_codebook`` uint8 [blocks, period] and
+# ``m_magnitude`` fp32 [blocks, 1] (blocks run along rows: a period that
+# divides the row length keeps every block inside one row), and with NorMuon
+# ``normuon_v`` fp32 [rows, 1] and ``normuon_step``; per optimizer the same
+# codebook and global step attributes as Gefen. gefen_titan never calls its
+# ``step()`` (which gathers every full gradient on every rank): the sharded
+# step (``gefen_titan.optim.muon``) calls the pieces below in gefen-x's order.
+
+# The group keys gefen_titan supports, checkpoints and restores on load.
+MUON_GROUP_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "ns_steps", "eps",
+                   "adjust_lr_fn", "normuon", "normuon_beta2", "normuon_eps")
+
+# GefenMuon options refused (as group keys and as constructor options): each
+# makes the arithmetic depend on the layout or the machine, which the sharded
+# step and the checkpoint's bit-exact resharding cannot keep.
+MUON_REFUSED = {
+    "sharded_mode": "gefen-titan shards GefenMuon itself (momentum on the parameter's shards, Newton-Schulz on "
+                    "one owner rank); gefen-x's modes replicate the momentum or place it by world size",
+    "fp8_ns": "fp8 Newton-Schulz runs only on sm_89+ GPUs above a matrix size, so results depend on the machine",
+    "fp8_ns_compile": "it only configures fp8 Newton-Schulz, which is refused",
+    "batched_ns": "batched Newton-Schulz changes the GEMM reduction order with the matrices a rank batches",
+    "batched_ns_workspace_bytes": "it only configures batched Newton-Schulz, which is refused",
+    "stochastic_round": "stochastic rounding draws its noise by position inside the local tensor, so it "
+                        "changes with the shard layout",
+    "cautious": "cautious masking needs the full gradient where Newton-Schulz runs, which is not gathered",
+    "capturable": "capturable keeps the step counters on the device, and gefen-titan checkpoints host counters",
+    "ns_schedule": "set ns_coefficients to the schedule's list of [a, b, c] instead (the record keeps those)",
+}
+
+_MUON_OWNED = ("automatic_period", "step", "m_codebook", "m_magnitude", "normuon_v", "normuon_step")
+
+
+@dataclass
+class MuonState:
+    """One GefenMuon parameter's state on this rank (tensors are the live ones)."""
+
+    period: int
+    step: int
+    codes: torch.Tensor  # uint8 [blocks, period]
+    magnitude: torch.Tensor  # fp32 [blocks, 1]
+    rows: torch.Tensor | None  # NorMuon fp32 [local rows, 1]; None before NorMuon's first step
+    rows_step: int
+
+
+def new_gefen_muon(param_groups: list[dict[str, Any]], **options: Any) -> Optimizer:
+    """``gefen.GefenMuon(param_groups, **options)``: the one place gefen-titan constructs it."""
+    return GefenMuon(param_groups, **options)
+
+
+def is_gefen_muon(optim: Optimizer) -> bool:
+    """GefenMuon exactly (GefenMuonHybrid is a container of its own, not supported)."""
+    return type(optim) is GefenMuon
+
+
+def muon_defaults() -> dict[str, Any]:
+    """gefen-x's constructor default of every ``MUON_GROUP_KEYS`` key."""
+    params = inspect.signature(GefenMuon.__init__).parameters
+    return {k: params[k].default for k in MUON_GROUP_KEYS}
+
+
+def muon_refused(optim: Optimizer) -> list[str]:
+    """The ``MUON_REFUSED`` settings a built GefenMuon has switched on."""
+    on = []
+    if optim.capturable:
+        on.append("capturable")
+    if optim._stochastic_round:
+        on.append("stochastic_round")
+    for group in optim.param_groups:
+        on += [k for k in ("fp8_ns", "batched_ns", "cautious") if group.get(k)]
+        if group.get("sharded_mode", "exact") != "exact":
+            on.append("sharded_mode")
+        if group.get("ns_schedule") is not None:
+            on.append("ns_schedule")
+    return sorted(set(on))
+
+
+def muon_deterministic(optim: Optimizer) -> bool:
+    return bool(optim._deterministic)
+
+
+def muon_read(optim: Optimizer, p: torch.Tensor) -> MuonState | None:
+    """The parameter's state, or None before its first step."""
+    st = optim.state.get(p, {})
+    if "m_codebook" not in st:
+        return None
+    return MuonState(period=int(st["automatic_period"]), step=int(st["step"]), codes=st["m_codebook"],
+                     magnitude=st["m_magnitude"], rows=st.get("normuon_v"), rows_step=int(st.get("normuon_step", 0)))
+
+
+def muon_write(optim: Optimizer, p: torch.Tensor, state: MuonState | None) -> None:
+    """Replace the parameter's state (None: never stepped).
+
+    GefenMuon updates the codes and magnitudes in place as ``[blocks,
+    period]`` / ``[blocks, 1]`` and NorMuon's rows as ``[rows, 1]``, so they
+    must be contiguous tensors of exactly those shapes and dtypes.
+    """
+    st = optim.state[p]
+    if state is not None:
+        blocks = state.codes.shape[0]
+        expect = [("codes", state.codes, torch.uint8, (blocks, state.period)),
+                  ("magnitude", state.magnitude, torch.float32, (blocks, 1))]
+        if state.rows is not None:
+            expect.append(("rows", state.rows, torch.float32, (state.rows.shape[0], 1)))
+        for what, t, dtype, shape in expect:
+            if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+                raise ValueError(f"{what}: expected contiguous {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+    for key in _MUON_OWNED:
+        st.pop(key, None)
+    if state is None:
+        return
+    st["automatic_period"] = int(state.period)
+    st["step"] = int(state.step)
+    st["m_codebook"] = state.codes
+    st["m_magnitude"] = state.magnitude
+    if state.rows is not None:
+        st["normuon_v"] = state.rows
+        st["normuon_step"] = int(state.rows_step)
+
+
+def muon_rows(optim: Optimizer, p: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """NorMuon's per-row state ``[local rows, 1]`` and its counter (None, 0 before its first step)."""
+    st = optim.state.get(p, {})
+    return st.get("normuon_v"), int(st.get("normuon_step", 0))
+
+
+def muon_set_rows(optim: Optimizer, p: torch.Tensor, rows: torch.Tensor, rows_step: int) -> None:
+    st = optim.state[p]
+    st["normuon_v"] = rows
+    st["normuon_step"] = int(rows_step)
+
+
+def muon_momentum(optim: Optimizer, fqn: str, p: torch.Tensor, group: dict, grad: torch.Tensor) -> torch.Tensor:
+    """Advance the quantized momentum of this rank's shard by ``grad`` (its local gradient).
+
+    gefen-x's ``_prepare_muon_momentum``: dequantize, lerp towards the
+    gradient by ``1 - momentum``, requantize per block with the optimizer's
+    codebook, count the step; returns the dense (Nesterov-blended) momentum
+    of the shard, shaped like ``grad``. Every operation is per element or per
+    block, so on a shard of whole blocks it equals the full matrix's rows;
+    the period must be pre-set (``set_period``) and divide the shard.
+    """
+    _, dense = optim._prepare_muon_momentum(group, fqn, p, grad, grad.numel())
+    return dense
+
+
+def muon_orthogonalize(group: dict, momentum: torch.Tensor) -> torch.Tensor:
+    """gefen-x's bf16 Newton-Schulz of a whole matrix with the group's coefficients."""
+    return _zeropower_via_newtonschulz(momentum, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+
+def muon_normuon(optim: Optimizer, group: dict, ortho: torch.Tensor, rows: torch.Tensor | None,
+                 rows_step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """NorMuon on a whole matrix: (normalized update, updated rows [rows, 1], counter).
+
+    ``rows`` (the whole matrix's, or None on NorMuon's first step) is updated in place.
+    """
+    st: dict[str, Any] = {} if rows is None else {"normuon_v": rows, "normuon_step": rows_step}
+    out = optim._normuon_normalize(st, ortho, group["normuon_beta2"], group["normuon_eps"])
+    return out, st["normuon_v"], int(st["normuon_step"])
+
+
+def muon_apply(optim: Optimizer, group: dict, p: torch.Tensor, update: torch.Tensor) -> None:
+    """Decoupled weight decay, then ``p -= adjusted_lr * update`` on this rank's shard.
+
+    ``update`` is the shard's slice of the orthogonalized update; the lr
+    adjustment comes from the parameter's global shape (gefen-x's
+    ``_apply_muon_update`` with a pre-sliced update).
+    """
+    optim._apply_muon_update(group, p, update, isinstance(p, DTensor), True)
+
+
+def advance_global_step(optim: Optimizer) -> None:
+    """The per-optimizer step counter gefen-x's ``step()`` advances last."""
+    optim._advance_gefen_global_step()

@@ -605,3 +605,162 @@ def test_presets_that_agreed_blocking_relies_on():
     contract(isinstance(partitioning.MEMORY_SAFE_FALLBACK, bool), "partitioning.MEMORY_SAFE_FALLBACK is gone")
     contract(opt.capturable is False and hasattr(opt, "_force_2d_period_one") and hasattr(opt, "_deterministic"),
              "constructor options read by gefen_state.options() moved")
+
+
+# ---------------------------------------------------------------------------
+# GefenMuon: the state and the step pieces gefen_titan.optim.muon drives
+# ---------------------------------------------------------------------------
+
+MUON_KEYS = {"name", "automatic_period", "step", "m_codebook", "m_magnitude", "normuon_v", "normuon_step"}
+
+
+def _muon_codebook() -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    return torch.sort(torch.cat([torch.tensor([-1.0, 1.0]), torch.rand(254, generator=g) * 2 - 1]))[0]
+
+
+def test_muon_constructor_keywords_and_defaults():
+    from gefen import GefenMuon
+
+    from gefen_titan.optim import gefen_state as gs
+
+    contract(issubclass(GefenMuon, Gefen) and GefenMuon is not Gefen,
+             "GefenMuon is no longer a Gefen subclass (gs.is_gefen's exact type check assumes it is one)")
+    params = inspect.signature(GefenMuon.__init__).parameters
+    expected = {"lr": 1e-3, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True,
+                "ns_coefficients": (3.4445, -4.775, 2.0315), "ns_steps": 5, "eps": 1e-7, "adjust_lr_fn": None,
+                "normuon": False, "normuon_beta2": 0.95, "normuon_eps": 1e-8}
+    contract(gs.muon_defaults() == expected, f"GefenMuon's group defaults changed: {gs.muon_defaults()}")
+    for key in [*gs.MUON_REFUSED, "deterministic", "fused", "verbose"]:
+        contract(key in params, f"GefenMuon.__init__ lost keyword {key!r} (gefen_titan refuses or forwards it)")
+    w = nn.Parameter(torch.randn(6, 8))
+    opt = GefenMuon([{"params": [("w", w)], "param_names": ["w"], "lr": 0.5, "momentum": 0.9}], fused=False)
+    g = opt.param_groups[0]
+    contract(all(k in g for k in gs.MUON_GROUP_KEYS) and g["momentum"] == 0.9 and g["lr"] == 0.5,
+             f"GefenMuon group keys changed: {sorted(g)}")
+    contract((g["beta1"], g["beta2"]) == (0.9, 0.0), "GefenMuon no longer mirrors momentum into beta1/beta2")
+    contract(all(g[k] in (False, "exact", None) for k in ("fp8_ns", "batched_ns", "cautious", "sharded_mode",
+                                                          "ns_schedule") if k in g)
+             and gs.muon_refused(opt) == [], "a default GefenMuon now switches on a refused option")
+    contract(hasattr(opt, "_stochastic_round") and hasattr(opt, "_deterministic") and opt.capturable is False,
+             "constructor options read by gefen_state.muon_refused() moved")
+    with pytest.raises(ValueError, match="2D"):
+        GefenMuon([("b", nn.Parameter(torch.randn(4)))], fused=False)
+
+
+def test_muon_learns_its_codebook_with_gefens_learner(monkeypatch):
+    """GefenMuon's own codebook is Gefen's learner over its full gradients and periods
+    (so the agreement's histogram of them, ``test_histogram_matches_gefens_learner``,
+    reproduces it), and pre-set periods and codebook are kept on the first step."""
+    from gefen import GefenMuon
+
+    seen = []
+
+    def learner(grad_periods, **kwargs):
+        seen.extend((name, flat.clone(), period) for name, flat, period, _ in grad_periods)
+        return torch.linspace(-1, 1, 256)
+
+    monkeypatch.setattr(gefen_impl, "learn_gefen_exact_codebook_from_grad_periods", learner)
+    w = nn.Parameter(torch.randn(12, 32))
+    opt = GefenMuon([("w", w)], fused=False)
+    w.grad = torch.randn(12, 32)
+    opt.state[w]["automatic_period"] = 16
+    opt._learn_gefen_exact_codebook(reuse_existing_periods=True, compute_mse_logging=False)
+    contract(len(seen) == 1 and torch.equal(seen[0][1], w.grad.reshape(-1)) and seen[0][2] == 16,
+             "GefenMuon no longer learns its codebook from (full gradient, period) through Gefen's learner")
+    cb = _muon_codebook()
+    w2 = nn.Parameter(torch.randn(12, 32))
+    opt2 = GefenMuon([("w2", w2)], fused=False)
+    opt2.state[w2]["automatic_period"] = 8
+    opt2._gefen_codebook = cb.clone()
+    w2.grad = torch.randn(12, 32)
+    seen.clear()
+    opt2.step()
+    st = opt2.state[w2]
+    contract(not seen and torch.equal(opt2._gefen_codebook, cb), "a pre-set GefenMuon codebook was relearned")
+    contract(st["automatic_period"] == 8 and tuple(st["m_codebook"].shape) == (48, 8),
+             "a pre-set GefenMuon automatic_period is no longer honoured")
+
+
+def test_muon_step_pieces_on_row_shards_reproduce_its_step():
+    """The sharded step's arithmetic, pinned: momentum on row shards (uneven,
+    one empty), Newton-Schulz and NorMuon on the whole matrix, the apply on
+    each shard equal GefenMuon.step() bit for bit, state included."""
+    from gefen import GefenMuon
+
+    from gefen_titan.optim import gefen_state as gs
+
+    torch.manual_seed(0)
+    rows, cols, period, lr = 101, 64, 16, 0.02
+    w0, cb = torch.randn(rows, cols), _muon_codebook()
+    grads = [torch.randn(rows, cols) ** 3 for _ in range(3)]
+    w = nn.Parameter(w0.clone())
+    ref = GefenMuon([("w", w)], lr=lr, fused=False, normuon=True)
+    ref.state[w]["automatic_period"] = period
+    ref._gefen_codebook = cb.clone()
+    for g in grads:
+        w.grad = g.clone()
+        ref.step()
+    contract(set(ref.state[w]) == MUON_KEYS, f"GefenMuon state keys changed: {sorted(ref.state[w])}")
+    cuts = [(0, 34), (34, 68), (68, 101), (101, 101)]
+    shards = [nn.Parameter(w0[a:b].clone()) for a, b in cuts]
+    opt = GefenMuon([(f"w{i}", p) for i, p in enumerate(shards)], lr=lr, fused=False, normuon=True)
+    group = opt.param_groups[0]
+    for p in shards:
+        gs.set_period(opt, p, period)
+    gs.set_codebook(opt, cb.clone())
+    v, vstep = None, 0
+    for g in grads:
+        dense = torch.cat([gs.muon_momentum(opt, "w", p, group, g[a:b].clone()) for p, (a, b) in zip(shards, cuts)])
+        update, v, vstep = gs.muon_normuon(opt, group, gs.muon_orthogonalize(group, dense), v, vstep)
+        with torch.no_grad():  # as inside an optimizer step
+            for p, (a, b) in zip(shards, cuts):
+                # the lr adjustment uses the global shape: give the shard its matrix's shape
+                gs.muon_apply(opt, group, _GlobalShape(p, (rows, cols)), update[a:b])
+        gs.advance_global_step(opt)
+    st = ref.state[w]
+    contract(torch.equal(torch.cat([p.detach() for p in shards]), w.detach()),
+             "momentum per row shard + whole-matrix Newton-Schulz/NorMuon + per-shard apply != GefenMuon.step()")
+    states = [gs.muon_read(opt, p) for p in shards]
+    contract(torch.equal(torch.cat([s.codes for s in states]), st["m_codebook"])
+             and torch.equal(torch.cat([s.magnitude for s in states]), st["m_magnitude"])
+             and all(s.step == st["step"] == 3 for s in states),
+             "GefenMuon's quantized momentum is no longer per block of its row shards")
+    contract(torch.equal(v, st["normuon_v"]) and vstep == st["normuon_step"] == 3
+             and tuple(v.shape) == (rows, 1), "NorMuon's per-row state is no longer fp32 [rows, 1] with a counter")
+    contract(gs.global_step(opt) == ref._gefen_global_step == 3, "GefenMuon's global step is not advanced per step")
+    contract(tuple(states[3].codes.shape) == (0, period), "an empty row shard no longer keeps [0, period] codes")
+
+
+class _GlobalShape:
+    """A plain shard that reports its matrix's shape, as a DTensor's ``shape`` does
+    (gefen-x's apply reads the lr adjustment from ``p.shape``)."""
+
+    def __init__(self, p: torch.Tensor, shape: tuple[int, int]):
+        self._p, self.shape = p, torch.Size(shape)
+
+    def __getattr__(self, name):
+        return getattr(self._p, name)
+
+
+def test_muon_apply_takes_a_dtensor_shards_slice(fsdp):
+    """On a DTensor parameter the apply uses the pre-sliced update on the local
+    shard and the lr adjustment of the global shape (``fsdp``: a 1-rank group)."""
+    from gefen import GefenMuon
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from gefen_titan.optim import gefen_state as gs
+
+    mesh = init_device_mesh("cpu", (1,))
+    w0, update = torch.randn(24, 8), torch.randn(24, 8).bfloat16()
+    dw = nn.Parameter(distribute_tensor(w0.clone(), mesh, [Shard(0)]))
+    pw = nn.Parameter(w0.clone())
+    group = {"lr": 0.1, "weight_decay": 0.1, "adjust_lr_fn": None}
+    for p in (dw, pw):
+        opt = GefenMuon([("w", p)], fused=False, lr=0.1)
+        with torch.no_grad():
+            gs.muon_apply(opt, {**opt.param_groups[0], **group}, p, update)
+    expected = w0 * (1 - 0.1 * 0.1) - update.float() * 0.1 * math.sqrt(24 / 8)
+    contract(torch.equal(dw.to_local(), pw.detach()) and torch.allclose(pw.detach(), expected, rtol=1e-6),
+             "GefenMuon's apply on a DTensor shard no longer equals the plain apply with sqrt(rows/cols) lr")
