@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
     "all_gather_objects",
@@ -29,6 +30,7 @@ __all__ = [
     "comm_device",
     "is_distributed",
     "like_param",
+    "like_param_rows",
     "local",
     "rank_and_world",
     "raise_on_any_rank",
@@ -71,6 +73,23 @@ def like_param(param: torch.Tensor, local_tensor: torch.Tensor, shape: tuple[int
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
     return DTensor.from_local(local_tensor, param.device_mesh, param.placements, run_check=False, shape=shape,
                               stride=stride)
+
+
+def like_param_rows(param: torch.Tensor, local_rows: torch.Tensor) -> torch.Tensor:
+    """``local_rows`` (one value per local row of ``param``) as the shard of a
+    ``[rows]`` vector placed like ``param``'s dim 0.
+
+    Shards of dim 0 (FSDP's, TP's row cut, strided or not) stay; every other
+    mesh dim replicates it (the ranks that split a row between them hold the
+    same values for it). A plain parameter's rows are returned as they are.
+    """
+    if not isinstance(param, DTensor):
+        return local_rows
+    # _StridedShard (FSDP over TP's row cut) is no Shard subclass and is_shard() is False for it.
+    placements = [pl if type(pl) in (Shard, _StridedShard) and pl.dim % param.dim() == 0 else Replicate()
+                  for pl in param.placements]
+    return DTensor.from_local(local_rows, param.device_mesh, placements, run_check=False, shape=(param.shape[0],),
+                              stride=(1,))
 
 
 def any_rank(flag: bool) -> bool:

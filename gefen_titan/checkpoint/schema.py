@@ -19,6 +19,10 @@ per-block magnitude and ``vmean`` on the *block grid*: the shape with the
 last dimension divided by the period) and DCP reshards all of it at any
 layout. A load is DCP plus views, nothing is recomputed.
 
+GefenMuon's state is part of v2 (its own records, codebook and tensors,
+``gefen/muon*``; a checkpoint without GefenMuon holds none of them): its
+records are in ``gefen_titan.checkpoint.schema_muon``.
+
 Version 1 (per-rank blocking) keeps each rank's own codebook and periods;
 its loads re-block and requantize where the layout changed
 (``gefen_titan.optim.state.per_rank``).
@@ -47,7 +51,8 @@ __all__ = [
     "V1RankRow", "header_key", "optimizer_key", "codebook_key", "codes_key", "magnitude_key", "vmean_key",
     "records_key", "blocks_key", "rank_codebook_key", "parse_key", "is_gefen_key", "param_tensor_keys",
     "param_tensor_specs", "grid_shape", "check_hyper", "check_codebook", "check_counters", "read_v1_rank_table",
-    "v1_rank_table", "key_table",
+    "v1_rank_table", "key_table", "loads_json", "record_fields", "muon_optimizer_key", "muon_codebook_key",
+    "muon_tensor_keys", "MUON_TENSORS", "record_fqns",
 ]
 
 FORMAT = "gefen-titan"
@@ -76,6 +81,18 @@ KEYS: dict[int, list[tuple[str, str, str]]] = {
         ("gefen/magnitude/{fqn}", "fp32, the block grid (shape[:-1] + (shape[-1] / period,)) with the "
          "parameter's placements", "DTensor: each its shard"),
         ("gefen/vmean/{fqn}", "fp32, the block grid with the parameter's placements", "DTensor: each its shard"),
+        ("gefen/muon/{opt}",
+         'str (json): "kind" ("GefenMuon"), "blocking", "deterministic", "global_step", and per parameter in '
+         'order: "fqn", "shape", "period" (0: no state yet), "step", "rows_step" (NorMuon\'s counter, 0: no '
+         'rows), "group" (lr, weight_decay, momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn, '
+         "normuon, normuon_beta2, normuon_eps)", "every rank of the optimizer (same)"),
+        ("gefen/muon_codebook/{opt}", "fp32 [256], sorted, ends -1 and +1; the GefenMuon optimizers' one codebook "
+         "for the whole job", "every rank of the optimizer (same)"),
+        ("gefen/muon_codes/{fqn}", "uint8, the GefenMuon parameter's shape and placements", "DTensor: each its shard"),
+        ("gefen/muon_magnitude/{fqn}", "fp32, the block grid with the parameter's placements",
+         "DTensor: each its shard"),
+        ("gefen/muon_rows/{fqn}", "fp32 [rows]: NorMuon's per-row second moment, placed like the parameter's "
+         "dim 0 (when rows_step > 0)", "DTensor: each its shard"),
     ],
     1: [
         ("gefen/format", 'str (json) {"format": "gefen-titan", "version": 1} (newer writers add '
@@ -95,6 +112,8 @@ RECORD_FIELDS = ("start", "length", "period", "step", "vmean_step", "block0", "n
 
 # A v2 parameter's tensors, in the order the adapters and tools list them.
 PARAM_TENSORS = ("codes", "magnitude", "vmean")
+# A GefenMuon parameter's tensors ("rows" only with NorMuon state).
+MUON_TENSORS = ("codes", "magnitude", "rows")
 
 
 class FormatError(GefenCheckpointError):
@@ -131,6 +150,20 @@ def vmean_key(fqn: str) -> str:
     return _key(2, 5, fqn=fqn)
 
 
+def muon_optimizer_key(opt: str) -> str:
+    return _key(2, 6, opt=opt)
+
+
+def muon_codebook_key(opt: str) -> str:
+    """v2: the job's GefenMuon codebook, under each GefenMuon optimizer's id."""
+    return _key(2, 7, opt=opt)
+
+
+def muon_tensor_keys(fqn: str) -> dict[str, str]:
+    """A GefenMuon parameter's entries by ``MUON_TENSORS`` name."""
+    return {name: _key(2, 8 + i, fqn=fqn) for i, name in enumerate(MUON_TENSORS)}
+
+
 def records_key(opt: str, rank: int) -> str:
     return _key(1, 3, opt=opt, r=rank)
 
@@ -150,7 +183,8 @@ class Key:
 
     ``kind`` is one of ``header``, ``optimizer``, ``codebook`` (v2),
     ``codes``, ``magnitude``, ``vmean``, ``records``, ``blocks``,
-    ``rank_codebook`` (v1); ``name`` is the optimizer id or the parameter's
+    ``rank_codebook`` (v1), ``muon``, ``muon_codebook``, ``muon_codes``,
+    ``muon_magnitude``, ``muon_rows`` (GefenMuon, v2); ``name`` is the optimizer id or the parameter's
     fqn (empty for the header); ``rank`` the source rank of a v1 entry.
     """
 
@@ -159,7 +193,7 @@ class Key:
     rank: int | None = None
 
 
-_PARAM_KINDS = ("codes", "magnitude", "vmean")
+_PARAM_KINDS = ("codes", "magnitude", "vmean", "muon_codes", "muon_magnitude", "muon_rows")
 _RANK_KEY = re.compile(r"^(records|blocks|codebook)/(.+)/(\d+)$")
 
 
@@ -181,7 +215,7 @@ def parse_key(key: str) -> Key | None:
     kind, sep, name = rest.partition("/")
     if not sep or not name or "/" in name:
         return None
-    if kind in _PARAM_KINDS or kind in ("optimizer", "codebook"):
+    if kind in _PARAM_KINDS or kind in ("optimizer", "codebook", "muon", "muon_codebook"):
         return Key(kind, name)
     return None
 
@@ -222,7 +256,8 @@ def grid_shape(shape: tuple[int, ...], period: int) -> tuple[int, ...]:
 
 
 # ------------------------------------------------------------------ records
-def _loads(raw: Any, what: str) -> Any:
+def loads_json(raw: Any, what: str) -> Any:
+    """A record's JSON; FormatError for anything else."""
     if not isinstance(raw, str):
         raise FormatError(f"{what} is {type(raw).__name__}, not a JSON string")
     try:
@@ -232,7 +267,7 @@ def _loads(raw: Any, what: str) -> Any:
 
 
 @contextlib.contextmanager
-def _fields(what: str) -> Iterator[None]:
+def record_fields(what: str) -> Iterator[None]:
     """Turn a missing or mistyped field of a parsed record into a FormatError."""
     try:
         yield
@@ -265,7 +300,7 @@ class Header:
     @classmethod
     def from_json(cls, raw: Any) -> Header:
         """Raises FormatError for anything but a gefen-titan v1 or v2 header."""
-        data = _loads(raw, f"the Gefen header {header_key()}")
+        data = loads_json(raw, f"the Gefen header {header_key()}")
         if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") not in VERSIONS:
             raise FormatError(
                 f"checkpoint format {data} is not {FORMAT} v{V1} or v{VERSION}; it was written by another "
@@ -320,8 +355,8 @@ class OptimizerRecord:
     @classmethod
     def from_json(cls, raw: Any, opt: str) -> OptimizerRecord:
         what = f"optimizer record {opt}"
-        data = _loads(raw, what)
-        with _fields(what):
+        data = loads_json(raw, what)
+        with record_fields(what):
             if data.get("blocking") != "agreed":
                 raise FormatError(f"{what} is not an agreed-blocking record")
             return cls(bool(data["deterministic"]), int(data["global_step"]),
@@ -353,8 +388,8 @@ class V1OptimizerRecord:
     @classmethod
     def from_json(cls, raw: Any, opt: str) -> V1OptimizerRecord:
         what = f"optimizer record {opt}"
-        data = _loads(raw, what)
-        with _fields(what):
+        data = loads_json(raw, what)
+        with record_fields(what):
             return cls(int(data["nshards"]), [V1ParamRecord(str(p["fqn"]), tuple(int(s) for s in p["shape"]),
                                                             dict(p["group"])) for p in data["params"]])
 
@@ -398,6 +433,15 @@ def read_v1_rank_table(table: torch.Tensor, nparams: int, what: str) -> tuple[in
         raise FormatError(f"{what} has shape {tuple(table.shape)}, expected {(1 + nparams, len(RECORD_FIELDS))}")
     values = table.tolist()
     return int(values[0][0]), [V1RankRow(*(int(x) for x in row)) for row in values[1:]]
+
+
+def record_fqns(raw: Any, what: str) -> list[str]:
+    """The parameter names of an optimizer record of any kind and version
+    (``gefen/optimizer/{opt}`` v1 or v2, ``gefen/muon/{opt}``): which
+    optimizer kind saved each parameter."""
+    data = loads_json(raw, what)
+    with record_fields(what):
+        return [str(p["fqn"]) for p in data["params"]]
 
 
 # ------------------------------------------------------------------ checks

@@ -21,12 +21,18 @@ does on a resume) and the state is a function of the model alone:
   ranks get the same integers. 1-D and one-element parameters, and names
   matched by ``period_one_substrings``, keep period 1, as Gefen gives them.
 * **Codebook.** One 4096-bin histogram of block-normalised gradients, in
-  Gefen's arithmetic, summed over every Gefen parameter of every Gefen
-  optimizer (all pipeline stages) with each element counted once (replicas:
-  only the ranks at coordinate 0 of every ``Replicate`` mesh dim contribute),
-  all-reduced as int64 (exact in any order), solved once on rank 0 with the
-  fast exact solver (``codebook_solver``) and broadcast: the job has one
-  codebook, as a single-process Gefen has one.
+  Gefen's arithmetic, summed over every parameter of every optimizer of a
+  *codebook family* (``gefen_state.codebook_family``: Gefen's, GefenMuon's;
+  all pipeline stages) with each element counted once (replicas: only the
+  ranks at coordinate 0 of every ``Replicate`` mesh dim contribute),
+  all-reduced as int64 (exact in any order; the families' histograms in one
+  all-reduce), solved once on rank 0 with the fast exact solver
+  (``codebook_solver``) and broadcast: the job has one codebook per family,
+  as a single-process Gefen (or GefenMuon) has one.
+
+GefenMuon's periods follow the same rule as Gefen's (divisors of the row
+unit), which also keeps its blocks inside rows, where its sharded step
+(``gefen_titan.optim.muon``) needs them.
 
 The hook is one collective sequence for the whole container (not one per
 optimizer): ranks can hold different numbers of Gefen optimizers (pipeline
@@ -254,24 +260,27 @@ def agreement_collectives(width: int) -> list[tuple[str, str, torch.dtype, int]]
     In order, ``(what, op, dtype, elements each rank sends)``; ``width`` is
     the stage's candidate count (the sum of ``len(candidates)`` over its
     searched parameters). An all-gather delivers ``world`` times its
-    payload to every rank. Kept beside the code it describes: the scale plan
+    payload to every rank. The histograms and codebooks are those of every
+    codebook family (``gefen_state.CODEBOOK_FAMILIES``), whether or not the
+    job has optimizers of each. Kept beside the code it describes: the scale plan
     sizes the first step from it, and a test records the real calls
     against it.
     """
+    families = gs.CODEBOOK_FAMILIES
     return [
         ("error check: parameters", "all_reduce", torch.int64, 1),
         ("stage signature", "all_gather", torch.int64, 1),
         ("candidate width", "all_gather", torch.int64, 1),
         ("block-variance sums", "all_gather", torch.float64, width),
         ("error check: histogram", "all_reduce", torch.int64, 1),
-        ("histogram", "all_reduce", torch.int64, HIST_BINS),
+        ("histograms", "all_reduce", torch.int64, families * HIST_BINS),
         ("error check: codebook", "all_reduce", torch.int64, 1),
-        ("codebook", "broadcast", torch.float32, gs.K),
+        ("codebooks", "broadcast", torch.float32, families * gs.K),
     ]
 
 
 class AgreedBlocking:
-    """Pre-sets Gefen's periods and codebook from global statistics, once.
+    """Pre-sets the periods and codebooks of Gefen and GefenMuon from global statistics, once.
 
     ``maybe_agree(optimizers)`` is called on every rank before each step of
     the container; it does its collectives only while ``needed`` (a fresh
@@ -338,17 +347,20 @@ class AgreedBlocking:
         periods = self._agree_periods(params, counts_here, group)
         counts, error = None, None
         try:
-            counts = torch.zeros(HIST_BINS, dtype=torch.int64)
+            counts = torch.zeros(gs.CODEBOOK_FAMILIES, HIST_BINS, dtype=torch.int64)
             for q, period, here in zip(params, periods, counts_here):
                 if here:
-                    counts += histogram(local(q.param.grad), period).cpu()
+                    counts[gs.codebook_family(q.optim)] += histogram(local(q.param.grad), period).cpu()
         except (RuntimeError, ValueError) as e:
             error = f"{type(e).__name__}: {e}"
         raise_on_any_rank(error, what, BlockingError)
-        codebook = self._solve(counts)
+        codebooks = self._solve(counts)
         for q, period in zip(params, periods):
             gs.set_period(q.optim, q.param, period)
-        for optim in optimizers if codebook is not None else ():
+        for optim in optimizers:
+            codebook = codebooks[gs.codebook_family(optim)]
+            if codebook is None:
+                continue
             device = next((local(p).device for _, p, _ in gs.named_params(optim)), torch.device("cpu"))
             gs.set_codebook(optim, codebook.to(device).clone())
         self.needed = False
@@ -415,26 +427,28 @@ class AgreedBlocking:
             by_param[id(q)] = period_from_sums(q.candidates, total, q.param.numel(), q.unit)
         return [by_param.get(id(q), 1) for q in params]
 
-    def _solve(self, counts: torch.Tensor) -> torch.Tensor | None:
-        """Codebook from the global histogram: solved on rank 0, broadcast.
+    def _solve(self, counts: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each family's codebook from its global histogram (``counts``: [families,
+        bins]): solved on rank 0, broadcast.
 
-        None when the job has no Gefen elements at all (Gefen learns none then).
+        None for a family with no elements in the job (it learns none then).
         """
         if not is_distributed():
-            return codebook_from_counts(counts) if int(counts.sum()) else None
+            return [codebook_from_counts(c) if int(c.sum()) else None for c in counts]
         device = comm_device()
         total = counts.to(device)
         dist.all_reduce(total)
         total = total.cpu()
-        if not int(total.sum()):
-            return None
-        payload = torch.zeros(gs.K, dtype=torch.float32, device=device)
+        present = [bool(int(c.sum())) for c in total]
+        payload = torch.zeros(len(total), gs.K, dtype=torch.float32, device=device)
         message = None
         if dist.get_rank() == 0:
             try:
-                payload.copy_(codebook_from_counts(total))
+                for f, c in enumerate(total):
+                    if present[f]:
+                        payload[f].copy_(codebook_from_counts(c))
             except (ValueError, RuntimeError) as e:
                 message = f"{type(e).__name__}: {e}"
         raise_on_any_rank(message, "cannot solve the job's Gefen codebook", BlockingError)
         dist.broadcast(payload, src=0)
-        return payload.cpu()
+        return [payload[f].cpu() if present[f] else None for f in range(len(total))]

@@ -42,7 +42,7 @@ from gefen_titan.distributed import any_rank, local
 from gefen_titan.optim import gefen_state as gs
 from gefen_titan.optim import registry
 from gefen_titan.optim.blocking import AgreedBlocking
-from gefen_titan.optim.state import StateAdapter
+from gefen_titan.optim.state import StateAdapter, check_kinds
 
 __all__ = ["GefenOptimizersContainer", "GROUP_DEFAULTS", "ParamGroup"]
 
@@ -54,6 +54,10 @@ GROUP_DEFAULTS = ("name", "lr", "betas", "eps", "weight_decay")
 # The names ``[optimizer] name`` accepts (its type, so the recipe check and
 # the command line both list them): the registry's entries.
 _REGISTERED = registry.names()
+
+# Why GefenMuon (its sharded step) refuses per-rank blocking.
+_NEEDS_AGREED = ("needs optimizer.blocking = \"agreed\": its sharded step cuts the momentum along the "
+                 "parameter's shards, which needs blocks that no shard cut crosses and one codebook for the job")
 
 # Pinned off: FSDP2-sharded 2-D params always use the block second moment
 # (Gefen cannot factor a shard), and keeping one layout at every world size
@@ -69,8 +73,10 @@ class ParamGroup(ParamGroupConfig):
     """Optimizer type for this group (None: [optimizer] name)."""
 
     optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of this group's optimizer. lr, betas, eps and
-    weight_decay left out come from [optimizer] (for Gefen, AdamW, Adam)."""
+    """Keyword arguments of this group's optimizer. Of lr, betas, eps and
+    weight_decay, those the optimizer takes from the shorthand (Gefen, AdamW,
+    Adam: all four; GefenMuon: lr and weight_decay) come from [optimizer]
+    where left out."""
 
 
 class GefenOptimizersContainer(OptimizersContainer):
@@ -158,15 +164,14 @@ class GefenOptimizersContainer(OptimizersContainer):
                     "shard cuts, which agreed blocking cannot align; keep it true, or set "
                     "optimizer.blocking = \"per_rank\"")
 
-        def hyperparameters(self) -> dict[str, Any]:
-            """kwargs of the catch-all group for ``name`` (Gefen-wide options
-            are added by the container to every Gefen group)."""
-            return {
-                "lr": self.lr,
-                "betas": tuple(self.betas),
-                "eps": self.eps,
-                "weight_decay": self.weight_decay,
-            }
+        def hyperparameters(self, name: str | None = None) -> dict[str, Any]:
+            """The shorthand's group defaults that optimizer ``name`` (default: ``name``)
+            takes (its registry entry's ``shorthand_keys``; optimizer-wide options
+            are added by the container)."""
+            spec = registry.get(name or self.name)
+            keys = spec.shorthand_keys if spec is not None else registry.SHORTHAND_KEYS
+            values = {"lr": self.lr, "betas": tuple(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}
+            return {k: values[k] for k in keys}
 
         def optimizer_options(self) -> dict[str, Any]:
             """Optimizer-wide constructor options by key; each registered
@@ -182,10 +187,11 @@ class GefenOptimizersContainer(OptimizersContainer):
         def resolved_param_groups(self) -> list[ParamGroupConfig]:
             """The groups the container builds, every key filled in.
 
-            A group without ``optimizer_name`` is of ``name``; a group of
-            Gefen, AdamW or Adam takes ``lr``, ``betas``, ``eps`` and
-            ``weight_decay`` from this section where its ``optimizer_kwargs``
-            leave them out. Other optimizers' groups (a base config's, e.g.
+            A group without ``optimizer_name`` is of ``name``; a group of a
+            registered optimizer takes its ``shorthand_keys`` of ``lr``,
+            ``betas``, ``eps`` and ``weight_decay`` from this section where its
+            ``optimizer_kwargs`` leave them out (GefenMuon: lr and
+            weight_decay). Other optimizers' groups (a base config's, e.g.
             DistMuon) are kept as they are.
             """
             if not self.param_groups:
@@ -201,7 +207,7 @@ class GefenOptimizersContainer(OptimizersContainer):
                 name = g.optimizer_name or self.name
                 kwargs = dict(g.optimizer_kwargs)
                 if registry.get(name) is not None:
-                    kwargs = {**self.hyperparameters(), **kwargs}
+                    kwargs = {**self.hyperparameters(name), **kwargs}
                 groups.append(ParamGroupConfig(pattern=g.pattern, optimizer_name=name, optimizer_kwargs=kwargs))
             return groups
 
@@ -213,7 +219,8 @@ class GefenOptimizersContainer(OptimizersContainer):
             if all(g.optimizer_name for g in self.param_groups):
                 unused.append("name")
             for key in GROUP_DEFAULTS[1:]:
-                if not any(registry.get(g.optimizer_name or self.name) is not None and key not in g.optimizer_kwargs
+                if not any((spec := registry.get(g.optimizer_name or self.name)) is not None
+                           and key in spec.shorthand_keys and key not in g.optimizer_kwargs
                            for g in self.param_groups):
                     unused.append(key)
             return unused
@@ -237,6 +244,8 @@ class GefenOptimizersContainer(OptimizersContainer):
                 spec = registry.get(g.optimizer_name)
                 if spec is None:  # torchtitan's own (DistMuon): its factory checks its kwargs
                     continue
+                if spec.name == "GefenMuon" and self.blocking != "agreed":
+                    raise ValueError(f"{where}: {g.optimizer_name} {_NEEDS_AGREED}")
                 known = spec.group_keys
                 for key in g.optimizer_kwargs:
                     if key not in known:
@@ -284,6 +293,13 @@ class GefenOptimizersContainer(OptimizersContainer):
                     "Gefen capturable=True keeps its step counters on the device, and gefen_titan "
                     "checkpoints only host counters: remove capturable from "
                     "optimizer.optimizer_factory_kwargs_by_name")
+            if spec is not None and gs.is_gefen_muon(optim):
+                refused = gs.muon_refused(optim)
+                if refused:
+                    raise ValueError("; ".join(f"GefenMuon {k} is not supported: {gs.MUON_REFUSED[k]}"
+                                               for k in refused))
+                if config.blocking != "agreed":
+                    raise ValueError(f"GefenMuon {_NEEDS_AGREED}")
         # Report the state size once it exists (Gefen allocates on step 1).
         # A flag, not a self-removing hook: torch iterates the hook dict.
         self._size_logged = False
@@ -334,12 +350,15 @@ class GefenOptimizersContainer(OptimizersContainer):
             # A restored codebook means the agreement is in the checkpoint;
             # one that was saved before the first step still needs it. Every
             # rank must decide alike (ranks without Gefen params included).
-            self._agreement.needed = not any_rank(any(gs.codebook(o) is not None for o in self.gefen_optimizers))
+            self._agreement.needed = not any_rank(any(gs.codebook(o) is not None for o in self.agreed_optimizers))
 
     # LoadPreparer (gefen_titan.checkpoint.manager): GefenCheckpointManager
     # calls these on every rank around torchtitan's dcp.load.
     def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
         self._loading = True
+        live = {fqn: spec.name for o in self.optimizers if (spec := registry.spec_of(o)) is not None
+                and spec.state is not None for fqn, _, _ in gs.named_params(o)}
+        check_kinds(checkpoint_id, metadata, prefix, live)
         for state in self._states:
             state.prepare_load(checkpoint_id, metadata, prefix)
 
@@ -382,7 +401,7 @@ class GefenOptimizersContainer(OptimizersContainer):
             for group in optim.param_groups:
                 for p in group["params"]:
                     numel += local(p).numel()
-            if gs.is_gefen(optim):
+            if gs.is_gefen_family(optim):
                 state_bytes += sum(local(t).nbytes for t in gs.state_tensors(optim))
             else:
                 for group in optim.param_groups:
@@ -394,14 +413,25 @@ class GefenOptimizersContainer(OptimizersContainer):
 
     @property
     def gefen_optimizers(self) -> list[Optimizer]:
+        """The (plain) Gefen optimizers."""
+        return [o for o in self.optimizers if gs.is_gefen(o)]
+
+    @property
+    def muon_optimizers(self) -> list[Optimizer]:
+        """The GefenMuon optimizers."""
+        return [o for o in self.optimizers if gs.is_gefen_muon(o)]
+
+    @property
+    def agreed_optimizers(self) -> list[Optimizer]:
         """The optimizers whose periods and codebook the first step's agreement sets."""
         return [o for o in self.optimizers if (s := registry.spec_of(o)) is not None and s.agreed_blocking]
 
     # ------------------------------------------------------------------ hooks
     def _agree_before_first_step(self, container: OptimizersContainer, args: Any, kwargs: Any) -> None:
-        self._agreement.maybe_agree(self.gefen_optimizers)
+        self._agreement.maybe_agree(self.agreed_optimizers)
 
     def _count_empty_shards(self, container: OptimizersContainer, args: Any, kwargs: Any) -> None:
+        # GefenMuon's sharded step counts its empty shards' steps itself.
         for optim in self.gefen_optimizers:
             for _, p, _ in gs.named_params(optim):
                 if p.grad is not None and local(p).numel() == 0:

@@ -34,50 +34,16 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint.schema_muon import MUON_HYPER
 
 __all__ = [
-    "K",
-    "ParamState",
-    "is_gefen",
-    "is_gefen_family",
-    "new_gefen",
-    "named_params",
-    "options",
-    "read",
-    "write",
-    "clear",
-    "has_state",
-    "period",
-    "set_period",
-    "codebook",
-    "set_codebook",
-    "global_step",
-    "set_global_step",
-    "count_empty_shard_step",
-    "empty_shard_counters",
-    "set_empty_shard_counters",
-    "finalize_period",
-    "fallback_enabled",
-    "state_tensors",
-    "CODEBOOK_FAMILIES",
-    "codebook_family",
-    "MUON_GROUP_KEYS",
-    "MUON_REFUSED",
-    "MuonState",
-    "new_gefen_muon",
-    "is_gefen_muon",
-    "muon_defaults",
-    "muon_refused",
-    "muon_deterministic",
-    "muon_read",
-    "muon_write",
-    "muon_rows",
-    "muon_set_rows",
-    "muon_momentum",
-    "muon_orthogonalize",
-    "muon_normuon",
-    "muon_apply",
-    "advance_global_step",
+    "K", "ParamState", "is_gefen", "is_gefen_family", "new_gefen", "named_params", "options", "read", "write",
+    "clear", "has_state", "period", "set_period", "codebook", "set_codebook", "global_step", "set_global_step",
+    "count_empty_shard_step", "empty_shard_counters", "set_empty_shard_counters", "finalize_period",
+    "fallback_enabled", "state_tensors", "CODEBOOK_FAMILIES", "codebook_family", "MUON_GROUP_KEYS", "MUON_REFUSED",
+    "MUON_UPDATE_DTYPE", "MuonState", "ShardedGefenMuon", "new_gefen_muon", "set_sharded_step", "is_gefen_muon",
+    "muon_defaults", "muon_refused", "muon_deterministic", "muon_read", "muon_write", "muon_rows", "muon_set_rows",
+    "muon_momentum", "muon_orthogonalize", "muon_normuon", "muon_apply", "muon_restore_group", "advance_global_step"
 ]
 
 K = schema.K  # codebook entries (gefen-x: num_codebooks=256)
@@ -288,7 +254,7 @@ def codebook_family(optim: Optimizer) -> int:
     """0 for Gefen, 1 for GefenMuon (exact types; anything else raises)."""
     if type(optim) is Gefen:
         return 0
-    if type(optim) is GefenMuon:
+    if isinstance(optim, GefenMuon):
         return 1
     raise TypeError(f"{type(optim).__name__} has no agreed codebook family")
 
@@ -299,13 +265,13 @@ def codebook_family(optim: Optimizer) -> int:
 # ``m_magnitude`` fp32 [blocks, 1] (blocks run along rows: a period that
 # divides the row length keeps every block inside one row), and with NorMuon
 # ``normuon_v`` fp32 [rows, 1] and ``normuon_step``; per optimizer the same
-# codebook and global step attributes as Gefen. gefen_titan never calls its
-# ``step()`` (which gathers every full gradient on every rank): the sharded
-# step (``gefen_titan.optim.muon``) calls the pieces below in gefen-x's order.
+# codebook and global step attributes as Gefen. gefen_titan never runs gefen-x's
+# ``step()`` (which gathers every full gradient on every rank): the optimizers
+# it builds are ``ShardedGefenMuon``, whose ``step()`` is the sharded step
+# (``gefen_titan.optim.muon``), which calls the pieces below in gefen-x's order.
 
 # The group keys gefen_titan supports, checkpoints and restores on load.
-MUON_GROUP_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "ns_steps", "eps",
-                   "adjust_lr_fn", "normuon", "normuon_beta2", "normuon_eps")
+MUON_GROUP_KEYS = MUON_HYPER
 
 # GefenMuon options refused (as group keys and as constructor options): each
 # makes the arithmetic depend on the layout or the machine, which the sharded
@@ -324,6 +290,9 @@ MUON_REFUSED = {
     "ns_schedule": "set ns_coefficients to the schedule's list of [a, b, c] instead (the record keeps those)",
 }
 
+# The dtype of gefen-x's Newton-Schulz output (bf16 GEMMs), the update the owner sends.
+MUON_UPDATE_DTYPE = torch.bfloat16
+
 _MUON_OWNED = ("automatic_period", "step", "m_codebook", "m_magnitude", "normuon_v", "normuon_step")
 
 
@@ -339,14 +308,39 @@ class MuonState:
     rows_step: int
 
 
+class ShardedGefenMuon(GefenMuon):
+    """gefen-x's GefenMuon whose ``step()`` is gefen-titan's sharded step.
+
+    A subclass, not a container-level driver, so that every caller of
+    ``step()`` (torchtitan's container loop, an LR scheduler's step
+    tracking, the optimizer's own hooks) gets the sharded step and none can
+    reach gefen-x's, which would gather full gradients and replace the
+    sharded state.
+    """
+
+    sharded_step: Any = None  # set by the factory (``set_sharded_step``)
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise ValueError("GefenMuon under gefen-titan takes no closure")
+        if self.sharded_step is None:
+            raise RuntimeError("this GefenMuon has no sharded step: build it through gefen_titan.optim.registry")
+        self.sharded_step()
+
+
 def new_gefen_muon(param_groups: list[dict[str, Any]], **options: Any) -> Optimizer:
-    """``gefen.GefenMuon(param_groups, **options)``: the one place gefen-titan constructs it."""
-    return GefenMuon(param_groups, **options)
+    """A ``ShardedGefenMuon(param_groups, **options)``: the one place gefen-titan constructs GefenMuon."""
+    return ShardedGefenMuon(param_groups, **options)
+
+
+def set_sharded_step(optim: Optimizer, step: Any) -> None:
+    optim.sharded_step = step
 
 
 def is_gefen_muon(optim: Optimizer) -> bool:
-    """GefenMuon exactly (GefenMuonHybrid is a container of its own, not supported)."""
-    return type(optim) is GefenMuon
+    """gefen-titan's GefenMuon exactly (gefen-x's own, stepped by itself, and
+    GefenMuonHybrid, a container of its own, are not supported)."""
+    return type(optim) is ShardedGefenMuon
 
 
 def muon_defaults() -> dict[str, Any]:
@@ -464,6 +458,13 @@ def muon_apply(optim: Optimizer, group: dict, p: torch.Tensor, update: torch.Ten
     ``_apply_muon_update`` with a pre-sliced update).
     """
     optim._apply_muon_update(group, p, update, isinstance(p, DTensor), True)
+
+
+def muon_restore_group(group: dict, values: dict[str, Any]) -> None:
+    """Set a GefenMuon group's ``MUON_GROUP_KEYS`` (a checkpoint's), keeping
+    the ``beta1``/``beta2`` mirror of ``momentum`` that gefen-x's group keeps."""
+    group.update({k: values[k] for k in MUON_GROUP_KEYS})
+    group["beta1"], group["beta2"] = values["momentum"], 0.0
 
 
 def advance_global_step(optim: Optimizer) -> None:

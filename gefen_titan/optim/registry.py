@@ -17,6 +17,9 @@ variant is one ``register`` call plus its state type and records:
   checks refuse any other);
 * ``option_keys``: optimizer-wide constructor options the container fills in
   from ``[optimizer]`` for every group of this optimizer;
+* ``shorthand_keys``: the ``[optimizer]`` shorthand hyperparameters (lr,
+  betas, eps, weight_decay) that are defaults of its groups (GefenMuon takes
+  lr and weight_decay; Adam's betas and eps mean nothing to it);
 * ``state``: how its state is checkpointed (a ``StateAdapter`` factory over the
   container's optimizers of this entry), None for torchtitan's flat
   per-parameter state dict;
@@ -35,10 +38,14 @@ import torch
 from torch.optim import Optimizer
 
 from gefen_titan.optim import gefen_state as gs
-from gefen_titan.optim.state import GefenState, StateAdapter
+from gefen_titan.optim.muon import ShardedMuonStep
+from gefen_titan.optim.state import GefenState, MuonStateAdapter, StateAdapter
 
-__all__ = ["GEFEN_OPTION_KEYS", "OptimizerSpec", "StateOptions", "build_gefen", "get", "names", "register", "spec_of",
-           "specs"]
+__all__ = ["GEFEN_OPTION_KEYS", "MUON_OPTION_KEYS", "SHORTHAND_KEYS", "OptimizerSpec", "StateOptions", "build_gefen",
+           "build_gefen_muon", "get", "names", "register", "spec_of", "specs"]
+
+# The [optimizer] shorthand hyperparameters a group can take as defaults.
+SHORTHAND_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class OptimizerSpec:
     agreed_blocking: bool = False
     group_key_hint: Callable[[str], str] = lambda key: ""
     """A hint for a group key the optimizer does not read (where it goes instead)."""
+    shorthand_keys: tuple[str, ...] = SHORTHAND_KEYS
 
 
 _REGISTRY: dict[str, OptimizerSpec] = {}
@@ -101,41 +109,48 @@ GEFEN_OPTION_KEYS = ("factored_v_2d", "force_1d_period_one", "period_one_substri
 _IMPL_KEYS = ("fused", "foreach")
 
 
-def build_gefen(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Optimizer:
-    """Build ``gefen.Gefen`` from torchtitan-style param groups.
+def _split_options(param_groups: list[dict[str, Any]], option_keys: tuple[str, ...], name: str
+                   ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(groups, constructor options) from torchtitan-style param groups.
 
-    Groups carry ``param_names`` (canonical FQNs); Gefen stores them as the
+    Groups carry ``param_names`` (canonical FQNs); gefen-x stores them as the
     per-parameter state name, which is how checkpoints identify parameters.
 
-    Gefen-wide options (``fused``, ``deterministic``, ...) are constructor
+    Optimizer-wide options (``fused``, ``deterministic``, ...) are constructor
     arguments, not group options: they are taken from the first group (the
-    container gives every Gefen group the same ones) and removed from all of
-    them so they are not carried along as meaningless group keys.
+    container gives every group of the optimizer the same ones) and removed
+    from all of them so they are not carried along as meaningless group keys.
     """
     options: dict[str, Any] = {}
     groups = []
     for group in param_groups:
         group = dict(group)
-        for key in _IMPL_KEYS + GEFEN_OPTION_KEYS:
+        for key in _IMPL_KEYS + option_keys:
             if key in group:
                 value = group.pop(key)
                 if key in options and options[key] != value:
                     raise ValueError(
-                        f"Gefen option {key!r} must be the same for every Gefen "
+                        f"{name} option {key!r} must be the same for every {name} "
                         f"param group (got {options[key]!r} and {value!r}); it is "
                         "a property of the optimizer, not of a group."
                     )
                 options[key] = value
         names_ = group.pop("param_names", None)
         if names_ is not None:
-            # Gefen takes names only as (name, tensor) pairs; a bare
+            # gefen-x takes names only as (name, tensor) pairs; a bare
             # "param_names" key would be ignored in favour of positional names.
             group["params"] = list(zip(names_, group["params"], strict=True))
         groups.append(group)
     options.pop("foreach", None)
-    # Gefen's fused path is CUDA-only and downgrades itself with a warning per
+    # gefen-x's fused path is CUDA-only and downgrades itself with a warning per
     # optimizer otherwise; decide here so CPU runs stay quiet.
     options["fused"] = bool(options.get("fused", False)) and torch.cuda.is_available()
+    return groups, options
+
+
+def build_gefen(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Optimizer:
+    """Build ``gefen.Gefen`` from torchtitan-style param groups (see ``_split_options``)."""
+    groups, options = _split_options(param_groups, GEFEN_OPTION_KEYS, "Gefen")
     if "period_one_substrings" in options:
         options["period_one_substrings"] = tuple(options["period_one_substrings"])
     return gs.new_gefen(groups, **options, **factory_kwargs)
@@ -172,5 +187,52 @@ register(OptimizerSpec(
     agreed_blocking=True,
     group_key_hint=_gefen_group_key_hint,
 ))
+
+# GefenMuon constructor options the container fills in from [optimizer].
+MUON_OPTION_KEYS = ("deterministic",)
+
+
+def build_gefen_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Optimizer:
+    """Build ``gefen.GefenMuon`` from torchtitan-style param groups (see ``_split_options``).
+
+    Its hyperparameters are group keys (``optimizer_kwargs``); what a group
+    leaves out is gefen-x's default. The options that make its arithmetic
+    depend on the layout or the machine (``gefen_state.MUON_REFUSED``) are
+    refused here as constructor options, and by the recipe checks as group keys.
+    Its ``step()`` is the sharded step (``gefen_titan.optim.muon``), never
+    gefen-x's own.
+    """
+    refused = [k for k in factory_kwargs if k in gs.MUON_REFUSED]
+    if refused:
+        raise ValueError("; ".join(f"GefenMuon option {k!r} is not supported: {gs.MUON_REFUSED[k]}" for k in refused)
+                         + ". Remove it from optimizer.optimizer_factory_kwargs_by_name.GefenMuon")
+    groups, options = _split_options(param_groups, MUON_OPTION_KEYS, "GefenMuon")
+    optim = gs.new_gefen_muon(groups, **options, **factory_kwargs)
+    gs.set_sharded_step(optim, ShardedMuonStep(optim))
+    return optim
+
+
+def _muon_group_key_hint(key: str) -> str:
+    if key in gs.MUON_REFUSED:
+        return f"; it is refused: {gs.MUON_REFUSED[key]}"
+    if key in MUON_OPTION_KEYS:
+        return f"; it applies to the whole optimizer: set optimizer.{key}"
+    if key in ("betas", "beta1", "beta2"):
+        return "; GefenMuon's momentum coefficient is 'momentum'"
+    return ""
+
+
 register(_torch_optimizer(torch.optim.AdamW))
 register(_torch_optimizer(torch.optim.Adam))
+register(OptimizerSpec(
+    name="GefenMuon",
+    factory=build_gefen_muon,
+    owns=gs.is_gefen_muon,
+    group_keys=(*gs.MUON_GROUP_KEYS, "fused"),
+    option_keys=MUON_OPTION_KEYS,
+    state=lambda optimizers, options: MuonStateAdapter(optimizers),
+    agreed_blocking=True,
+    group_key_hint=_muon_group_key_hint,
+    # eps is the Newton-Schulz normalisation floor here (default 1e-7), not Adam's.
+    shorthand_keys=("lr", "weight_decay"),
+))

@@ -44,7 +44,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # What the fork server of run_ranks imports before it forks any rank: what
 # the test workers and the trainer import (importing a worker also applies
 # gefen_titan's patches, as every one of them does first).
-PRELOAD = ["gefen_titan.train", "tests.helpers.agreed_worker", "tests.helpers.reshard_worker"]
+PRELOAD = ["gefen_titan.train", "tests.helpers.agreed_worker", "tests.helpers.reshard_worker",
+           "tests.helpers.muon_worker"]
 
 # How long a stopped command gets to stop its own children before every
 # process below it is killed.

@@ -712,7 +712,10 @@ def test_muon_step_pieces_on_row_shards_reproduce_its_step():
     v, vstep = None, 0
     for g in grads:
         dense = torch.cat([gs.muon_momentum(opt, "w", p, group, g[a:b].clone()) for p, (a, b) in zip(shards, cuts)])
-        update, v, vstep = gs.muon_normuon(opt, group, gs.muon_orthogonalize(group, dense), v, vstep)
+        ortho = gs.muon_orthogonalize(group, dense)
+        contract(ortho.dtype == gs.MUON_UPDATE_DTYPE, f"Newton-Schulz now returns {ortho.dtype}")
+        update, v, vstep = gs.muon_normuon(opt, group, ortho, v, vstep)
+        contract(update.dtype == gs.MUON_UPDATE_DTYPE, f"NorMuon now returns {update.dtype}")
         with torch.no_grad():  # as inside an optimizer step
             for p, (a, b) in zip(shards, cuts):
                 # the lr adjustment uses the global shape: give the shard its matrix's shape

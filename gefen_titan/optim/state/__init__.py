@@ -12,6 +12,11 @@ checkpoint's header:
 * ``per_rank``: format v1, written under per-rank blocking and re-blocked
   (requantized where the layout changed) on load.
 
+GefenMuon's adapter is ``MuonStateAdapter`` (format v2 only). Before any
+adapter plans a load, ``check_kinds`` refuses a checkpoint that saved a live
+parameter under another of these optimizers (a GefenMuon checkpoint into a
+Gefen recipe, or the reverse), saying what to set.
+
 The entries' keys and records are defined in ``gefen_titan.checkpoint.schema``.
 """
 
@@ -25,9 +30,14 @@ from gefen_titan.checkpoint import schema
 from gefen_titan.checkpoint.errors import GefenCheckpointError, agree
 from gefen_titan.checkpoint.storage import read_small
 from gefen_titan.optim.state.agreed import AgreedStateAdapter
+from gefen_titan.optim.state.muon import MuonStateAdapter
 from gefen_titan.optim.state.per_rank import PerRankStateAdapter
 
-__all__ = ["AgreedStateAdapter", "GefenState", "PerRankStateAdapter", "StateAdapter", "checkpoint_blocking"]
+__all__ = ["AgreedStateAdapter", "GefenState", "MuonStateAdapter", "PerRankStateAdapter", "StateAdapter",
+           "checkpoint_blocking", "check_kinds"]
+
+# The record kinds of the format (``schema.parse_key``) -> the optimizer that wrote them.
+_SAVED_BY = {"optimizer": "Gefen", "muon": "GefenMuon"}
 
 
 @runtime_checkable
@@ -78,6 +88,36 @@ def checkpoint_blocking(checkpoint_id: str, metadata: Any, prefix: str, has_gefe
             error = str(e)
     agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
     return blocking or "agreed"
+
+
+def check_kinds(checkpoint_id: str, metadata: Any, prefix: str, live: dict[str, str]) -> None:
+    """Refuse, on every rank, a checkpoint that saved a live parameter under
+    another optimizer kind (``live``: fqn -> the registry name stepping it,
+    for the kinds with records: Gefen, GefenMuon). Collective.
+
+    Without this check the adapters would each see parameters without state
+    of their own kind and call the checkpoint foreign; the fix is a setting.
+    """
+    keys = sorted(k[len(prefix):] for k in metadata.state_dict_metadata if k.startswith(prefix))
+    records = [k for k in keys if (pk := schema.parse_key(k)) is not None and pk.kind in _SAVED_BY]
+    small = read_small(checkpoint_id, metadata, prefix, [], records)
+    error = None
+    try:
+        saved = {fqn: _SAVED_BY[schema.parse_key(k).kind] for k in records
+                 for fqn in schema.record_fqns(small[k], f"optimizer record {k}")}
+        moved: dict[tuple[str, str], list[str]] = {}
+        for fqn, kind in live.items():
+            if saved.get(fqn, kind) != kind:
+                moved.setdefault((saved[fqn], kind), []).append(fqn)
+        error = "; ".join(
+            f"{len(fqns)} parameter(s) ({', '.join(sorted(fqns)[:3])}{' ...' if len(fqns) > 3 else ''}) were saved "
+            f"by {was} and the recipe gives them to {now}: give them to {was} again (a "
+            f"[[optimizer.param_groups]] entry with optimizer_name = \"{was}\" whose pattern matches them, as in "
+            "the run that wrote it), or start the optimizer fresh with checkpoint.exclude_from_loading = "
+            "[\"optimizer\"]" for (was, now), fqns in sorted(moved.items())) or None
+    except schema.FormatError as e:
+        error = str(e)
+    agree(error, f"cannot load optimizer state from {checkpoint_id}")
 
 
 class GefenState:

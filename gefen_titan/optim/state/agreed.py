@@ -36,7 +36,31 @@ from gefen_titan.distributed import all_gather_objects, is_distributed, like_par
 from gefen_titan.optim import gefen_state as gs
 from gefen_titan.optim.blocking import check_period_fits
 
-__all__ = ["AgreedStateAdapter"]
+__all__ = ["AgreedStateAdapter", "check_replicated"]
+
+
+def check_replicated(sd: dict[str, Any], what: str = "Gefen") -> None:
+    """Entries written by several ranks must be equal: DCP keeps one copy. Collective."""
+    if not is_distributed():
+        return
+    mine = {}
+    for key, value in sd.items():
+        if isinstance(value, str):
+            mine[key] = hashlib.sha1(value.encode()).hexdigest()
+        elif isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            mine[key] = hashlib.sha1(value.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+    everyone = all_gather_objects(mine)
+    seen: dict[str, str] = {}
+    bad = set()
+    for ranks in everyone:
+        for key, digest in ranks.items():
+            if seen.setdefault(key, digest) != digest:
+                bad.add(key)
+    if bad:
+        raise GefenCheckpointError(
+            f"cannot save {what} optimizer state: ranks disagree on {sorted(bad)[:3]} (codebook, "
+            "periods or counters differ between ranks, so the state is not the agreed one); "
+            "nothing was written")
 
 
 @dataclass
@@ -91,7 +115,7 @@ class AgreedStateAdapter:
         except (GefenCheckpointError, ValueError) as e:
             error = str(e)
         agree(error, "cannot save Gefen optimizer state")
-        self._check_replicated(sd)
+        check_replicated(sd)
         return sd
 
     def _save_entries(self) -> dict[str, Any]:
@@ -148,30 +172,6 @@ class AgreedStateAdapter:
         if period and step and s.local.numel() == 0:
             return period, step, vstep
         return 0, 0, 0
-
-    @staticmethod
-    def _check_replicated(sd: dict[str, Any]) -> None:
-        """Entries written by several ranks must be equal: DCP keeps one copy."""
-        if not is_distributed():
-            return
-        mine = {}
-        for key, value in sd.items():
-            if isinstance(value, str):
-                mine[key] = hashlib.sha1(value.encode()).hexdigest()
-            elif isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                mine[key] = hashlib.sha1(value.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
-        everyone = all_gather_objects(mine)
-        seen: dict[str, str] = {}
-        bad = set()
-        for ranks in everyone:
-            for key, digest in ranks.items():
-                if seen.setdefault(key, digest) != digest:
-                    bad.add(key)
-        if bad:
-            raise GefenCheckpointError(
-                f"cannot save Gefen optimizer state: ranks disagree on {sorted(bad)[:3]} (codebook, "
-                "periods or counters differ between ranks, so the state is not the agreed one); "
-                "nothing was written")
 
     # ------------------------------------------------------------------ load
     def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:

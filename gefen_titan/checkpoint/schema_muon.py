@@ -1,0 +1,156 @@
+"""GefenMuon's records in the Gefen checkpoint format (v2), and the checks of their values.
+
+The keys are ``schema.KEYS``'s ``gefen/muon*`` rows (built by
+``schema.muon_optimizer_key``, ``muon_codebook_key``, ``muon_tensor_keys``).
+A GefenMuon optimizer writes one record naming its kind and, per parameter
+in order, its period, counters and every group key gefen-titan supports
+(``MUON_HYPER``): the load checks them against the live model and restores
+them, as torch optimizers restore their groups. Its tensors are the codes
+(the parameter's shape), the block magnitudes (the block grid) and, once
+NorMuon has stepped, NorMuon's rows (``[rows]``, placed like the
+parameter's dim 0), all DTensors with the parameter's placements, so DCP
+reshards them as it does Gefen's.
+
+As in ``schema``, the JSON is part of the format: ranks compare the bytes of
+the records they write, so ``to_json`` is canonical (sorted keys, group
+values normalized to JSON types).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gefen_titan.checkpoint.schema import FormatError, grid_shape, loads_json, muon_tensor_keys, record_fields
+
+__all__ = ["KIND", "MUON_HYPER", "MuonParamRecord", "MuonOptimizerRecord", "muon_group", "muon_tensor_specs",
+           "check_muon_hyper", "check_muon_counters"]
+
+KIND = "GefenMuon"
+
+# GefenMuon's group keys that the records carry and a load restores.
+MUON_HYPER = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn",
+              "normuon", "normuon_beta2", "normuon_eps")
+_FLOATS = ("lr", "weight_decay", "momentum", "eps", "normuon_beta2", "normuon_eps")
+_ADJUST = (None, "original", "match_rms_adamw")
+
+
+def _coefficients(value: Any) -> list:
+    """(a, b, c), or a per-iteration list of them, as JSON lists of floats."""
+    if value and isinstance(value[0], (int, float)):
+        return [float(x) for x in value]
+    return [[float(x) for x in entry] for entry in value]
+
+
+def muon_group(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's ``MUON_HYPER`` values as the records hold them."""
+    out: dict[str, Any] = {k: float(group[k]) for k in _FLOATS}
+    out.update(nesterov=bool(group["nesterov"]), normuon=bool(group["normuon"]), ns_steps=int(group["ns_steps"]),
+               ns_coefficients=_coefficients(group["ns_coefficients"]), adjust_lr_fn=group["adjust_lr_fn"])
+    return out
+
+
+@dataclass
+class MuonParamRecord:
+    """One GefenMuon parameter's period, counters and group keys."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    period: int  # 0: no state yet
+    step: int
+    rows_step: int  # NorMuon's counter; 0: no rows saved
+    group: dict[str, Any]
+
+    @property
+    def grid(self) -> tuple[int, ...] | None:
+        return grid_shape(self.shape, self.period) if self.period else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"fqn": self.fqn, "shape": list(self.shape), "period": self.period, "step": self.step,
+                "rows_step": self.rows_step, "group": muon_group(self.group)}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> MuonParamRecord:
+        # The group is kept as saved: check_muon_hyper says what is wrong with it.
+        return cls(str(raw["fqn"]), tuple(int(s) for s in raw["shape"]), int(raw["period"]), int(raw["step"]),
+                   int(raw["rows_step"]), dict(raw["group"]))
+
+
+@dataclass
+class MuonOptimizerRecord:
+    """``gefen/muon/{opt}``: one GefenMuon optimizer's parameters in order."""
+
+    deterministic: bool
+    global_step: int
+    params: list[MuonParamRecord] = field(default_factory=list)
+    kind: str = KIND
+    blocking: str = "agreed"
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": self.kind, "blocking": self.blocking, "deterministic": self.deterministic,
+                           "global_step": self.global_step, "params": [p.to_dict() for p in self.params]},
+                          sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw: Any, opt: str) -> MuonOptimizerRecord:
+        what = f"GefenMuon record {opt}"
+        data = loads_json(raw, what)
+        with record_fields(what):
+            if data.get("kind") != KIND or data.get("blocking") != "agreed":
+                raise FormatError(f"{what} is not an agreed-blocking GefenMuon record")
+            return cls(bool(data["deterministic"]), int(data["global_step"]),
+                       [MuonParamRecord.from_dict(p) for p in data["params"]])
+
+
+def muon_tensor_specs(fqn: str, shape: tuple[int, ...], period: int, rows: bool
+                      ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """A stateful GefenMuon parameter's entries: key -> (dtype, global shape)."""
+    keys = muon_tensor_keys(fqn)
+    out = {keys["codes"]: (torch.uint8, tuple(shape)), keys["magnitude"]: (torch.float32, grid_shape(shape, period))}
+    if rows:
+        out[keys["rows"]] = (torch.float32, (shape[0],))
+    return out
+
+
+def check_muon_hyper(fqn: str, group: dict[str, Any]) -> None:
+    """Group keys GefenMuon accepts (else FormatError naming the first bad one)."""
+    def bad(key: str) -> FormatError:
+        return FormatError(f"{fqn}: GefenMuon group key {key}={group.get(key)!r} in the checkpoint is invalid")
+
+    for k in MUON_HYPER:
+        if k not in group:
+            raise FormatError(f"{fqn}: GefenMuon group key {k!r} missing from the checkpoint")
+    for k in _FLOATS:
+        v = group[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise bad(k)
+    if not (group["momentum"] < 1 and group["normuon_beta2"] < 1 and group["eps"] > 0 and group["normuon_eps"] > 0):
+        raise bad("momentum, normuon_beta2, eps or normuon_eps")
+    for k in ("nesterov", "normuon"):
+        if not isinstance(group[k], bool):
+            raise bad(k)
+    steps = group["ns_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps < 100:
+        raise bad("ns_steps")
+    if group["adjust_lr_fn"] not in _ADJUST:
+        raise bad("adjust_lr_fn")
+    coeffs = group["ns_coefficients"]
+    entries = [coeffs] if isinstance(coeffs, list) and coeffs and not isinstance(coeffs[0], list) else coeffs
+    if (not isinstance(entries, list) or not entries or len(entries) >= 100
+            or any(not isinstance(e, list) or len(e) != 3
+                   or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) for x in e)
+                   for e in entries)):
+        raise bad("ns_coefficients")
+
+
+def check_muon_counters(fqn: str, period: int, step: int, rows_step: int, global_step: int) -> str | None:
+    """Why a GefenMuon parameter's period and counters cannot be its own, or None."""
+    if period < 0 or step < 0 or rows_step < 0 or rows_step > step or (period == 0) != (step == 0):
+        return f"{fqn}: counters do not add up (period {period}, step {step}, rows_step {rows_step})"
+    if step > global_step:
+        return f"{fqn}: global step {global_step} < parameter step {step}"
+    return None
