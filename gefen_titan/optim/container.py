@@ -340,8 +340,16 @@ class GefenOptimizersContainer(OptimizersContainer):
         return result
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Every adapter checks and stages before any commits: a refusal by
+        # one (on every rank) must leave the others' live state untouched.
+        try:
+            for state in self._states:
+                state.stage_load(state_dict)
+        except BaseException:
+            self.abort_load()
+            raise
         for state in self._states:
-            state.load_state_dict(state_dict)
+            state.commit_load()
         self._loading = False
         for optim in self._flat_optimizers():
             init_optim_state(optim)

@@ -5,6 +5,9 @@ Each case pairs a damage with the text the load's error must contain:
 * ``V2_CASES`` (agreed blocking, format v2: global grids per parameter, JSON
   records, one codebook per optimizer), tried by ``agreed_worker``'s
   ``--cases`` (tests/integration/test_agreed_blocking.py);
+* ``MUON_CASES`` (GefenMuon's v2 entries, and checkpoints of one optimizer
+  kind loaded by the other), tried by ``muon_worker``'s ``--cases``
+  (tests/integration/test_gefen_muon.py);
 * ``V1_CASES`` (per-rank blocking, format v1: per-rank record tables and
   blocks), tried by ``reshard_worker``'s corrupt mode
   (tests/integration/test_reshard_fail_closed.py).
@@ -111,6 +114,66 @@ def v2_case_key(name: str) -> str:
 def write_v2(base: Path, root: Path, step: int) -> None:
     """The edited checkpoints of V2_CASES under ``root``, from those saved in ``base``."""
     for name, (src, edit, _, _) in V2_CASES.items():
+        if edit == "truncate":
+            damaged_file(base / src, root / name, step, truncate)
+        elif edit is not None:
+            edited(base / src, root / name, step, edit)
+
+
+# ------------------------------------------------------------------ GefenMuon
+def set_muon_record(fqn: str, field: str, value, in_group: bool = False) -> Edit:
+    """A field of ``fqn``'s GefenMuon record (of its group's keys with ``in_group``)."""
+    def edit(opt):
+        for key in [k for k in opt if k.startswith("gefen/muon/")]:
+            rec = json.loads(opt[key])
+            for p in rec["params"]:
+                if p["fqn"] == fqn:
+                    (p["group"] if in_group else p)[field] = value
+            opt[key] = json.dumps(rec)
+    return edit
+
+
+def drop_prefix(prefix: str) -> Edit:
+    def edit(opt):
+        for key in [k for k in opt if k.startswith(prefix)]:
+            opt.pop(key)
+    return edit
+
+
+# As V2_CASES; "c_fsdp2" is a GefenMuon + Gefen checkpoint, "c_gefen2" a
+# Gefen-only one of the same model; "|gefen=1": the loading run gives every
+# parameter to Gefen.
+MUON_CASES = {
+    "muon_rows_missing": ("c_fsdp2", drop_entry("gefen/muon_rows/layers.0.w1.weight"), "",
+                          "missing from the checkpoint"),
+    "muon_magnitude_nan": ("c_fsdp2", set_entry("gefen/muon_magnitude/layers.1.w2.weight",
+                                                lambda v: v.fill_(float("nan"))), "", "non-finite"),
+    "muon_codes_shape": ("c_fsdp2", set_entry("gefen/muon_codes/layers.0.w2.weight", lambda v: v[:, :8].clone()), "",
+                         "expected"),
+    "muon_shape": ("c_fsdp2", set_muon_record("gate.weight", "shape", [3, 64]), "", "another model"),
+    "muon_counters": ("c_fsdp2", set_muon_record("layers.1.w1.weight", "rows_step", 99), "",
+                      "counters do not add up"),
+    "muon_hyper": ("c_fsdp2", set_muon_record("layers.0.w1.weight", "ns_steps", 0, in_group=True), "", "invalid"),
+    "muon_codebook_missing": ("c_fsdp2", drop_prefix("gefen/muon_codebook/"), "", "no codebook"),
+    "muon_truncated": ("c_fsdp2", "truncate", "", "cannot read"),
+    "muon_into_gefen": ("c_fsdp2", None, "|gefen=1", "were saved by GefenMuon and the recipe gives them to Gefen"),
+    "gefen_into_muon": ("c_gefen2", None, "", "were saved by Gefen and the recipe gives them to GefenMuon"),
+}
+
+
+def muon_case_path(base: Path, root: Path, name: str) -> str:
+    src, edit, overrides, _ = MUON_CASES[name]
+    return f"{base / src if edit is None else root / name}{overrides}"
+
+
+def muon_case_key(name: str) -> str:
+    src, edit, overrides, _ = MUON_CASES[name]
+    return (src if edit is None else name) + overrides.replace("|", "")
+
+
+def write_muon(base: Path, root: Path, step: int) -> None:
+    """The edited checkpoints of MUON_CASES under ``root``, from those saved in ``base``."""
+    for name, (src, edit, _, _) in MUON_CASES.items():
         if edit == "truncate":
             damaged_file(base / src, root / name, step, truncate)
         elif edit is not None:

@@ -157,8 +157,11 @@ class _RecordingState:
         self.calls.append("state_dict")
         return {"variant/entry": torch.tensor([len(self.optimizers)])}
 
-    def load_state_dict(self, state_dict):
-        self.calls.append(("load", int(state_dict["variant/entry"])))
+    def stage_load(self, state_dict):
+        self.calls.append(("stage", int(state_dict["variant/entry"])))
+
+    def commit_load(self):
+        self.calls.append("commit")
 
     def prepare_load(self, checkpoint_id, metadata, prefix):
         self.calls.append(("prepare", checkpoint_id, prefix))
@@ -195,7 +198,7 @@ def test_a_registered_variant_is_one_entry(monkeypatch):
     assert sd["variant/entry"].item() == 1 and any(k.startswith("state.") for k in sd)  # AdamW: flat
     opt.prepare_load("ckpt", Metadata(state_dict_metadata={}), "optimizer.")  # a checkpoint without Gefen state
     opt.load_state_dict(sd)
-    assert ("prepare", "ckpt", "optimizer.") in variant_state.calls and ("load", 1) in variant_state.calls
+    assert variant_state.calls[-3:] == [("prepare", "ckpt", "optimizer."), ("stage", 1), "commit"]
     bad = _config(param_groups=[ParamGroup(pattern=".*", optimizer_name="GefenVariant",
                                            optimizer_kwargs={"momentum": 0.9})])
     with pytest.raises(ValueError, match="GefenVariant does not read 'momentum'"):

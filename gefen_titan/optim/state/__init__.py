@@ -47,9 +47,13 @@ class StateAdapter(Protocol):
     The container calls these on every rank, in the same order, whether or
     not the rank holds an optimizer of the kind (the methods may run
     collectives). ``state_dict`` returns the entries to save, or, between
-    ``prepare_load`` and ``load_state_dict``/``abort_load``, the destinations
-    DCP loads into. ``load_state_dict`` commits on every rank or raises on
-    every rank, changing nothing.
+    ``prepare_load`` and ``commit_load``/``abort_load``, the destinations
+    DCP loads into. ``stage_load`` checks what DCP read and stages it, or
+    raises on every rank, changing nothing; ``commit_load`` installs what
+    was staged and cannot fail. Two steps, not one, because the container
+    holds several adapters (Gefen's, GefenMuon's): none may commit until
+    every one has staged, or a refusal by the second would leave the first's
+    state loaded.
     """
 
     snapshot_on_save: bool
@@ -57,7 +61,9 @@ class StateAdapter(Protocol):
 
     def state_dict(self) -> dict[str, Any]: ...
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+    def stage_load(self, state_dict: dict[str, Any]) -> None: ...
+
+    def commit_load(self) -> None: ...
 
     def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None: ...
 
@@ -145,15 +151,19 @@ class GefenState:
     def state_dict(self) -> dict[str, Any]:
         return (self._loading or self._save).state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def stage_load(self, state_dict: dict[str, Any]) -> None:
         if self._loading is None:
             if not self.optimizers:
                 return
             raise GefenCheckpointError(
                 "Gefen state can only be loaded through GefenCheckpointManager (which reads the "
                 "checkpoint's records first); set the recipe's [checkpoint] as usual")
+        self._loading.stage_load(state_dict)
+
+    def commit_load(self) -> None:
         loading, self._loading = self._loading, None
-        loading.load_state_dict(state_dict)
+        if loading is not None:
+            loading.commit_load()
 
     def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
         """Pick the adapter for the checkpoint's format and let it plan the load. Collective."""
@@ -172,4 +182,6 @@ class GefenState:
         self._loading = adapter
 
     def abort_load(self) -> None:
+        if self._loading is not None:
+            self._loading.abort_load()
         self._loading = None

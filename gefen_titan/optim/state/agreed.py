@@ -96,6 +96,7 @@ class AgreedStateAdapter:
             opt_id = named[0][0] if named else ""
             self.slots += [_Slot(fqn, p, optim, opt_id, group) for fqn, p, group in named]
         self._plan: _Plan | None = None
+        self._staged: tuple[_Plan, dict] | None = None  # stage_load -> commit_load
         # Set by GefenCheckpointManager for async saves, which write after
         # the next step has mutated Gefen's tensors in place.
         self.snapshot_on_save = False
@@ -190,7 +191,7 @@ class AgreedStateAdapter:
         self._plan = plan
 
     def abort_load(self) -> None:
-        self._plan = None
+        self._plan = self._staged = None
 
     def _plan_from(self, checkpoint_id, small, ours, opt_keys, books) -> _Plan:
         records, source_opt, global_steps = {}, {}, {}
@@ -271,7 +272,7 @@ class AgreedStateAdapter:
                 sd[keys[name]] = like_param(s.param, torch.empty(local_grid, dtype=torch.float32, device=dev), grid)
         return sd
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def stage_load(self, sd: dict[str, Any]) -> None:
         plan = self._plan
         if plan is None:
             raise GefenCheckpointError(
@@ -299,7 +300,13 @@ class AgreedStateAdapter:
         except (GefenCheckpointError, ValueError, KeyError) as e:
             error = str(e)
         agree(error, f"cannot load Gefen optimizer state from {plan.checkpoint_id}")
-        self._commit(plan, staged)
+        self._staged = (plan, staged)
+
+    def commit_load(self) -> None:
+        if self._staged is not None:
+            plan, staged = self._staged
+            self._staged = None
+            self._commit(plan, staged)
 
     def _commit(self, plan: _Plan, staged: dict[str, gs.ParamState | None]) -> None:
         for s in self.slots:

@@ -78,6 +78,7 @@ class MuonStateAdapter:
             opt_id = named[0][0] if named else ""
             self.slots += [_Slot(fqn, p, optim, opt_id, group) for fqn, p, group in named]
         self._plan: _Plan | None = None
+        self._staged: tuple[_Plan, dict] | None = None  # stage_load -> commit_load
         self.snapshot_on_save = False
 
     # ------------------------------------------------------------------ save
@@ -145,7 +146,7 @@ class MuonStateAdapter:
         self._plan = plan
 
     def abort_load(self) -> None:
-        self._plan = None
+        self._plan = self._staged = None
 
     def _plan_from(self, checkpoint_id, small, ours, rec_keys, books) -> _Plan:
         records, source_opt, global_steps, deterministic = {}, {}, {}, {}
@@ -219,7 +220,7 @@ class MuonStateAdapter:
                                                                         device=dev))
         return sd
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def stage_load(self, sd: dict[str, Any]) -> None:
         plan = self._plan
         if plan is None:
             raise GefenCheckpointError(
@@ -248,7 +249,13 @@ class MuonStateAdapter:
         except (GefenCheckpointError, ValueError, KeyError) as e:
             error = str(e)
         agree(error, f"{_WHAT} {plan.checkpoint_id}")
-        self._commit(plan, staged)
+        self._staged = (plan, staged)
+
+    def commit_load(self) -> None:
+        if self._staged is not None:
+            plan, staged = self._staged
+            self._staged = None
+            self._commit(plan, staged)
 
     def _commit(self, plan: _Plan, staged: dict[str, gs.MuonState | None]) -> None:
         for s in self.slots:

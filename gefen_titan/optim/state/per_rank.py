@@ -116,6 +116,7 @@ class PerRankStateAdapter:
                 if slot.optim is optim:
                     slot.opt_id = opt_id  # the first parameter's name
         self._plan: _Plan | None = None
+        self._staged: tuple[_Plan, dict] | None = None  # stage_load -> commit_load
 
     # ------------------------------------------------------------------ save
     def state_dict(self) -> dict[str, Any]:
@@ -192,7 +193,7 @@ class PerRankStateAdapter:
         self._plan = plan
 
     def abort_load(self) -> None:
-        self._plan = None
+        self._plan = self._staged = None
 
     def _check_keys(self, ours: dict[str, Any]) -> str | None:
         if not self.slots:
@@ -318,7 +319,7 @@ class PerRankStateAdapter:
                     sd[key] = torch.empty(rows, 2, dtype=torch.float32, device=slot.device)
         return sd
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def stage_load(self, sd: dict[str, Any]) -> None:
         plan = self._plan
         if plan is None and not self.slots:
             return
@@ -334,7 +335,13 @@ class PerRankStateAdapter:
         except (GefenCheckpointError, ValueError, KeyError) as e:
             error = str(e)
         agree(error, f"cannot load Gefen optimizer state from {plan.checkpoint_id}")
-        self._commit(plan, staged)
+        self._staged = (plan, staged)
+
+    def commit_load(self) -> None:
+        if self._staged is not None:
+            plan, staged = self._staged
+            self._staged = None
+            self._commit(plan, staged)
 
     def _build(self, plan: _Plan, sd: dict[str, Any]) -> dict:
         """New per-param states and per-optimizer codebooks, nothing committed."""

@@ -1,0 +1,203 @@
+"""GefenMuon under gefen-titan: sharded like the parameter, identical at every layout, resharded bit-exactly.
+
+A small model under real FSDP2 / FSDP x TP / HSDP / pipeline layouts on
+gloo (``muon_worker.py``): GefenMuon (NorMuon on) steps the hidden matrices
+and the 2-row ``gate`` (an empty shard at W=3 and W=4), Gefen the rest, every
+layout fed bit-identical global gradients:
+
+* gefen-x: at W=1 the parameters and GefenMuon's state equal gefen-x's own
+  single-process ``GefenMuon`` given the same periods and codebook, after
+  every step;
+* layout invariance: parameters, GefenMuon's and Gefen's state bit-identical
+  at W=1, 2, 3, 4, FSDP 2 x TP 2, HSDP 2 x 2, 2 pipeline stages (x FSDP 2);
+  each rank keeps only its share of the state;
+* the reshard matrix through GefenCheckpointManager: the loaded global state
+  is bit-identical to the saved one, and the parameters after 2 more steps
+  equal the uninterrupted run at the target layout;
+* fail closed: bad GefenMuon entries and records, and a checkpoint of one
+  optimizer kind loaded by the other, refused on every rank with live state
+  unchanged.
+
+The jobs are ``tests.helpers.muon_runs``'s plan: five launches.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import muon_runs, worker_jobs
+from tests.helpers.bad_checkpoints import MUON_CASES, muon_case_key
+from tests.helpers.muon_runs import PAIRS, RUNS, target
+
+_PER_STAGE = ("gefen/optimizer/", "gefen/codebook/", "gefen/muon/", "gefen/muon_codebook/")
+
+
+def load(out: Path, tag: str) -> list[dict]:
+    ranks = sorted(out.glob(f"{tag}_r[0-9]*.pt"), key=lambda p: int(p.stem.rsplit("_r", 1)[1]))
+    assert ranks, f"no dumps of {tag}"
+    return [torch.load(p, weights_only=False) for p in ranks]
+
+
+@pytest.fixture(scope="module")
+def muon(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """Every job of ``muon_runs.PLAN``: (base folder, outputs, bad checkpoints)."""
+    base = tmp_path_factory.mktemp("muon")
+    worker_jobs.launch_all(muon_runs.plan(base), base / "logs")
+    return base, base / "out", base / "bad"
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def merged(ranks: list[dict], kind: str, src: str | None = None) -> dict:
+    """The global picture over every stage; the ranks of a stage must agree."""
+    state: dict = {}
+    live: dict = {"periods": {}, "counters": {}, "tensors": {}, "codebooks": []}
+    params: dict = {}
+    for r in ranks:
+        res = r["ref"] if kind == "ref" else r["resume"][src]
+        for key, value in res["state"].items():
+            if key == "muon":
+                if value:
+                    for part in ("periods", "counters", "tensors"):
+                        live[part].update(value[part])
+                    live["codebooks"].append(value["codebook"])
+                continue
+            if key in state and not key.startswith(_PER_STAGE):
+                assert _same(state[key], value), f"ranks disagree on {key}"
+            state[key] = value
+        for s, ps in res["params"].items():
+            params.setdefault(s, {}).update(ps)
+    return {"state": state, "live": live, "params": params}
+
+
+def _ref(out: Path, tag: str) -> dict:
+    return merged(load(out, tag), "ref")
+
+
+def records(state: dict) -> dict:
+    """Per parameter: (kind, its record) from every optimizer record of every stage."""
+    out = {}
+    for key, value in state.items():
+        for prefix in ("gefen/optimizer/", "gefen/muon/"):
+            if key.startswith(prefix):
+                for rec in json.loads(value)["params"]:
+                    out[rec["fqn"]] = (prefix, rec)
+    return out
+
+
+def codebook(state: dict, prefix: str) -> torch.Tensor:
+    """The job's one codebook of a family: every stage's copy must be it."""
+    books = [v for k, v in state.items() if k.startswith(prefix)]
+    assert books, f"no {prefix} entry"
+    assert all(torch.equal(books[0], b) for b in books[1:]), f"{prefix}: stages hold different codebooks"
+    return books[0]
+
+
+def differences(a: dict, b: dict) -> list[str]:
+    bad = [p for p in ("gefen/codebook/", "gefen/muon_codebook/")
+           if not torch.equal(codebook(a, p), codebook(b, p))]
+    if records(a) != records(b):
+        bad.append("records")
+    for key in sorted(set(a) | set(b)):
+        if not key.startswith(_PER_STAGE) and not _same(a.get(key), b.get(key)):
+            bad.append(key)
+    return bad
+
+
+def _equal_params(got: dict, want: dict, what) -> None:
+    assert got.keys() <= want.keys()
+    for s, ps in got.items():
+        for name, p in ps.items():
+            assert torch.equal(p, want[s][name]), (what, s, name)
+
+
+# ------------------------------------------------------------------ layouts
+def test_matches_gefen_x_single_process(muon):
+    _, out, _ = muon
+    (rank0,) = load(out, "fsdp1")
+    assert rank0["ref"]["gefen_x"] == [], rank0["ref"]["gefen_x"][:10]
+    ref = _ref(out, "fsdp1")
+    kinds = {fqn: kind for fqn, (kind, _) in records(ref["state"]).items()}
+    muon_params = sorted(f for f, k in kinds.items() if k == "gefen/muon/")
+    assert muon_params == ["gate.weight", "layers.0.w1.weight", "layers.0.w2.weight", "layers.1.w1.weight",
+                           "layers.1.w2.weight"]
+    # real quantized state: blocks inside rows, NorMuon rows after S steps
+    for fqn in muon_params:
+        period = ref["live"]["periods"][fqn]
+        assert 1 < period and ref["params"][muon_runs.S][fqn].shape[-1] % period == 0, (fqn, period)
+        assert ref["live"]["counters"][fqn][:2] == (muon_runs.S, muon_runs.S)
+        assert ref["state"][f"gefen/muon_rows/{fqn}"].shape == (ref["params"][muon_runs.S][fqn].shape[0],)
+    assert ref["state"]["gefen/muon_codes/gate.weight"].shape == (2, 64)
+
+
+@pytest.mark.parametrize("tag", ["fsdp2", "fsdp3", "fsdp4", "fsdp_tp4", "hsdp4", "pp2", "pp4"])
+def test_state_is_bit_identical_at_every_layout(muon, tag):
+    _, out, _ = muon
+    one, other = _ref(out, "fsdp1"), _ref(out, tag)
+    assert differences(one["state"], other["state"]) == []
+    for part in ("periods", "counters"):
+        assert one["live"][part] == other["live"][part], part
+    _equal_params(other["params"], one["params"], tag)
+
+
+def test_live_state_is_what_the_checkpoint_holds(muon):
+    _, out, _ = muon
+    for tag in ("fsdp1", "fsdp_tp4", "pp4"):
+        ref = _ref(out, tag)
+        assert all(torch.equal(b, codebook(ref["state"], "gefen/muon_codebook/")) for b in ref["live"]["codebooks"])
+        for fqn, tensors in ref["live"]["tensors"].items():
+            for what, t in tensors.items():
+                assert torch.equal(t, ref["state"][f"gefen/muon_{what}/{fqn}"]), (tag, fqn, what)
+
+
+def test_each_rank_keeps_its_share_of_the_state(muon):
+    _, out, _ = muon
+    whole, numel = load(out, "fsdp1")[0]["ref"]["bytes"]
+    assert 1.0 < whole / numel < 1.6, whole / numel
+    shares = [r["ref"]["bytes"] for r in load(out, "fsdp4")]
+    assert sum(n for _, n in shares) == numel
+    # Each rank: its quarter of the state plus the codebooks every rank keeps
+    # (one per optimizer: 256 fp32 each) and its uneven share of small rows.
+    for state_bytes, n in shares:
+        assert state_bytes < whole / 4 * 1.25 + 16 * 1024, (state_bytes, whole)
+
+
+# ------------------------------------------------------------------ reshard
+@pytest.mark.parametrize("src, tgt", PAIRS)
+def test_reshard_matrix_is_bit_exact(muon, src, tgt):
+    _, out, _ = muon
+    resume_tag = next(tag for _, _, tag, _, loads in RUNS if src in loads and target(tag) == tgt)
+    saved = _ref(out, src.removeprefix("c_"))
+    loaded = merged(load(out, resume_tag), "resume", src)
+    assert differences(saved["state"], loaded["state"]) == []
+    for part in ("periods", "counters"):
+        assert saved["live"][part] == loaded["live"][part], part
+    _equal_params(loaded["params"], _ref(out, tgt)["params"], (src, tgt))
+
+
+# -------------------------------------------------------------- fail closed
+@pytest.mark.parametrize("name", sorted(MUON_CASES))
+def test_bad_checkpoint_fails_closed_on_every_rank(muon, name):
+    _, out, _ = muon
+    got = [r["cases"][muon_case_key(name)] for r in load(out, "bad")]
+    expected = MUON_CASES[name][3]
+    for g in got:
+        assert g["error"] is not None, "the load succeeded"
+        assert "GefenCheckpointError" in g["error"], g["error"]
+        assert expected in g["error"], g["error"]
+        assert g["before"].keys() == g["after"].keys()
+        for key, before in g["before"].items():
+            after = g["after"][key]
+            if isinstance(before, tuple):
+                assert all(_same(a, b) for a, b in zip(before, after, strict=True)), f"live {key} changed"
+            else:
+                assert _same(before, after), f"live {key} changed"
+    assert len({g["error"] for g in got}) == 1, "ranks raised different errors"
