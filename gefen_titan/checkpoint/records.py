@@ -1,13 +1,17 @@
-"""Gefen's records in a checkpoint, read and checked offline (formats v2 and v1).
+"""Gefen's and GefenMuon's records in a checkpoint, read and checked offline (formats v2 and v1).
 
-The checks are those of a load (``gefen_titan.optim.state.agreed`` and
-``.per_rank``) that do not need the live model: every record parses, counters
+The checks are those of a load (``gefen_titan.optim.state.agreed``,
+``.per_rank`` and, for GefenMuon's ``gefen/muon*`` entries, ``.muon``) that
+do not need the live model: every record parses, counters
 add up, hyperparameters are ones Gefen can represent, periods divide the last
 dimension, every tensor the records imply is present with the shape and
 dtype the period implies, codebooks are valid (and one for the job in v2),
-v1 source shards tile each parameter. Each problem names the entry it is
-about, so ``verify`` can name the file. The records themselves are parsed
-by ``schema``.
+v1 source shards tile each parameter; GefenMuon's records parse, their
+group keys and counters are GefenMuon's, its codebooks are valid and one
+for the job, and every stateful parameter has the codes, magnitudes and
+(with NorMuon state) rows its record implies. Each problem names the entry
+it is about, so ``verify`` can name the file. The records themselves are
+parsed by ``schema`` and ``schema_muon``.
 """
 
 from __future__ import annotations
@@ -20,8 +24,15 @@ import torch
 
 from gefen_titan.checkpoint import schema
 from gefen_titan.checkpoint.reader import OPTIMIZER, Checkpoint
+from gefen_titan.checkpoint.schema_muon import (
+    MuonOptimizerRecord,
+    MuonParamRecord,
+    check_muon_counters,
+    check_muon_hyper,
+    muon_tensor_specs,
+)
 
-__all__ = ["GefenParam", "GefenOptimizer", "GefenState", "read_gefen", "codebook_summary"]
+__all__ = ["GefenParam", "GefenOptimizer", "MuonOptimizer", "GefenState", "read_gefen", "codebook_summary"]
 
 
 @dataclass
@@ -51,11 +62,23 @@ class GefenOptimizer:
 
 
 @dataclass
+class MuonOptimizer:
+    """v2: ``gefen/muon/{opt}``, one GefenMuon optimizer's parameters in order."""
+
+    opt: str  # the first parameter's name (the record's key)
+    params: list[MuonParamRecord]
+    global_step: int
+    deterministic: bool
+
+
+@dataclass
 class GefenState:
     header: schema.Header
-    optimizers: list[GefenOptimizer]
-    codebooks: dict[str, torch.Tensor]  # entry name -> codebook
+    optimizers: list[GefenOptimizer]  # Gefen's
+    codebooks: dict[str, torch.Tensor]  # entry name -> codebook (Gefen's)
     problems: list[tuple[str, str]]  # (entry name inside "optimizer.", what is wrong)
+    muon_optimizers: list[MuonOptimizer] = field(default_factory=list)  # GefenMuon's (v2 only)
+    muon_codebooks: dict[str, torch.Tensor] = field(default_factory=dict)  # entry name -> GefenMuon codebook
 
     @property
     def version(self) -> int:
@@ -63,7 +86,12 @@ class GefenState:
 
     @property
     def params(self) -> list[GefenParam]:
+        """Gefen's parameters (GefenMuon's are ``muon_params``)."""
         return [p for o in self.optimizers for p in o.params]
+
+    @property
+    def muon_params(self) -> list[MuonParamRecord]:
+        return [p for o in self.muon_optimizers for p in o.params]
 
 
 def codebook_summary(cb: torch.Tensor) -> dict[str, Any]:
@@ -123,7 +151,8 @@ def _read_v2(ck: Checkpoint, header: schema.Header) -> GefenState:
     entries = _entries(ck)
     rec_names = sorted(n for n, k in entries.items() if k.kind == "optimizer")
     book_names = sorted(n for n, k in entries.items() if k.kind == "codebook")
-    values = ck.load_names(OPTIMIZER, rec_names + book_names)
+    muon_names = sorted(n for n, k in entries.items() if k.kind in ("muon", "muon_codebook"))
+    values = ck.load_names(OPTIMIZER, rec_names + book_names + muon_names)
     problems: list[tuple[str, str]] = []
     if header.blocking != "agreed":
         problems.append((schema.header_key(), f"v2 header {header.to_json()} does not say blocking \"agreed\""))
@@ -159,7 +188,9 @@ def _read_v2(ck: Checkpoint, header: schema.Header) -> GefenState:
     for name, key in sorted(entries.items()):
         if key.kind in schema.PARAM_TENSORS and key.name not in seen:
             problems.append((name, f"{name} belongs to no optimizer record"))
-    return GefenState(header, optimizers, codebooks, problems)
+    state = GefenState(header, optimizers, codebooks, problems)
+    _read_muon(opt, entries, values, seen, state)
+    return state
 
 
 def _check_v2_param(opt: dict, p: GefenParam, global_step: int) -> list[str | None]:
@@ -172,6 +203,69 @@ def _check_v2_param(opt: dict, p: GefenParam, global_step: int) -> list[str | No
         out.append(f"{p.fqn}: period {p.period} on a {len(p.shape)}-D parameter (agreed blocking uses 1)")
     for key, (dtype, shape) in schema.param_tensor_specs(p.fqn, p.shape, p.period).items():
         why = f"the shape of {p.fqn}" if dtype == torch.uint8 else f"period {p.period} of {p.fqn}"
+        out.append(_check_tensor(opt, key, shape, dtype, why))
+    return out
+
+
+# ------------------------------------------------------------------ GefenMuon (v2)
+# parse_key's kinds of a GefenMuon parameter's tensors (muon_codes, ...).
+_MUON_TENSOR_KINDS = frozenset(k.kind for k in map(schema.parse_key, schema.muon_tensor_keys("x").values()) if k)
+_MUON_KINDS = _MUON_TENSOR_KINDS | {schema.parse_key(schema.muon_optimizer_key("x")).kind,
+                                    schema.parse_key(schema.muon_codebook_key("x")).kind}
+
+
+def _read_muon(opt: dict, entries: dict[str, schema.Key], values: dict, gefen_seen: dict[str, str],
+               state: GefenState) -> None:
+    """GefenMuon's records, codebooks and tensors into ``state`` (the load's checks in ``state.muon``)."""
+    problems = state.problems
+    seen: dict[str, str] = {}
+    for name in sorted(n for n, k in entries.items() if k.kind == "muon"):
+        opt_id = entries[name].name
+        try:
+            rec = MuonOptimizerRecord.from_json(values[name], opt_id)
+        except schema.FormatError as e:
+            problems.append((name, str(e)))
+            continue
+        state.muon_optimizers.append(MuonOptimizer(opt_id, rec.params, rec.global_step, rec.deterministic))
+        for p in rec.params:
+            if p.fqn in seen or p.fqn in gefen_seen:
+                other = seen.get(p.fqn) or f"Gefen's {schema.optimizer_key(gefen_seen[p.fqn])}"
+                problems.append((name, f"{p.fqn} has records in {other} and {opt_id}"))
+            seen[p.fqn] = opt_id
+            problems += [(name, w) for w in _check_muon_param(opt, p, rec.global_step) if w]
+    books = sorted(n for n, k in entries.items() if k.kind == "muon_codebook")
+    for name in books:
+        try:
+            state.muon_codebooks[name] = schema.check_codebook(values[name], f"GefenMuon codebook {name}")
+        except schema.FormatError as e:
+            problems.append((name, str(e)))
+    valid = list(state.muon_codebooks.items())
+    for name, cb in valid[1:]:
+        if not torch.equal(valid[0][1], cb):
+            problems.append((name, f"the GefenMuon codebooks disagree ({valid[0][0]} != {name}); an agreed "
+                                   "checkpoint has one GefenMuon codebook for the job"))
+    if any(p.period for p in state.muon_params) and not books:
+        problems.append((schema.header_key(), "the checkpoint holds GefenMuon state but no GefenMuon codebook "
+                                              "(truncated?)"))
+    for name, key in sorted(entries.items()):
+        if key.kind in _MUON_TENSOR_KINDS and key.name not in seen:
+            problems.append((name, f"{name} belongs to no GefenMuon record"))
+
+
+def _check_muon_param(opt: dict, p: MuonParamRecord, global_step: int) -> list[str | None]:
+    try:
+        check_muon_hyper(p.fqn, p.group)
+        hyper = None
+    except schema.FormatError as e:
+        hyper = str(e)
+    out = [check_muon_counters(p.fqn, p.period, p.step, p.rows_step, global_step), hyper]
+    if not p.period or out[0]:
+        return out
+    if len(p.shape) < 2 or p.shape[-1] % p.period:
+        return out + [f"{p.fqn}: period {p.period} does not fit the GefenMuon matrix of shape {p.shape}"]
+    for key, (dtype, shape) in muon_tensor_specs(p.fqn, p.shape, p.period, p.rows_step > 0).items():
+        why = (f"the shape of {p.fqn}" if dtype == torch.uint8 else
+               f"rows_step {p.rows_step} of {p.fqn}" if len(shape) == 1 else f"period {p.period} of {p.fqn}")
         out.append(_check_tensor(opt, key, shape, dtype, why))
     return out
 
@@ -212,6 +306,8 @@ def _read_v1(ck: Checkpoint, header: schema.Header) -> GefenState:
             p.vmean_step = max((r.vmean_step for r in p.ranks.values()), default=0)
             periods = {r.period for r in p.ranks.values() if r.period}
             p.period = periods.pop() if len(periods) == 1 else 0
+    problems += [(n, f"{n}: GefenMuon state in a format v1 checkpoint (GefenMuon writes v2 only)")
+                 for n, k in sorted(entries.items()) if k.kind in _MUON_KINDS]
     return GefenState(header, optimizers, codebooks, problems)
 
 
