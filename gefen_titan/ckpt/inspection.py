@@ -20,6 +20,9 @@ from gefen_titan.checkpoint.records import GefenState, codebook_summary, read_ge
 
 __all__ = ["inspect_checkpoint", "render"]
 
+# GefenMuon's group keys the table shows (--json has every key the record holds).
+_MUON_SHOWN = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr_fn", "normuon")
+
 _TORCH_KINDS = {("exp_avg", "exp_avg_sq", "step"): "Adam/AdamW", ("momentum_buffer",): "SGD"}
 _COUNTERS = (("train_state", "step"), ("train_state", "ntokens_seen"), ("lr_scheduler", "last_epoch"),
              ("dataloader", "world_size"))
@@ -54,8 +57,10 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     }
     if gefen is not None:
         report["optimizers"] += _gefen_optimizers(ck, gefen)
+        report["optimizers"] += _muon_optimizers(ck, gefen)
         report["problems"] = [f"{name}: {what}" for name, what in gefen.problems]
     report["optimizers"] += _torch_optimizers(ck)
+    report["optimizer_totals"] = _totals(report["optimizers"])
     report["mesh"] = _mesh(ck, report["counters"])
     model = [e for e in ck.entries.values() if e.component == MODEL]
     report["model"] = {
@@ -134,6 +139,52 @@ def _gefen_optimizers(ck: Checkpoint, gefen: GefenState) -> list[dict[str, Any]]
             "stored_bytes_per_param": stored / elements if elements else None,
         })
     return out
+
+
+def _muon_optimizers(ck: Checkpoint, gefen: GefenState) -> list[dict[str, Any]]:
+    """GefenMuon's records (``gefen/muon/{opt}``), as ``_gefen_optimizers`` shows Gefen's."""
+    opt = ck.optimizer
+    books = ck.load_names(OPTIMIZER, list(gefen.muon_codebooks)) if gefen.muon_codebooks else {}
+    out = []
+    for o in gefen.muon_optimizers:
+        params = []
+        for p in o.params:
+            entries = [opt[n] for n in schema.muon_tensor_keys(p.fqn).values() if n in opt]
+            params.append({"fqn": p.fqn, "shape": list(p.shape), "period": p.period,
+                           "grid": list(p.grid) if p.period and p.shape and not p.shape[-1] % p.period else None,
+                           "step": p.step, "rows_step": p.rows_step, "group": p.group,
+                           "bytes": sum(e.payload_bytes for e in entries if e.is_tensor),
+                           "stored_bytes": sum(e.stored_bytes for e in entries),
+                           "cuts": _cuts(entries[0]) if entries else []})
+        cb_names = [schema.muon_codebook_key(o.opt)]
+        cbs = {n: codebook_summary(books[n]) for n in cb_names if n in books}
+        shared_bytes = sum(opt[n].stored_bytes for n in [schema.muon_optimizer_key(o.opt), *cb_names] if n in opt)
+        elements = sum(_numel(p.shape) for p in o.params)
+        stored = sum(r["stored_bytes"] for r in params) + shared_bytes
+        out.append({
+            "kind": "GefenMuon",
+            "id": o.opt,
+            "format_version": gefen.version,
+            "global_step": o.global_step,
+            "deterministic": o.deterministic,
+            "hyperparameters": _unique_groups([p.group for p in o.params]),
+            "codebooks": cbs,
+            "params": params,
+            "elements": elements,
+            "bytes": sum(r["bytes"] for r in params) + 4 * 256 * len(cbs),
+            "stored_bytes": stored,
+            "stored_bytes_per_param": stored / elements if elements else None,
+        })
+    return out
+
+
+def _totals(optimizers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every optimizer's state together (Gefen, GefenMuon, torch's)."""
+    elements = sum(o["elements"] for o in optimizers)
+    stored = sum(o["stored_bytes"] for o in optimizers)
+    return {"kinds": [o["kind"] for o in optimizers], "params": sum(len(o["params"]) for o in optimizers),
+            "elements": elements, "bytes": sum(o["bytes"] for o in optimizers), "stored_bytes": stored,
+            "stored_bytes_per_param": stored / elements if elements else None}
 
 
 def _numel(shape) -> int:
@@ -263,6 +314,13 @@ def _group(g: dict) -> str:
     return "  ".join(f"{k} {_value(v)}" for k, v in g.items())
 
 
+def _codebook_line(name: str, cb: dict) -> str:
+    if cb["smallest_positive"] is None or cb["largest_negative"] is None:
+        return f"  codebook {name}: {cb['entries']} entries ({cb['distinct']} distinct)"
+    return (f"  codebook {name}: {cb['entries']} entries ({cb['distinct']} distinct), [{cb['min']:g}, {cb['max']:g}], "
+            f"nearest zero {cb['largest_negative']:.3g} / {cb['smallest_positive']:.3g}")
+
+
 def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
 
@@ -297,12 +355,7 @@ def render(report: dict[str, Any]) -> str:
                          f"global step {o['global_step']}{det}{extra}")
             for g in o["hyperparameters"]:
                 lines.append(f"  {_group(g)}")
-            for name, cb in o["codebooks"].items():
-                lines.append(f"  codebook {name}: {cb['entries']} entries ({cb['distinct']} distinct), "
-                             f"[{cb['min']:g}, {cb['max']:g}], nearest zero {cb['largest_negative']:.3g} / "
-                             f"{cb['smallest_positive']:.3g}" if cb["smallest_positive"] is not None and
-                             cb["largest_negative"] is not None else
-                             f"  codebook {name}: {cb['entries']} entries ({cb['distinct']} distinct)")
+            lines += [_codebook_line(name, cb) for name, cb in o["codebooks"].items()]
             v2 = o["format_version"] == schema.VERSION
             head = ["parameter", "shape", "period" if v2 else "periods", "grid" if v2 else "", "step", "bytes",
                     "chunks"]
@@ -311,6 +364,16 @@ def render(report: dict[str, Any]) -> str:
                      _shape(p["grid"]) if v2 and p["grid"] else ("-" if v2 else ""),
                      str(p["step"]), _n(p["bytes"]), "x".join(map(str, p["cuts"])) or "1"] for p in o["params"]]
             lines += _table(head, rows)
+        elif o["kind"] == "GefenMuon":
+            lines.append(f"optimizer   GefenMuon (records {schema.muon_optimizer_key(o['id'])}): {len(o['params'])} "
+                         f"parameters, global step {o['global_step']}, deterministic {str(o['deterministic']).lower()}")
+            for g in o["hyperparameters"]:
+                lines.append("  " + "  ".join(f"{k} {_value(g.get(k))}" for k in _MUON_SHOWN))
+            lines += [_codebook_line(name, cb) for name, cb in o["codebooks"].items()]
+            rows = [[p["fqn"], _shape(p["shape"]), str(p["period"]), _shape(p["grid"]) if p["grid"] else "-",
+                     str(p["step"]), str(p["rows_step"]), _n(p["bytes"]), "x".join(map(str, p["cuts"])) or "1"]
+                    for p in o["params"]]
+            lines += _table(["parameter", "shape", "period", "grid", "step", "rows_step", "bytes", "chunks"], rows)
         else:
             steps = ", ".join(f"{s:g}" for s in o["steps"]) or "-"
             lines.append(f"optimizer   {o['kind']} (torch state): {len(o['params'])} parameters, step {steps}")
@@ -322,6 +385,12 @@ def render(report: dict[str, Any]) -> str:
         per = o["stored_bytes_per_param"]
         lines.append(f"  total {_n(o['elements'])} elements, {_n(o['bytes'])} bytes of state, "
                      f"{_n(o['stored_bytes'])} on disk" + (f" = {per:.3f} bytes/param" if per else ""))
+    t = report["optimizer_totals"]
+    if len(report["optimizers"]) > 1:
+        per = t["stored_bytes_per_param"]
+        lines += ["", f"optimizers  {' + '.join(t['kinds'])}: {t['params']} parameters, {_n(t['elements'])} elements, "
+                      f"{_n(t['bytes'])} bytes of state, {_n(t['stored_bytes'])} on disk"
+                      + (f" = {per:.3f} bytes/param" if per else "")]
     m = report["model"]
     lines += ["", f"model       {m['tensors']} tensors, {_n(m['elements'])} elements "
                   f"({', '.join(f'{k} {v}' for k, v in m['dtypes'].items())}), {_mb(m['bytes'])}"]

@@ -10,10 +10,12 @@ Three passes, each problem naming the file it is in:
    ``torch.save``, a zip archive holding a CRC32 of every member, so a
    flipped byte anywhere is found (``zipfile``'s check; ``torch.load`` itself
    checks none). Each tensor must decode to its chunk's shape and dtype, and
-   floating values must be finite (Gefen's magnitudes and ``vmean``, v1's
-   blocks and AdamW's ``exp_avg_sq`` also non-negative).
-3. **Records.** Gefen's records, codebooks and grids
-   (``records.read_gefen``), and torch optimizers' state (each parameter's
+   floating values must be finite (Gefen's magnitudes and ``vmean``,
+   GefenMuon's magnitudes and NorMuon rows, v1's blocks and AdamW's
+   ``exp_avg_sq`` also non-negative).
+3. **Records.** Gefen's and GefenMuon's records, codebooks and grids
+   (``records.read_gefen``: the checks of the load that need no live
+   model), and torch optimizers' state (each parameter's
    ``exp_avg``/``exp_avg_sq`` of one shape, with a ``step``).
 
 What it cannot know offline: whether the checkpoint fits the model and
@@ -51,7 +53,7 @@ class Problem:
 def _nonnegative(e: Entry) -> bool:
     name = e.name
     key = schema.parse_key(name) if e.component == OPTIMIZER else None
-    if key is not None and key.kind in ("magnitude", "vmean", "blocks"):
+    if key is not None and key.kind in ("magnitude", "vmean", "blocks", "muon_magnitude", "muon_rows"):
         return True
     split = split_state_key(name) if e.component == OPTIMIZER else None
     return bool(split and split[1] in ("exp_avg_sq", "max_exp_avg_sq"))
@@ -207,6 +209,11 @@ class _Verifier:
         if gefen is not None:
             summary["gefen"] = {"version": gefen.version, "optimizers": len(gefen.optimizers),
                                 "params": len(gefen.params), "codebooks": len(gefen.codebooks)}
+            if gefen.muon_optimizers or gefen.muon_codebooks:
+                summary["gefen_muon"] = {"version": gefen.version, "optimizers": len(gefen.muon_optimizers),
+                                         "params": len(gefen.muon_params),
+                                         "stateful_params": sum(1 for p in gefen.muon_params if p.period),
+                                         "codebooks": len(gefen.muon_codebooks)}
             for n, what in gefen.problems:
                 self.add(file_of(n), ck.optimizer_key(n), what)
         states: dict[str, dict[str, Entry]] = {}
@@ -323,10 +330,15 @@ def render(report: dict[str, Any]) -> str:
     if report["ok"]:
         lines.append(f"OK      {report['path']}: {read}")
         g = report.get("gefen")
-        if g:
+        m = report.get("gefen_muon")
+        if g and (g["optimizers"] or not m):
             what = "grids" if g["version"] == schema.VERSION else "per-rank blocks tile every parameter"
             lines.append(f"        Gefen v{g['version']}: {g['params']} parameters in {g['optimizers']} optimizer "
                          f"record(s), {g['codebooks']} codebook(s): records, {what} and codebooks valid")
+        if m:
+            lines.append(f"        GefenMuon v{m['version']}: {m['params']} parameters in {m['optimizers']} record(s), "
+                         f"{m['codebooks']} codebook(s): records, group keys, counters, codes, magnitudes, "
+                         "NorMuon rows and codebooks valid")
         if report.get("torch_state_params"):
             lines.append(f"        torch optimizer state for {report['torch_state_params']} parameters: consistent")
     else:
