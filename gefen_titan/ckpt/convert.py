@@ -25,6 +25,11 @@ decay. So the state maps onto torch's AdamW one to one:
   ``step`` = ``vmean_step`` = AdamW's ``step``. The report gives the relative
   error of both moments.
 
+GefenMuon's state (``gefen/muon*``) is refused, before anything is written:
+its momentum is Muon's (orthogonalized by Newton-Schulz, with NorMuon's
+per-row second moment), which AdamW's moments cannot hold, and torch's
+Muon keeps no NorMuon rows.
+
 Every other entry (model, data loader, LR scheduler, train state, other
 optimizers' state) is copied unchanged, so ``train.py`` resumes the result
 as it resumes its own checkpoints. The new checkpoint is written to a
@@ -84,6 +89,7 @@ def convert(path: str, out: str, to: str, options: ConvertOptions = ConvertOptio
     if to not in ("adamw", "gefen"):
         raise CkptError(f"--to {to!r}: expected adamw or gefen")
     ck = Checkpoint(path)
+    _refuse_muon(ck)
     _check_out(ck.path, out)
     if to == "adamw":
         entries, report, replaced = _to_adamw(ck, options)
@@ -107,6 +113,19 @@ def _check_out(source: str, out: str) -> None:
         raise CkptError("OUT is the source checkpoint: write the converted checkpoint to a new folder")
     if filesystem.exists(out):
         raise CkptError(f"{out} exists: give a new folder (convert never overwrites a checkpoint)")
+
+
+def _refuse_muon(ck: Checkpoint) -> None:
+    gefen = read_gefen(ck)
+    if gefen is None or not (gefen.muon_optimizers or gefen.muon_codebooks):
+        return
+    fqns = [p.fqn for p in gefen.muon_params]
+    raise CkptError(
+        f"convert handles Gefen <-> AdamW; {ck.path} holds GefenMuon state for {len(fqns)} parameters ("
+        + ", ".join(fqns[:3]) + (" ..." if len(fqns) > 3 else "") + "): GefenMuon's momentum (with NorMuon's "
+        "per-row second moment) has no AdamW equivalent. Resume it with a GefenMuon recipe (e.g. "
+        "recipes/llama_gefen_muon.toml), or start the optimizer fresh with checkpoint.exclude_from_loading = "
+        "[\"optimizer\"]. Nothing was written")
 
 
 def _nested(ck: Checkpoint, keys: list[str]) -> dict[str, Any]:
