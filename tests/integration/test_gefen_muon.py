@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gefen_titan.optim import gefen_state as gs
 from tests.helpers import muon_runs, worker_jobs
 from tests.helpers.bad_checkpoints import MUON_CASES, muon_case_key
 from tests.helpers.muon_runs import PAIRS, RUNS, target
@@ -164,10 +165,13 @@ def test_each_rank_keeps_its_share_of_the_state(muon):
     assert 1.0 < whole / numel < 1.6, whole / numel
     shares = [r["ref"]["bytes"] for r in load(out, "fsdp4")]
     assert sum(n for _, n in shares) == numel
-    # Each rank: its quarter of the state plus the codebooks every rank keeps
-    # (one per optimizer: 256 fp32 each) and its uneven share of small rows.
-    for state_bytes, n in shares:
-        assert state_bytes < whole / 4 * 1.25 + 16 * 1024, (state_bytes, whole)
+    # Each rank: a quarter of the state plus the codebooks every rank keeps
+    # (a Gefen and a GefenMuon one, 256 fp32 each). Measured 29,056 bytes on
+    # ranks 0-1 against 28,991 by that count (+0.2%: the 2-row gate and the
+    # norms cut unevenly); 1% allows that, not a replicated matrix.
+    books = 2 * gs.K * 4
+    for state_bytes, _ in shares:
+        assert state_bytes <= ((whole - books) / 4 + books) * 1.01, (state_bytes, whole)
 
 
 # ------------------------------------------------------------------ reshard

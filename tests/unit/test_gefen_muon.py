@@ -1,0 +1,188 @@
+"""GefenMuon's registry entry, its records, its owner assignment, and its
+single-process step against gefen-x's own GefenMuon (the multi-rank layouts
+are tests/integration/test_gefen_muon.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from gefen import GefenMuon
+
+from gefen_titan.checkpoint.schema import FormatError
+from gefen_titan.checkpoint.schema_muon import (
+    MUON_HYPER,
+    MuonOptimizerRecord,
+    MuonParamRecord,
+    check_muon_counters,
+    check_muon_hyper,
+)
+from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import registry
+from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
+from gefen_titan.optim.muon import assign_owners
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 64)
+        self.w1 = nn.Linear(64, 128, bias=False)
+        self.w2 = nn.Linear(128, 64, bias=False)
+        self.norm = nn.LayerNorm(64)
+
+
+MUON = r"^w[12]\.weight$"
+
+
+def _config(muon_kwargs=None, **kw):
+    groups = [ParamGroup(pattern=MUON, optimizer_name="GefenMuon", optimizer_kwargs=muon_kwargs or {}),
+              ParamGroup(pattern=".*")]
+    return GefenOptimizersContainer.Config(name="Gefen", lr=3e-3, betas=(0.8, 0.9), eps=1e-7, weight_decay=0.05,
+                                           param_groups=groups, **kw)
+
+
+# ------------------------------------------------------------------ registry
+def test_groups_get_gefen_x_defaults_and_only_lr_and_weight_decay_from_the_shorthand():
+    opt = _config().build(model_parts=[Net()])
+    muon, gefen = opt.optimizers
+    assert gs.is_gefen_muon(muon) and gs.is_gefen(gefen)
+    assert not gs.is_gefen(muon)  # a Gefen subclass, never taken for Gefen
+    (group,) = muon.param_groups
+    assert group["param_names"] == ["w1.weight", "w2.weight"]
+    defaults = gs.muon_defaults()
+    for key in MUON_HYPER:
+        want = {"lr": 3e-3, "weight_decay": 0.05}.get(key, defaults[key])
+        assert group[key] == want, key
+    assert group["eps"] == defaults["eps"]  # the shorthand's eps is Adam's, not the Newton-Schulz floor
+    assert "betas" not in group
+    assert registry.get("GefenMuon").shorthand_keys == ("lr", "weight_decay")
+
+
+@pytest.mark.parametrize("key, value", [("fp8_ns", True), ("batched_ns", True), ("stochastic_round", True),
+                                        ("cautious", True), ("sharded_mode", "distributed")])
+def test_layout_dependent_options_are_refused_with_the_reason(key, value):
+    config = _config({key: value})
+    with pytest.raises(ValueError, match=f"{key}.*refused: {gs.MUON_REFUSED[key][:20]}"):
+        config.check_param_groups()
+
+
+def test_refused_constructor_options_and_per_rank_blocking():
+    with pytest.raises(ValueError, match="capturable.*not supported"):
+        _config(optimizer_factory_kwargs_by_name={"GefenMuon": {"capturable": True}}).build(model_parts=[Net()])
+    with pytest.raises(ValueError, match='needs optimizer.blocking = "agreed"'):
+        _config(blocking="per_rank").check_param_groups()
+    with pytest.raises(ValueError, match="momentum"):
+        _config({"betas": [0.9, 0.95]}).check_param_groups()
+
+
+def test_a_parameter_that_is_not_a_matrix_is_refused():
+    config = GefenOptimizersContainer.Config(param_groups=[
+        ParamGroup(pattern=r"^norm\.", optimizer_name="GefenMuon"), ParamGroup(pattern=".*")])
+    with pytest.raises(ValueError):
+        config.build(model_parts=[Net()])
+
+
+def test_gefen_x_step_cannot_be_reached():
+    opt = _config().build(model_parts=[Net()])
+    muon = opt.optimizers[0]
+    with pytest.raises(ValueError, match="no closure"):
+        muon.step(lambda: 0.0)
+    bare = gs.new_gefen_muon([{"params": [("w", nn.Parameter(torch.zeros(8, 8)))]}])
+    with pytest.raises(RuntimeError, match="no sharded step"):
+        bare.step()
+
+
+# ------------------------------------------------------------------ owners
+def test_owner_assignment_is_deterministic_and_balanced():
+    group = (3, 5, 7, 11)
+    sizes = [4096, 1024, 4096, 512, 2048, 2048, 1024, 512, 8192, 64]
+    matrices = [(n, group) for n in sizes] + [(100, ()), (300, (5, 7))]
+    owners = assign_owners(matrices)
+    assert owners == assign_owners(list(matrices))
+    assert owners[10] == -1  # whole on every rank: no owner
+    assert owners[11] == 5  # its own group (another TP column, say) is balanced on its own
+    load = {r: sum(n for (n, g), o in zip(matrices, owners) if o == r and g == group) for r in group}
+    assert set(owners[:10]) == set(group)
+    # largest first, each to the least-loaded member: the 8192 matrix alone
+    # on one rank, the other 18,432 elements spread over three within 64
+    big = owners[8]
+    assert [i for i, o in enumerate(owners[:10]) if o == big] == [8]
+    rest = [v for r, v in load.items() if r != big]
+    assert sum(rest) == sum(sizes) - 8192 and max(rest) - min(rest) <= 64
+
+
+# ------------------------------------------------------------------ records
+def _record(**group_over):
+    group = {**gs.muon_defaults(), "lr": 0.02, "weight_decay": 0.1, **group_over}
+    return MuonOptimizerRecord(False, 7, [MuonParamRecord("w1.weight", (128, 64), 32, 7, 7, group),
+                                          MuonParamRecord("w2.weight", (64, 128), 0, 0, 0, group)])
+
+
+def test_records_round_trip_and_name_their_kind():
+    rec = _record()
+    raw = rec.to_json()
+    assert json.loads(raw)["kind"] == "GefenMuon"
+    back = MuonOptimizerRecord.from_json(raw, "w1.weight")
+    assert back.to_json() == raw
+    assert back.params[0].grid == (128, 2) and back.params[1].grid is None
+    for p in back.params:
+        check_muon_hyper(p.fqn, p.group)
+    gefen_record = json.dumps({**json.loads(raw), "kind": "Gefen"})
+    with pytest.raises(FormatError, match="not an agreed-blocking GefenMuon record"):
+        MuonOptimizerRecord.from_json(gefen_record, "w1.weight")
+
+
+@pytest.mark.parametrize("key, value", [("ns_steps", 0), ("momentum", 1.0), ("nesterov", 1), ("lr", float("nan")),
+                                        ("adjust_lr_fn", "spectral"), ("ns_coefficients", [1.0, 2.0])])
+def test_invalid_group_keys_in_a_record_are_refused(key, value):
+    group = json.loads(_record().to_json())["params"][0]["group"]
+    group[key] = value
+    with pytest.raises(FormatError, match=key if key != "momentum" else "momentum"):
+        check_muon_hyper("w1.weight", group)
+
+
+def test_counters_must_add_up():
+    assert check_muon_counters("w", 32, 3, 3, 3) is None
+    assert "do not add up" in check_muon_counters("w", 32, 3, 4, 4)
+    assert "do not add up" in check_muon_counters("w", 0, 3, 0, 3)
+    assert "global step" in check_muon_counters("w", 32, 5, 5, 4)
+
+
+# ------------------------------------------------------------------ step
+def test_single_process_step_is_gefen_x_given_the_same_periods_and_codebook():
+    torch.manual_seed(0)
+    net = Net()
+    init = {n: p.detach().clone() for n, p in net.named_parameters()}
+    opt = _config({"lr": 0.02, "normuon": True}).build(model_parts=[net])
+    muon = opt.optimizers[0]
+    ref_params = {n: nn.Parameter(init[n].clone()) for n in ("w1.weight", "w2.weight")}
+    ref = GefenMuon(list(ref_params.items()), fused=False, **{k: muon.param_groups[0][k] for k in MUON_HYPER})
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        grads = {n: torch.randn(p.shape, generator=gen) ** 3 for n, p in net.named_parameters()}
+        for n, p in net.named_parameters():
+            p.grad = grads[n].clone()
+        opt.step()
+        if step == 0:  # the container's agreement ran before its first step
+            for n, q in ref_params.items():
+                gs.set_period(ref, q, gs.period(muon, dict(net.named_parameters())[n]))
+            gs.set_codebook(ref, gs.codebook(muon).clone())
+        for n, q in ref_params.items():
+            q.grad = grads[n].clone()
+        ref.step()
+        for n, q in ref_params.items():
+            assert torch.equal(q, dict(net.named_parameters())[n]), (step, n)
+    for n, q in ref_params.items():
+        mine, theirs = gs.muon_read(muon, dict(net.named_parameters())[n]), gs.muon_read(ref, q)
+        assert mine.period > 1 and mine.step == theirs.step == 4
+        assert torch.equal(mine.codes, theirs.codes) and torch.equal(mine.magnitude, theirs.magnitude)
+        assert torch.equal(mine.rows, theirs.rows)
+    # 1 byte of code per element, an fp32 magnitude per block and per NorMuon
+    # row, and the optimizer's one 256-entry fp32 codebook
+    params = dict(net.named_parameters())
+    want = gs.K * 4 + sum(q.numel() + 4 * q.numel() // gs.period(muon, params[n]) + 4 * q.shape[0]
+                          for n, q in ref_params.items())
+    assert sum(t.nbytes for t in gs.state_tensors(muon)) == want
