@@ -206,6 +206,13 @@ def build_gefen_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any) 
     if refused:
         raise ValueError("; ".join(f"GefenMuon option {k!r} is not supported: {gs.MUON_REFUSED[k]}" for k in refused)
                          + ". Remove it from optimizer.optimizer_factory_kwargs_by_name.GefenMuon")
+    not_matrices = [f"{name} {tuple(p.shape)}" for g in param_groups
+                    for name, p in zip(g.get("param_names", ()), g["params"]) if p.dim() != 2]
+    if not_matrices:
+        raise ValueError(
+            f"GefenMuon steps matrices only, and its param group matches {len(not_matrices)} other parameter(s) "
+            f"({', '.join(not_matrices[:3])}{' ...' if len(not_matrices) > 3 else ''}): narrow the GefenMuon "
+            "pattern in [[optimizer.param_groups]], or match those parameters in an earlier group for Gefen")
     groups, options = _split_options(param_groups, MUON_OPTION_KEYS, "GefenMuon")
     optim = gs.new_gefen_muon(groups, **options, **factory_kwargs)
     gs.set_sharded_step(optim, ShardedMuonStep(optim))

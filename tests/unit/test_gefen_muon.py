@@ -81,7 +81,7 @@ def test_refused_constructor_options_and_per_rank_blocking():
 def test_a_parameter_that_is_not_a_matrix_is_refused():
     config = GefenOptimizersContainer.Config(param_groups=[
         ParamGroup(pattern=r"^norm\.", optimizer_name="GefenMuon"), ParamGroup(pattern=".*")])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"matrices only.*norm.weight \(64,\).*narrow the GefenMuon pattern"):
         config.build(model_parts=[Net()])
 
 
