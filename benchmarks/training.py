@@ -1,4 +1,4 @@
-"""Training cost inside torchtitan: the same recipe with Gefen and with AdamW, one run.
+"""Training cost inside torchtitan: the same recipe with Gefen and with AdamW (and GefenMuon), one run.
 
 For each model (``--models``: the debug recipe's model and gefen_titan's
 ``150M`` flavor) and each optimizer, ``torchrun`` trains
@@ -17,7 +17,15 @@ logging intervals (whose first one also counts the set-up):
 * peak memory per rank during training (CUDA: ``max_memory_allocated``; CPU:
   the process's peak RSS over the training loop, ``benchmarks.
   rss``), the worst rank;
-* optimizer state bytes/param (the container's ``state_bytes()``).
+* optimizer state bytes/param (the container's ``state_bytes()``), over the
+  whole job and per rank (the worst rank's state over the model's parameters);
+* with ``--optimizers ...,GefenMuon``: ``recipes/llama_gefen_muon.toml`` (the
+  same overrides plus its ``[[optimizer.param_groups]]``: GefenMuon for the
+  hidden matrices, Gefen for the rest), and, as arithmetic from the model's
+  shapes and the run's periods, what gefen-x's ``sharded_mode="exact"`` would
+  keep on every rank for those matrices (full-matrix codes, block magnitudes,
+  NorMuon rows, codebook) and the largest dense fp32 matrix an owner holds
+  in flight. ``--ranks 2,4`` runs every optimizer at each world size.
 
 The slowest rank's time is taken for every step. Few steps and a short
 sequence at 150M (defaults below) keep it to minutes on a CPU; say so when
@@ -25,6 +33,7 @@ quoting the figures.
 
     python scripts/bench_training.py                       # debug (10 steps) and 150M (4 steps, seq 128)
     python scripts/bench_training.py --models debug --steps 20
+    python scripts/bench_training.py --models debug --ranks 2,4 --optimizers Gefen,AdamW,GefenMuon
 """
 
 from __future__ import annotations
@@ -41,9 +50,31 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/llama_gefen.toml"
+MUON_RECIPE = "recipes/llama_gefen_muon.toml"  # llama_gefen.toml plus GefenMuon's param groups
 # model -> (flavor, steps, seq_len, local batch) defaults
 MODELS = {"debug": ("debugmodel", 10, 256, 4), "150M": ("150M", 4, 128, 2)}
-OPTIMIZERS = ("Gefen", "AdamW")
+OPTIMIZERS = ("Gefen", "AdamW")  # the default; GefenMuon on request (--optimizers)
+CHOICES = (*OPTIMIZERS, "GefenMuon")
+
+
+def muon_exact(optimizers) -> dict:
+    """gefen-x ``sharded_mode="exact"``'s state on every rank for the GefenMuon
+    matrices (arithmetic from global shapes and the run's periods), and the
+    largest dense fp32 matrix an owner gathers (one at a time)."""
+    from gefen_titan.optim import gefen_state as gs
+
+    total = inflight = numel = 0
+    for optim in optimizers:
+        if not gs.is_gefen_muon(optim):
+            continue
+        total += 256 * 4  # the codebook
+        for group in optim.param_groups:
+            for p in group["params"]:
+                n, period = p.numel(), gs.period(optim, p) or 1
+                rows = p.shape[0] * 4 if group.get("normuon") else 0
+                total += n + 4 * -(-n // period) + rows
+                inflight, numel = max(inflight, 4 * n), numel + n
+    return {"exact_bytes": total, "inflight_bytes": inflight, "muon_numel": numel}
 
 
 # --------------------------------------------------------------------- worker
@@ -110,9 +141,10 @@ def _worker(out: str, train_args: list[str]) -> None:
         with PeakRSS() as rss:
             trainer.train()
         state_bytes, numel = trainer.optimizers.state_bytes()
+        exact = muon_exact(trainer.optimizers.optimizers)
         peak = torch.cuda.max_memory_allocated() if cuda else rss.peak
         mine = {"steps": steps, "opt_steps": opt_steps, "agreement_s": sum(agreement_s), "peak": peak,
-                "state_bytes": state_bytes, "numel": numel,
+                "state_bytes": state_bytes, "numel": numel, **exact,
                 "memory": "cuda max_memory_allocated" if cuda else f"peak RSS ({rss.method})"}
         world = dist.get_world_size() if dist.is_initialized() else 1
         everyone = [None] * world
@@ -133,8 +165,9 @@ def _worker(out: str, train_args: list[str]) -> None:
 # ---------------------------------------------------------------- orchestrator
 def train_args(model: str, optimizer: str, steps: int, seq_len: int, local_batch: int, dump: str) -> list[str]:
     flavor = MODELS[model][0]
-    return ["--job.config", str(ROOT / RECIPE), "--job.dump_folder", dump, "--model.flavor", flavor,
-            "--optimizer.name", optimizer, "--training.steps", str(steps), "--training.seq_len", str(seq_len),
+    recipe, name = (MUON_RECIPE, "Gefen") if optimizer == "GefenMuon" else (RECIPE, optimizer)
+    return ["--job.config", str(ROOT / recipe), "--job.dump_folder", dump, "--model.flavor", flavor,
+            "--optimizer.name", name, "--training.steps", str(steps), "--training.seq_len", str(seq_len),
             "--training.local_batch_size", str(local_batch), "--lr_scheduler.total_steps", str(steps),
             "--checkpoint.enable", "false", "--metrics.log_freq", "1"]
 
@@ -157,13 +190,19 @@ def summarize(raw: dict, ranks: int) -> dict:
         "tokens_per_s": raw["tokens_per_rank_step"] * ranks / step_s,
         "peak_bytes": max(r["peak"] for r in per_rank), "memory": per_rank[0]["memory"],
         "opt_bytes_per_param": state / numel if numel else float("nan"),
+        # the worst rank's state over the whole model's parameters (goal for a sharded state: ~1/ranks)
+        "rank_bytes_per_param": max(r["state_bytes"] for r in per_rank) / numel if numel else float("nan"),
+        "exact_bytes_per_param": per_rank[0].get("exact_bytes", 0) / numel if numel else float("nan"),
+        "inflight_bytes_per_param": per_rank[0].get("inflight_bytes", 0) / numel if numel else float("nan"),
+        "muon_share": per_rank[0].get("muon_numel", 0) / numel if numel else float("nan"),
     }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
-    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--ranks", default="2", help="world size, or comma-separated world sizes (e.g. 2,4)")
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS), help=f"comma-separated, from {', '.join(CHOICES)}")
     ap.add_argument("--steps", type=int, default=0, help="steps per run (default per model: debug 10, 150M 4)")
     ap.add_argument("--seq-len", type=int, default=0, help="(default per model: debug 256, 150M 128)")
     ap.add_argument("--local-batch", type=int, default=0, help="(default per model: debug 4, 150M 2)")
@@ -179,7 +218,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [m for m in args.models if m not in MODELS]
     if bad or not args.models:
         ap.error(f"--models: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(MODELS)}")
-    if args.ranks < 1 or args.steps < 0 or args.seq_len < 0 or args.local_batch < 0:
+    try:
+        args.ranks = [int(r) for r in str(args.ranks).split(",") if r.strip()]
+    except ValueError:
+        ap.error(f"--ranks: integers, comma-separated, not {args.ranks!r}")
+    args.optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
+    bad = [o for o in args.optimizers if o not in CHOICES]
+    if bad or not args.optimizers:
+        ap.error(f"--optimizers: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(CHOICES)}")
+    if not args.ranks or min(args.ranks) < 1 or args.steps < 0 or args.seq_len < 0 or args.local_batch < 0:
         ap.error("--ranks must be >= 1 and --steps, --seq-len, --local-batch >= 0 (0: the model's default)")
     if 0 < args.steps < 2:
         ap.error("--steps must be >= 2: the first step is reported apart from the steady state")
@@ -198,47 +245,68 @@ def run(args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
             steps, seq, batch = settings(args, model)
-            for optimizer in OPTIMIZERS:
-                dump = os.path.join(tmp, f"{model}-{optimizer}")
-                out = os.path.join(tmp, f"{model}-{optimizer}.json")
-                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}",
-                       f"--master-port={free_port()}", "-m", "benchmarks.training", "--worker", out,
-                       *train_args(model, optimizer, steps, seq, batch, dump)]
-                begin = time.monotonic()
-                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-                if proc.returncode:
-                    sys.stderr.write((proc.stdout + proc.stderr)[-6000:])
-                    raise SystemExit(f"training run failed: {model} {optimizer}")
-                row = summarize(json.loads(Path(out).read_text()), args.ranks)
-                row.update(model=model, optimizer=optimizer, seq_len=seq, local_batch=batch,
-                           wall_s=time.monotonic() - begin)
-                rows.append(row)
-                print(f"done: {model} {optimizer} ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+            for ranks in args.ranks:
+                for optimizer in args.optimizers:
+                    dump = os.path.join(tmp, f"{model}-{ranks}-{optimizer}")
+                    out = os.path.join(tmp, f"{model}-{ranks}-{optimizer}.json")
+                    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
+                           f"--master-port={free_port()}", "-m", "benchmarks.training", "--worker", out,
+                           *train_args(model, optimizer, steps, seq, batch, dump)]
+                    begin = time.monotonic()
+                    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+                    if proc.returncode:
+                        sys.stderr.write((proc.stdout + proc.stderr)[-6000:])
+                        raise SystemExit(f"training run failed: {model} {optimizer} at {ranks} ranks")
+                    row = summarize(json.loads(Path(out).read_text()), ranks)
+                    row.update(model=model, optimizer=optimizer, ranks=ranks, seq_len=seq, local_batch=batch,
+                               wall_s=time.monotonic() - begin)
+                    rows.append(row)
+                    print(f"done: {model} {optimizer} at {ranks} ranks ({row['wall_s']:.0f} s)", file=sys.stderr,
+                          flush=True)
     return rows
 
 
-def report(rows: list[dict], ranks: int) -> str:
-    lines = [f"recipes/llama_gefen.toml at {ranks} ranks through torchtitan's Trainer; step times are the slowest "
-             f"rank's, steady = median from step 3; peak memory: {rows[0]['memory']}, worst rank", "",
-             "| model | steps x seq x local batch | optimizer | tokens/s (job) | first step s (agreement) "
-             "| steady step s | optimizer step s (steady) | peak MiB/rank | opt B/param |",
-             "|---|---|---|---|---|---|---|---|---|"]
+def _versus(name: str, g: dict, a: dict) -> str:
+    return (f"{name}: tokens/s x{g['tokens_per_s'] / a['tokens_per_s']:.2f}, "
+            f"first step x{g['first_step_s'] / a['first_step_s']:.2f}, steady step "
+            f"x{g['steady_step_s'] / a['steady_step_s']:.2f}, optimizer step "
+            f"x{g['steady_opt_s'] / a['steady_opt_s']:.2f}, peak memory "
+            f"x{g['peak_bytes'] / a['peak_bytes']:.2f}, "
+            f"state x{g['opt_bytes_per_param'] / a['opt_bytes_per_param']:.3f}")
+
+
+def report(rows: list[dict]) -> str:
+    lines = ["recipes/llama_gefen.toml (GefenMuon: recipes/llama_gefen_muon.toml) through torchtitan's Trainer; "
+             "step times are the slowest rank's, steady = median from step 3; peak memory: "
+             f"{rows[0]['memory']}, worst rank; opt B/param/rank: the worst rank's state over the model's "
+             "parameters", "",
+             "| model | ranks | steps x seq x local batch | optimizer | tokens/s (job) | first step s (agreement) "
+             "| steady step s | optimizer step s (steady) | peak MiB/rank | opt B/param | opt B/param/rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         agreed = f" ({r['agreement_s']:.2f})" if r.get("agreement_s") else ""
-        lines.append(f"| {r['model']} | {r['steps']} x {r['seq_len']} x {r['local_batch']} | {r['optimizer']} | "
-                     f"{r['tokens_per_s']:,.0f} | {r['first_step_s']:.2f}{agreed} | {r['steady_step_s']:.2f} | "
-                     f"{r['steady_opt_s']:.3f} | {r['peak_bytes'] / 2**20:,.0f} | {r['opt_bytes_per_param']:.3f} |")
+        lines.append(f"| {r['model']} | {r['ranks']} | {r['steps']} x {r['seq_len']} x {r['local_batch']} | "
+                     f"{r['optimizer']} | {r['tokens_per_s']:,.0f} | {r['first_step_s']:.2f}{agreed} | "
+                     f"{r['steady_step_s']:.2f} | {r['steady_opt_s']:.3f} | {r['peak_bytes'] / 2**20:,.0f} | "
+                     f"{r['opt_bytes_per_param']:.3f} | {r['rank_bytes_per_param']:.4f} |")
     lines.append("")
-    for model in dict.fromkeys(r["model"] for r in rows):
-        by = {r["optimizer"]: r for r in rows if r["model"] == model}
-        if len(by) == 2:
-            g, a = by["Gefen"], by["AdamW"]
-            lines.append(f"{model}: Gefen vs AdamW: tokens/s x{g['tokens_per_s'] / a['tokens_per_s']:.2f}, "
-                         f"first step x{g['first_step_s'] / a['first_step_s']:.2f}, steady step "
-                         f"x{g['steady_step_s'] / a['steady_step_s']:.2f}, optimizer step "
-                         f"x{g['steady_opt_s'] / a['steady_opt_s']:.2f}, peak memory "
-                         f"x{g['peak_bytes'] / a['peak_bytes']:.2f}, "
-                         f"state x{g['opt_bytes_per_param'] / a['opt_bytes_per_param']:.3f}")
+    for model, ranks in dict.fromkeys((r["model"], r["ranks"]) for r in rows):
+        by = {r["optimizer"]: r for r in rows if r["model"] == model and r["ranks"] == ranks}
+        where = f"{model} at {ranks} ranks"
+        if "Gefen" in by and "AdamW" in by:
+            lines.append(_versus(f"{where}: Gefen vs AdamW", by["Gefen"], by["AdamW"]))
+        m = by.get("GefenMuon")
+        if m is None:
+            continue
+        for base in ("Gefen", "AdamW"):
+            if base in by:
+                lines.append(_versus(f"{where}: GefenMuon vs {base}", m, by[base]))
+        lines.append(f"{where}: GefenMuon state per rank {m['rank_bytes_per_param']:.4f} B/param = "
+                     f"{m['rank_bytes_per_param'] * ranks:.3f} / {ranks} of the model (goal <= 1.05 / {ranks}), "
+                     f"plus in flight one dense fp32 matrix on its owner: <= {m['inflight_bytes_per_param']:.4f} "
+                     f"B/param; gefen-x exact mode would keep {m['exact_bytes_per_param']:.4f} B/param on every rank "
+                     f"for the GefenMuon matrices alone ({m['muon_share']:.1%} of the parameters; arithmetic, "
+                     "the run's periods)")
     return "\n".join(lines)
 
 
@@ -252,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
         flavors.register_flavors()  # --model 150M
         return _worker(args.worker, args.train_args)
     rows = run(args)
-    print("\n" + report(rows, args.ranks))
+    print("\n" + report(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1, default=str))
 
