@@ -1,6 +1,8 @@
-"""Training quality: agreed vs per-rank blocking vs one process, against Gefen's seed noise.
+"""Training quality: agreed vs per-rank blocking vs one process, against Gefen's seed noise
+(and, with --runs, GefenMuon's loss curve against Gefen's and AdamW's).
 
     python scripts/bench_quality.py --steps 100
+    python scripts/bench_quality.py --steps 100 --runs agreed,adamw,gefen-muon
 
 The benchmark itself is ``benchmarks.quality``.
 """
