@@ -1,7 +1,9 @@
 """``gefen-titan ckpt inspect | verify | convert`` on real train.py checkpoints.
 
 One chain of three train.py runs of the debug recipe (1 process, one LR
-schedule of 5 steps) is shared by every test; corruptions work on copies:
+schedule of 5 steps) is shared by the Gefen/AdamW tests, and one 2-rank run
+of the GefenMuon recipe (2 steps) by the GefenMuon tests; corruptions work
+on copies:
 
 1. Gefen, steps 1-4, a checkpoint every step (the uninterrupted Gefen run);
 2. its step 2 converted ``--to adamw``, resumed by AdamW for steps 3-5 (the
@@ -13,6 +15,9 @@ must be the same (model, data position and LR schedule are copied
 unchanged), the next within a measured tolerance, and the first resumed
 update (parameters after it minus before) close to the uninterrupted run's,
 much closer than a resume with a fresh optimizer state gets.
+
+4. ``recipes/llama_gefen_muon.toml`` on 2 ranks (FSDP2), steps 1-2: GefenMuon
+   for the blocks' attention and feed-forward matrices, Gefen for the rest.
 """
 
 import contextlib
@@ -35,25 +40,28 @@ from gefen_titan.checkpoint.reader import Checkpoint, Entry
 from gefen_titan.ckpt import cli
 from gefen_titan.ckpt.verify import _cover_once
 from tests.helpers import processes
+from tests.helpers.bad_checkpoints import drop_entry, edited, set_entry
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_RE = re.compile(r"step:\s+(\d+)\s+\S*\s*loss:\s+([0-9.]+)")
 RECIPE = "recipes/llama_gefen_dp1.toml"
+MUON_RECIPE = "recipes/llama_gefen_muon.toml"
+MUON_PATTERN = re.compile(r"^layers\.\d+\.(attention|feed_forward)\.")  # the recipe's GefenMuon group
 # The tests read and write checkpoints with DCP in this one process, as the tools do.
 pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
 
 
-def train(dump: Path, *args: str) -> dict[int, float]:
-    """One single-process train.py run of the recipe into ``dump``: its losses.
+def train(dump: Path, *args: str, recipe: str = RECIPE, world: int = 1) -> dict[int, float]:
+    """One train.py run of ``recipe`` on ``world`` rank(s) into ``dump``: its losses.
 
-    train.py's main on one rank as torchrun starts it (one thread), by
+    train.py's main on each rank as torchrun starts it (one thread), by
     ``processes.run_ranks``: forked from the session's fork server where it
     can be, since what is tested here is the tools, and a fresh interpreter
     would cost each run ~7 s of imports.
     """
-    argv = ["--job.config", RECIPE, "--job.dump_folder", str(dump), "--lr_scheduler.total_steps", "5",
+    argv = ["--job.config", recipe, "--job.dump_folder", str(dump), "--lr_scheduler.total_steps", "5",
             "--checkpoint.interval", "1", *args]
-    log = processes.run_ranks(1, gefen_titan.train.main, argv, logs=dump / "logs", timeout=600)
+    log = processes.run_ranks(world, gefen_titan.train.main, argv, logs=dump / "logs", timeout=600)
     text = re.sub(r"\x1b\[[0-9;]*m", "", log)
     out: dict[int, float] = {}
     for step, loss in STEP_RE.findall(text):
@@ -369,3 +377,117 @@ def test_to_gefen_refuses_adam_variants_gefen_cannot_represent():
                        ({"decoupled_weight_decay": False}, "coupled"), ({"betas": (1.0, 0.95)}, "represented")):
         with pytest.raises(CkptError, match=match):
             _gefen_group("w", {**adamw, **bad})
+
+
+# ------------------------------------------------------------------ GefenMuon
+@pytest.fixture(scope="module")
+def muon(tmp_path_factory):
+    """Step 2 of a 2-rank GefenMuon + Gefen run; its folder is ``ckpt`` (what ``bad_checkpoints.edited`` reads)."""
+    base = tmp_path_factory.mktemp("ckpt_tools_muon")
+    losses = train(base / "muon", "--training.steps", "2", "--checkpoint.folder", "ckpt", recipe=MUON_RECIPE,
+                   world=2)
+    assert sorted(losses) == [1, 2]
+    return base / "muon"
+
+
+def _muon_path(root: Path) -> Path:
+    return root / "ckpt" / "step-2"
+
+
+def test_inspect_gefen_muon_checkpoint(muon, capsys):
+    path = _muon_path(muon)
+    rc, report = ckpt_json(capsys, "inspect", path)
+    assert rc == 0 and report["format"]["version"] == 2
+    assert report["mesh"]["writer_ranks"] == 2 and report["mesh"]["data_parallel_ranks"] == 2
+    gefen, gm = report["optimizers"]
+    assert gefen["kind"] == "Gefen" and gm["kind"] == "GefenMuon"
+    assert not any(MUON_PATTERN.match(p["fqn"]) for p in gefen["params"])
+    assert len(gm["params"]) == 30 and all(MUON_PATTERN.match(p["fqn"]) for p in gm["params"])
+    assert gm["global_step"] == 2 and gm["deterministic"] is False
+    (group,) = gm["hyperparameters"]
+    assert {k: group[k] for k in ("momentum", "nesterov", "ns_steps", "adjust_lr_fn", "normuon")} == {
+        "momentum": 0.95, "nesterov": True, "ns_steps": 5, "adjust_lr_fn": "match_rms_adamw", "normuon": True}
+    (cb,) = gm["codebooks"].values()
+    assert cb["entries"] == 256 and cb["min"] == -1 and cb["max"] == 1 and cb["sorted"]
+    # Against the checkpoint itself, read independently with DCP.
+    md = Checkpoint(str(path)).metadata.state_dict_metadata
+    (rec_key,) = [k for k in md if k.startswith("optimizer." + fmt.PREFIX + "muon/")]
+    values = {rec_key: ""}
+    dcp.load(values, checkpoint_id=str(path), no_dist=True)
+    record = json.loads(values[rec_key])
+    assert record["kind"] == "GefenMuon" and [p["fqn"] for p in gm["params"]] == [p["fqn"] for p in record["params"]]
+    for row, rec in zip(gm["params"], record["params"]):
+        keys = {k: "optimizer." + v for k, v in fmt.muon_tensor_keys(row["fqn"]).items()}
+        assert row["period"] == rec["period"] > 0 and row["step"] == row["rows_step"] == 2
+        grid = tuple(md[keys["magnitude"]].size)
+        assert tuple(row["grid"]) == grid == tuple(rec["shape"][:-1]) + (rec["shape"][-1] // rec["period"],)
+        assert tuple(md[keys["rows"]].size) == (rec["shape"][0],)
+        assert row["bytes"] == math.prod(rec["shape"]) + 4 * math.prod(grid) + 4 * rec["shape"][0]
+        assert row["cuts"] == [2, 1]  # FSDP2 over 2 ranks: two row shards
+    # The totals count both kinds: every parameter has state, about one byte each.
+    totals = report["optimizer_totals"]
+    assert totals["kinds"] == ["Gefen", "GefenMuon"] and totals["params"] == 45
+    assert totals["elements"] == gefen["elements"] + gm["elements"] == report["model"]["elements"]
+    assert 1.0 < gm["stored_bytes_per_param"] < 1.2 and 1.0 < totals["stored_bytes_per_param"] < 1.2
+    rc, text = ckpt(capsys, "inspect", path)
+    assert rc == 0
+    rec_name = fmt.muon_optimizer_key(record["params"][0]["fqn"])
+    assert f"optimizer   GefenMuon (records {rec_name}): 30 parameters, global step 2" in text
+    assert "momentum 0.95  nesterov True  ns_steps 5  adjust_lr_fn match_rms_adamw  normuon True" in text
+    assert re.search(r"layers\.0\.attention\.wo\.weight\s+256x256\s+\d+\s+256x\d+\s+2\s+2\s+[\d,]+\s+2x1", text), text
+    assert re.search(r"optimizers  Gefen \+ GefenMuon: 45 parameters, .* = 1\.\d+ bytes/param", text), text
+
+
+def test_verify_gefen_muon_checkpoint(muon, capsys):
+    rc, report = ckpt_json(capsys, "verify", _muon_path(muon))
+    assert rc == 0 and report["ok"], report["problems"]
+    assert report["gefen"]["params"] == 15
+    assert report["gefen_muon"] == {"version": 2, "optimizers": 1, "params": 30, "stateful_params": 30,
+                                    "codebooks": 1}
+    rc, text = ckpt(capsys, "verify", _muon_path(muon))
+    assert rc == 0 and "GefenMuon v2: 30 parameters in 1 record(s), 1 codebook(s)" in text
+
+
+def _bad_group(opt_id: str):
+    def ns_steps_zero(raw: str) -> str:
+        record = json.loads(raw)
+        record["params"][-1]["group"]["ns_steps"] = 0
+        return json.dumps(record)
+    return set_entry(fmt.muon_optimizer_key(opt_id), ns_steps_zero)
+
+
+def test_verify_damaged_gefen_muon_state(muon, tmp_path, capsys):
+    """Each damage alone fails verify, with a problem naming the damaged entry."""
+    fqn = "layers.1.feed_forward.w2.weight"
+    keys = fmt.muon_tensor_keys(fqn)
+    opt_id = next(k.name for n in Checkpoint(str(_muon_path(muon))).optimizer
+                  if (k := fmt.parse_key(n)) and k.kind == "muon")
+    cases = {
+        "nan_magnitude": (set_entry(keys["magnitude"], lambda v: v.index_fill(0, torch.tensor([5]), float("nan"))),
+                          "optimizer." + keys["magnitude"], "non-finite"),
+        "negative_rows": (set_entry(keys["rows"], lambda v: -1 - v.abs()), "optimizer." + keys["rows"], "negative"),
+        "no_rows": (drop_entry(keys["rows"]), keys["rows"], "missing"),
+        "bad_group": (_bad_group(opt_id), "optimizer." + fmt.muon_optimizer_key(opt_id), "ns_steps=0"),
+    }
+    for name, (edit, entry, what) in cases.items():
+        root = tmp_path / name
+        edited(muon, root, 2, edit)
+        rc, report = ckpt_json(capsys, "verify", _muon_path(root))
+        assert rc == 1 and not report["ok"], name
+        hits = [p for p in report["problems"] if entry in (p["entry"] or "") + p["what"] and what in p["what"]]
+        assert hits, (name, report["problems"])
+        if name == "no_rows":  # the table names it too
+            rc, text = ckpt(capsys, "verify", _muon_path(root))
+            assert rc == 1 and text.startswith("FAILED") and entry in text, text
+
+
+def test_convert_refuses_gefen_muon(muon, tmp_path, capsys):
+    """Both directions refuse before anything is written: GefenMuon's momentum has no AdamW equivalent."""
+    for to in ("adamw", "gefen"):
+        rc, report = ckpt_json(capsys, "convert", _muon_path(muon), tmp_path / to / "step-2", "--to", to)
+        assert rc == 1, report
+        error = report["error"]
+        assert "convert handles Gefen <-> AdamW" in error and "GefenMuon state for 30 parameters" in error, error
+        assert 'exclude_from_loading = ["optimizer"]' in error and "Nothing was written" in error, error
+        assert not (tmp_path / to).exists()
+    assert not list(tmp_path.rglob("*partial*"))
