@@ -18,9 +18,17 @@ minutes on an H100/H200 class part). Stages, in order:
    format and dumps the global state; the GPU half loads it on
    the GPU (1 rank, NCCL) and its state right after the load must equal the
    saved one bit for bit (``gefen_titan.validation.compare_global``).
+5. ``muon``: GefenMuon's sharded step on the GPU: its momentum on two row
+   shards of a matrix equals the whole matrix's, bit for bit, through gefen-x's
+   fused CUDA momentum kernel, and the fused kernel equals gefen-x's
+   pure-torch path on the same device (``muon_momentum_check``); then
+   one-GPU training of ``recipes/llama_gefen_muon.toml`` (NCCL, fused), as
+   ``train`` checks it. One GPU cannot run two NCCL ranks, so the owner's
+   gather and scatter (point-to-point) are checked on gloo by the test
+   suite only.
 
-Without CUDA only the CPU half of ``checkpoint`` runs (so it cannot rot
-before a GPU runs it), every GPU stage is reported as skipped, and the exit
+Without CUDA only the CPU half of ``checkpoint`` and the shard check of
+``muon`` run (so they cannot rot before a GPU runs them), every GPU stage is reported as skipped, and the exit
 status is 3 with a line saying so. A stage that would start after
 ``--budget-s`` is not run: the report marks it ``"ok": null`` with
 ``"skipped": "not run: budget ..."``, and the run is not a pass, however the
@@ -48,12 +56,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("kernels", "bandwidth", "train", "checkpoint")
+STAGES = ("kernels", "bandwidth", "train", "checkpoint", "muon")
 RECIPE = "recipes/llama_gefen.toml"
+MUON_RECIPE = "recipes/llama_gefen_muon.toml"
 BANDWIDTH_TARGET, BANDWIDTH_MIN_ELEMENTS = 0.70, 64 << 20
 OK, FAILED, NO_CUDA, NOT_RUN = 0, 1, 3, 4
 
-__all__ = ["FAILED", "NOT_RUN", "NO_CUDA", "OK", "STAGES", "main", "parse_args", "verdict"]
+__all__ = ["FAILED", "NOT_RUN", "NO_CUDA", "OK", "STAGES", "main", "muon_momentum_check", "parse_args", "verdict"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -146,19 +155,19 @@ _TPS = re.compile(r"tps:\s*([0-9,]+)")
 _MEM = re.compile(r"memory:\s*([0-9.]+)\s*GiB")
 
 
-def stage_train(args, work: Path) -> dict[str, Any]:
+def stage_train(args, work: Path, recipe: str = RECIPE, name: str = "train") -> dict[str, Any]:
     from gefen_titan.validation.runs import free_port
 
-    folder = work / "train"
+    folder = work / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master-port={free_port()}",
-           "-m", "gefen_titan.train", "--job.config", str(ROOT / RECIPE), "--job.dump_folder", str(folder),
+           "-m", "gefen_titan.train", "--job.config", str(ROOT / recipe), "--job.dump_folder", str(folder),
            "--optimizer.implementation", "fused", "--training.steps", str(args.train_steps),
            "--checkpoint.enable", "false", "--metrics.log_freq", "1"]
     begin = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     seconds = time.monotonic() - begin
     log = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
-    (work / "train.log").write_text(log)
+    (work / f"{name}.log").write_text(log)
     losses: dict[int, float] = {}
     tps, mem = [], []
     for line in log.splitlines():
@@ -211,6 +220,64 @@ def stage_checkpoint(args, work: Path, cuda: bool) -> dict[str, Any]:
     return out
 
 
+def muon_momentum_check(device: str, fused: bool, rows: int = 1027, cols: int = 768, steps: int = 3
+                        ) -> dict[str, Any]:
+    """GefenMuon's momentum on two row shards against the whole matrix (and,
+    with ``fused``, gefen-x's fused CUDA kernel against its pure-torch path):
+    ``steps`` steps of the same gradients, codes, magnitudes and the dense
+    momentum compared bit for bit. Runs on CPU too (``fused`` False), so the
+    check itself is tested without a GPU."""
+    import torch
+
+    from gefen_titan.optim import gefen_state as gs
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [(torch.randn(rows, cols, generator=gen) ** 3).to(device) for _ in range(steps)]
+    cut = rows // 2 + 1  # uneven, as FSDP cuts an odd row count
+    codebook = torch.sort(torch.linspace(-1, 1, gs.K) ** 3).values.to(device)
+
+    def run(fused_kernel: bool, pieces: list[tuple[int, int]]) -> list[tuple[torch.Tensor, ...]]:
+        params = [torch.nn.Parameter(torch.zeros(b - a, cols, device=device)) for a, b in pieces]
+        optim = gs.new_gefen_muon([{"params": [(f"w{i}", p) for i, p in enumerate(params)]}], fused=fused_kernel)
+        for p in params:
+            gs.set_period(optim, p, 256)
+        gs.set_codebook(optim, codebook.clone())
+        group = optim.param_groups[0]
+        out = []
+        for g in grads:
+            dense = [gs.muon_momentum(optim, f"w{i}", p, group, g[a:b].clone())
+                     for i, (p, (a, b)) in enumerate(zip(params, pieces))]
+            states = [gs.muon_read(optim, p) for p in params]
+            out.append((torch.cat(dense), torch.cat([st.codes.reshape(-1) for st in states]),
+                        torch.cat([st.magnitude.reshape(-1) for st in states])))
+        return out
+
+    def equal(a, b) -> bool:
+        return all(torch.equal(x, y) for sa, sb in zip(a, b) for x, y in zip(sa, sb))
+
+    whole = run(fused, [(0, rows)])
+    result: dict[str, Any] = {"device": device, "fused": fused, "shape": [rows, cols], "cut": cut,
+                              "shards_equal_whole": equal(whole, run(fused, [(0, cut), (cut, rows)]))}
+    if fused:
+        result["fused_equals_torch"] = equal(whole, run(False, [(0, rows)]))
+    result["ok"] = result["shards_equal_whole"] and result.get("fused_equals_torch", True)
+    result["why"] = "" if result["ok"] else "momentum differs: " + ", ".join(
+        k for k in ("shards_equal_whole", "fused_equals_torch") if result.get(k) is False)
+    return result
+
+
+def stage_muon(args, work: Path, cuda: bool) -> dict[str, Any]:
+    if not cuda:
+        out = {"cpu": muon_momentum_check("cpu", fused=False)}
+        out.update(ok=out["cpu"]["ok"], why=out["cpu"]["why"], gpu_half="skipped: no CUDA")
+        return out
+    out = {"momentum": muon_momentum_check("cuda", fused=True)}
+    out["train"] = stage_train(args, work, MUON_RECIPE, "muon_train")
+    out["ok"] = bool(out["momentum"]["ok"] and out["train"]["ok"])
+    out["why"] = "; ".join(w for w in (out["momentum"]["why"], out["train"]["why"]) if w)
+    return out
+
+
 # ------------------------------------------------------------------- main
 def verdict(stages: dict[str, dict[str, Any]], cuda: bool) -> tuple[str, int]:
     """(status, exit code) of a run from its stages' results.
@@ -247,14 +314,14 @@ def main(argv: list[str] | None = None) -> int:
             report["stages"][name] = {"ok": None, "skipped": why}
             print(f"gpu_check: {name}: NOT RUN ({why.removeprefix('not run: ')})", flush=True)
             continue
-        if not cuda and name != "checkpoint":
+        if not cuda and name not in ("checkpoint", "muon"):
             report["stages"][name] = {"ok": None, "skipped": "no CUDA"}
             continue
         print(f"gpu_check: {name} ...", flush=True)
         t0 = time.monotonic()
         try:
-            if name == "checkpoint":
-                result = stage_checkpoint(args, work, cuda)
+            if name in ("checkpoint", "muon"):
+                result = globals()[f"stage_{name}"](args, work, cuda)
             else:
                 result = globals()[f"stage_{name}"](args, work)
         except Exception as e:  # a broken stage is a failed check with its reason, the others still run
@@ -270,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         failed = [n for n, r in report["stages"].items() if r.get("ok") is False]
         print(f"gpu_check: FAILED: {', '.join(failed)}; report {out}")
     elif code == NO_CUDA:
-        print(f"gpu_check: no CUDA device (torch.cuda.is_available() is False): ran the CPU half of the checkpoint "
-              f"check only, the GPU stages were skipped; report {out}")
+        print(f"gpu_check: no CUDA device (torch.cuda.is_available() is False): ran the CPU halves of the checkpoint "
+              f"and muon checks only, the GPU stages were skipped; report {out}")
     elif code == NOT_RUN:
         not_run = [n for n, r in report["stages"].items() if r.get("ok") is not True]
         print(f"gpu_check: NOT A PASS: {', '.join(not_run)} not run within --budget-s {args.budget_s:.0f}; "

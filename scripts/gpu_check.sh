@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One-GPU check (under 8 minutes on one CUDA GPU): the reshard kernels' tests
 # on CUDA, their bandwidth against the device's, one-GPU training of the debug
-# recipe with fused Gefen and NCCL, and a checkpoint saved at 2 CPU ranks
-# loaded onto the GPU with its state compared bit for bit; one JSON report.
+# recipe with fused Gefen and NCCL, a checkpoint saved at 2 CPU ranks
+# loaded onto the GPU with its state compared bit for bit, and GefenMuon
+# (fused momentum on row shards = whole matrix; one-GPU training of its
+# recipe); one JSON report.
 #
 #   scripts/gpu_check.sh                                  # report: outputs/gpu_check/report.json
 #   scripts/gpu_check.sh --stages kernels,bandwidth --out /tmp/r.json
 #
-# Without CUDA it runs the CPU half of the checkpoint check, skips the rest and
+# Without CUDA it runs the CPU halves of the checkpoint and muon checks, skips the rest and
 # exits 3. A stage that would start after --budget-s is reported "not run" and
 # the run is no pass (status "incomplete", exit 4). Exit 0: every stage ran and
 # passed; 1: a check failed; 2: bad arguments; 3: no CUDA; 4: a stage not run.

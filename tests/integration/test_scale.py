@@ -68,6 +68,8 @@ def test_gpu_check_without_cuda_runs_the_cpu_half_and_says_so(gpu_check_cpu):
     ckpt = report["stages"]["checkpoint"]
     assert ckpt["ok"] is True and ckpt["gpu_half"] == "skipped: no CUDA"
     assert Path(ckpt["cpu_half"]["checkpoint"], ".metadata").is_file() and ckpt["cpu_half"]["entries"] > 0
+    muon = report["stages"]["muon"]
+    assert muon["ok"] is True and muon["cpu"]["shards_equal_whole"] and muon["gpu_half"] == "skipped: no CUDA"
 
 
 @pytest.fixture(scope="module")

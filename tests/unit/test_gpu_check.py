@@ -64,3 +64,22 @@ def test_a_stage_past_the_budget_is_not_run_and_the_run_is_no_pass(tmp_path, mon
     assert report["stages"]["bandwidth"] == {"ok": None, "skipped": "not run: budget: 100 s elapsed of 50"}
     printed = capsys.readouterr().out
     assert "bandwidth: NOT RUN" in printed and "NOT A PASS: bandwidth not run" in printed
+
+
+
+def test_the_muon_momentum_check_passes_on_cpu_and_can_fail(monkeypatch):
+    # CPU: the shard check (the fused half needs CUDA).
+    good = gc.muon_momentum_check("cpu", fused=False, rows=67, cols=768, steps=2)
+    assert good["ok"] and good["shards_equal_whole"] and "fused_equals_torch" not in good
+    # A momentum that depended on the shard would be caught.
+    from gefen_titan.optim import gefen_state as gs
+
+    real = gs.muon_momentum
+
+    def shard_dependent(optim, fqn, p, group, grad):
+        dense = real(optim, fqn, p, group, grad)
+        return dense + 1e-3 if grad.shape[0] < 67 else dense
+
+    monkeypatch.setattr(gs, "muon_momentum", shard_dependent)
+    bad = gc.muon_momentum_check("cpu", fused=False, rows=67, cols=768, steps=2)
+    assert bad["ok"] is False and "shards_equal_whole" in bad["why"]
