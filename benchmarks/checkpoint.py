@@ -14,7 +14,10 @@ optimizer's.
 Methods (``--methods``): ``current`` is gefen-titan with the optimizer's
 default blocking, i.e. the checkpoint format a run writes today (its label
 names the version); ``v1`` the per-rank format (``blocking = "per_rank"``);
-``gefen-x`` gefen-x's own ``GefenDCPState``; ``adamw`` the baseline.
+``gefen-x`` gefen-x's own ``GefenDCPState``; ``adamw`` the baseline;
+``gefen-muon`` (not in the default list) the current format with GefenMuon
+for the hidden matrices and Gefen for the rest, the param groups of
+``recipes/llama_gefen_muon.toml``.
 
 Prints, per method: optimizer bytes/param on disk and on disk over in
 memory, the first step's time, save time and the peak RSS growth during the
@@ -29,6 +32,7 @@ the top of the profile printed (where the time goes).
 
     python scripts/bench_checkpoint.py                              # debug model, all four methods
     python scripts/bench_checkpoint.py --model 150M --methods current,gefen-x,adamw
+    python scripts/bench_checkpoint.py --methods current,gefen-muon,adamw
 """
 
 from __future__ import annotations
@@ -45,7 +49,11 @@ import tempfile
 import time
 
 MODELS = {"debug": "debugmodel", "150M": "150M"}
-METHODS = ("current", "v1", "gefen-x", "adamw")
+DEFAULT_METHODS = ("current", "v1", "gefen-x", "adamw")
+METHODS = (*DEFAULT_METHODS, "gefen-muon")
+# recipes/llama_gefen_muon.toml's split: GefenMuon for the hidden matrices, Gefen (the shorthand) for the rest.
+MUON_PATTERN = r"^layers\.\d+\.(attention|feed_forward)\."
+MUON_KWARGS = {"momentum": 0.95, "nesterov": True, "ns_steps": 5, "adjust_lr_fn": "match_rms_adamw", "normuon": True}
 SAVE_TARGET, LOAD_TARGET, PEAK_TARGET = 0.5, 1.0, 1.0
 
 
@@ -58,13 +66,16 @@ def method_label(method: str) -> str:
         blocking = GefenOptimizersContainer.Config().blocking
         version = fmt.VERSION if blocking == "agreed" else fmt.V1
         return f"gefen-titan v{version} ({blocking}, current)"
-    return {"v1": "gefen-titan v1 (per_rank)", "gefen-x": "gefen-x GefenDCPState", "adamw": "AdamW"}[method]
+    return {"v1": "gefen-titan v1 (per_rank)", "gefen-x": "gefen-x GefenDCPState", "adamw": "AdamW",
+            "gefen-muon": "gefen-titan GefenMuon + Gefen (agreed)"}[method]
 
 
 def _blocking(method: str) -> str:
     # GefenDCPState checkpoints gefen-x's own optimizer: per-rank periods and codebooks.
     if method in ("v1", "gefen-x"):
         return "per_rank"
+    if method == "gefen-muon":
+        return "agreed"  # GefenMuon's sharded step needs it
     from gefen_titan.optim.container import GefenOptimizersContainer
 
     return GefenOptimizersContainer.Config().blocking
@@ -91,7 +102,7 @@ def _worker(args) -> None:
     flavors.register_flavors()  # --model 150M
     from torchtitan.models.llama3 import model_registry
 
-    from gefen_titan.optim.container import GefenOptimizersContainer
+    from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -104,6 +115,8 @@ def _worker(args) -> None:
     opt = GefenOptimizersContainer.Config(
         name="AdamW" if args.method == "adamw" else "Gefen", lr=1e-3, implementation="for-loop",
         blocking=_blocking(args.method),
+        param_groups=[ParamGroup(pattern=MUON_PATTERN, optimizer_name="GefenMuon", optimizer_kwargs=MUON_KWARGS),
+                      ParamGroup(pattern=".*")] if args.method == "gefen-muon" else [],
     ).build(model_parts=[model])
 
     def set_grads(step):
@@ -188,7 +201,9 @@ def _worker(args) -> None:
             t0 = time.perf_counter()
             if profiler:
                 profiler.enable()
-            if args.method in ("current", "v1"):
+            # AdamW too: since GefenMuon, the container's GefenMuon adapter (even with no GefenMuon
+            # optimizer) refuses a load that prepare_load did not plan; GefenCheckpointManager always plans.
+            if args.method in ("current", "v1", "gefen-muon", "adamw"):
                 from torch.distributed.checkpoint import FileSystemReader
 
                 opt.prepare_load(args.ckpt, FileSystemReader(args.ckpt).read_metadata(), prefix="optimizer.")
@@ -267,7 +282,7 @@ def profile_top(path: str, n: int = 14) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), default="debug")
-    ap.add_argument("--methods", default=",".join(METHODS),
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                     help=f"comma-separated, from {', '.join(METHODS)} (AdamW is the baseline: keep it)")
     ap.add_argument("--save-ranks", type=int, default=2)
     ap.add_argument("--load-ranks", default="2,4,1")
