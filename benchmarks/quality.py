@@ -94,7 +94,10 @@ def configurations(n: int) -> dict[str, tuple[int, list[str], str]]:
     }
 
 
-DEFAULT_RUNS = ("per_rank", "agreed", "one process", "per_rank, seed 1 (noise)")
+# --runs names (no commas, no spaces) -> configurations
+RUN_NAMES = {"per_rank": "per_rank", "agreed": "agreed", "one-process": "one process",
+             "noise": "per_rank, seed 1 (noise)", "adamw": "adamw", "gefen-muon": "gefen-muon"}
+DEFAULT_RUNS = ("per_rank", "agreed", "one-process", "noise")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,15 +105,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--runs", default=",".join(DEFAULT_RUNS),
-                    help="comma-separated configurations, from: " + ", ".join(configurations(1)))
+                    help="comma-separated configurations, from: " + ", ".join(RUN_NAMES))
     ap.add_argument("--json", default="", help="also write the curves and figures here")
     args = ap.parse_args(argv)
     n = args.ranks
     known = configurations(n)
-    names = [r.strip() for r in args.runs.split(",") if r.strip()]
-    bad = [r for r in names if r not in known]
-    if bad or not names:
-        ap.error(f"--runs: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(known)}")
+    given = [r.strip() for r in args.runs.split(",") if r.strip()]
+    bad = [r for r in given if r not in RUN_NAMES]
+    if bad or not given:
+        ap.error(f"--runs: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(RUN_NAMES)}")
+    names = [RUN_NAMES[r] for r in given]
     runs = {name: known[name] for name in names}
     curves, sizes = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
