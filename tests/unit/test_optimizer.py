@@ -203,3 +203,21 @@ def test_a_registered_variant_is_one_entry(monkeypatch):
                                            optimizer_kwargs={"momentum": 0.9})])
     with pytest.raises(ValueError, match="GefenVariant does not read 'momentum'"):
         bad.check_param_groups()
+
+
+def test_a_container_without_gefen_state_loads_without_the_manager():
+    """AdamW alone in the container: its flat state round-trips through
+    ``state_dict``/``load_state_dict`` with no ``prepare_load`` (torchtitan's
+    own checkpointer, a benchmark), as torchtitan's container does; the Gefen
+    and GefenMuon adapters have nothing to load and must not refuse."""
+    model = Block()
+    opt = _config(name="AdamW").build(model_parts=[model])
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    sd = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state_dict().items()}
+    other = _config(name="AdamW").build(model_parts=[Block()])
+    other.load_state_dict(sd)
+    (adam,) = other.optimizers
+    assert all(torch.equal(adam.state[p]["exp_avg"], torch.full_like(p, 0.1)) for p in adam.state)
+    assert len(adam.state) == len(list(model.parameters()))

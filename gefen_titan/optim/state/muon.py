@@ -222,6 +222,8 @@ class MuonStateAdapter:
 
     def stage_load(self, sd: dict[str, Any]) -> None:
         plan = self._plan
+        if plan is None and not self.slots:
+            return  # no GefenMuon here: a plain load (no manager) of the other optimizers goes on
         if plan is None:
             raise GefenCheckpointError(
                 "GefenMuon state can only be loaded through GefenCheckpointManager (which reads the "
