@@ -201,9 +201,7 @@ def _worker(args) -> None:
             t0 = time.perf_counter()
             if profiler:
                 profiler.enable()
-            # AdamW too: since GefenMuon, the container's GefenMuon adapter (even with no GefenMuon
-            # optimizer) refuses a load that prepare_load did not plan; GefenCheckpointManager always plans.
-            if args.method in ("current", "v1", "gefen-muon", "adamw"):
+            if args.method in ("current", "v1", "gefen-muon"):
                 from torch.distributed.checkpoint import FileSystemReader
 
                 opt.prepare_load(args.ckpt, FileSystemReader(args.ckpt).read_metadata(), prefix="optimizer.")
