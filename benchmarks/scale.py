@@ -42,7 +42,7 @@ shard from DTensor's own ``_compute_local_shape_and_global_offset``):
   and two layers (and once with the layer renamed to two digits) and
   extrapolated over the layers (``~``): layers are identical, so this is
   exact up to the pickled size of file offsets (a few bytes per chunk;
-  ``tests/test_scale_plan.py`` bounds it against the full build). Every rank
+  ``tests/integration/test_scale.py`` bounds it against the full build). Every rank
   reads the whole metadata on every load, so its job-wide cost is W times
   its size. The coordinator also receives every rank's plan and write
   results (``gather at rank 0``).
@@ -415,7 +415,7 @@ def account(entries: list[Entry], world: int, chunks: Chunks, keep_assignment: b
     it to the holder with the least storage planned so far (non-tensors
     count 1), ties to the holder its set iterates first. The holder sets are
     built as DCP builds them (ranks added in ascending order), so the choice
-    is the same; ``tests/test_scale_plan.py`` checks it against DCP's own
+    is the same; ``tests/integration/test_scale.py`` checks it against DCP's own
     function.
     """
     everyone = list(range(world))

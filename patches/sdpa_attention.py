@@ -43,7 +43,7 @@ Tensor parallelism
 
     (forcing the MATH backend failed too, on mixed Tensor/DTensor operands).
     Measured on a 2-rank gloo TP mesh: output and q/k/v grads equal to
-    single-device SDPA (max |diff| 0.0; tests/test_meshes_cpu.py allows 1e-6
+    single-device SDPA (max |diff| 0.0; tests/integration/test_meshes_cpu.py allows 1e-6
     for the grads); FSDP 2 x TP 2 step-1 loss equal to FSDP 2's on the same
     data (8.08185 both). The same holds where the override is active on
     CUDA (``cpu_only=False``): the kernel only ever sees local tensors, whether

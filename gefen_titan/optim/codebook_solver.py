@@ -65,7 +65,7 @@ histograms) and makes every layer gefen-x's layer provided
 * the rounding-error bound is right, a hand derivation (with a factor-3
   margin), not a machine-checked proof.
 
-What the tests check (``tests/test_codebook_solver.py``): bit-identity (integer
+What the tests check (``tests/unit/test_codebook_solver.py``): bit-identity (integer
 view of the float32 codebook) with ``gefen.quantization.exact_dp`` on
 histograms of real gradients of small models block-normalized the way
 gefen's learner does (one through the learner itself), on synthetic Gaussian,

@@ -35,7 +35,7 @@ def test_torchtitan_is_the_pinned_version():
     assert f'"torchtitan=={EXPECTED}"' in (ROOT / "pyproject.toml").read_text()
 
 
-# ------------------------------------------------ gefen_titan/optimizer.py
+# --------------------------------------- gefen_titan/optim/container.py, registry.py
 def test_optimizer_registry_hook():
     """GefenOptimizersContainer overrides ``_resolve_optimizer_factory`` (a
     staticmethod of name -> factory) to add Gefen, and builds per-name groups
@@ -74,7 +74,7 @@ def test_optimizer_state_helpers():
     assert fresh.param_groups[0]["lr"] == 0.1
 
 
-# ---------------------------------------------- gefen_titan/checkpoint.py
+# -------------------------------------- gefen_titan/checkpoint/manager.py
 def test_checkpoint_manager_load_path():
     """GefenCheckpointManager overrides ``dcp_load`` (same signature) and reads
     ``self.states``; torchtitan's ``_load`` must route every load through it."""
@@ -99,7 +99,7 @@ def test_remote_paths_rule():
     assert not filesystem.is_remote("/local/ckpt")
 
 
-# ---------------------------------------------- gefen_titan/dataloader.py
+# ------------------------------------------- gefen_titan/data/elastic*.py
 def test_text_dataset_resume_state(tmp_path):
     """ElasticTextDataset subclasses HuggingFaceTextDataset and reads its
     ``_original_data`` / ``_data`` / ``_sample_idx`` / ``_epoch`` and its
@@ -151,7 +151,7 @@ class _Numbers(torch.utils.data.IterableDataset):
         return iter(range(4))
 
 
-# ------------------------------------- gefen_titan/recipe.py, validate_hooks.py
+# ----------------------------- gefen_titan/recipe/, gefen_titan/validation/hooks.py
 def test_config_surface():
     """Recipes map ``[job] dump_folder / hf_assets_path`` to top-level
     Trainer.Config fields, rebuild models with ``model_registry``, start from

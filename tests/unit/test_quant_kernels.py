@@ -11,7 +11,7 @@ Where they run:
 * Triton's interpreter on CPU tensors, always. ``TRITON_INTERPRET=1`` has to be
   set before the kernels are decorated, and must not leak into the rest of the
   test session, so this module re-runs itself in one subprocess with it set
-  (``python tests/test_quant_kernels.py --device cpu`` runs the same checks
+  (``python -m tests.unit.test_quant_kernels --device cpu`` runs the same checks
   by hand);
 * the compiled kernels on CUDA, in a subprocess without the interpreter,
   whenever a GPU is present;
