@@ -10,6 +10,7 @@ fails every rank the same way and at once.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import sys
@@ -71,6 +72,13 @@ def main(argv: list[str] | None = None) -> None:
         raise
     else:
         trainer.close()
+        # Free the trainer (and the collective work handles its modules and
+        # hooks still hold, some only through reference cycles) while the
+        # interpreter is whole: gloo work destroyed during interpreter
+        # finalization can abort the process after a finished run (seen once
+        # here: SIGABRT, "terminate called without an active exception").
+        trainer = None
+        gc.collect()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         logger.info("Process group destroyed")
