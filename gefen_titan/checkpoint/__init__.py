@@ -5,8 +5,10 @@
   generated from it;
 * ``manager``: ``GefenCheckpointManager``, torchtitan's manager told the
   checkpoint's layout before a load (``LoadPreparer``);
-* ``storage``: every read and write outside torchtitan's own, local folders
-  and fsspec URLs alike;
+* ``storage``: every read and write, local folders and fsspec URLs alike;
+* ``digests`` / ``integrity``: the ``.digests`` file (a digest of every
+  stored byte) and the DCP writers that record it and readers that check it
+  before anything loaded is used;
 * ``errors``: ``GefenCheckpointError`` and the messages every rank raises;
 * ``reader`` / ``records``: an offline, single-process view of a checkpoint
   and its Gefen records (the ``gefen-titan ckpt`` tools);

@@ -7,9 +7,16 @@ thing: before torchtitan's ``dcp.load`` it reads the metadata and hands it to
 every component that is a ``LoadPreparer`` (the optimizer container, the
 elastic data loader), and after the load (or its failure) calls their
 ``abort_load``. It also tells every component that saves views of live
-tensors (``SnapshotsOnSave``) whether saves are asynchronous. Saving, async
-modes, ``load_step``, ``exclude_from_loading`` and ``initial_load_path`` are
-torchtitan's own.
+tensors (``SnapshotsOnSave``) whether saves are asynchronous.
+
+Integrity: every DCP save (synchronous or async) goes through
+``storage.storage_writer``, which also writes ``.digests``; every load reads
+``.metadata`` checked against it (agreed on every rank) and loads through
+``storage.storage_reader``, which checks every stored item, on every rank,
+before the first byte reaches a live tensor (``checkpoint.integrity``). A
+checkpoint without ``.digests`` loads unchecked, with one log line.
+Scheduling saves, async modes, ``load_step``, ``exclude_from_loading``,
+``initial_load_path`` and HF checkpoints are torchtitan's own.
 """
 
 from __future__ import annotations
@@ -17,11 +24,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torchtitan.components.checkpoint import CheckpointManager
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
+from torchtitan.tools.logging import logger
+from torchtitan.tools.utils import GarbageCollection
 
-from gefen_titan.checkpoint.errors import unreadable
-from gefen_titan.checkpoint.storage import read_metadata
+from gefen_titan.checkpoint import digests
+from gefen_titan.checkpoint.errors import GefenCheckpointError, agree, unreadable
+from gefen_titan.checkpoint.storage import read_checked_metadata, refusal, storage_reader, storage_writer
 
 __all__ = ["GefenCheckpointManager", "LoadPreparer", "SnapshotsOnSave"]
 
@@ -66,27 +79,58 @@ class GefenCheckpointManager(CheckpointManager):
             if isinstance(component, SnapshotsOnSave):
                 component.snapshot_on_save = str(config.async_mode) != "disabled"
 
+    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
+                 enable_garbage_collection: bool = False, to_hf: bool = False) -> Any:
+        """torchtitan's DCP save with a writer that also records ``.digests`` (HF exports are torchtitan's)."""
+        if to_hf:
+            return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        writer = storage_writer(checkpoint_id)
+        if async_mode == AsyncMode.ASYNC:
+            ret = dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id, process_group=self.pg)
+        elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+            ret = dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id, process_group=self.pg,
+                                 async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self.stager)
+        else:
+            ret = dcp.save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id)
+        if enable_garbage_collection:
+            GarbageCollection.collect("GC collection invoked by checkpointer.")
+        return ret
+
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        if from_hf:
+            return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        # The same file on every rank gives the same verdict; agreed all the
+        # same, so a rank that could not read it does not leave the others waiting.
+        error, metadata, record = None, None, None
+        try:
+            metadata, record = read_checked_metadata(checkpoint_id)
+        except GefenCheckpointError as e:
+            error = str(e)
+        except Exception as e:  # OSError, a foreign file
+            error = str(unreadable(checkpoint_id, e))
+        agree(error, "the checkpoint cannot be loaded")
+        if record is None and (not dist.is_initialized() or dist.get_rank() == 0):
+            logger.warning(f"checkpoint {checkpoint_id} carries no {digests.FILE} (written by torchtitan's own writer "
+                           "or before gefen-titan recorded digests): loading it unchecked; `gefen-titan ckpt verify` "
+                           "checks its records' CRC32s")
         # Every rank holds the same components in the same order, so every
         # rank prepares them in the same order (their reads are collective).
         prepared = [
             (component, key)
             for key, component in self.states.items()
-            if not from_hf and key in state_dict and isinstance(component, LoadPreparer)
+            if key in state_dict and isinstance(component, LoadPreparer)
         ]
-        if not prepared:
-            return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
-        try:
-            metadata = read_metadata(checkpoint_id)
-        except (OSError, CheckpointException) as e:
-            raise unreadable(checkpoint_id, e) from e
+        reader = storage_reader(checkpoint_id, metadata=metadata, digests=record, agree=True, check_unread=True)
         try:
             for component, key in prepared:
                 component.prepare_load(checkpoint_id, metadata, prefix=f"{key}.")
-            super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+            dcp.load(state_dict, storage_reader=reader)
+            # torchtitan flattens the model's entries into state_dict and loads them itself.
+            if MODEL in self.states:
+                self.states[MODEL].load_state_dict(state_dict)
         except (CheckpointException, OSError) as e:
-            # A read failure: DCP raises the same CheckpointException on every rank.
-            raise unreadable(checkpoint_id, e) from e
+            # A read failure or a damaged byte: DCP raises the same CheckpointException on every rank.
+            raise refusal(checkpoint_id, e) from e
         finally:
             for component, _ in prepared:
                 component.abort_load()

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from gefen_titan.checkpoint import schema, storage
@@ -172,8 +173,8 @@ class Checkpoint:
             with warnings.catch_warnings():
                 # DCP warns that it runs in a single process: that is the point here.
                 warnings.filterwarnings("ignore", message=".*single process.*")
-                dcp.load(sd, storage_reader=storage.storage_reader(self.path), no_dist=True)
-        except Exception as e:  # CheckpointException wraps the cause
+                dcp.load(sd, storage_reader=storage.storage_reader(self.path, metadata=self.metadata), no_dist=True)
+        except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps the cause
             raise CkptError(
                 f"cannot read checkpoint {self.path} ({root_cause(e)}): a file is missing, truncated or "
                 f"unreadable; `gefen-titan ckpt verify {self.path}` names it") from e

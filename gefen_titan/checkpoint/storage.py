@@ -8,6 +8,10 @@ header and record reads, the ``ckpt`` tools) goes through here, so it sees
 the same storage torchtitan wrote to. The ``ckpt`` tools also read a
 checkpoint's files byte for byte (``list_files``, ``file_size``,
 ``open_file``) and write converted checkpoints (``storage_writer``).
+
+Every reader and writer made here is ``gefen_titan.checkpoint.integrity``'s:
+writers record ``.digests`` (a digest of every stored byte), readers check
+``.metadata`` before unpickling it and every item before it is used.
 """
 
 from __future__ import annotations
@@ -19,16 +23,22 @@ from typing import Any, BinaryIO
 import torch
 import torch.distributed.checkpoint as dcp
 from fsspec.core import url_to_fs
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torchtitan.tools import filesystem
 
-from gefen_titan.checkpoint.errors import unreadable
+from gefen_titan.checkpoint import digests
+from gefen_titan.checkpoint.digests import Digests
+from gefen_titan.checkpoint.errors import GefenCheckpointError, unreadable
+from gefen_titan.checkpoint.integrity import (
+    CheckedFileSystemReader,
+    CheckedFsspecReader,
+    DigestingFileSystemWriter,
+    DigestingFsspecWriter,
+)
 
-__all__ = ["is_remote", "read_metadata", "read_small", "storage_reader", "storage_writer", "list_files", "file_size",
-           "open_file", "join"]
+__all__ = ["is_remote", "read_metadata", "read_checked_metadata", "read_digests", "read_small", "storage_reader",
+           "storage_writer", "list_files", "file_size", "open_file", "join", "refusal"]
 
 
 def is_remote(checkpoint_id: str | os.PathLike) -> bool:
@@ -36,17 +46,41 @@ def is_remote(checkpoint_id: str | os.PathLike) -> bool:
     return filesystem.is_remote(checkpoint_id)
 
 
-def storage_reader(checkpoint_id: str | os.PathLike) -> StorageReader:
-    """A DCP reader for a checkpoint folder: fsspec for URLs, the file system otherwise."""
+def storage_reader(checkpoint_id: str | os.PathLike, **checks: Any) -> CheckedFileSystemReader:
+    """A checking DCP reader for a checkpoint folder: fsspec for URLs, the file system otherwise.
+
+    ``checks`` (``metadata``, ``digests``, ``agree``, ``check_unread``): see
+    ``integrity._CheckedReading``; ``agree`` only where every rank loads
+    together (a collective load), never in a single-process tool.
+    """
     checkpoint_id = os.fspath(checkpoint_id)
     if is_remote(checkpoint_id):
-        return FsspecReader(checkpoint_id)
-    return FileSystemReader(checkpoint_id)
+        return CheckedFsspecReader(checkpoint_id, **checks)
+    return CheckedFileSystemReader(checkpoint_id, **checks)
 
 
 def read_metadata(checkpoint_id: str | os.PathLike) -> Metadata:
-    """The checkpoint's DCP metadata (``.metadata``); raises OSError or CheckpointException."""
-    return storage_reader(checkpoint_id).read_metadata()
+    """The checkpoint's DCP metadata (``.metadata``), checked against ``.digests`` when it has one.
+
+    Raises OSError for a missing file, ``GefenCheckpointError``
+    (``digests.CorruptCheckpointError``) for damaged bytes.
+    """
+    return read_checked_metadata(checkpoint_id)[0]
+
+
+def read_checked_metadata(checkpoint_id: str | os.PathLike) -> tuple[Metadata, Digests | None]:
+    """``read_metadata`` and the checkpoint's ``.digests`` (None: written without digests, loads unchecked)."""
+    reader = storage_reader(checkpoint_id)
+    metadata = reader.read_metadata()
+    return metadata, reader.digests()
+
+
+def read_digests(checkpoint_id: str | os.PathLike) -> Digests | None:
+    """The checkpoint's ``.digests`` (None: it has none); ``CorruptCheckpointError`` if it is damaged."""
+    if file_size(checkpoint_id, digests.FILE) is None:
+        return None
+    with open_file(checkpoint_id, digests.FILE) as f:
+        return digests.parse(f.read(), os.fspath(checkpoint_id))
 
 
 def read_small(checkpoint_id: str, metadata: Metadata, prefix: str, tensors: list[str],
@@ -64,18 +98,31 @@ def read_small(checkpoint_id: str, metadata: Metadata, prefix: str, tensors: lis
                              for k in tensors}
     small.update({prefix + k: "" for k in strings})
     try:
-        dcp.load(small, storage_reader=storage_reader(checkpoint_id))
-    except Exception as e:  # CheckpointException (an Exception) wraps the cause
-        raise unreadable(checkpoint_id, e) from e
+        dcp.load(small, storage_reader=storage_reader(checkpoint_id, metadata=metadata, agree=True))
+    except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps the cause
+        raise refusal(checkpoint_id, e) from e
     return {k[len(prefix):]: v for k, v in small.items()}
 
 
-def storage_writer(checkpoint_id: str | os.PathLike) -> StorageWriter:
-    """A DCP writer for a new checkpoint folder (fsspec for URLs)."""
+def refusal(checkpoint_id: str, error: Exception) -> GefenCheckpointError:
+    """The error every rank raises for a failed collective read: a damaged
+    byte's own message (raised by the readers on every rank together, and
+    wrapped by DCP in a CheckpointException), else ``unreadable``."""
+    if isinstance(error, GefenCheckpointError):
+        return GefenCheckpointError(str(error))
+    for failure in (getattr(error, "failures", None) or {}).values():
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, GefenCheckpointError):
+            return GefenCheckpointError(str(cause))
+    return unreadable(checkpoint_id, error)
+
+
+def storage_writer(checkpoint_id: str | os.PathLike) -> DigestingFileSystemWriter:
+    """A DCP writer for a new checkpoint folder (fsspec for URLs) that also writes ``.digests``."""
     checkpoint_id = os.fspath(checkpoint_id)
     if is_remote(checkpoint_id):
-        return FsspecWriter(checkpoint_id)
-    return FileSystemWriter(checkpoint_id)
+        return DigestingFsspecWriter(checkpoint_id)
+    return DigestingFileSystemWriter(checkpoint_id)
 
 
 def join(checkpoint_id: str | os.PathLike, name: str) -> str:

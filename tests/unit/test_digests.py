@@ -1,0 +1,144 @@
+"""``.digests``: written by every save through ``storage.storage_writer``, checked by every load.
+
+One process, DCP with ``no_dist=True``: the writer and reader pair of
+``checkpoint.integrity`` on a small state dict of tensors and an object
+entry. The multi-rank resume of a real recipe is
+tests/integration/test_checkpoint_integrity.py.
+"""
+
+import os
+import pickle
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from gefen_titan.checkpoint import digests, storage
+from gefen_titan.checkpoint.errors import GefenCheckpointError
+from gefen_titan.ckpt.verify import verify_checkpoint
+
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "checkpoint_format.md").read_text()
+pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
+
+
+def state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(64, 32, generator=g), "codes": torch.randint(0, 255, (300,), dtype=torch.uint8,
+                                                                          generator=g),
+            "record": '{"format": "x", "values": [1, 2, 3]}', "step": torch.tensor(7)}
+
+
+def blank() -> dict:
+    return {"w": torch.full((64, 32), -1.0), "codes": torch.zeros(300, dtype=torch.uint8), "record": "",
+            "step": torch.tensor(0)}
+
+
+def save(path: Path) -> Path:
+    dcp.save(state(), storage_writer=storage.storage_writer(path), no_dist=True)
+    return path
+
+
+def load(path: Path) -> dict:
+    sd = blank()
+    dcp.load(sd, storage_reader=storage.storage_reader(path), no_dist=True)
+    return sd
+
+
+def test_round_trip_writes_digests_of_every_item_and_metadata(tmp_path):
+    path = save(tmp_path / "step-1")
+    record = storage.read_digests(path)
+    md = storage.read_metadata(path)
+    assert record is not None and record.count() == len(md.storage_data)
+    for info in md.storage_data.values():  # each recorded digest is that of the item's stored bytes
+        raw = (path / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+        assert record.item(info.relative_path, info.offset, info.length) == digests.hexdigest(raw)
+    assert record.metadata_digest == digests.hexdigest((path / ".metadata").read_bytes())
+    sd, want = load(path), state()
+    assert torch.equal(sd["w"], want["w"]) and torch.equal(sd["codes"], want["codes"])
+    assert sd["record"] == want["record"] and int(sd["step"]) == 7
+    assert verify_checkpoint(str(path))["ok"]
+
+
+def test_every_random_flip_is_refused_before_any_target_changes(tmp_path):
+    """40 seeded single-byte flips spread over every file; the load's targets keep their values."""
+    src = save(tmp_path / "src" / "step-1")
+    names = sorted(os.listdir(src))
+    assert digests.FILE in names and ".metadata" in names
+    rng = random.Random(0)
+    refused = 0
+    for i in range(40):
+        name = names[i % len(names)]
+        dst = tmp_path / f"c{i}" / "step-1"
+        dst.mkdir(parents=True)
+        for n in names:
+            (dst / n).write_bytes((src / n).read_bytes())
+        data = bytearray((dst / name).read_bytes())
+        offset = rng.randrange(len(data))
+        data[offset] ^= rng.randrange(1, 256)
+        (dst / name).write_bytes(bytes(data))
+        sd = blank()
+        with pytest.raises(BaseException) as err:  # DCP's CheckpointException is a BaseException
+            dcp.load(sd, storage_reader=storage.storage_reader(dst), no_dist=True)
+        assert "is corrupt" in str(err.value) and name in str(err.value), (name, offset, str(err.value))
+        assert bool((sd["w"] == -1).all()) and not sd["codes"].any(), f"{name}@{offset} reached a target"
+        report = verify_checkpoint(str(dst))
+        assert not report["ok"] and report["first_bad_file"] == name, (name, offset, report["problems"])
+        refused += 1
+    assert refused == 40
+
+
+def test_every_byte_of_the_digest_file_counts(tmp_path):
+    raw = (save(tmp_path / "step-1") / digests.FILE).read_bytes()
+    assert digests.parse(raw, "x").count() > 0
+    for i in range(len(raw)):
+        for flip in (0x01, 0x20, 0x80):
+            bad = bytearray(raw)
+            bad[i] ^= flip
+            with pytest.raises(digests.CorruptCheckpointError) as err:
+                digests.parse(bytes(bad), "x")
+            assert err.value.file == digests.FILE
+
+
+def test_checkpoint_without_digests_loads_unchecked(tmp_path):
+    path = tmp_path / "step-1"
+    dcp.save(state(), checkpoint_id=str(path), no_dist=True)  # DCP's own writer, as torchtitan's
+    assert storage.read_digests(path) is None
+    sd = load(path)
+    assert torch.equal(sd["w"], state()["w"])
+    report = verify_checkpoint(str(path))
+    assert report["ok"] and not report["digests"]
+
+
+def test_corrupt_metadata_is_refused_before_unpickling(tmp_path):
+    path = save(tmp_path / "step-1")
+    raw = bytearray((path / ".metadata").read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    (path / ".metadata").write_bytes(bytes(raw))
+    with pytest.raises(GefenCheckpointError, match=r"\.metadata: its xxh3_64 digest"):
+        storage.read_metadata(path)
+
+
+def test_error_names_the_older_step(tmp_path):
+    save(tmp_path / "checkpoint" / "step-2")
+    path = save(tmp_path / "checkpoint" / "step-5")
+    msg = digests.corrupt_message(str(path), "__0_0.distcp", "optimizer.x", "bad")
+    assert "__0_0.distcp, entry optimizer.x: bad" in msg and "--checkpoint.load_step 2" in msg
+
+
+def test_writer_pickles_for_process_based_async_saves(tmp_path):
+    writer = pickle.loads(pickle.dumps(storage.storage_writer(tmp_path / "step-1")))
+    dcp.save(state(), storage_writer=writer, no_dist=True)
+    assert storage.read_digests(tmp_path / "step-1") is not None
+    assert torch.equal(load(tmp_path / "step-1")["w"], state()["w"])
+
+
+def test_corrupt_error_pickles_across_ranks():
+    e = pickle.loads(pickle.dumps(digests.CorruptCheckpointError("m", digests.FILE, what="w")))
+    assert isinstance(e, GefenCheckpointError) and str(e) == "m"
+
+
+def test_doc_shows_the_digest_file_table():
+    assert digests.file_table() in DOC, ("docs/checkpoint_format.md's .digests table differs from "
+                                         "gefen_titan.checkpoint.digests.file_table(); paste it into the doc")
