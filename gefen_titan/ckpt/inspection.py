@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from gefen_titan.checkpoint import schema, storage
+from gefen_titan.checkpoint import digests, schema, storage
 from gefen_titan.checkpoint.reader import MODEL, OPTIMIZER, Checkpoint, Entry, split_state_key
 from gefen_titan.checkpoint.records import GefenState, codebook_summary, read_gefen
 
@@ -52,6 +52,7 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         "format": _format(gefen),
         "files": files,
         "total_bytes": sum(f["bytes"] or 0 for f in files),
+        "digests": _digests(ck),
         "counters": _small_values(ck),
         "optimizers": [],
     }
@@ -75,6 +76,17 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     if not opt:
         report["note"] = "no optimizer state (a model-only checkpoint)"
     return report
+
+
+def _digests(ck: Checkpoint) -> dict[str, Any]:
+    """Whether the checkpoint carries ``.digests`` (loads check every byte) or not (loads unchecked)."""
+    try:
+        record = storage.read_digests(ck.path)
+    except digests.CorruptCheckpointError as e:
+        return {"file": digests.FILE, "state": "damaged", "detail": str(e)}
+    if record is None:
+        return {"file": None, "state": "none"}
+    return {"file": digests.FILE, "state": "present", "algorithm": digests.ALGORITHM, "items": record.count()}
 
 
 def _file_bytes(ck: Checkpoint, name: str) -> int | None:
@@ -287,6 +299,15 @@ def _mesh(ck: Checkpoint, counters: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ text
+def _digest_line(d: dict[str, Any]) -> str:
+    if d["state"] == "present":
+        return (f"{d['file']}: {d['algorithm']} of .metadata and of {d['items']:,} stored items (every load checks "
+                "them)")
+    if d["state"] == "damaged":
+        return f"{d['file']} is damaged: loads refuse this checkpoint (`gefen-titan ckpt verify` says more)"
+    return "none: loads read this checkpoint unchecked (`gefen-titan ckpt verify` checks its CRC32s)"
+
+
 def _n(x: int | None) -> str:
     return "?" if x is None else f"{x:,}"
 
@@ -343,6 +364,7 @@ def render(report: dict[str, Any]) -> str:
         f"format      {fmt_line}",
         f"files       {len(report['files'])} data file(s), {_mb(report['total_bytes'])}: "
         + ", ".join(x["name"] for x in report["files"][:4]) + (" ..." if len(report["files"]) > 4 else ""),
+        f"digests     {_digest_line(report['digests'])}",
         f"saved on    {report['mesh']['summary']}",
         f"counters    {counters}",
     ]

@@ -13,6 +13,9 @@ Three passes, each problem naming the file it is in:
    floating values must be finite (Gefen's magnitudes and ``vmean``,
    GefenMuon's magnitudes and NorMuon rows, v1's blocks and AdamW's
    ``exp_avg_sq`` also non-negative).
+   When the checkpoint carries ``.digests`` (``checkpoint.digests``: what
+   every load checks), each item's digest and ``.metadata``'s are checked
+   too, exactly as the load checks them, and ``.digests`` itself.
 3. **Records.** Gefen's and GefenMuon's records, codebooks and grids
    (``records.read_gefen``: the checks of the load that need no live
    model), and torch optimizers' state (each parameter's
@@ -34,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gefen_titan.checkpoint import schema, storage
+from gefen_titan.checkpoint import digests, schema, storage
 from gefen_titan.checkpoint.reader import OPTIMIZER, Checkpoint, CkptError, Entry, split_state_key
 from gefen_titan.checkpoint.records import read_gefen
 
@@ -64,7 +67,23 @@ class _Verifier:
         self.path = str(path)
         self.problems: list[Problem] = []
         self.warnings: list[str] = []
-        self.checked = {"files": 0, "items": 0, "bytes": 0, "entries": 0, "crc_checked": 0}
+        self.checked = {"files": 0, "items": 0, "bytes": 0, "entries": 0, "crc_checked": 0, "digests_checked": 0}
+        self.digests: digests.Digests | None = None
+        self.has_digests = False
+
+    def digest_file(self) -> bool:
+        """``.digests`` and ``.metadata`` against it, as the load checks them; False if either is damaged."""
+        try:
+            self.digests = storage.read_digests(self.path)
+            self.has_digests = self.digests is not None
+            if self.digests is not None and storage.file_size(self.path, digests.METADATA_FILE) is not None:
+                with storage.open_file(self.path, digests.METADATA_FILE) as f:
+                    self.digests.check_metadata(f.read(), self.path)
+        except digests.CorruptCheckpointError as err:
+            self.has_digests = True
+            self.add(err.file, None, err.what)
+            return False
+        return True
 
     def add(self, file: str | None, entry: str | None, what: str) -> None:
         self.problems.append(Problem(file, entry, what))
@@ -139,6 +158,15 @@ class _Verifier:
                     if len(data) != length:
                         self.add(name, index.fqn, f"short read: {len(data)} of {length} bytes")
                         continue
+                    if self.digests is not None:
+                        expected = self.digests.item(name, offset, length)
+                        self.checked["digests_checked"] += 1
+                        # Then the checks below too: they say more about what the damage hit.
+                        if expected is None:
+                            self.add(name, index.fqn, f"no digest recorded for this item in {digests.FILE}")
+                        elif digests.hexdigest(data) != expected:
+                            self.add(name, index.fqn, f"corrupt bytes: {digests.ALGORITHM} digest mismatch (the "
+                                                      "load refuses it)")
                     if info.transform_descriptors:
                         self.warnings.append(f"{name}: {index.fqn} is stored transformed "
                                              f"({', '.join(info.transform_descriptors)}); its bytes were read, "
@@ -291,10 +319,12 @@ def verify_checkpoint(path: str) -> dict[str, Any]:
     """The report ``verify`` prints (``--json`` prints exactly this); ``ok`` is the verdict."""
     v = _Verifier(path)
     summary: dict[str, Any] = {}
+    intact = v.digest_file()
     try:
         ck = Checkpoint(path)
     except CkptError as err:
-        v.add(".metadata", None, str(err))
+        if intact:  # else the damaged file is reported already, and is why .metadata was not read
+            v.add(".metadata", None, str(err))
         ck = None
     if ck is not None:
         v.tiling(ck)
@@ -307,6 +337,7 @@ def verify_checkpoint(path: str) -> dict[str, Any]:
         "problems": [asdict(p) for p in v.problems],
         "warnings": v.warnings,
         "checked": v.checked,
+        "digests": v.has_digests,
         **summary,
     }
     if first is not None:
@@ -325,7 +356,9 @@ def verify_checkpoint(path: str) -> dict[str, Any]:
 def render(report: dict[str, Any]) -> str:
     c = report["checked"]
     read = (f"{c['files']} file(s), {c['items']:,} items, {c['bytes'] / 1e6:.2f} MB read, "
-            f"{c['crc_checked']:,} CRC32 checked")
+            f"{c['crc_checked']:,} CRC32 checked, "
+            + (f"{c['digests_checked']:,} {digests.ALGORITHM} digests checked" if report.get("digests") else
+               f"no {digests.FILE} (loads read this checkpoint unchecked)"))
     lines = []
     if report["ok"]:
         lines.append(f"OK      {report['path']}: {read}")

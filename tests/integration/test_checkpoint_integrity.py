@@ -1,0 +1,111 @@
+"""A flipped byte anywhere in a checkpoint is refused by the resume, on every rank, before anything live changes.
+
+One 2-rank train.py run of ``recipes/llama_gefen.toml`` saves steps 2 and
+4. Single random bytes (seeded) are flipped in copies of it, spread over
+every file of step 4 (each rank's data file, ``.metadata``, ``.digests``),
+one flip a copy. Then:
+
+* one launch of 2 ranks builds the recipe's trainer once and resumes each
+  copy through its checkpoint manager: every one is refused on both ranks
+  with the file, the entry and ``--checkpoint.load_step 2`` in the error,
+  and the live parameters, optimizer state and step are as they were;
+  step 2 of a flipped copy still loads;
+* ``gefen-titan ckpt verify`` names the flipped file of each copy;
+* one real ``train.py`` resume of a flipped copy fails on both ranks with
+  that error and trains no step.
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+import gefen_titan.train
+from gefen_titan.checkpoint import digests
+from gefen_titan.ckpt.verify import verify_checkpoint
+from tests.helpers import processes
+from tests.helpers.integrity_worker import resume_flipped
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ["--job.config", "recipes/llama_gefen.toml", "--checkpoint.interval", "2"]
+SEED = 19
+FLIPS_PER_FILE = 2
+STEP_RE = re.compile(r"step:\s+(\d+)\s+\S*\s*loss:")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """The run's dump folder: ``checkpoint/step-2`` and ``checkpoint/step-4``."""
+    dump = tmp_path_factory.mktemp("saved")
+    processes.run_ranks(2, gefen_titan.train.main, [*RECIPE, "--job.dump_folder", str(dump), "--training.steps", "4"],
+                        logs=dump / "logs", timeout=600)
+    return dump
+
+
+def flip_copies(saved: Path, root: Path) -> list[tuple[Path, str, int]]:
+    """(copy's checkpoint folder, flipped file, offset) for each flip: step 4's files, ``FLIPS_PER_FILE`` each.
+
+    Unchanged files are hard links (a copy costs no disk); the flipped one
+    is a real copy with one byte XORed with a random non-zero value.
+    """
+    rng = random.Random(SEED)
+    src = saved / "checkpoint"
+    names = sorted(os.listdir(src / "step-4"))
+    assert {digests.METADATA_FILE, digests.FILE, "__0_0.distcp", "__1_0.distcp"} <= set(names), names
+    out = []
+    for name in names:
+        size = (src / "step-4" / name).stat().st_size
+        for k in range(FLIPS_PER_FILE):
+            folder = root / f"{name.strip('.')}-{k}" / "checkpoint"
+            shutil.copytree(src, folder, copy_function=os.link)
+            target = folder / "step-4" / name
+            data = bytearray(target.read_bytes())
+            target.unlink()  # break the hard link: the source stays intact
+            offset = rng.randrange(size)
+            data[offset] ^= rng.randrange(1, 256)
+            target.write_bytes(bytes(data))
+            out.append((folder, name, offset))
+    return out
+
+
+def test_every_flipped_byte_is_refused(saved, tmp_path):
+    copies = flip_copies(saved, tmp_path / "copies")
+    # The intact checkpoint is verified clean and carries digests.
+    clean = verify_checkpoint(str(saved / "checkpoint" / "step-4"))
+    assert clean["ok"] and clean["digests"] and clean["checked"]["digests_checked"] == clean["checked"]["items"]
+
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [*RECIPE, "--job.dump_folder", str(tmp_path / "dump"), "--copies", str(out), "4", "2",
+            *(str(folder) for folder, _, _ in copies)]
+    processes.run_ranks(2, resume_flipped, argv, logs=tmp_path / "logs", timeout=900)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    refused = 0
+    for i, (folder, name, offset) in enumerate(copies):
+        for r, seen in enumerate(ranks):
+            v = seen["flips"][i]
+            assert not v["loaded"], f"rank {r} loaded {name} flipped at byte {offset}"
+            assert v["unchanged"], f"rank {r}: live state changed by the refused load of {name}@{offset}"
+            assert "is corrupt" in v["error"] and name in v["error"], v["error"]
+            assert "--checkpoint.load_step 2" in v["error"], v["error"]
+        report = verify_checkpoint(str(folder / "step-4"))
+        assert not report["ok"] and report["first_bad_file"] == name, (name, offset, report["problems"])
+        refused += 1
+    assert all(seen["previous_step"] == 2 for seen in ranks)  # the older step of a flipped copy still resumes
+    assert refused == len(copies) == FLIPS_PER_FILE * 4
+    print(f"{refused} of {len(copies)} single-byte flips refused on both ranks and named by verify")
+
+    # End to end: a real train.py resume of a flipped data file fails on both ranks and trains nothing.
+    folder, name, _ = next(c for c in copies if c[1] == "__1_0.distcp")
+    proc = processes.torchrun(2, str(ROOT / "train.py"), *RECIPE, "--job.dump_folder", str(folder.parent),
+                              "--training.steps", "6", timeout=600)
+    log = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+    assert proc.returncode != 0, log[-3000:]
+    assert not STEP_RE.search(log), log[-3000:]
+    errors = re.findall(r"GefenCheckpointError: .*is corrupt: " + re.escape(name) + r".*", log)
+    assert len(errors) >= 2, log[-5000:]  # raised on both ranks
+    assert "--checkpoint.load_step 2" in errors[0]
