@@ -17,7 +17,14 @@ names the version); ``v1`` the per-rank format (``blocking = "per_rank"``);
 ``gefen-x`` gefen-x's own ``GefenDCPState``; ``adamw`` the baseline;
 ``gefen-muon`` (not in the default list) the current format with GefenMuon
 for the hidden matrices and Gefen for the rest, the param groups of
-``recipes/llama_gefen_muon.toml``.
+``recipes/llama_gefen_muon.toml``; ``digests`` the current format saved and
+loaded as ``GefenCheckpointManager`` does it (``checkpoint.storage``'s
+writer, which records ``.digests``, and its checking reader, which checks
+every item on every rank before the first commit), where ``current`` uses
+DCP's own writer and reader: with both in the run, a line prints the
+digests' cost on its own: its workers also save and load the same state
+without and with digests, alternated ``PAIRED`` times in one process, best
+of each (separate launches differ by more than the cost on a shared machine).
 
 Prints, per method: optimizer bytes/param on disk and on disk over in
 memory, the first step's time, save time and the peak RSS growth during the
@@ -50,22 +57,23 @@ import time
 
 MODELS = {"debug": "debugmodel", "150M": "150M"}
 DEFAULT_METHODS = ("current", "v1", "gefen-x", "adamw")
-METHODS = (*DEFAULT_METHODS, "gefen-muon")
+METHODS = (*DEFAULT_METHODS, "gefen-muon", "digests")
 # recipes/llama_gefen_muon.toml's split: GefenMuon for the hidden matrices, Gefen (the shorthand) for the rest.
 MUON_PATTERN = r"^layers\.\d+\.(attention|feed_forward)\."
 MUON_KWARGS = {"momentum": 0.95, "nesterov": True, "ns_steps": 5, "adjust_lr_fn": "match_rms_adamw", "normuon": True}
 SAVE_TARGET, LOAD_TARGET, PEAK_TARGET = 0.5, 1.0, 1.0
+PAIRED = 5  # alternated saves/loads without and with digests in one process (method "digests")
 
 
 def method_label(method: str) -> str:
     """The method's row name; ``current`` names the format a run writes today."""
-    if method == "current":
+    if method in ("current", "digests"):
         from gefen_titan.checkpoint import schema as fmt
         from gefen_titan.optim.container import GefenOptimizersContainer
 
         blocking = GefenOptimizersContainer.Config().blocking
         version = fmt.VERSION if blocking == "agreed" else fmt.V1
-        return f"gefen-titan v{version} ({blocking}, current)"
+        return f"gefen-titan v{version} ({blocking}, current)" + (" + .digests" if method == "digests" else "")
     return {"v1": "gefen-titan v1 (per_rank)", "gefen-x": "gefen-x GefenDCPState", "adamw": "AdamW",
             "gefen-muon": "gefen-titan GefenMuon + Gefen (agreed)"}[method]
 
@@ -157,6 +165,38 @@ def _worker(args) -> None:
     def largest_shard() -> int:
         return max(p.to_local().nbytes for p in model.parameters())
 
+    def load_current(ckpt: str) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        opt.prepare_load(ckpt, FileSystemReader(ckpt).read_metadata(), prefix="optimizer.")
+        try:
+            dcp.load({"optimizer": opt}, checkpoint_id=ckpt)
+        finally:
+            opt.abort_load()
+
+    def load_checked() -> None:  # as GefenCheckpointManager.dcp_load reads it
+        from gefen_titan.checkpoint import storage
+
+        md, record = storage.read_checked_metadata(args.ckpt)
+        opt.prepare_load(args.ckpt, md, prefix="optimizer.")
+        try:
+            dcp.load({"optimizer": opt}, storage_reader=storage.storage_reader(
+                args.ckpt, metadata=md, digests=record, agree=True, check_unread=True))
+        finally:
+            opt.abort_load()
+
+    def paired(plain, checked) -> dict:
+        """The digests' cost on its own: without and with them, alternated in this process, best of PAIRED each."""
+        times: dict = {"plain": [], "digests": []}
+        for _ in range(PAIRED):
+            for label, fn in (("plain", plain), ("digests", checked)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                dist.barrier()
+                times[label].append(time.perf_counter() - t0)
+        return {k: min(v) for k, v in times.items()}
+
     profiler = cProfile.Profile() if args.profile and rank == 0 else None
     result = {}
     if args.mode == "save":
@@ -174,6 +214,10 @@ def _worker(args) -> None:
         dist.all_reduce(totals)
         result["memory_bytes"] = float(totals[0])
         kwargs = {}
+        if args.method == "digests":
+            from gefen_titan.checkpoint import storage
+
+            kwargs["storage_writer"] = storage.storage_writer(args.ckpt)
         if args.method == "gefen-x":
             from gefen import GefenSavePlanner
 
@@ -191,6 +235,13 @@ def _worker(args) -> None:
             dist.barrier()
             result["save_s"] = time.perf_counter() - t0
         result["rss"] = {"growth": rss.growth, "state": state_bytes, "shard": largest_shard(), "method": rss.method}
+        if args.method == "digests":
+            from gefen_titan.checkpoint import storage
+
+            result["paired_s"] = paired(
+                lambda: dcp.save({"optimizer": state_obj()}, checkpoint_id=args.ckpt + ".plain"),
+                lambda: dcp.save({"optimizer": state_obj()}, checkpoint_id=args.ckpt + ".again",
+                                 storage_writer=storage.storage_writer(args.ckpt + ".again")))
         digests, update = next_update()
     else:
         # Weights first and untimed: the figures are the optimizer's alone.
@@ -201,14 +252,10 @@ def _worker(args) -> None:
             t0 = time.perf_counter()
             if profiler:
                 profiler.enable()
-            if args.method in ("current", "v1", "gefen-muon"):
-                from torch.distributed.checkpoint import FileSystemReader
-
-                opt.prepare_load(args.ckpt, FileSystemReader(args.ckpt).read_metadata(), prefix="optimizer.")
-                try:
-                    dcp.load({"optimizer": opt}, checkpoint_id=args.ckpt)
-                finally:
-                    opt.abort_load()
+            if args.method == "digests":
+                load_checked()
+            elif args.method in ("current", "v1", "gefen-muon"):
+                load_current(args.ckpt)
             else:
                 dcp.load({"optimizer": state_obj()}, checkpoint_id=args.ckpt)
             if profiler:
@@ -218,6 +265,8 @@ def _worker(args) -> None:
         state_bytes, numel = opt.state_bytes()
         result["rss"] = {"growth": rss.growth, "state": state_bytes, "shard": largest_shard(), "method": rss.method}
         result["state_bytes_per_param"] = state_bytes / numel
+        if args.method == "digests":
+            result["paired_s"] = paired(lambda: load_current(args.ckpt + ".plain"), load_checked)
         digests, update = next_update()
     if profiler:
         profiler.dump_stats(args.profile)
@@ -327,6 +376,7 @@ def run(args: argparse.Namespace, tmp: str) -> list[dict]:
         row = {"method": method, "label": method_label(method), "numel": saved["numel"],
                "bpp_disk": disk / saved["numel"], "disk_over_memory": disk / saved["memory_bytes"],
                "first_step_s": saved["first_step_s"], "save_s": saved["save_s"], "save_rss": saved["rss"],
+               "paired_save_s": saved.get("paired_s"),
                "ckpt": ckpt, "loads": {}}
         for m in args.load_ranks:
             out = os.path.join(tmp, f"{method}-load{m}.json")
@@ -335,7 +385,8 @@ def run(args: argparse.Namespace, tmp: str) -> list[dict]:
             loaded = json.load(open(out))
             # The comparison is only meaningful if the weights came back whole.
             assert loaded["weights_equal"], f"{method}: weights differ after the load at {m}"
-            row["loads"][m] = {"load_s": loaded["load_s"], "rss": loaded["rss"], "err": loaded["err"],
+            row["loads"][m] = {"load_s": loaded["load_s"], "paired_s": loaded.get("paired_s"), "rss": loaded["rss"],
+                               "err": loaded["err"],
                                "worst": loaded["worst"], "state_bpp": loaded["state_bytes_per_param"]}
         os.remove(update)
         rows.append(row)
@@ -392,7 +443,17 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
         ratios = "; ".join(f"load {n}->{m} x{ours['loads'][m]['load_s'] / adamw['loads'][m]['load_s']:.2f}"
                            for m in loads)
         lines.append(f"{ours['label']} vs AdamW in this run: save x{ours['save_s'] / adamw['save_s']:.2f}; {ratios}")
+    dg = next((r for r in rows if r["method"] == "digests"), None)
+    if dg is not None:
+        loads_cost = "; ".join(f"load {n}->{m} {_pct(dg['loads'][m]['paired_s'])}" for m in loads)
+        lines.append(f"digest cost on its own (without / with, alternated in one process, best of {PAIRED}): save "
+                     f"{_pct(dg['paired_save_s'])}; {loads_cost}")
     return "\n".join(lines)
+
+
+def _pct(paired: dict) -> str:
+    plain, checked = paired["plain"], paired["digests"]
+    return f"{100 * (checked / plain - 1):+.1f}% ({plain:.3f} s -> {checked:.3f} s)"
 
 
 def main(argv: list[str] | None = None) -> None:

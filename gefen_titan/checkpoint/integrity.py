@@ -74,10 +74,11 @@ class _HashingStream:
         self._done = False
 
     def write(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        n = self._raw.write(view)
-        n = view.nbytes if n is None else n
-        self._hasher.update(view[:n])
+        # torch.save writes each record in many small pieces: this is the
+        # save's hot path, kept to one call each. DCP's streams are buffered
+        # (a write takes all its bytes or raises), so ``b`` is what was written.
+        n = self._raw.write(b)
+        self._hasher.update(b)
         self._pos += n
         return n
 
