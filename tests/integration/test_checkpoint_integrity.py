@@ -33,7 +33,7 @@ from tests.helpers.integrity_worker import resume_flipped
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ["--job.config", "recipes/llama_gefen.toml", "--checkpoint.interval", "2"]
 SEED = 19
-FLIPS_PER_FILE = 2
+FLIPS_PER_FILE = 4
 STEP_RE = re.compile(r"step:\s+(\d+)\s+\S*\s*loss:")
 
 
