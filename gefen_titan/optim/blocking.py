@@ -21,7 +21,7 @@ does on a resume) and the state is a function of the model alone:
   at every layout and world size, and a rank receives O(candidates) bytes
   whatever the world size. Every rank then applies Gefen's own scoring
   (``gefen_state.finalize_period``) and memory-safe fallback (the whole row
-  unit), so all ranks get the same integers. Pipeline stages hold different
+  unit), so all ranks get the same periods. Pipeline stages hold different
   parameters: each stage has its own segment of the all-reduced vectors
   (its ranks write there, every other rank zeros), laid out from one small
   all-gather of every rank's stage signature and sizes. 1-D and one-element
