@@ -28,7 +28,6 @@ import torch
 from gefen_titan.checkpoint import schema
 from gefen_titan.checkpoint.errors import GefenCheckpointError, agree
 from gefen_titan.checkpoint.schema import HYPER, grid_shape
-from gefen_titan.checkpoint.storage import read_small
 from gefen_titan.distributed import like_param, local
 from gefen_titan.optim import gefen_state as gs
 from gefen_titan.optim.blocking import check_period_fits
@@ -51,6 +50,7 @@ class AgreedStateAdapter(AgreedAdapter):
 
     kind = "Gefen"
     owns = staticmethod(gs.is_gefen)
+    record_kind, codebook_kind = "optimizer", "codebook"
 
     @property
     def loading(self) -> bool:
@@ -113,21 +113,6 @@ class AgreedStateAdapter(AgreedAdapter):
         return 0, 0, 0
 
     # ------------------------------------------------------------------ load
-    def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
-        """Read and check the records; fix the destinations. Collective."""
-        ours = {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
-        parsed = {k: schema.parse_key(k) for k in ours}
-        opt_keys = sorted(k for k, pk in parsed.items() if pk and pk.kind == "optimizer")
-        books = sorted(k for k, pk in parsed.items() if pk and pk.kind == "codebook")
-        small = read_small(checkpoint_id, metadata, prefix, books, opt_keys)
-        plan, error = None, None
-        try:
-            plan = self._plan_from(checkpoint_id, small, ours, opt_keys, books)
-        except (GefenCheckpointError, ValueError) as e:
-            error = str(e)
-        agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
-        self._plan = plan
-
     def _plan_from(self, checkpoint_id, small, ours, opt_keys, books) -> _Plan:
         records, source_opt, global_steps = {}, {}, {}
         deterministic = {}

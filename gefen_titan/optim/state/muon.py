@@ -33,7 +33,6 @@ from gefen_titan.checkpoint.schema_muon import (
     check_muon_hyper,
     muon_tensor_specs,
 )
-from gefen_titan.checkpoint.storage import read_small
 from gefen_titan.distributed import like_param, like_param_rows, local
 from gefen_titan.optim import gefen_state as gs
 from gefen_titan.optim.blocking import check_period_fits
@@ -58,6 +57,7 @@ class MuonStateAdapter(AgreedAdapter):
 
     kind = "GefenMuon"
     owns = staticmethod(gs.is_gefen_muon)
+    record_kind, codebook_kind = "muon", "muon_codebook"
 
     # ------------------------------------------------------------------ save
     def _save_entries(self) -> dict[str, Any]:
@@ -95,21 +95,6 @@ class MuonStateAdapter(AgreedAdapter):
         return sd
 
     # ------------------------------------------------------------------ load
-    def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
-        """Read and check the records; fix the destinations. Collective."""
-        ours = {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
-        parsed = {k: schema.parse_key(k) for k in ours}
-        rec_keys = sorted(k for k, pk in parsed.items() if pk and pk.kind == "muon")
-        books = sorted(k for k, pk in parsed.items() if pk and pk.kind == "muon_codebook")
-        small = read_small(checkpoint_id, metadata, prefix, books, rec_keys)
-        plan, error = None, None
-        try:
-            plan = self._plan_from(checkpoint_id, small, ours, rec_keys, books)
-        except (GefenCheckpointError, ValueError) as e:
-            error = str(e)
-        agree(error, f"{_WHAT} {checkpoint_id}")
-        self._plan = plan
-
     def _plan_from(self, checkpoint_id, small, ours, rec_keys, books) -> _Plan:
         records, source_opt, global_steps, deterministic = {}, {}, {}, {}
         for key in rec_keys:

@@ -19,7 +19,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from gefen_titan.checkpoint import schema
 from gefen_titan.checkpoint.errors import GefenCheckpointError, agree
+from gefen_titan.checkpoint.storage import read_small
 from gefen_titan.distributed import all_gather_objects, is_distributed, local
 from gefen_titan.optim import gefen_state as gs
 
@@ -92,6 +94,8 @@ class AgreedAdapter(StagedLoad):
     between ``prepare_load`` and the commit, DCP's load destinations)."""
 
     kind: ClassVar[str]  # the optimizer's name in messages
+    record_kind: ClassVar[str]  # schema.parse_key's kind of its optimizer records
+    codebook_kind: ClassVar[str]  # ... and of its codebooks
 
     def __init__(self, optimizers: list[Optimizer]) -> None:
         self.optimizers = [o for o in optimizers if self.owns(o)]
@@ -120,6 +124,25 @@ class AgreedAdapter(StagedLoad):
         agree(error, f"cannot save {self.kind} optimizer state")
         check_replicated(sd, self.kind)
         return sd
+
+    def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
+        """Read and check the records; fix the destinations (``_plan_from``). Collective."""
+        ours = {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+        parsed = {k: schema.parse_key(k) for k in ours}
+        rec_keys = sorted(k for k, pk in parsed.items() if pk and pk.kind == self.record_kind)
+        books = sorted(k for k, pk in parsed.items() if pk and pk.kind == self.codebook_kind)
+        small = read_small(checkpoint_id, metadata, prefix, books, rec_keys)
+        plan, error = None, None
+        try:
+            plan = self._plan_from(checkpoint_id, small, ours, rec_keys, books)
+        except (GefenCheckpointError, ValueError) as e:
+            error = str(e)
+        agree(error, f"cannot load {self.kind} optimizer state from {checkpoint_id}")
+        self._plan = plan
+
+    @abstractmethod
+    def _plan_from(self, checkpoint_id: str, small: dict[str, Any], ours: dict[str, Any], rec_keys: list[str],
+                   books: list[str]) -> Any: ...
 
     @abstractmethod
     def _save_entries(self) -> dict[str, Any]: ...
