@@ -636,10 +636,11 @@ def state_bytes(built: Built, rule: str | None) -> list[int]:
 def collectives(built: Built) -> list[dict[str, Any]]:
     from gefen_titan.optim.blocking import agreement_collectives
 
-    width = sum(len(p.candidates) for p in built.params if p.unit)
+    searched = [p for p in built.params if p.unit]
+    width = sum(len(p.candidates) for p in searched)
     w = built.mesh.world
     out = []
-    for what, op, dtype, numel in agreement_collectives(width):
+    for what, op, dtype, numel in agreement_collectives(width, len(searched)):
         payload = numel * torch._utils._element_size(dtype)
         per_rank = payload * w if op == "all_gather" else payload
         out.append({"what": what, "op": op, "dtype": str(dtype).replace("torch.", ""), "numel": numel,
@@ -779,7 +780,8 @@ def report(rows: list[dict], max_tp: int) -> list[dict]:
         r = rows[-1]
         collectives = "; ".join(f"{c['what']} {c['op']} {c['numel']:,} x {c['dtype']} -> {_b(c['per_rank'])}/rank"
                                 for c in r["collectives"])
-        print(f"\nfirst-step collectives of the agreement ({r['flavor']}, {r['label']}): {collectives}")
+        print(f"\nfirst-step collectives of the agreement ({r['flavor']}, {r['label']}): {collectives}; "
+              f"total {_b(r['agreement_per_rank'])} received per rank")
     return found
 
 

@@ -14,12 +14,19 @@ does on a resume) and the state is a function of the model alone:
   live placements, and of the cuts that a tensor-parallel degree dividing
   ``max_tensor_parallel_degree`` would make. FSDP cuts dim 0, between rows,
   so it never constrains them. Every rank sums, per candidate, the block
-  variances of grad² over its shard (Gefen's error measure); one all-gather;
-  every rank adds the partial sums of the ranks that hold the same model part
-  in rank order and applies Gefen's own scoring (``gefen_state.
-  finalize_period``) and memory-safe fallback (the whole row unit), so all
-  ranks get the same integers. 1-D and one-element parameters, and names
-  matched by ``period_one_substrings``, keep period 1, as Gefen gives them.
+  variances of grad² over its shard (Gefen's error measure) in exact int64
+  fixed point, on a grid set by the parameter's largest grad² (one small
+  all-reduce MAX of exponents first; ``block_stats``), and one all-reduce
+  adds the integers: exact in any order, so the sums are the same integers
+  at every layout and world size, and a rank receives O(candidates) bytes
+  whatever the world size. Every rank then applies Gefen's own scoring
+  (``gefen_state.finalize_period``) and memory-safe fallback (the whole row
+  unit), so all ranks get the same periods. Pipeline stages hold different
+  parameters: each stage has its own segment of the all-reduced vectors
+  (its ranks write there, every other rank zeros), laid out from one small
+  all-gather of every rank's stage signature and sizes. 1-D and one-element
+  parameters, and names matched by ``period_one_substrings``, keep period
+  1, as Gefen gives them.
 * **Codebook.** One 4096-bin histogram of block-normalised gradients, in
   Gefen's arithmetic, summed over every parameter of every optimizer of a
   *codebook family* (``gefen_state.codebook_family``: Gefen's, GefenMuon's;
@@ -40,12 +47,11 @@ stages, AdamW-only stages), and every rank must make the same calls. Every
 failure (a parameter without a gradient, a layout it cannot align) is
 agreed before any state changes and raised on every rank.
 
-Limit: the per-candidate sums are added in a fixed order, but the partial
-sums themselves depend on how the shards cut the blocks, so the fp64 error
-values differ in their last bits between layouts. A period could therefore
-only differ between layouts if two candidates' scores tie to ~1e-15
-relative; the layout-invariance test checks that none does on real
-gradients.
+Traffic received per rank on the first step (``agreement_collectives``;
+an all-reduce counted as its payload): 24 B times the world size for the
+stage layout (24 KiB at 1,024 ranks), 8 B per searched parameter and 32 B
+per candidate of every stage (the model's candidates, whatever the world
+size), the histograms (64 KiB) and the codebooks (2 KiB).
 """
 
 from __future__ import annotations
@@ -63,14 +69,21 @@ from torch.optim import Optimizer
 
 from gefen_titan.distributed import comm_device, is_distributed, local, raise_on_any_rank
 from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim.block_stats import (
+    HIST_BINS,
+    LIMBS,
+    NO_DATA,
+    block_variance_limbs,
+    block_variance_sums,
+    check_numel,
+    grad_exponent,
+    histogram,
+    limbs_to_sums,
+)
 from gefen_titan.optim.codebook_solver import codebook_from_counts
 
 __all__ = ["AgreedBlocking", "BlockingError", "row_unit", "candidate_periods", "check_period_fits",
            "block_variance_sums", "histogram", "period_from_sums", "agreement_collectives"]
-
-HIST_BINS = gs.K * 16  # gefen-x: num_codebooks * 16
-# Bound the fp64 temporaries of the period statistics (elements per chunk).
-_STATS_CHUNK = 1 << 22
 
 
 class BlockingError(RuntimeError):
@@ -181,62 +194,6 @@ def _contributes(param: torch.Tensor) -> bool:
     return all(c == 0 for c, pl in zip(coord, param.placements) if pl.is_replicate())
 
 
-# ------------------------------------------------------------------ stats
-def block_variance_sums(grad: torch.Tensor, periods: list[int], unit: int) -> torch.Tensor:
-    """fp64 [len(periods)]: sum over this shard's blocks of var(grad²) per block.
-
-    Gefen's measure is sqrt(mean over blocks of the within-block population
-    variance of grad², grad² taken in fp32); the mean needs the global block
-    count, so ranks exchange sums. Per block, var = E[x²] - E[x]² from the
-    block's sums of x and x² (fp64); each candidate's block sums are built
-    from those of the largest smaller candidate that divides it, so all
-    candidates together cost about two passes over the shard instead of one
-    each. Every block lies inside one shard, so its sums do not depend on the
-    layout. Chunks are cut at multiples of the row unit, which every
-    candidate divides.
-    """
-    flat = grad.detach().reshape(-1)
-    out = torch.zeros(len(periods), dtype=torch.float64, device=flat.device)
-    if flat.numel() == 0:
-        return out
-    step = max(unit, (_STATS_CHUNK // unit) * unit)
-    for start in range(0, flat.numel(), step):
-        sq = flat[start:start + step].float().square().double()
-        sums = {1: (sq, sq * sq)}
-        for i, p in enumerate(periods):
-            if p == 1:
-                continue  # a one-element block has no variance
-            q = max(d for d in sums if p % d == 0)
-            s1, s2 = sums[q]
-            s1, s2 = s1.view(-1, p // q).sum(dim=1), s2.view(-1, p // q).sum(dim=1)
-            sums[p] = (s1, s2)
-            mean = s1 / p
-            out[i] += (s2 / p - mean * mean).clamp_min_(0).sum()
-    return out
-
-
-def histogram(grad: torch.Tensor, period: int) -> torch.Tensor:
-    """int64 [4096] counts of block-normalised values, Gefen's arithmetic.
-
-    As ``gefen.gefen.learn_gefen_exact_codebook_from_grad_periods``: fp32
-    blocks divided by their absmax (0 where it is 0), bin ``floor((x + 1) /
-    (2 / 4096))`` clamped to the range.
-    """
-    flat = grad.detach().reshape(-1)
-    counts = torch.zeros(HIST_BINS, dtype=torch.int64, device=flat.device)
-    if flat.numel() == 0:
-        return counts
-    bin_width = 2.0 / float(HIST_BINS)
-    step = max(1, (1 << 28) // period) * period
-    for start in range(0, flat.numel(), step):
-        blocks = flat[start:start + step].float().view(-1, period)
-        absmax = blocks.abs().amax(dim=1, keepdim=True)
-        normalized = torch.where(absmax > 0, blocks / absmax, torch.zeros_like(blocks)).reshape(-1)
-        idx = torch.floor((normalized + 1.0) / bin_width).to(torch.long).clamp(0, HIST_BINS - 1)
-        counts += torch.bincount(idx, minlength=HIST_BINS)
-    return counts
-
-
 # -------------------------------------------------------------- agreement
 @dataclass
 class _Param:
@@ -254,29 +211,48 @@ def _all_gather(t: torch.Tensor, world: int) -> torch.Tensor:
     return torch.stack([x.cpu() for x in parts])
 
 
-def agreement_collectives(width: int) -> list[tuple[str, str, torch.dtype, int]]:
+def agreement_collectives(width: int, searched: int) -> list[tuple[str, str, torch.dtype, int]]:
     """The collectives ``AgreedBlocking.maybe_agree`` makes on a first step that succeeds.
 
     In order, ``(what, op, dtype, elements each rank sends)``; ``width`` is
-    the stage's candidate count (the sum of ``len(candidates)`` over its
-    searched parameters). An all-gather delivers ``world`` times its
-    payload to every rank. The histograms and codebooks are those of every
-    codebook family (``gefen_state.CODEBOOK_FAMILIES``), whether or not the
-    job has optimizers of each. Kept beside the code it describes: the scale plan
-    sizes the first step from it, and a test records the real calls
-    against it.
+    the job's candidate count (the sum of ``len(candidates)`` over the
+    searched parameters of every distinct pipeline stage, each stage once)
+    and ``searched`` the number of those parameters. An all-gather delivers
+    ``world`` times its payload to every rank; every other collective's
+    payload is the same at any world size. The histograms and codebooks are
+    those of every codebook family (``gefen_state.CODEBOOK_FAMILIES``),
+    whether or not the job has optimizers of each. Kept beside the code it
+    describes: the scale plan sizes the first step from it, and a test
+    records the real calls against it.
     """
     families = gs.CODEBOOK_FAMILIES
     return [
         ("error check: parameters", "all_reduce", torch.int64, 1),
-        ("stage signature", "all_gather", torch.int64, 1),
-        ("candidate width", "all_gather", torch.int64, 1),
-        ("block-variance sums", "all_gather", torch.float64, width),
+        ("stage layout: signature, candidates, searched parameters", "all_gather", torch.int64, 3),
+        ("gradient exponents (max)", "all_reduce", torch.int64, searched),
+        ("block-variance sums (int64 fixed point)", "all_reduce", torch.int64, LIMBS * width),
         ("error check: histogram", "all_reduce", torch.int64, 1),
         ("histograms", "all_reduce", torch.int64, families * HIST_BINS),
         ("error check: codebook", "all_reduce", torch.int64, 1),
         ("codebooks", "broadcast", torch.float32, families * gs.K),
     ]
+
+
+@dataclass(frozen=True)
+class _StageLayout:
+    """This rank's stage and its segments of the all-reduced vectors.
+
+    ``group``: the world ranks holding the same model part, ascending.
+    Segments (offset, and the job's total length): one exponent per searched
+    parameter, one row of limbs per candidate, stages in the order of their
+    first rank.
+    """
+
+    group: list[int]
+    searched_offset: int
+    searched_total: int
+    width_offset: int
+    width_total: int
 
 
 class AgreedBlocking:
@@ -331,7 +307,10 @@ class AgreedBlocking:
         try:
             params = self._params(optimizers)
             missing = [q.fqn for q in params if q.param.grad is None]
-            if missing:
+            too_big = [m for q in params if q.unit and (m := check_numel(q.fqn, q.param.numel()))]
+            if too_big:
+                error = too_big[0]
+            elif missing:
                 error = (
                     f"{len(missing)} Gefen parameter(s) have no gradient on the first step "
                     f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); agreed blocking "
@@ -342,9 +321,9 @@ class AgreedBlocking:
             error = str(e)
         raise_on_any_rank(error, what, BlockingError)
 
-        group = self._stage_group(params)
-        counts_here = [self._counts_here(q, group) for q in params]
-        periods = self._agree_periods(params, counts_here, group)
+        layout = self._stage_layout(params)
+        counts_here = [self._counts_here(q, layout.group) for q in params]
+        periods = self._agree_periods(params, counts_here, layout)
         counts, error = None, None
         try:
             counts = torch.zeros(gs.CODEBOOK_FAMILIES, HIST_BINS, dtype=torch.int64)
@@ -366,20 +345,35 @@ class AgreedBlocking:
         self.needed = False
 
     @staticmethod
-    def _stage_group(params: list[_Param]) -> list[int]:
-        """World ranks holding the same model part as this rank, ascending.
+    def _stage_layout(params: list[_Param]) -> _StageLayout:
+        """This rank's stage and segments, from one all-gather of (signature, width, searched).
 
         Ranks of one pipeline stage have the same parameters (names, shapes,
-        candidates); a hash of that list identifies the stage.
+        candidates); a hash of that list identifies the stage. The gather is
+        three int64 per rank (24 KiB received per rank at 1,024 ranks): the
+        only part of the agreement's traffic that grows with the world size.
         """
         signature = hashlib.sha1(
             repr([(q.fqn, tuple(q.param.shape), q.candidates) for q in params]).encode()
         ).digest()
         sig = int.from_bytes(signature[:8], "little", signed=True)
+        searched = [q for q in params if q.unit]
+        width = sum(len(q.candidates) for q in searched)
         if not is_distributed():
-            return [0]
-        sigs = _all_gather(torch.tensor([sig], dtype=torch.int64, device=comm_device()), dist.get_world_size())
-        return [r for r in range(dist.get_world_size()) if int(sigs[r, 0]) == sig]
+            return _StageLayout([0], 0, len(searched), 0, width)
+        world = dist.get_world_size()
+        rows = _all_gather(torch.tensor([sig, width, len(searched)], dtype=torch.int64, device=comm_device()),
+                           world).tolist()
+        stages: dict[int, tuple[int, int]] = {}  # signature -> (width, searched), in order of first rank
+        for s, w, n in rows:
+            stages.setdefault(s, (w, n))
+        offsets = {}
+        w_off = n_off = 0
+        for s, (w, n) in stages.items():
+            offsets[s] = (n_off, w_off)
+            n_off, w_off = n_off + n, w_off + w
+        group = [r for r in range(world) if rows[r][0] == sig]
+        return _StageLayout(group, offsets[sig][0], n_off, offsets[sig][1], w_off)
 
     @staticmethod
     def _counts_here(q: _Param, group: list[int]) -> bool:
@@ -399,30 +393,33 @@ class AgreedBlocking:
             return False
         return group[0] in mesh.mesh.flatten().tolist() if is_distributed() else True
 
-    def _agree_periods(self, params: list[_Param], counts_here: list[bool], group: list[int]) -> list[int]:
+    def _agree_periods(self, params: list[_Param], counts_here: list[bool], layout: _StageLayout) -> list[int]:
+        # Integer collectives only (MAX, SUM): exact in any order, so the
+        # result does not depend on the world size or on who holds what.
         searched = [(q, here) for q, here in zip(params, counts_here) if q.unit]
-        sums = [
-            block_variance_sums(local(q.param.grad), q.candidates, q.unit).cpu() if here
-            else torch.zeros(len(q.candidates), dtype=torch.float64)
-            for q, here in searched
-        ]
-        flat = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64)
+        device = comm_device() if is_distributed() else torch.device("cpu")
+        exps = torch.full((layout.searched_total,), NO_DATA, dtype=torch.int64)
+        for k, (q, here) in enumerate(searched):
+            if here:
+                exps[layout.searched_offset + k] = grad_exponent(local(q.param.grad))
         if is_distributed():
-            device, world = comm_device(), dist.get_world_size()
-            width = int(_all_gather(torch.tensor([flat.numel()], device=device), world).max())
-            mine = torch.zeros(width, dtype=torch.float64, device=device)
-            mine[: flat.numel()] = flat.to(device)
-            rows = _all_gather(mine, world)
-        else:
-            rows = flat.reshape(1, -1)
-        by_param, offset = {}, 0
-        for q, _ in searched:
+            exps = exps.to(device)
+            dist.all_reduce(exps, op=dist.ReduceOp.MAX)
+        exponents = exps.cpu().tolist()[layout.searched_offset:layout.searched_offset + len(searched)]
+        limbs = torch.zeros(layout.width_total, LIMBS, dtype=torch.int64, device=device)
+        offset = layout.width_offset
+        for (q, here), e in zip(searched, exponents):
             n = len(q.candidates)
-            # Fixed order: the stage's ranks in ascending rank order (ranks
-            # that do not count a shard sent zeros, which add exactly).
-            total = torch.zeros(n, dtype=torch.float64)
-            for r in group:
-                total = total + rows[r, offset:offset + n]
+            if here:  # ranks that do not count a shard send zeros, which add exactly
+                limbs[offset:offset + n] = block_variance_limbs(local(q.param.grad), q.candidates, q.unit, e).to(device)
+            offset += n
+        if is_distributed():
+            dist.all_reduce(limbs)
+        limbs = limbs.cpu()
+        by_param, offset = {}, layout.width_offset
+        for (q, _), e in zip(searched, exponents):
+            n = len(q.candidates)
+            total = limbs_to_sums(limbs[offset:offset + n], [e] * n)
             offset += n
             by_param[id(q)] = period_from_sums(q.candidates, total, q.param.numel(), q.unit)
         return [by_param.get(id(q), 1) for q in params]

@@ -12,7 +12,7 @@ from functools import partial
 from pathlib import Path
 
 from tests.helpers import bad_checkpoints as bad
-from tests.helpers.worker_jobs import Launch
+from tests.helpers.worker_jobs import Launch, ordered_launches
 
 WORKER = "agreed"
 S, K = 3, 2
@@ -84,16 +84,4 @@ def plan(base: Path) -> list[Launch]:
     jobs["misfit"] = (2, job("tp", "misfit", out, "--cases", str(root / "c_notp")))
     cases = [bad.v2_case_path(base, root, name) for name in bad.V2_CASES]
     jobs["bad"] = (2, job("fsdp", "bad", out, "--cases", ",".join(cases), "--tamper-save", str(root / "c_tampered")))
-    assert set(jobs) == {t for _, tags in PLAN for t in tags}, "a job that PLAN does not launch"
-    refs = {tag: ref for _, _, tag, ref, _ in RUNS}
-    loads = {tag: set(loads) for _, _, tag, _, loads in RUNS}
-    saved: set[str] = set()
-    launches = []
-    for n, tags in PLAN:
-        assert all(jobs[t][0] == n for t in tags), (n, tags)
-        for t in tags:
-            saved.add(refs.get(t, ""))
-            assert loads.get(t, set()) <= saved, f"{t} loads a checkpoint no earlier job saved"
-        before = [partial(bad.write_v2, base, root, S)] if "bad" in tags else []
-        launches.append(Launch(n, [jobs[t][1] for t in tags], before))
-    return launches
+    return ordered_launches(PLAN, jobs, RUNS, {"bad": partial(bad.write_v2, base, root, S)})

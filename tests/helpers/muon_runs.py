@@ -12,7 +12,7 @@ from functools import partial
 from pathlib import Path
 
 from tests.helpers import bad_checkpoints as bad
-from tests.helpers.worker_jobs import Launch
+from tests.helpers.worker_jobs import Launch, ordered_launches
 
 WORKER = "muon"
 S, K = 3, 2
@@ -70,16 +70,4 @@ def plan(base: Path) -> list[Launch]:
     jobs["gefen2"] = (2, job("fsdp", "gefen2", out, "--ref", str(base / "c_gefen2"), "--gefen-only", "--steps", "0"))
     cases = [bad.muon_case_path(base, root, name) for name in bad.MUON_CASES]
     jobs["bad"] = (2, job("fsdp", "bad", out, "--cases", ",".join(cases)))
-    assert set(jobs) == {t for _, tags in PLAN for t in tags}, "a job that PLAN does not launch"
-    refs = {tag: ref for _, _, tag, ref, _ in RUNS}
-    loads = {tag: set(loads) for _, _, tag, _, loads in RUNS}
-    saved: set[str] = set()
-    launches = []
-    for n, tags in PLAN:
-        assert all(jobs[t][0] == n for t in tags), (n, tags)
-        for t in tags:
-            saved.add(refs.get(t, ""))
-            assert loads.get(t, set()) <= saved, f"{t} loads a checkpoint no earlier job saved"
-        before = [partial(bad.write_muon, base, root, S)] if "bad" in tags else []
-        launches.append(Launch(n, [jobs[t][1] for t in tags], before))
-    return launches
+    return ordered_launches(PLAN, jobs, RUNS, {"bad": partial(bad.write_muon, base, root, S)})

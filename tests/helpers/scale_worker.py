@@ -65,8 +65,9 @@ def collectives() -> dict:
         opt.step()
     finally:
         dist.all_gather, dist.all_reduce, dist.broadcast = saved
-    width = sum(len(c) for _, _, unit, c in AgreedBlocking(1).period_candidates(opt.gefen_optimizers) if unit)
-    expected = [(op, str(dtype), n) for _, op, dtype, n in agreement_collectives(width)]
+    searched = [c for _, _, unit, c in AgreedBlocking(1).period_candidates(opt.gefen_optimizers) if unit]
+    width = sum(len(c) for c in searched)
+    expected = [(op, str(dtype), n) for _, op, dtype, n in agreement_collectives(width, len(searched))]
     return {"recorded": recorded, "expected": expected, "width": width}
 
 

@@ -151,6 +151,27 @@ class Launch:
     before: list[Callable[[], None]] = field(default_factory=list)
 
 
+def ordered_launches(plan: list[tuple[int, list[str]]], jobs: dict[str, tuple[int, list[str]]],
+                     runs: list[tuple], before: dict[str, Callable[[], None]]) -> list[Launch]:
+    """The launches of ``plan`` (world size, job tags) over ``jobs`` (tag ->
+    (world size, job)), checked: every job is launched once, at its world
+    size, after the jobs that save the checkpoints it loads (``runs``:
+    ``(layout, nproc, tag, ref, loads)`` rows); ``before``: tag -> what must
+    be done before the launch that holds that job."""
+    assert set(jobs) == {t for _, tags in plan for t in tags}, "a job that the plan does not launch"
+    refs = {tag: ref for _, _, tag, ref, _ in runs}
+    loads = {tag: set(loads) for _, _, tag, _, loads in runs}
+    saved: set[str] = set()
+    launches = []
+    for n, tags in plan:
+        assert all(jobs[t][0] == n for t in tags), (n, tags)
+        for t in tags:
+            saved.add(refs.get(t, ""))
+            assert loads.get(t, set()) <= saved, f"{t} loads a checkpoint no earlier job saved"
+        launches.append(Launch(n, [jobs[t][1] for t in tags], [before[t] for t in tags if t in before]))
+    return launches
+
+
 def launch_all(plan: list[Launch], logs: Path) -> None:
     """Every launch of ``plan`` in order, each after its ``before``; the
     ranks' output goes to ``logs/launchN``."""

@@ -14,66 +14,26 @@ more than reading the bytes.
 Before DCP reads, ``prepare_load`` reads the small records (periods,
 counters, hyperparameters, the codebook), checks them against the live
 model and layout on every rank alike, and fixes the grid shapes of the
-destinations. ``load_state_dict`` checks the values read, agrees, and only
-then commits on every rank.
+destinations. ``stage_load`` checks the values read and agrees on every
+rank; ``commit_load`` installs them (``staging``).
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.optim import Optimizer
 
 from gefen_titan.checkpoint import schema
 from gefen_titan.checkpoint.errors import GefenCheckpointError, agree
 from gefen_titan.checkpoint.schema import HYPER, grid_shape
-from gefen_titan.checkpoint.storage import read_small
-from gefen_titan.distributed import all_gather_objects, is_distributed, like_param, local
+from gefen_titan.distributed import like_param, local
 from gefen_titan.optim import gefen_state as gs
 from gefen_titan.optim.blocking import check_period_fits
+from gefen_titan.optim.state.staging import AgreedAdapter, Slot
 
-__all__ = ["AgreedStateAdapter", "check_replicated"]
-
-
-def check_replicated(sd: dict[str, Any], what: str = "Gefen") -> None:
-    """Entries written by several ranks must be equal: DCP keeps one copy. Collective."""
-    if not is_distributed():
-        return
-    mine = {}
-    for key, value in sd.items():
-        if isinstance(value, str):
-            mine[key] = hashlib.sha1(value.encode()).hexdigest()
-        elif isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            mine[key] = hashlib.sha1(value.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
-    everyone = all_gather_objects(mine)
-    seen: dict[str, str] = {}
-    bad = set()
-    for ranks in everyone:
-        for key, digest in ranks.items():
-            if seen.setdefault(key, digest) != digest:
-                bad.add(key)
-    if bad:
-        raise GefenCheckpointError(
-            f"cannot save {what} optimizer state: ranks disagree on {sorted(bad)[:3]} (codebook, "
-            "periods or counters differ between ranks, so the state is not the agreed one); "
-            "nothing was written")
-
-
-@dataclass
-class _Slot:
-    fqn: str
-    param: torch.Tensor
-    optim: Optimizer
-    opt_id: str
-    group: dict
-
-    @property
-    def local(self) -> torch.Tensor:
-        return local(self.param)
+__all__ = ["AgreedStateAdapter"]
 
 
 @dataclass
@@ -85,40 +45,18 @@ class _Plan:
     source_opt: dict[str, str]  # fqn -> saved opt id
 
 
-class AgreedStateAdapter:
+class AgreedStateAdapter(AgreedAdapter):
     """Format v2 state of the Gefen optimizers of one rank."""
 
-    def __init__(self, optimizers: list[Optimizer]) -> None:
-        self.optimizers = [o for o in optimizers if gs.is_gefen(o)]
-        self.slots: list[_Slot] = []
-        for optim in self.optimizers:
-            named = list(gs.named_params(optim))
-            opt_id = named[0][0] if named else ""
-            self.slots += [_Slot(fqn, p, optim, opt_id, group) for fqn, p, group in named]
-        self._plan: _Plan | None = None
-        self._staged: tuple[_Plan, dict] | None = None  # stage_load -> commit_load
-        # Set by GefenCheckpointManager for async saves, which write after
-        # the next step has mutated Gefen's tensors in place.
-        self.snapshot_on_save = False
+    kind = "Gefen"
+    owns = staticmethod(gs.is_gefen)
+    record_kind, codebook_kind = "optimizer", "codebook"
 
     @property
     def loading(self) -> bool:
         return self._plan is not None
 
     # ------------------------------------------------------------------ save
-    def state_dict(self) -> dict[str, Any]:
-        if self._plan is not None:
-            return self._load_destinations()
-        sd: dict[str, Any] = {}
-        error = None
-        try:
-            sd = self._save_entries()
-        except (GefenCheckpointError, ValueError) as e:
-            error = str(e)
-        agree(error, "cannot save Gefen optimizer state")
-        check_replicated(sd)
-        return sd
-
     def _save_entries(self) -> dict[str, Any]:
         if not self.slots:
             return {}
@@ -164,7 +102,7 @@ class AgreedStateAdapter:
                 sd[schema.codebook_key(opt_id)] = cb.detach().float().cpu().clone()
         return sd
 
-    def _counters(self, s: _Slot) -> tuple[int, int, int]:
+    def _counters(self, s: Slot) -> tuple[int, int, int]:
         st = gs.read(s.optim, s.param)
         if st is not None:
             return st.period, st.step, st.vmean_step
@@ -175,24 +113,6 @@ class AgreedStateAdapter:
         return 0, 0, 0
 
     # ------------------------------------------------------------------ load
-    def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
-        """Read and check the records; fix the destinations. Collective."""
-        ours = {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
-        parsed = {k: schema.parse_key(k) for k in ours}
-        opt_keys = sorted(k for k, pk in parsed.items() if pk and pk.kind == "optimizer")
-        books = sorted(k for k, pk in parsed.items() if pk and pk.kind == "codebook")
-        small = read_small(checkpoint_id, metadata, prefix, books, opt_keys)
-        plan, error = None, None
-        try:
-            plan = self._plan_from(checkpoint_id, small, ours, opt_keys, books)
-        except (GefenCheckpointError, ValueError) as e:
-            error = str(e)
-        agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
-        self._plan = plan
-
-    def abort_load(self) -> None:
-        self._plan = self._staged = None
-
     def _plan_from(self, checkpoint_id, small, ours, opt_keys, books) -> _Plan:
         records, source_opt, global_steps = {}, {}, {}
         deterministic = {}
@@ -301,12 +221,6 @@ class AgreedStateAdapter:
             error = str(e)
         agree(error, f"cannot load Gefen optimizer state from {plan.checkpoint_id}")
         self._staged = (plan, staged)
-
-    def commit_load(self) -> None:
-        if self._staged is not None:
-            plan, staged = self._staged
-            self._staged = None
-            self._commit(plan, staged)
 
     def _commit(self, plan: _Plan, staged: dict[str, gs.ParamState | None]) -> None:
         for s in self.slots:

@@ -12,8 +12,8 @@ requantized.
 
 As for Gefen (``state.agreed``): ``prepare_load`` reads the small records,
 checks them against the live model and layout on every rank alike, and
-fixes the destinations; ``load_state_dict`` checks the values read, agrees,
-and only then commits, on every rank.
+fixes the destinations; ``stage_load`` checks the values read and agrees on
+every rank; ``commit_load`` installs them (``staging``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.optim import Optimizer
 
 from gefen_titan.checkpoint import schema
 from gefen_titan.checkpoint.errors import GefenCheckpointError, agree
@@ -34,28 +33,14 @@ from gefen_titan.checkpoint.schema_muon import (
     check_muon_hyper,
     muon_tensor_specs,
 )
-from gefen_titan.checkpoint.storage import read_small
 from gefen_titan.distributed import like_param, like_param_rows, local
 from gefen_titan.optim import gefen_state as gs
 from gefen_titan.optim.blocking import check_period_fits
-from gefen_titan.optim.state.agreed import check_replicated
+from gefen_titan.optim.state.staging import AgreedAdapter
 
 __all__ = ["MuonStateAdapter"]
 
 _WHAT = "cannot load GefenMuon optimizer state from"
-
-
-@dataclass
-class _Slot:
-    fqn: str
-    param: torch.Tensor
-    optim: Optimizer
-    opt_id: str
-    group: dict
-
-    @property
-    def local(self) -> torch.Tensor:
-        return local(self.param)
 
 
 @dataclass
@@ -67,34 +52,14 @@ class _Plan:
     source_opt: dict[str, str]  # fqn -> saved opt id
 
 
-class MuonStateAdapter:
+class MuonStateAdapter(AgreedAdapter):
     """The ``StateAdapter`` of the GefenMuon optimizers of one rank (format v2 only)."""
 
-    def __init__(self, optimizers: list[Optimizer]) -> None:
-        self.optimizers = [o for o in optimizers if gs.is_gefen_muon(o)]
-        self.slots: list[_Slot] = []
-        for optim in self.optimizers:
-            named = list(gs.named_params(optim))
-            opt_id = named[0][0] if named else ""
-            self.slots += [_Slot(fqn, p, optim, opt_id, group) for fqn, p, group in named]
-        self._plan: _Plan | None = None
-        self._staged: tuple[_Plan, dict] | None = None  # stage_load -> commit_load
-        self.snapshot_on_save = False
+    kind = "GefenMuon"
+    owns = staticmethod(gs.is_gefen_muon)
+    record_kind, codebook_kind = "muon", "muon_codebook"
 
     # ------------------------------------------------------------------ save
-    def state_dict(self) -> dict[str, Any]:
-        if self._plan is not None:
-            return self._load_destinations()
-        sd: dict[str, Any] = {}
-        error = None
-        try:
-            sd = self._save_entries()
-        except (GefenCheckpointError, ValueError) as e:
-            error = str(e)
-        agree(error, "cannot save GefenMuon optimizer state")
-        check_replicated(sd, "GefenMuon")
-        return sd
-
     def _save_entries(self) -> dict[str, Any]:
         if not self.slots:
             return {}
@@ -130,24 +95,6 @@ class MuonStateAdapter:
         return sd
 
     # ------------------------------------------------------------------ load
-    def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
-        """Read and check the records; fix the destinations. Collective."""
-        ours = {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
-        parsed = {k: schema.parse_key(k) for k in ours}
-        rec_keys = sorted(k for k, pk in parsed.items() if pk and pk.kind == "muon")
-        books = sorted(k for k, pk in parsed.items() if pk and pk.kind == "muon_codebook")
-        small = read_small(checkpoint_id, metadata, prefix, books, rec_keys)
-        plan, error = None, None
-        try:
-            plan = self._plan_from(checkpoint_id, small, ours, rec_keys, books)
-        except (GefenCheckpointError, ValueError) as e:
-            error = str(e)
-        agree(error, f"{_WHAT} {checkpoint_id}")
-        self._plan = plan
-
-    def abort_load(self) -> None:
-        self._plan = self._staged = None
-
     def _plan_from(self, checkpoint_id, small, ours, rec_keys, books) -> _Plan:
         records, source_opt, global_steps, deterministic = {}, {}, {}, {}
         for key in rec_keys:
@@ -252,12 +199,6 @@ class MuonStateAdapter:
             error = str(e)
         agree(error, f"{_WHAT} {plan.checkpoint_id}")
         self._staged = (plan, staged)
-
-    def commit_load(self) -> None:
-        if self._staged is not None:
-            plan, staged = self._staged
-            self._staged = None
-            self._commit(plan, staged)
 
     def _commit(self, plan: _Plan, staged: dict[str, gs.MuonState | None]) -> None:
         for s in self.slots:

@@ -43,6 +43,7 @@ from gefen_titan.distributed import like_param, local
 from gefen_titan.optim import gefen_state as gs
 from gefen_titan.optim.state.codebook_merge import K, merge_codebooks
 from gefen_titan.optim.state.layout import Region, UnsupportedLayout, param_region, target_period
+from gefen_titan.optim.state.staging import StagedLoad
 
 __all__ = ["PerRankStateAdapter"]
 
@@ -92,7 +93,7 @@ class _Plan:
     needed: dict[str, list[_Source]] = field(default_factory=dict)  # fqn -> overlapping
 
 
-class PerRankStateAdapter:
+class PerRankStateAdapter(StagedLoad):
     """Format v1: each rank's own codebook and periods (``optimizer.blocking = "per_rank"``)."""
 
     def __init__(self, optimizers: list[Optimizer]) -> None:
@@ -116,7 +117,6 @@ class PerRankStateAdapter:
                 if slot.optim is optim:
                     slot.opt_id = opt_id  # the first parameter's name
         self._plan: _Plan | None = None
-        self._staged: tuple[_Plan, dict] | None = None  # stage_load -> commit_load
 
     # ------------------------------------------------------------------ save
     def state_dict(self) -> dict[str, Any]:
@@ -191,9 +191,6 @@ class PerRankStateAdapter:
             error = str(e)
         agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
         self._plan = plan
-
-    def abort_load(self) -> None:
-        self._plan = self._staged = None
 
     def _check_keys(self, ours: dict[str, Any]) -> str | None:
         if not self.slots:
@@ -336,12 +333,6 @@ class PerRankStateAdapter:
             error = str(e)
         agree(error, f"cannot load Gefen optimizer state from {plan.checkpoint_id}")
         self._staged = (plan, staged)
-
-    def commit_load(self) -> None:
-        if self._staged is not None:
-            plan, staged = self._staged
-            self._staged = None
-            self._commit(plan, staged)
 
     def _build(self, plan: _Plan, sd: dict[str, Any]) -> dict:
         """New per-param states and per-optimizer codebooks, nothing committed."""
