@@ -27,7 +27,7 @@ shard from DTensor's own ``_compute_local_shape_and_global_offset``):
   bounds the state from above ("finest"). AdamW: ``exp_avg`` and
   ``exp_avg_sq`` (fp32) + a scalar ``step`` per parameter.
 * **Checkpoint**: the DCP entries of the optimizer, as the container's
-  ``state_dict()`` gives them (format v2 keys from ``reshard.format``; AdamW's
+  ``state_dict()`` gives them (format v3 keys from ``checkpoint.schema``; AdamW's
   flat keys taken from a real torchtitan container on a small model), and
   every rank's write items, deduplicated with the same greedy rule as
   DCP's ``dedup_save_plans`` (replicated chunks, the shared records and
@@ -268,7 +268,7 @@ def grid(shape: tuple[int, ...], period: int) -> tuple[int, ...]:
 
 
 def gefen_entries(built: Built, rule: str, periods: dict[str, int] | None = None, step: int = 1) -> list[Entry]:
-    """The v2 entries (``AgreedStateAdapter._save_entries``'s order and records)."""
+    """The v3 entries (``AgreedStateAdapter._save_entries``'s order and records)."""
     from gefen_titan.checkpoint import schema as fmt
 
     pre = "optimizer."
@@ -418,6 +418,8 @@ def account(entries: list[Entry], world: int, chunks: Chunks, keep_assignment: b
     is the same; ``tests/integration/test_scale.py`` checks it against DCP's own
     function.
     """
+    from gefen_titan.checkpoint import schema as fmt
+
     everyone = list(range(world))
     uniques = []  # (first holder, entry position, holders, their chunk sizes, entry, offsets)
     for pos, e in enumerate(entries):
@@ -433,6 +435,7 @@ def account(entries: list[Entry], world: int, chunks: Chunks, keep_assignment: b
     sets: dict[int, set] = {}
     assignment = {}
     storage = {id(e): _storage_size(e) or 1 for e in entries}
+    raw = {id(e): fmt.is_raw_entry(e.key) for e in entries}
     for _, _, ranks, sizes, e, offsets in uniques:
         if len(ranks) == 1:
             pick, i = ranks[0], 0
@@ -444,7 +447,9 @@ def account(entries: list[Entry], world: int, chunks: Chunks, keep_assignment: b
             i = pick if ranks is everyone else ranks.index(pick)
             if keep_assignment:
                 assignment[(e.key, offsets)] = pick
-        if e.kind == "dtensor":
+        if e.kind == "dtensor" and raw[id(e)]:  # format v3's raw entries: the chunk's bytes alone
+            length = math.prod(sizes[i]) * torch._utils._element_size(e.dtype)
+        elif e.kind == "dtensor":
             length = saved_length((e.dtype, sizes[i]))
         elif e.kind == "tensor":
             length = saved_length((e.dtype, e.shape))
@@ -502,6 +507,8 @@ def metadata_bytes(entries: list[Entry], world: int, chunks: Chunks, checkpoint_
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
+    from gefen_titan.checkpoint import schema as fmt
+
     sampled = sorted({round(i * (world - 1) / max(1, sample_ranks - 1)) for i in range(sample_ranks)})
     plan_bytes = []
     plans = []
@@ -543,18 +550,24 @@ def metadata_bytes(entries: list[Entry], world: int, chunks: Chunks, checkpoint_
         (bucket,) = _split_by_size_and_type(1, plan.items)
         file_name = f"{plan.storage_data.prefix}0.distcp"
         offset, res = 0, []
+        raw = (_fresh(fmt.RAW_DESCRIPTOR),)  # one object per rank, as after the gather (checkpoint.writing)
         ordered = ([w for w in bucket if w.type == WriteItemType.BYTE_IO]
                    + [w for w in bucket if w.type != WriteItemType.BYTE_IO])
         for w in ordered:
             e = by_key[w.index.fqn]
+            descriptors = None
             if w.type == WriteItemType.BYTE_IO:
                 length = saved_length(e.value)
+            elif fmt.is_raw_entry(w.index.fqn):
+                length = math.prod(w.tensor_data.chunk.sizes) * torch.empty((), dtype=e.dtype).element_size()
+                descriptors = raw
             else:
                 length = saved_length((e.dtype, tuple(w.tensor_data.chunk.sizes)))
             index = MetadataIndex(_fresh(w.index.fqn), None if w.index.offset is None else torch.Size(w.index.offset),
                                   w.index.index)
             res.append(WriteResult(index=index, size_in_bytes=length,
-                                   storage_data=_StorageInfo(file_name, offset, length)))
+                                   storage_data=_StorageInfo(file_name, offset, length,
+                                                             transform_descriptors=descriptors)))
             offset += length
         if r in sampled:
             result_bytes.append(len(pickle.dumps(res)))

@@ -71,8 +71,19 @@ def like_param(param: torch.Tensor, local_tensor: torch.Tensor, shape: tuple[int
     if not isinstance(param, DTensor):
         return local_tensor
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return DTensor.from_local(local_tensor, param.device_mesh, param.placements, run_check=False, shape=shape,
+    placements = tuple(param.placements)
+    if len(shape) != param.dim():  # trailing dims (v3's packed grid): a dim counted from the end moves
+        placements = tuple(_from_front(pl, param.dim()) for pl in placements)
+    return DTensor.from_local(local_tensor, param.device_mesh, placements, run_check=False, shape=shape,
                               stride=stride)
+
+
+def _from_front(pl: Any, ndim: int) -> Any:
+    if type(pl) is Shard and pl.dim < 0:
+        return Shard(pl.dim + ndim)
+    if type(pl) is _StridedShard and pl.dim < 0:
+        return _StridedShard(pl.dim + ndim, split_factor=pl.split_factor)
+    return pl
 
 
 def like_param_rows(param: torch.Tensor, local_rows: torch.Tensor) -> torch.Tensor:

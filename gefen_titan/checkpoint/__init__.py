@@ -1,14 +1,16 @@
 """Checkpoints: the format, the files, and the manager that loads them.
 
-* ``schema``: the one definition of the Gefen checkpoint format (keys,
-  records, their JSON, their checks); ``docs/checkpoint_format.md`` is
+* ``schema`` (with ``schema_v1``, ``schema_muon``): the one definition of
+  the Gefen checkpoint format (keys, records, their JSON, their checks,
+  which tensors a version stores); ``docs/checkpoint_format.md`` is
   generated from it;
 * ``manager``: ``GefenCheckpointManager``, torchtitan's manager told the
   checkpoint's layout before a load (``LoadPreparer``);
 * ``storage``: every read and write, local folders and fsspec URLs alike;
-* ``digests`` / ``integrity``: the ``.digests`` file (a digest of every
-  stored byte) and the DCP writers that record it and readers that check it
-  before anything loaded is used;
+* ``digests``: the ``.digests`` file (a digest of every stored byte);
+* ``writing`` / ``reading``: the DCP writers (format v3's raw entries, and
+  ``.digests``) and readers (raw entries; every byte checked before anything
+  loaded is used);
 * ``errors``: ``GefenCheckpointError`` and the messages every rank raises;
 * ``reader`` / ``records``: an offline, single-process view of a checkpoint
   and its Gefen records (the ``gefen-titan ckpt`` tools);

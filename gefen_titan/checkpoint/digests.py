@@ -3,7 +3,7 @@
 DCP checks no integrity on load, and torch's zip records carry a CRC32 only
 of their members (not of the zip headers, padding and directory around
 them) while ``.metadata`` carries none. So every save through
-``gefen_titan.checkpoint.integrity``'s writers records, beside DCP's files:
+``gefen_titan.checkpoint.writing``'s writers records, beside DCP's files:
 
 * the xxh3-64 digest of every stored item (the bytes ``[offset, offset +
   length)`` of its data file that ``.metadata`` points to: every byte of a

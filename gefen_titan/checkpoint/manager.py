@@ -13,7 +13,7 @@ Integrity: every DCP save (synchronous or async) goes through
 ``storage.storage_writer``, which also writes ``.digests``; every load reads
 ``.metadata`` checked against it (agreed on every rank) and loads through
 ``storage.storage_reader``, which checks every stored item, on every rank,
-before the first byte reaches a live tensor (``checkpoint.integrity``). A
+before the first byte reaches a live tensor (``checkpoint.reading``). A
 checkpoint without ``.digests`` loads unchecked, with one log line.
 Scheduling saves, async modes, ``load_step``, ``exclude_from_loading``,
 ``initial_load_path`` and HF checkpoints are torchtitan's own.

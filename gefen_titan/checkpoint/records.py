@@ -1,11 +1,11 @@
-"""Gefen's and GefenMuon's records in a checkpoint, read and checked offline (formats v2 and v1).
+"""Gefen's and GefenMuon's records in a checkpoint, read and checked offline (formats v3, v2 and v1).
 
 The checks are those of a load (``gefen_titan.optim.state.agreed``,
 ``.per_rank`` and, for GefenMuon's ``gefen/muon*`` entries, ``.muon``) that
 do not need the live model: every record parses, counters
 add up, hyperparameters are ones Gefen can represent, periods divide the last
 dimension, every tensor the records imply is present with the shape and
-dtype the period implies, codebooks are valid (and one for the job in v2),
+dtype the period implies, codebooks are valid (and one for the job in v2 and v3),
 v1 source shards tile each parameter; GefenMuon's records parse, their
 group keys and counters are GefenMuon's, its codebooks are valid and one
 for the job, and every stateful parameter has the codes, magnitudes and
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint import schema, schema_v1
 from gefen_titan.checkpoint.reader import OPTIMIZER, Checkpoint
 from gefen_titan.checkpoint.schema_muon import (
     MuonOptimizerRecord,
@@ -40,12 +40,12 @@ class GefenParam:
     fqn: str
     shape: tuple[int, ...]
     group: dict[str, float]
-    # v2: one period and counter pair; v1: per source rank (``ranks``), and
+    # v2, v3: one period and counter pair; v1: per source rank (``ranks``), and
     # period/step/vmean_step summarised over them.
     period: int = 0
     step: int = 0
     vmean_step: int = 0
-    ranks: dict[int, schema.V1RankRow] = field(default_factory=dict)
+    ranks: dict[int, schema_v1.V1RankRow] = field(default_factory=dict)
 
     @property
     def grid(self) -> tuple[int, ...] | None:
@@ -57,13 +57,13 @@ class GefenOptimizer:
     opt: str  # the first parameter's name (the records' key)
     params: list[GefenParam]
     global_step: int = 0
-    deterministic: bool | None = None  # v2 only
+    deterministic: bool | None = None  # v2, v3 only
     nshards: int = 1  # v1 only: source ranks
 
 
 @dataclass
 class MuonOptimizer:
-    """v2: ``gefen/muon/{opt}``, one GefenMuon optimizer's parameters in order."""
+    """v2, v3: ``gefen/muon/{opt}``, one GefenMuon optimizer's parameters in order."""
 
     opt: str  # the first parameter's name (the record's key)
     params: list[MuonParamRecord]
@@ -77,7 +77,7 @@ class GefenState:
     optimizers: list[GefenOptimizer]  # Gefen's
     codebooks: dict[str, torch.Tensor]  # entry name -> codebook (Gefen's)
     problems: list[tuple[str, str]]  # (entry name inside "optimizer.", what is wrong)
-    muon_optimizers: list[MuonOptimizer] = field(default_factory=list)  # GefenMuon's (v2 only)
+    muon_optimizers: list[MuonOptimizer] = field(default_factory=list)  # GefenMuon's (v2, v3 only)
     muon_codebooks: dict[str, torch.Tensor] = field(default_factory=dict)  # entry name -> GefenMuon codebook
 
     @property
@@ -119,7 +119,7 @@ def read_gefen(ck: Checkpoint) -> GefenState | None:
     header = ck.gefen_header()
     if header is None:
         return None
-    return _read_v2(ck, header) if header.version == schema.VERSION else _read_v1(ck, header)
+    return _read_v2(ck, header) if header.version in schema.AGREED_VERSIONS else _read_v1(ck, header)
 
 
 def _entries(ck: Checkpoint) -> dict[str, schema.Key]:
@@ -145,7 +145,7 @@ def _hyper_problem(fqn: str, group: dict[str, Any]) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------ v2
+# ------------------------------------------------------------------ v2, v3
 def _read_v2(ck: Checkpoint, header: schema.Header) -> GefenState:
     opt = ck.optimizer
     entries = _entries(ck)
@@ -155,7 +155,8 @@ def _read_v2(ck: Checkpoint, header: schema.Header) -> GefenState:
     values = ck.load_names(OPTIMIZER, rec_names + book_names + muon_names)
     problems: list[tuple[str, str]] = []
     if header.blocking != "agreed":
-        problems.append((schema.header_key(), f"v2 header {header.to_json()} does not say blocking \"agreed\""))
+        problems.append((schema.header_key(), f"v{header.version} header {header.to_json()} does not say blocking "
+                                              "\"agreed\""))
     optimizers, seen = [], {}
     for name in rec_names:
         opt_id = entries[name].name
@@ -171,7 +172,7 @@ def _read_v2(ck: Checkpoint, header: schema.Header) -> GefenState:
             if p.fqn in seen:
                 problems.append((name, f"{p.fqn} has records in {seen[p.fqn]} and {opt_id}"))
             seen[p.fqn] = opt_id
-            problems += [(name, w) for w in _check_v2_param(opt, p, o.global_step) if w]
+            problems += [(name, w) for w in _check_v2_param(opt, p, o.global_step, header.version) if w]
     codebooks = {}
     for name in book_names:
         try:
@@ -186,14 +187,14 @@ def _read_v2(ck: Checkpoint, header: schema.Header) -> GefenState:
     if any(p.period for o in optimizers for p in o.params) and not codebooks and not book_names:
         problems.append((schema.header_key(), "the checkpoint holds Gefen state but no codebook (truncated?)"))
     for name, key in sorted(entries.items()):
-        if key.kind in schema.PARAM_TENSORS and key.name not in seen:
+        if key.kind in schema.PARAM_TENSORS[header.version] and key.name not in seen:
             problems.append((name, f"{name} belongs to no optimizer record"))
     state = GefenState(header, optimizers, codebooks, problems)
     _read_muon(opt, entries, values, seen, state)
     return state
 
 
-def _check_v2_param(opt: dict, p: GefenParam, global_step: int) -> list[str | None]:
+def _check_v2_param(opt: dict, p: GefenParam, global_step: int, version: int) -> list[str | None]:
     out = [schema.check_counters(p.fqn, p.period, p.step, p.vmean_step, global_step), _hyper_problem(p.fqn, p.group)]
     if not p.period:
         return out
@@ -201,13 +202,13 @@ def _check_v2_param(opt: dict, p: GefenParam, global_step: int) -> list[str | No
         return out + [f"{p.fqn}: period {p.period} does not divide the last dimension of {p.shape}"]
     if p.period != 1 and len(p.shape) < 2:
         out.append(f"{p.fqn}: period {p.period} on a {len(p.shape)}-D parameter (agreed blocking uses 1)")
-    for key, (dtype, shape) in schema.param_tensor_specs(p.fqn, p.shape, p.period).items():
+    for key, (dtype, shape) in schema.param_tensor_specs(p.fqn, p.shape, p.period, version).items():
         why = f"the shape of {p.fqn}" if dtype == torch.uint8 else f"period {p.period} of {p.fqn}"
         out.append(_check_tensor(opt, key, shape, dtype, why))
     return out
 
 
-# ------------------------------------------------------------------ GefenMuon (v2)
+# ------------------------------------------------------------------ GefenMuon (v2, v3)
 # parse_key's kinds of a GefenMuon parameter's tensors (muon_codes, ...).
 _MUON_TENSOR_KINDS = frozenset(k.kind for k in map(schema.parse_key, schema.muon_tensor_keys("x").values()) if k)
 _MUON_KINDS = _MUON_TENSOR_KINDS | {schema.parse_key(schema.muon_optimizer_key("x")).kind,
@@ -282,7 +283,7 @@ def _read_v1(ck: Checkpoint, header: schema.Header) -> GefenState:
     for name in meta_names:
         opt_id = entries[name].name
         try:
-            meta = schema.V1OptimizerRecord.from_json(values[name], opt_id)
+            meta = schema_v1.V1OptimizerRecord.from_json(values[name], opt_id)
         except schema.FormatError as e:
             problems.append((name, str(e)))
             continue
@@ -306,7 +307,7 @@ def _read_v1(ck: Checkpoint, header: schema.Header) -> GefenState:
             p.vmean_step = max((r.vmean_step for r in p.ranks.values()), default=0)
             periods = {r.period for r in p.ranks.values() if r.period}
             p.period = periods.pop() if len(periods) == 1 else 0
-    problems += [(n, f"{n}: GefenMuon state in a format v1 checkpoint (GefenMuon writes v2 only)")
+    problems += [(n, f"{n}: GefenMuon state in a format v1 checkpoint (GefenMuon writes v2 or v3)")
                  for n, k in sorted(entries.items()) if k.kind in _MUON_KINDS]
     return GefenState(header, optimizers, codebooks, problems)
 
@@ -316,7 +317,7 @@ def _read_v1_rank(opt: dict, values: dict, o: GefenOptimizer, label: int, codebo
     if rk not in values:
         return [(rk, f"records of source rank {label} of optimizer {o.opt} missing (truncated checkpoint?)")]
     try:
-        global_step, rows = schema.read_v1_rank_table(values[rk], len(o.params), rk)
+        global_step, rows = schema_v1.read_v1_rank_table(values[rk], len(o.params), rk)
     except schema.FormatError as e:
         return [(rk, str(e))]
     bk = opt.get(schema.blocks_key(o.opt, label))

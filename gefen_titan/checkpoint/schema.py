@@ -1,10 +1,12 @@
 """The Gefen checkpoint format (``gefen-titan``): its keys, records and checks.
 
-This module is the one definition of the format. Every writer (the state
-adapters' saves, ``gefen-titan ckpt convert``) builds its entries, and every
-reader (loads, ``ckpt inspect`` / ``verify`` / ``convert``, the reshard
-validation) parses them, through the functions and record types here;
-nothing else formats or parses a record's JSON or slices a key.
+This module is the one definition of the format (with ``schema_v1`` for
+what only v1 writes and ``schema_muon`` for GefenMuon's records). Every
+writer (the state adapters' saves, ``gefen-titan ckpt convert``) builds its
+entries, and every reader (loads, ``ckpt inspect`` / ``verify`` /
+``convert``, the reshard validation) parses them, through the functions and
+record types here; nothing else formats or parses a record's JSON, slices a
+key or knows which tensors a version stores per parameter.
 ``docs/checkpoint_format.md``'s key tables are generated from ``KEYS`` and
 checked by ``tests/unit/test_checkpoint_format_doc.py``.
 
@@ -12,20 +14,24 @@ All keys sit under the optimizer's entry (torchtitan: ``optimizer.``). ``fqn``
 is a parameter's canonical name, ``opt`` the first parameter name of the
 Gefen optimizer that owns it (unique across pipeline stages).
 
-Version 2 (agreed blocking, the default) is mesh-invariant: the codebook and
-the periods are the same on every rank, so every tensor is saved as a DTensor
-with the parameter's own placements (the codes on the parameter's shape, the
-per-block magnitude and ``vmean`` on the *block grid*: the shape with the
-last dimension divided by the period) and DCP reshards all of it at any
-layout. A load is DCP plus views, nothing is recomputed.
+Version 3 (agreed blocking, the default) and version 2 are mesh-invariant:
+the codebook and the periods are the same on every rank, so every tensor is
+saved as a DTensor with the parameter's own placements and DCP reshards all
+of it at any layout. A load is DCP plus views, nothing is recomputed. Both
+store the codes on the parameter's shape; v2 stores the per-block magnitude
+and ``vmean`` as two entries on the *block grid* (the shape with the last
+dimension divided by the period), v3 as one, the grid with a trailing
+dimension of 2 (``pack_blocks``): DCP's metadata holds one chunk record per
+entry per rank and frames every stored item, so one entry fewer per
+parameter is a third less of both. v3's state tensors are stored as raw
+bytes (``RAW_DESCRIPTOR``, ``is_raw_entry``; written and read by
+``checkpoint.storage``'s writer and reader), not in torch.save's framing.
 
-GefenMuon's state is part of v2 (its own records, codebook and tensors,
-``gefen/muon*``; a checkpoint without GefenMuon holds none of them): its
-records are in ``gefen_titan.checkpoint.schema_muon``.
+GefenMuon's state (``gefen/muon*``; a checkpoint without GefenMuon holds none
+of them; records in ``schema_muon``) has the same keys in v2 and v3.
 
-Version 1 (per-rank blocking) keeps each rank's own codebook and periods;
-its loads re-block and requantize where the layout changed
-(``gefen_titan.optim.state.per_rank``).
+Version 1 (per-rank blocking) keeps each rank's own codebook and periods
+(``schema_v1``).
 
 The JSON of every record is part of the format: ranks compare the bytes of
 the records they write (DCP keeps one copy), so ``to_json`` must stay
@@ -46,19 +52,21 @@ import torch
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 
 __all__ = [
-    "FORMAT", "VERSION", "V1", "VERSIONS", "PREFIX", "K", "HYPER", "KEYS", "RECORD_FIELDS", "PARAM_TENSORS",
-    "FormatError", "Key", "Header", "ParamRecord", "OptimizerRecord", "V1ParamRecord", "V1OptimizerRecord",
-    "V1RankRow", "header_key", "optimizer_key", "codebook_key", "codes_key", "magnitude_key", "vmean_key",
-    "records_key", "blocks_key", "rank_codebook_key", "parse_key", "is_gefen_key", "param_tensor_keys",
-    "param_tensor_specs", "grid_shape", "check_hyper", "check_codebook", "check_counters", "read_v1_rank_table",
-    "v1_rank_table", "key_table", "loads_json", "record_fields", "muon_optimizer_key", "muon_codebook_key",
-    "muon_tensor_keys", "MUON_TENSORS", "record_fqns",
+    "FORMAT", "VERSION", "V1", "V2", "VERSIONS", "AGREED_VERSIONS", "PREFIX", "K", "HYPER", "KEYS",
+    "PARAM_TENSORS", "MUON_TENSORS", "RAW_DESCRIPTOR", "FormatError", "Key", "Header", "ParamRecord",
+    "OptimizerRecord", "header_key", "optimizer_key", "codebook_key", "codes_key", "magnitude_key", "vmean_key",
+    "grid_key", "records_key", "blocks_key", "rank_codebook_key", "parse_key", "is_gefen_key", "is_raw_entry",
+    "param_tensor_keys", "param_tensor_specs", "pack_blocks", "unpack_blocks", "grid_shape", "check_hyper",
+    "check_codebook", "check_counters", "key_table", "loads_json", "record_fields", "muon_optimizer_key",
+    "muon_codebook_key", "muon_tensor_keys", "record_fqns",
 ]
 
 FORMAT = "gefen-titan"
-VERSION = 2  # written by agreed blocking
+VERSION = 3  # written by agreed blocking
+V2 = 2  # agreed blocking before v3: magnitude and vmean as two entries, torch.save framing
 V1 = 1  # written by per-rank blocking
-VERSIONS = (V1, VERSION)
+VERSIONS = (V1, V2, VERSION)
+AGREED_VERSIONS = (V2, VERSION)  # mesh-invariant: loaded by DCP plus views
 PREFIX = "gefen/"
 K = 256  # codebook entries (gefen-x: num_codebooks=256)
 
@@ -66,54 +74,91 @@ K = 256  # codebook entries (gefen-x: num_codebooks=256)
 # optimizers restore theirs the same way; the LR scheduler then resets lr).
 HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
 
-# version -> [(key pattern, value, written by)]; the doc's tables are these rows.
-KEYS: dict[int, list[tuple[str, str, str]]] = {
-    2: [
-        ("gefen/format", 'str (json) {"format": "gefen-titan", "version": 2, "blocking": "agreed"}',
-         "every rank (same)"),
-        ("gefen/optimizer/{opt}",
-         'str (json): "blocking", "deterministic", "global_step", and per parameter in order: '
-         '"fqn", "shape", "period" (0: no state yet), "step", "vmean_step", "group" (lr, beta1, '
-         "beta2, eps, weight_decay)", "every rank of the optimizer (same)"),
-        ("gefen/codebook/{opt}", "fp32 [256], sorted, ends -1 and +1; one codebook for the whole job",
-         "every rank of the optimizer (same)"),
-        ("gefen/codes/{fqn}", "uint8, the parameter's shape and placements", "DTensor: each its shard"),
-        ("gefen/magnitude/{fqn}", "fp32, the block grid (shape[:-1] + (shape[-1] / period,)) with the "
-         "parameter's placements", "DTensor: each its shard"),
-        ("gefen/vmean/{fqn}", "fp32, the block grid with the parameter's placements", "DTensor: each its shard"),
-        ("gefen/muon/{opt}",
-         'str (json): "kind" ("GefenMuon"), "blocking", "deterministic", "global_step", and per parameter in '
-         'order: "fqn", "shape", "period" (0: no state yet), "step", "rows_step" (NorMuon\'s counter, 0: no '
-         'rows), "group" (lr, weight_decay, momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn, '
-         "normuon, normuon_beta2, normuon_eps)", "every rank of the optimizer (same)"),
-        ("gefen/muon_codebook/{opt}", "fp32 [256], sorted, ends -1 and +1; the GefenMuon optimizers' one codebook "
-         "for the whole job", "every rank of the optimizer (same)"),
-        ("gefen/muon_codes/{fqn}", "uint8, the GefenMuon parameter's shape and placements", "DTensor: each its shard"),
-        ("gefen/muon_magnitude/{fqn}", "fp32, the block grid with the parameter's placements",
-         "DTensor: each its shard"),
-        ("gefen/muon_rows/{fqn}", "fp32 [rows]: NorMuon's per-row second moment, placed like the parameter's "
-         "dim 0 (when rows_step > 0)", "DTensor: each its shard"),
-    ],
-    1: [
-        ("gefen/format", 'str (json) {"format": "gefen-titan", "version": 1} (newer writers add '
-         '"blocking": "per_rank")', "every rank (same)"),
-        ("gefen/optimizer/{opt}", "str (json): nshards, and per parameter in order: fqn, global shape, "
-         "group hyperparameters", "every rank of the optimizer (same)"),
-        ("gefen/codes/{fqn}", "uint8, the parameter's global shape and placements", "DTensor: each its shard"),
-        ("gefen/records/{opt}/{r}", "int64 [1 + P, 7]: row 0 = global step, P; row 1 + i = parameter i's "
-         "start, length, period, step, vmean_step, first block, number of blocks", "rank r"),
-        ("gefen/blocks/{opt}/{r}", "fp32 [blocks, 2]: magnitude, vmean, all parameters of the optimizer "
-         "back to back", "rank r"),
-        ("gefen/codebook/{opt}/{r}", "fp32 [256], sorted, ends -1 and +1", "rank r"),
-    ],
+# The key patterns, by kind (``Key.kind``).
+_PATTERN = {
+    "header": "gefen/format",
+    "optimizer": "gefen/optimizer/{opt}",
+    "codebook": "gefen/codebook/{opt}",
+    "codes": "gefen/codes/{fqn}",
+    "magnitude": "gefen/magnitude/{fqn}",
+    "vmean": "gefen/vmean/{fqn}",
+    "grid": "gefen/grid/{fqn}",
+    "muon": "gefen/muon/{opt}",
+    "muon_codebook": "gefen/muon_codebook/{opt}",
+    "muon_codes": "gefen/muon_codes/{fqn}",
+    "muon_magnitude": "gefen/muon_magnitude/{fqn}",
+    "muon_rows": "gefen/muon_rows/{fqn}",
+    "records": "gefen/records/{opt}/{r}",
+    "blocks": "gefen/blocks/{opt}/{r}",
+    "rank_codebook": "gefen/codebook/{opt}/{r}",
 }
 
-RECORD_FIELDS = ("start", "length", "period", "step", "vmean_step", "block0", "nblocks")  # v1 rank rows
+_RECORD = ('str (json): "blocking", "deterministic", "global_step", and per parameter in order: "fqn", "shape", '
+           '"period" (0: no state yet), "step", "vmean_step", "group" (lr, beta1, beta2, eps, weight_decay)')
+_MUON_ROWS = [
+    ("muon", 'str (json): "kind" ("GefenMuon"), "blocking", "deterministic", "global_step", and per parameter in '
+     'order: "fqn", "shape", "period" (0: no state yet), "step", "rows_step" (NorMuon\'s counter, 0: no '
+     'rows), "group" (lr, weight_decay, momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn, '
+     "normuon, normuon_beta2, normuon_eps)", "every rank of the optimizer (same)"),
+    ("muon_codebook", "fp32 [256], sorted, ends -1 and +1; the GefenMuon optimizers' one codebook "
+     "for the whole job", "every rank of the optimizer (same)"),
+    ("muon_codes", "uint8, the GefenMuon parameter's shape and placements", "DTensor: each its shard"),
+    ("muon_magnitude", "fp32, the block grid with the parameter's placements", "DTensor: each its shard"),
+    ("muon_rows", "fp32 [rows]: NorMuon's per-row second moment, placed like the parameter's dim 0 (when "
+     "rows_step > 0)", "DTensor: each its shard"),
+]
+_RAW = " Stored as raw bytes (little-endian, no framing; see *Raw entries*)."
 
-# A v2 parameter's tensors, in the order the adapters and tools list them.
-PARAM_TENSORS = ("codes", "magnitude", "vmean")
-# A GefenMuon parameter's tensors ("rows" only with NorMuon state).
+# version -> [(key pattern, value, written by)]; the doc's tables are these rows.
+KEYS: dict[int, list[tuple[str, str, str]]] = {
+    3: [(_PATTERN[kind], value, by) for kind, value, by in [
+        ("header", 'str (json) {"format": "gefen-titan", "version": 3, "blocking": "agreed"}', "every rank (same)"),
+        ("optimizer", _RECORD, "every rank of the optimizer (same)"),
+        ("codebook", "fp32 [256], sorted, ends -1 and +1; one codebook for the whole job",
+         "every rank of the optimizer (same)"),
+        ("codes", "uint8, the parameter's shape and placements." + _RAW, "DTensor: each its shard"),
+        ("grid", "fp32, the block grid (shape[:-1] + (shape[-1] / period,)) + (2,): [..., 0] the per-block "
+         "magnitude, [..., 1] the per-block vmean, with the parameter's placements." + _RAW,
+         "DTensor: each its shard"),
+        *[(k, v + ("." + _RAW if k.startswith("muon_") and k != "muon_codebook" else ""), b)
+          for k, v, b in _MUON_ROWS],
+    ]],
+    2: [(_PATTERN[kind], value, by) for kind, value, by in [
+        ("header", 'str (json) {"format": "gefen-titan", "version": 2, "blocking": "agreed"}', "every rank (same)"),
+        ("optimizer", _RECORD, "every rank of the optimizer (same)"),
+        ("codebook", "fp32 [256], sorted, ends -1 and +1; one codebook for the whole job",
+         "every rank of the optimizer (same)"),
+        ("codes", "uint8, the parameter's shape and placements", "DTensor: each its shard"),
+        ("magnitude", "fp32, the block grid (shape[:-1] + (shape[-1] / period,)) with the parameter's placements",
+         "DTensor: each its shard"),
+        ("vmean", "fp32, the block grid with the parameter's placements", "DTensor: each its shard"),
+        *_MUON_ROWS,
+    ]],
+    1: [(_PATTERN[kind], value, by) for kind, value, by in [
+        ("header", 'str (json) {"format": "gefen-titan", "version": 1} (newer writers add '
+         '"blocking": "per_rank")', "every rank (same)"),
+        ("optimizer", "str (json): nshards, and per parameter in order: fqn, global shape, "
+         "group hyperparameters", "every rank of the optimizer (same)"),
+        ("codes", "uint8, the parameter's global shape and placements", "DTensor: each its shard"),
+        ("records", "int64 [1 + P, 7]: row 0 = global step, P; row 1 + i = parameter i's "
+         "start, length, period, step, vmean_step, first block, number of blocks", "rank r"),
+        ("blocks", "fp32 [blocks, 2]: magnitude, vmean, all parameters of the optimizer "
+         "back to back", "rank r"),
+        ("rank_codebook", "fp32 [256], sorted, ends -1 and +1", "rank r"),
+    ]],
+}
+
+# A stateful agreed parameter's tensors per version, in the order the
+# adapters and tools list them.
+PARAM_TENSORS = {VERSION: ("codes", "grid"), V2: ("codes", "magnitude", "vmean")}
+# A GefenMuon parameter's tensors ("rows" only with NorMuon state), v2 and v3.
 MUON_TENSORS = ("codes", "magnitude", "rows")
+
+# The DCP transform descriptor on every raw entry's storage record (DCP's
+# "name/version" form). DCP's own reader does not know it and refuses the
+# entry with "Unknown extension", rather than unpickling raw bytes.
+RAW_DESCRIPTOR = "gefen_titan.raw/1"
+_RAW_KINDS = ("codes", "grid", "muon_codes", "muon_magnitude", "muon_rows")
 
 
 class FormatError(GefenCheckpointError):
@@ -121,71 +166,75 @@ class FormatError(GefenCheckpointError):
 
 
 # ------------------------------------------------------------------ keys
-def _key(version: int, index: int, **names: object) -> str:
-    return KEYS[version][index][0].format(**names)
-
-
 def header_key() -> str:
-    return _key(2, 0)
+    return _PATTERN["header"]
 
 
 def optimizer_key(opt: str) -> str:
-    return _key(2, 1, opt=opt)
+    return _PATTERN["optimizer"].format(opt=opt)
 
 
 def codebook_key(opt: str) -> str:
-    """v2: the job's codebook, under each optimizer's id."""
-    return _key(2, 2, opt=opt)
+    """v2/v3: the job's codebook, under each optimizer's id."""
+    return _PATTERN["codebook"].format(opt=opt)
 
 
 def codes_key(fqn: str) -> str:
-    return _key(2, 3, fqn=fqn)
+    return _PATTERN["codes"].format(fqn=fqn)
 
 
 def magnitude_key(fqn: str) -> str:
-    return _key(2, 4, fqn=fqn)
+    """v2 only."""
+    return _PATTERN["magnitude"].format(fqn=fqn)
 
 
 def vmean_key(fqn: str) -> str:
-    return _key(2, 5, fqn=fqn)
+    """v2 only."""
+    return _PATTERN["vmean"].format(fqn=fqn)
+
+
+def grid_key(fqn: str) -> str:
+    """v3: magnitude and vmean in one entry (``pack_blocks``)."""
+    return _PATTERN["grid"].format(fqn=fqn)
 
 
 def muon_optimizer_key(opt: str) -> str:
-    return _key(2, 6, opt=opt)
+    return _PATTERN["muon"].format(opt=opt)
 
 
 def muon_codebook_key(opt: str) -> str:
-    """v2: the job's GefenMuon codebook, under each GefenMuon optimizer's id."""
-    return _key(2, 7, opt=opt)
+    """The job's GefenMuon codebook, under each GefenMuon optimizer's id."""
+    return _PATTERN["muon_codebook"].format(opt=opt)
 
 
 def muon_tensor_keys(fqn: str) -> dict[str, str]:
     """A GefenMuon parameter's entries by ``MUON_TENSORS`` name."""
-    return {name: _key(2, 8 + i, fqn=fqn) for i, name in enumerate(MUON_TENSORS)}
+    return {name: _PATTERN["muon_" + name].format(fqn=fqn) for name in MUON_TENSORS}
 
 
 def records_key(opt: str, rank: int) -> str:
-    return _key(1, 3, opt=opt, r=rank)
+    return _PATTERN["records"].format(opt=opt, r=rank)
 
 
 def blocks_key(opt: str, rank: int) -> str:
-    return _key(1, 4, opt=opt, r=rank)
+    return _PATTERN["blocks"].format(opt=opt, r=rank)
 
 
 def rank_codebook_key(opt: str, rank: int) -> str:
     """v1: one codebook per optimizer per source rank."""
-    return _key(1, 5, opt=opt, r=rank)
+    return _PATTERN["rank_codebook"].format(opt=opt, r=rank)
 
 
 @dataclass(frozen=True)
 class Key:
     """A parsed Gefen key: what the entry is, and whose.
 
-    ``kind`` is one of ``header``, ``optimizer``, ``codebook`` (v2),
-    ``codes``, ``magnitude``, ``vmean``, ``records``, ``blocks``,
-    ``rank_codebook`` (v1), ``muon``, ``muon_codebook``, ``muon_codes``,
-    ``muon_magnitude``, ``muon_rows`` (GefenMuon, v2); ``name`` is the optimizer id or the parameter's
-    fqn (empty for the header); ``rank`` the source rank of a v1 entry.
+    ``kind`` is one of ``header``, ``optimizer``, ``codebook`` (v2/v3),
+    ``codes``, ``magnitude``, ``vmean`` (v2), ``grid`` (v3), ``records``,
+    ``blocks``, ``rank_codebook`` (v1), ``muon``, ``muon_codebook``,
+    ``muon_codes``, ``muon_magnitude``, ``muon_rows`` (GefenMuon); ``name``
+    is the optimizer id or the parameter's fqn (empty for the header);
+    ``rank`` the source rank of a v1 entry.
     """
 
     kind: str
@@ -193,7 +242,7 @@ class Key:
     rank: int | None = None
 
 
-_PARAM_KINDS = ("codes", "magnitude", "vmean", "muon_codes", "muon_magnitude", "muon_rows")
+_PARAM_KINDS = ("codes", "magnitude", "vmean", "grid", "muon_codes", "muon_magnitude", "muon_rows")
 _RANK_KEY = re.compile(r"^(records|blocks|codebook)/(.+)/(\d+)$")
 
 
@@ -224,21 +273,53 @@ def is_gefen_key(key: str) -> bool:
     return key.startswith(PREFIX)
 
 
-def param_tensor_keys(fqn: str) -> dict[str, str]:
-    """A v2 parameter's entries by ``PARAM_TENSORS`` name."""
-    return {"codes": codes_key(fqn), "magnitude": magnitude_key(fqn), "vmean": vmean_key(fqn)}
+def is_raw_entry(flat_key: str) -> bool:
+    """Whether a save writes this DCP entry as raw bytes (format v3).
+
+    ``flat_key`` is DCP's flattened name (``optimizer.gefen/codes/...``):
+    the Gefen and GefenMuon state tensors of a parameter (a per-rank save's
+    codes too: the storage record's ``RAW_DESCRIPTOR``, not the version,
+    tells a reader how an item is stored).
+    """
+    _, _, key = flat_key.partition(".")
+    pk = parse_key(key)
+    return pk is not None and pk.kind in _RAW_KINDS
 
 
-def param_tensor_specs(fqn: str, shape: tuple[int, ...], period: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """A stateful v2 parameter's entries: key -> (dtype, global shape).
+def param_tensor_keys(fqn: str, version: int = VERSION) -> dict[str, str]:
+    """An agreed parameter's entries by ``PARAM_TENSORS[version]`` name."""
+    return {name: _PATTERN[name].format(fqn=fqn) for name in PARAM_TENSORS[version]}
+
+
+def param_tensor_specs(fqn: str, shape: tuple[int, ...], period: int,
+                       version: int = VERSION) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """A stateful agreed parameter's entries: key -> (dtype, global shape).
 
     The codes have the parameter's shape, the per-block tensors its block
-    grid; all shard with the parameter's placements.
+    grid (v3: one, with a trailing 2); all shard with the parameter's
+    placements (the trailing dimension is never sharded).
     """
     grid = grid_shape(tuple(shape), period)
-    keys = param_tensor_keys(fqn)
+    keys = param_tensor_keys(fqn, version)
+    if version == VERSION:
+        return {keys["codes"]: (torch.uint8, tuple(shape)), keys["grid"]: (torch.float32, grid + (2,))}
     return {keys["codes"]: (torch.uint8, tuple(shape)), keys["magnitude"]: (torch.float32, grid),
             keys["vmean"]: (torch.float32, grid)}
+
+
+def pack_blocks(magnitude: torch.Tensor, vmean: torch.Tensor) -> torch.Tensor:
+    """v3's grid entry from a shard's magnitude and vmean (block-grid shaped): a new tensor."""
+    return torch.stack((magnitude, vmean), dim=-1)
+
+
+def unpack_blocks(version: int, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(magnitude, vmean), block-grid shaped, from a parameter's entries by ``PARAM_TENSORS`` name."""
+    if version == VERSION:
+        grid = tensors["grid"]
+        if grid.dim() == 0 or grid.shape[-1] != 2:
+            raise FormatError(f"a v3 grid entry has shape {tuple(grid.shape)}, not (..., 2)")
+        return grid[..., 0], grid[..., 1]
+    return tensors["magnitude"], tensors["vmean"]
 
 
 def grid_shape(shape: tuple[int, ...], period: int) -> tuple[int, ...]:
@@ -284,7 +365,7 @@ class Header:
     """``gefen/format``: the format version and the blocking that wrote it."""
 
     version: int
-    blocking: str | None  # "agreed" (v2) | "per_rank" (v1; absent in early v1 writers)
+    blocking: str | None  # "agreed" (v2, v3) | "per_rank" (v1; absent in early v1 writers)
 
     @classmethod
     def for_blocking(cls, blocking: str) -> Header:
@@ -292,18 +373,18 @@ class Header:
 
     @property
     def implied_blocking(self) -> str:
-        return "agreed" if self.version == VERSION else "per_rank"
+        return "agreed" if self.version in AGREED_VERSIONS else "per_rank"
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, "version": self.version, "blocking": self.blocking})
 
     @classmethod
     def from_json(cls, raw: Any) -> Header:
-        """Raises FormatError for anything but a gefen-titan v1 or v2 header."""
+        """Raises FormatError for anything but a gefen-titan v1, v2 or v3 header."""
         data = loads_json(raw, f"the Gefen header {header_key()}")
         if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") not in VERSIONS:
             raise FormatError(
-                f"checkpoint format {data} is not {FORMAT} v{V1} or v{VERSION}; it was written by another "
+                f"checkpoint format {data} is not {FORMAT} v{V1}, v{V2} or v{VERSION}; it was written by another "
                 "gefen-titan version. Load it with that version or exclude the optimizer")
         return cls(int(data["version"]), data.get("blocking"))
 
@@ -314,7 +395,7 @@ def _group(raw: dict[str, Any]) -> dict[str, float]:
 
 @dataclass
 class ParamRecord:
-    """v2: one parameter's period, counters and group hyperparameters."""
+    """v2, v3: one parameter's period, counters and group hyperparameters."""
 
     fqn: str
     shape: tuple[int, ...]
@@ -340,7 +421,7 @@ class ParamRecord:
 
 @dataclass
 class OptimizerRecord:
-    """v2: ``gefen/optimizer/{opt}``, one Gefen optimizer's parameters in order."""
+    """v2, v3: ``gefen/optimizer/{opt}``, one Gefen optimizer's parameters in order."""
 
     deterministic: bool
     global_step: int
@@ -363,81 +444,9 @@ class OptimizerRecord:
                        [ParamRecord.from_dict(p) for p in data["params"]])
 
 
-@dataclass
-class V1ParamRecord:
-    """v1: a parameter's global shape and group hyperparameters."""
-
-    fqn: str
-    shape: tuple[int, ...]
-    group: dict[str, float]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"fqn": self.fqn, "shape": list(self.shape), "group": {k: float(self.group[k]) for k in HYPER}}
-
-
-@dataclass
-class V1OptimizerRecord:
-    """v1: ``gefen/optimizer/{opt}``, the optimizer's source ranks and parameters."""
-
-    nshards: int
-    params: list[V1ParamRecord]
-
-    def to_json(self) -> str:
-        return json.dumps({"nshards": self.nshards, "params": [p.to_dict() for p in self.params]}, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, raw: Any, opt: str) -> V1OptimizerRecord:
-        what = f"optimizer record {opt}"
-        data = loads_json(raw, what)
-        with record_fields(what):
-            return cls(int(data["nshards"]), [V1ParamRecord(str(p["fqn"]), tuple(int(s) for s in p["shape"]),
-                                                            dict(p["group"])) for p in data["params"]])
-
-
-@dataclass(frozen=True)
-class V1RankRow:
-    """v1: where a source rank's state of one parameter lies (``RECORD_FIELDS``)."""
-
-    start: int
-    length: int
-    period: int
-    step: int
-    vmean_step: int
-    block0: int
-    nblocks: int
-
-    @property
-    def stop(self) -> int:
-        return self.start + self.length
-
-    def check(self, fqn: str, label: int, block_rows: int) -> str | None:
-        """Why the row cannot describe ``block_rows`` saved blocks, or None."""
-        p = self.period
-        if (p < 0 or (p and (self.length % p or self.nblocks != self.length // p)) or (not p and self.nblocks)
-                or self.block0 < 0 or self.block0 + self.nblocks > block_rows):
-            return (f"{fqn}: source rank {label} has inconsistent blocks (length {self.length}, period {p}, "
-                    f"blocks {self.block0}+{self.nblocks} of {block_rows})")
-        return None
-
-
-def v1_rank_table(global_step: int, rows: list[V1RankRow]) -> torch.Tensor:
-    """``gefen/records/{opt}/{r}``: row 0 = (global step, P), then one row per parameter."""
-    table = [[global_step, len(rows), 0, 0, 0, 0, 0]]
-    table += [[getattr(r, f) for f in RECORD_FIELDS] for r in rows]
-    return torch.tensor(table, dtype=torch.int64)
-
-
-def read_v1_rank_table(table: torch.Tensor, nparams: int, what: str) -> tuple[int, list[V1RankRow]]:
-    """(global step, rows) of a v1 rank table that must describe ``nparams`` parameters."""
-    if tuple(table.shape) != (1 + nparams, len(RECORD_FIELDS)):
-        raise FormatError(f"{what} has shape {tuple(table.shape)}, expected {(1 + nparams, len(RECORD_FIELDS))}")
-    values = table.tolist()
-    return int(values[0][0]), [V1RankRow(*(int(x) for x in row)) for row in values[1:]]
-
-
 def record_fqns(raw: Any, what: str) -> list[str]:
     """The parameter names of an optimizer record of any kind and version
-    (``gefen/optimizer/{opt}`` v1 or v2, ``gefen/muon/{opt}``): which
+    (``gefen/optimizer/{opt}`` v1, v2 or v3, ``gefen/muon/{opt}``): which
     optimizer kind saved each parameter."""
     data = loads_json(raw, what)
     with record_fields(what):

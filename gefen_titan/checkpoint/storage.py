@@ -9,9 +9,10 @@ the same storage torchtitan wrote to. The ``ckpt`` tools also read a
 checkpoint's files byte for byte (``list_files``, ``file_size``,
 ``open_file``) and write converted checkpoints (``storage_writer``).
 
-Every reader and writer made here is ``gefen_titan.checkpoint.integrity``'s:
-writers record ``.digests`` (a digest of every stored byte), readers check
-``.metadata`` before unpickling it and every item before it is used.
+Every writer made here is ``gefen_titan.checkpoint.writing``'s (format v3's
+raw entries; ``.digests``, a digest of every stored byte), every reader
+``gefen_titan.checkpoint.reading``'s (checks ``.metadata`` before unpickling
+it and every item before it is used; reads raw entries).
 """
 
 from __future__ import annotations
@@ -30,12 +31,8 @@ from torchtitan.tools import filesystem
 from gefen_titan.checkpoint import digests
 from gefen_titan.checkpoint.digests import Digests
 from gefen_titan.checkpoint.errors import GefenCheckpointError, unreadable
-from gefen_titan.checkpoint.integrity import (
-    CheckedFileSystemReader,
-    CheckedFsspecReader,
-    DigestingFileSystemWriter,
-    DigestingFsspecWriter,
-)
+from gefen_titan.checkpoint.reading import CheckedFileSystemReader, CheckedFsspecReader
+from gefen_titan.checkpoint.writing import DigestingFileSystemWriter, DigestingFsspecWriter
 
 __all__ = ["is_remote", "read_metadata", "read_checked_metadata", "read_digests", "read_small", "storage_reader",
            "storage_writer", "list_files", "file_size", "open_file", "join", "refusal"]
@@ -50,7 +47,7 @@ def storage_reader(checkpoint_id: str | os.PathLike, **checks: Any) -> CheckedFi
     """A checking DCP reader for a checkpoint folder: fsspec for URLs, the file system otherwise.
 
     ``checks`` (``metadata``, ``digests``, ``agree``, ``check_unread``): see
-    ``integrity._CheckedReading``; ``agree`` only where every rank loads
+    ``reading._CheckedReading``; ``agree`` only where every rank loads
     together (a collective load), never in a single-process tool.
     """
     checkpoint_id = os.fspath(checkpoint_id)

@@ -8,7 +8,7 @@ through ``gefen_titan.checkpoint.storage`` (local folders and fsspec URLs):
   data-loader entries);
 * ``verify``: every file and every byte, every record and tiling, before an
   expensive job resumes;
-* ``convert``: Gefen (format v2) state to AdamW moments and back, into a new
+* ``convert``: Gefen (formats v2 and v3) state to AdamW moments and back, into a new
   checkpoint that ``train.py`` resumes.
 
 ``cli`` is the command line (``gefen-titan ckpt ...``, ``python -m

@@ -6,7 +6,7 @@ moment (docs/gefen_internals.md b): per block of ``period`` elements,
 + eps``, ``p -= lr * m / (1 - beta1**step) / h``, with AdamW's decoupled weight
 decay. So the state maps onto torch's AdamW one to one:
 
-* ``--to adamw`` (format v2 only): ``exp_avg`` = the dequantized momentum
+* ``--to adamw`` (formats v2 and v3): ``exp_avg`` = the dequantized momentum
   (``reshard.quant.dequantize``, Gefen's own arithmetic), ``exp_avg_sq`` =
   each block's ``vmean`` broadcast over its elements, ``step`` = Gefen's
   ``step``; the hyperparameters of each record become the AdamW param group.
@@ -180,10 +180,10 @@ def _to_adamw(ck: Checkpoint, options: ConvertOptions):
         raise CkptError(f"{ck.path} holds no Gefen state" + (f" (its optimizer state is {', '.join(kinds)})"
                                                                if kinds else " (no optimizer state at all)")
                         + ": nothing to convert to AdamW")
-    if gefen.version != schema.VERSION:
-        raise CkptError(f"{ck.path} is Gefen format v{gefen.version} (per-rank blocking): convert reads format "
-                        f"v{schema.VERSION} (agreed blocking) only. Resume it with optimizer.blocking = \"per_rank\" "
-                        "instead, or convert a checkpoint of an agreed-blocking run")
+    if gefen.version not in schema.AGREED_VERSIONS:
+        raise CkptError(f"{ck.path} is Gefen format v{gefen.version} (per-rank blocking): convert reads formats "
+                        f"v{schema.V2} and v{schema.VERSION} (agreed blocking) only. Resume it with "
+                        "optimizer.blocking = \"per_rank\" instead, or convert a checkpoint of an agreed-blocking run")
     if gefen.problems:
         name, what = gefen.problems[0]
         raise CkptError(f"{ck.path}: the Gefen records are inconsistent ({name}: {what}); run "
@@ -195,9 +195,11 @@ def _to_adamw(ck: Checkpoint, options: ConvertOptions):
     for p in gefen.params:
         numel = math.prod(p.shape)
         if p.period:
-            keys = schema.param_tensor_keys(p.fqn)
-            vals = ck.load_names(OPTIMIZER, [keys[name] for name in schema.PARAM_TENSORS])
-            codes, mag, vmean = (vals[keys[name]].reshape(-1) for name in schema.PARAM_TENSORS)
+            keys = schema.param_tensor_keys(p.fqn, gefen.version)
+            vals = ck.load_names(OPTIMIZER, list(keys.values()))
+            tensors = {name: vals[key] for name, key in keys.items()}
+            codes = tensors["codes"].reshape(-1)
+            mag, vmean = (t.reshape(-1) for t in schema.unpack_blocks(gefen.version, tensors))
             exp_avg = dequantize(codes, codebook, mag, p.period).view(p.shape)
             exp_avg_sq = expand_blocks(vmean, p.period, 0, numel).reshape(p.shape).clone()
         else:  # no state yet (saved before its first step): AdamW's fresh state
@@ -319,8 +321,7 @@ def _to_gefen(ck: Checkpoint, options: ConvertOptions):
         grid = grid_shape(shape, period)
         keys = schema.param_tensor_keys(fqn)
         entries[keys["codes"]] = codes.reshape(shape)
-        entries[keys["magnitude"]] = mag.reshape(grid)
-        entries[keys["vmean"]] = vmean.reshape(grid)
+        entries[keys["grid"]] = schema.pack_blocks(mag.reshape(grid), vmean.reshape(grid))
         back_m = dequantize(codes.reshape(-1), codebook, mag.reshape(-1), period)
         back_v = expand_blocks(vmean.reshape(-1), period, 0, m.numel())
         err_m += float((back_m.double() - m.reshape(-1).double()).square().sum())

@@ -107,8 +107,8 @@ def _gefen_optimizers(ck: Checkpoint, gefen: GefenState) -> list[dict[str, Any]]
     for o in gefen.optimizers:
         params = []
         for p in o.params:
-            if gefen.version == schema.VERSION:
-                names = list(schema.param_tensor_keys(p.fqn).values())
+            if gefen.version in schema.AGREED_VERSIONS:
+                names = list(schema.param_tensor_keys(p.fqn, gefen.version).values())
             else:
                 names = [schema.codes_key(p.fqn)]
             entries = [opt[n] for n in names if n in opt]
@@ -117,13 +117,13 @@ def _gefen_optimizers(ck: Checkpoint, gefen: GefenState) -> list[dict[str, Any]]
                    "bytes": sum(e.payload_bytes for e in entries if e.is_tensor),
                    "stored_bytes": sum(e.stored_bytes for e in entries),
                    "cuts": _cuts(entries[0]) if entries else []}
-            if gefen.version == schema.VERSION:
+            if gefen.version in schema.AGREED_VERSIONS:
                 row["grid"] = list(p.grid) if p.grid else None
             else:  # per source rank: its own period (v1)
                 row["periods_by_rank"] = {str(r): v.period for r, v in sorted(p.ranks.items())}
                 row["bytes"] += 8 * sum(v.nblocks for v in p.ranks.values())
             params.append(row)
-        if gefen.version == schema.VERSION:
+        if gefen.version in schema.AGREED_VERSIONS:
             cb_names = [schema.codebook_key(o.opt)]
         else:
             cb_names = [schema.rank_codebook_key(o.opt, r) for r in range(o.nshards)]
@@ -378,7 +378,7 @@ def render(report: dict[str, Any]) -> str:
             for g in o["hyperparameters"]:
                 lines.append(f"  {_group(g)}")
             lines += [_codebook_line(name, cb) for name, cb in o["codebooks"].items()]
-            v2 = o["format_version"] == schema.VERSION
+            v2 = o["format_version"] in schema.AGREED_VERSIONS
             head = ["parameter", "shape", "period" if v2 else "periods", "grid" if v2 else "", "step", "bytes",
                     "chunks"]
             rows = [[p["fqn"], _shape(p["shape"]),

@@ -167,18 +167,23 @@ class _Verifier:
                         elif digests.hexdigest(data) != expected:
                             self.add(name, index.fqn, f"corrupt bytes: {digests.ALGORITHM} digest mismatch (the "
                                                       "load refuses it)")
-                    if info.transform_descriptors:
+                    raw = tuple(info.transform_descriptors or ()) == (schema.RAW_DESCRIPTOR,)
+                    if info.transform_descriptors and not raw:
                         self.warnings.append(f"{name}: {index.fqn} is stored transformed "
                                              f"({', '.join(info.transform_descriptors)}); its bytes were read, "
                                              "not decoded")
                         continue
-                    self.item(ck, name, index, data)
+                    self.item(ck, name, index, data, raw)
 
-    def item(self, ck: Checkpoint, name: str, index: Any, data: bytes) -> None:
+    def item(self, ck: Checkpoint, name: str, index: Any, data: bytes, raw: bool = False) -> None:
+        """One stored item's checks; ``raw``: format v3's raw bytes (``schema.RAW_DESCRIPTOR``)."""
         e = ck.entries.get(index.fqn)
         if e is None:
             return
-        if data[:2] == b"PK":
+        if raw and not e.is_tensor:
+            self.add(name, e.key, "a raw stored item of an entry that is no tensor")
+            return
+        if not raw and data[:2] == b"PK":
             try:
                 bad = zipfile.ZipFile(io.BytesIO(data)).testzip()
             except (zipfile.BadZipFile, ValueError, EOFError, OSError) as err:
@@ -202,9 +207,9 @@ class _Verifier:
             self.add(".metadata", e.key, f"stored item at {tuple(index.offset or ())} is no chunk of the entry")
             return
         try:
-            if data[:2] == b"PK":
+            if not raw and data[:2] == b"PK":
                 t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            else:  # raw bytes (DCP's non-torch.save serialization)
+            else:  # raw bytes (v3's, or DCP's non-torch.save serialization)
                 t = torch.frombuffer(bytearray(data), dtype=e.dtype).reshape(sizes) if data else \
                     torch.empty(sizes, dtype=e.dtype)
         except Exception as err:
@@ -365,7 +370,7 @@ def render(report: dict[str, Any]) -> str:
         g = report.get("gefen")
         m = report.get("gefen_muon")
         if g and (g["optimizers"] or not m):
-            what = "grids" if g["version"] == schema.VERSION else "per-rank blocks tile every parameter"
+            what = "grids" if g["version"] in schema.AGREED_VERSIONS else "per-rank blocks tile every parameter"
             lines.append(f"        Gefen v{g['version']}: {g['params']} parameters in {g['optimizers']} optimizer "
                          f"record(s), {g['codebooks']} codebook(s): records, {what} and codebooks valid")
         if m:

@@ -8,7 +8,7 @@
   state a function of the model (periods and one codebook for the job);
 * ``codebook_solver``: gefen-x's exact codebook DP, fast;
 * ``state``: how Gefen's state becomes checkpoint entries and back (format
-  v2 under agreed blocking, v1 under per-rank blocking).
+  v3 (and v2 loads) under agreed blocking, v1 under per-rank blocking).
 """
 
 from gefen_titan.optim.container import GefenOptimizersContainer

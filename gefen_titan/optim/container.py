@@ -125,7 +125,7 @@ class GefenOptimizersContainer(OptimizersContainer):
         ``"agreed"`` (default): from global statistics, the same on every rank
         (``gefen_titan.optim.blocking``), so the state is a function of the model
         alone: the same recipe trains the same optimizer at any mesh, and a
-        checkpoint (format v2) resumes bit-exactly at any FSDP / TP / HSDP /
+        checkpoint (format v3) resumes bit-exactly at any FSDP / TP / HSDP /
         pipeline layout. Costs one small all-gather and one 4096-bin
         all-reduce on step 1; periods are limited to divisors of the row
         length (and of the TP cuts), which can make blocks finer than

@@ -85,7 +85,7 @@ def order_band(references: dict[int, Run], rerun: Run | None, settings: Settings
 
     With the global-order loader the resumed run at M reads, from the resume
     on, exactly the reference's batches from the reference's exact state
-    (format v2), so nothing but the arithmetic can make its losses differ:
+    (format v3), so nothing but the arithmetic can make its losses differ:
 
     * N->N: the same arithmetic. The tolerance is LOSS_K x the largest
       deviation of a same-size rerun (a second uninterrupted run at the

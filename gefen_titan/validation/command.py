@@ -22,7 +22,7 @@ For every pair N:M, with S = ``steps_before`` and K = ``steps_after``:
    save (``gefen_titan.validation.hooks`` dumps both; it is switched on per run
    through torchtitan's ``--override.imports``):
 
-   * agreed blocking (the default; checkpoint format v2): the dumps are the
+   * agreed blocking (the default; checkpoint format v3): the dumps are the
      *global* state (every checkpoint entry gathered with ``full_tensor``,
      every parameter, and every rank's live periods, codebook, counters and
      hyperparameters). The load must reproduce it bit for bit, for every
@@ -247,7 +247,7 @@ def validate(*, recipe: str, pairs: str | None = None, source: int | None = None
               f"their second-difference noise {band['sigma_second_difference']:.4f}); N->N: exact")
     for b in used:
         if b == "agreed":
-            print("state after load (agreed blocking, checkpoint format v2): bit-exact for every pair: every "
+            print("state after load (agreed blocking, checkpoint format v3): bit-exact for every pair: every "
                   "checkpoint entry and parameter gathered to global tensors, and every rank's periods, "
                   "codebook, counters and hyperparameters, equal to the save's")
         elif b == "per_rank":

@@ -1,6 +1,6 @@
-"""Agreed blocking (checkpoint format v2): the global state after a load against the global state at the save.
+"""Agreed blocking (checkpoint format v3): the global state after a load against the global state at the save.
 
-Format v2 makes the whole state a function of the model alone, and DCP
+Format v3 (as v2) makes the whole state a function of the model alone, and DCP
 reshards it with no requantization (``docs/checkpoint_format.md``), so the
 comparison has no tolerance: everything must be bit-exact, for splits and
 merges alike. The inputs are the global dumps of
@@ -29,7 +29,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _records(state: dict[str, Any]) -> dict[str, tuple[str, schema.ParamRecord]]:
-    """fqn -> (optimizer id, the saved v2 record of a Gefen parameter)."""
+    """fqn -> (optimizer id, the saved v2/v3 record of a Gefen parameter)."""
     out = {}
     for key, value in state.items():
         parsed = schema.parse_key(key)
@@ -60,12 +60,15 @@ def _record_difference(a: str, b: str, opt: str) -> str:
 
 
 def _dense(state: dict[str, Any], fqn: str, period: int, codebook):
-    """Dense momentum and per-element vmean of one parameter from v2 entries
-    (Gefen's dequantization: codebook[codes] * magnitude), or None."""
-    keys = schema.param_tensor_keys(fqn)
-    codes, mag, vmean = (state.get(keys[name]) for name in schema.PARAM_TENSORS)
-    if codes is None or mag is None or vmean is None or codebook is None:
+    """Dense momentum and per-element vmean of one parameter from v3 or v2
+    entries (Gefen's dequantization: codebook[codes] * magnitude), or None."""
+    version = schema.VERSION if schema.grid_key(fqn) in state else schema.V2
+    keys = schema.param_tensor_keys(fqn, version)
+    tensors = {name: state.get(key) for name, key in keys.items()}
+    if any(t is None for t in tensors.values()) or codebook is None:
         return None
+    codes = tensors["codes"]
+    mag, vmean = schema.unpack_blocks(version, tensors)
     m = codebook.float().index_select(0, codes.reshape(-1).long()).reshape(codes.shape)
     if codes.dim():
         m = m * mag.float().repeat_interleave(period, dim=-1)
@@ -76,7 +79,7 @@ def _dense(state: dict[str, Any], fqn: str, period: int, codebook):
 
 
 def compare_global_state(ref_dumps: list[dict], res_dumps: list[dict]) -> dict[str, Any]:
-    """Agreed blocking (format v2): the global state right after the load
+    """Agreed blocking (format v3): the global state right after the load
     against the global state at the save. Everything must be bit-exact.
 
     * every parameter (gathered) equal in dtype and value;
@@ -191,7 +194,7 @@ def compare_global_state(ref_dumps: list[dict], res_dumps: list[dict]) -> dict[s
     if missing:
         problems.append(f"{missing} of {total} Gefen elements have no optimizer state after the load")
     if gefen_differ:
-        problems.append(f"Gefen state after the load is not bit-exact (format v2 promises it): {len(gefen_differ)} "
+        problems.append(f"Gefen state after the load is not bit-exact (format v3 promises it): {len(gefen_differ)} "
                         f"of {sum(schema.is_gefen_key(k) for k in rs)} checkpoint entries differ, e.g. "
                         f"{', '.join(gefen_differ[:3])}")
     if other_differ:

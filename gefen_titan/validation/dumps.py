@@ -2,7 +2,7 @@
 
 A load or save is dumped either per rank (per-rank blocking, format v1:
 ``<kind>-<step>-rank<r>.pt``, one per rank) or as the global state (agreed
-blocking, format v2: ``<kind>-<step>-global-rank<r>.pt``, one per writer);
+blocking, format v3: ``<kind>-<step>-global-rank<r>.pt``, one per writer);
 ``dumps_blocking`` tells them apart and the other functions answer for both.
 """
 

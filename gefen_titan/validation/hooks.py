@@ -7,7 +7,7 @@ recipe's ``GefenCheckpointManager`` for a subclass which, after a successful
 load and after the saves of chosen steps, writes the raw training state to
 ``<dir>``. What it writes follows the run's ``optimizer.blocking``:
 
-* **agreed** (checkpoint format v2): the *global* state, so that a load at
+* **agreed** (checkpoint format v3): the *global* state, so that a load at
   another layout can be compared with the save bit for bit. Every entry of
   the optimizer container's ``state_dict()`` (what the checkpoint stores:
   Gefen's codes, magnitudes and ``vmean`` as DTensors with the parameter's

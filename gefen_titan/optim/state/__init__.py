@@ -7,12 +7,12 @@ Gefen's adapter is ``GefenState``; which of the two format versions it
 writes follows ``optimizer.blocking``, which one it reads follows the
 checkpoint's header:
 
-* ``agreed``: format v2, written under agreed blocking and resharded by DCP
+* ``agreed``: formats v3 (written) and v2 (loaded) under agreed blocking and resharded by DCP
   alone (a load is DCP plus views);
 * ``per_rank``: format v1, written under per-rank blocking and re-blocked
   (requantized where the layout changed) on load.
 
-GefenMuon's adapter is ``MuonStateAdapter`` (format v2 only). Before any
+GefenMuon's adapter is ``MuonStateAdapter`` (formats v2 and v3). Before any
 adapter plans a load, ``check_kinds`` refuses a checkpoint that saved a live
 parameter under another of these optimizers (a GefenMuon checkpoint into a
 Gefen recipe, or the reverse), saying what to set.
@@ -71,7 +71,7 @@ class StateAdapter(Protocol):
 
 
 def checkpoint_blocking(checkpoint_id: str, metadata: Any, prefix: str, has_gefen: bool) -> str:
-    """``"agreed"`` (format v2) or ``"per_rank"`` (v1) for a checkpoint. Collective.
+    """``"agreed"`` (format v2 or v3) or ``"per_rank"`` (v1) for a checkpoint. Collective.
 
     Raises ``GefenCheckpointError`` on every rank when the checkpoint holds no
     gefen-titan Gefen state that a rank with Gefen parameters could load.
@@ -127,7 +127,7 @@ def check_kinds(checkpoint_id: str, metadata: Any, prefix: str, live: dict[str, 
 
 
 class GefenState:
-    """Gefen's ``StateAdapter``: format v2 under agreed blocking, v1 under per-rank blocking.
+    """Gefen's ``StateAdapter``: format v3 under agreed blocking (v2 loads too), v1 under per-rank blocking.
 
     Saves write the run's own format. A load reads the checkpoint's header
     first and refuses, on every rank, a checkpoint of the other blocking (its

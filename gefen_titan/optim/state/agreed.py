@@ -1,15 +1,17 @@
-"""Format v2: Gefen state under agreed blocking, resharded by DCP alone.
+"""Formats v3 and v2: Gefen state under agreed blocking, resharded by DCP alone.
 
 With agreed blocking (``gefen_titan.optim.blocking``) every rank holds the same
 codebook and the same period per parameter, and no block crosses a shard
 cut of any allowed layout. Each rank's state is then a slice of one global
 state: the codes are the parameter's shape, the per-block magnitude and
 ``vmean`` a *block grid* (the shape with the last dimension divided by the
-period) that shards with the parameter's own placements. Saving hands DCP
-views of Gefen's tensors as DTensors with those placements; loading asks DCP
-for the live placements and installs what it read as Gefen's state, so a
-resume at any FSDP / TP / HSDP / pipeline layout is bit-exact and costs no
-more than reading the bytes.
+period) that shards with the parameter's own placements. Saving (v3) hands
+DCP views of Gefen's codes and one packed copy of the two per-block tensors
+(``schema.pack_blocks``: 8 bytes per block) as DTensors with those
+placements; loading asks DCP for the live placements and installs what it
+read as Gefen's state, so a resume at any FSDP / TP / HSDP / pipeline layout
+is bit-exact and costs no more than reading the bytes. v2 checkpoints (the
+per-block tensors as two entries) load the same way.
 
 Before DCP reads, ``prepare_load`` reads the small records (periods,
 counters, hyperparameters, the codebook), checks them against the live
@@ -43,10 +45,11 @@ class _Plan:
     codebook: torch.Tensor | None
     global_steps: dict[str, int]  # saved opt id -> global step
     source_opt: dict[str, str]  # fqn -> saved opt id
+    version: int  # schema.AGREED_VERSIONS
 
 
 class AgreedStateAdapter(AgreedAdapter):
-    """Format v2 state of the Gefen optimizers of one rank."""
+    """Format v3 (saves; v2 and v3 loads) state of the Gefen optimizers of one rank."""
 
     kind = "Gefen"
     owns = staticmethod(gs.is_gefen)
@@ -85,15 +88,13 @@ class AgreedStateAdapter(AgreedAdapter):
                 if st is None:  # an empty local shard: Gefen keeps no tensors for it
                     dev = s.local.device
                     codes = torch.empty(local_shape, dtype=torch.uint8, device=dev)
-                    mag = torch.empty(local_grid, dtype=torch.float32, device=dev)
-                    vmean = torch.empty(local_grid, dtype=torch.float32, device=dev)
+                    blocks = torch.empty(local_grid + (2,), dtype=torch.float32, device=dev)
                 else:
                     codes = copy(st.codes.view(local_shape))
-                    mag, vmean = copy(st.magnitude.view(local_grid)), copy(st.vmean.view(local_grid))
+                    blocks = schema.pack_blocks(st.magnitude.view(local_grid), st.vmean.view(local_grid))
                 keys = schema.param_tensor_keys(s.fqn)
                 sd[keys["codes"]] = like_param(s.param, codes, shape)
-                sd[keys["magnitude"]] = like_param(s.param, mag, grid)
-                sd[keys["vmean"]] = like_param(s.param, vmean, grid)
+                sd[keys["grid"]] = like_param(s.param, blocks, grid + (2,))
             opt_id = slots[0].opt_id
             record = schema.OptimizerRecord(gs.options(optim)["deterministic"], gs.global_step(optim), params)
             sd[schema.optimizer_key(opt_id)] = record.to_json()
@@ -113,7 +114,7 @@ class AgreedStateAdapter(AgreedAdapter):
         return 0, 0, 0
 
     # ------------------------------------------------------------------ load
-    def _plan_from(self, checkpoint_id, small, ours, opt_keys, books) -> _Plan:
+    def _plan_from(self, checkpoint_id, small, ours, opt_keys, books, version) -> _Plan:
         records, source_opt, global_steps = {}, {}, {}
         deterministic = {}
         for key in opt_keys:
@@ -165,14 +166,14 @@ class AgreedStateAdapter(AgreedAdapter):
             why = check_period_fits(s.fqn, s.param, period)
             if why:
                 raise GefenCheckpointError(why)
-            for key, (_, want) in schema.param_tensor_specs(s.fqn, tuple(s.param.shape), period).items():
+            for key, (_, want) in schema.param_tensor_specs(s.fqn, tuple(s.param.shape), period, version).items():
                 md = ours.get(key)
                 if md is None:
                     raise GefenCheckpointError(f"{s.fqn}: {key} missing from the checkpoint (truncated or foreign)")
                 if tuple(md.size) != want:
                     raise GefenCheckpointError(
                         f"{s.fqn}: {key} has shape {tuple(md.size)}, expected {want} for period {period}")
-        return _Plan(checkpoint_id, records, codebook, global_steps, source_opt)
+        return _Plan(checkpoint_id, records, codebook, global_steps, source_opt, version)
 
     def _load_destinations(self) -> dict[str, Any]:
         plan = self._plan
@@ -185,11 +186,10 @@ class AgreedStateAdapter(AgreedAdapter):
             local_shape = tuple(s.local.shape)
             dev = s.local.device
             local_grid = grid_shape(local_shape, period) if local_shape else ()
-            keys = schema.param_tensor_keys(s.fqn)
-            sd[keys["codes"]] = like_param(s.param, torch.empty(local_shape, dtype=torch.uint8, device=dev), shape)
             grid = grid_shape(shape, period)
-            for name in ("magnitude", "vmean"):
-                sd[keys[name]] = like_param(s.param, torch.empty(local_grid, dtype=torch.float32, device=dev), grid)
+            for key, (dtype, want) in schema.param_tensor_specs(s.fqn, shape, period, plan.version).items():
+                here = local_shape if dtype == torch.uint8 else local_grid + tuple(want[len(grid):])
+                sd[key] = like_param(s.param, torch.empty(here, dtype=dtype, device=dev), want)
         return sd
 
     def stage_load(self, sd: dict[str, Any]) -> None:
@@ -207,8 +207,10 @@ class AgreedStateAdapter(AgreedAdapter):
                 if not period:
                     staged[s.fqn] = None
                     continue
-                keys = schema.param_tensor_keys(s.fqn)
-                codes, mag, vmean = (local(sd[keys[name]]) for name in schema.PARAM_TENSORS)
+                keys = schema.param_tensor_keys(s.fqn, plan.version)
+                tensors = {name: local(sd[key]) for name, key in keys.items()}
+                codes = tensors["codes"]
+                mag, vmean = schema.unpack_blocks(plan.version, tensors)
                 for what, t in (("magnitude", mag), ("vmean", vmean)):
                     if not torch.isfinite(t).all() or (t < 0).any():
                         raise GefenCheckpointError(
@@ -216,7 +218,8 @@ class AgreedStateAdapter(AgreedAdapter):
                             "resume from another step with checkpoint.load_step")
                 staged[s.fqn] = gs.ParamState(
                     period=period, step=rec.step, vmean_step=rec.vmean_step,
-                    codes=codes.reshape(-1, period), magnitude=mag.reshape(-1, 1), vmean=vmean.reshape(-1, 1))
+                    codes=codes.reshape(-1, period), magnitude=mag.reshape(-1, 1).contiguous(),
+                    vmean=vmean.reshape(-1, 1).contiguous())
         except (GefenCheckpointError, ValueError, KeyError) as e:
             error = str(e)
         agree(error, f"cannot load Gefen optimizer state from {plan.checkpoint_id}")

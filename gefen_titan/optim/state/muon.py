@@ -1,4 +1,4 @@
-"""GefenMuon's state in the checkpoint (format v2), resharded by DCP alone.
+"""GefenMuon's state in the checkpoint (formats v2 and v3: the same keys), resharded by DCP alone.
 
 Under agreed blocking every rank holds the job's one GefenMuon codebook and
 the same period per parameter, and the sharded step
@@ -53,7 +53,7 @@ class _Plan:
 
 
 class MuonStateAdapter(AgreedAdapter):
-    """The ``StateAdapter`` of the GefenMuon optimizers of one rank (format v2 only)."""
+    """The ``StateAdapter`` of the GefenMuon optimizers of one rank (formats v2 and v3)."""
 
     kind = "GefenMuon"
     owns = staticmethod(gs.is_gefen_muon)
@@ -95,7 +95,7 @@ class MuonStateAdapter(AgreedAdapter):
         return sd
 
     # ------------------------------------------------------------------ load
-    def _plan_from(self, checkpoint_id, small, ours, rec_keys, books) -> _Plan:
+    def _plan_from(self, checkpoint_id, small, ours, rec_keys, books, version) -> _Plan:
         records, source_opt, global_steps, deterministic = {}, {}, {}, {}
         for key in rec_keys:
             opt_id = schema.parse_key(key).name

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint import schema, schema_v1
 from gefen_titan.checkpoint.errors import GefenCheckpointError, agree
 from gefen_titan.checkpoint.quant import Segment, block_mean_segments, dequantize_segments, requantize
 from gefen_titan.checkpoint.schema import HYPER
@@ -136,15 +136,15 @@ class PerRankStateAdapter(StagedLoad):
         opt_id, label = slots[0].opt_id, slots[0].region.label
         device = slots[0].device
         out: dict[str, Any] = {}
-        meta = schema.V1OptimizerRecord(slots[0].region.nshards, [])
-        rows: list[schema.V1RankRow] = []
+        meta = schema_v1.V1OptimizerRecord(slots[0].region.nshards, [])
+        rows: list[schema_v1.V1RankRow] = []
         blocks, nblocks = [], 0
         for slot in slots:
             try:
                 st = gs.read(slot.optim, slot.param)
             except ValueError as e:
                 raise GefenCheckpointError(f"{slot.fqn}: {e}") from e
-            meta.params.append(schema.V1ParamRecord(slot.fqn, tuple(slot.param.shape),
+            meta.params.append(schema_v1.V1ParamRecord(slot.fqn, tuple(slot.param.shape),
                                                     {k: float(slot.group[k]) for k in HYPER}))
             r = slot.region
             if st is not None:
@@ -157,12 +157,12 @@ class PerRankStateAdapter(StagedLoad):
                 codes = torch.zeros(slot.local_shape, dtype=torch.uint8, device=device)
                 b = torch.zeros(0, 2, dtype=torch.float32, device=device)
                 period, step, vstep = 0, 0, 0
-            rows.append(schema.V1RankRow(r.start, r.length, period, step, vstep, nblocks, b.shape[0]))
+            rows.append(schema_v1.V1RankRow(r.start, r.length, period, step, vstep, nblocks, b.shape[0]))
             blocks.append(b)
             nblocks += b.shape[0]
             out[schema.codes_key(slot.fqn)] = like_param(slot.param, codes, tuple(slot.param.shape))
         out[schema.optimizer_key(opt_id)] = meta.to_json()
-        out[schema.records_key(opt_id, label)] = schema.v1_rank_table(gs.global_step(optim), rows)
+        out[schema.records_key(opt_id, label)] = schema_v1.v1_rank_table(gs.global_step(optim), rows)
         out[schema.blocks_key(opt_id, label)] = torch.cat(blocks).to(device)
         if gs.codebook(optim) is not None:
             out[schema.rank_codebook_key(opt_id, label)] = gs.codebook(optim).detach().float().clone()
@@ -235,11 +235,11 @@ class PerRankStateAdapter(StagedLoad):
                 "another gefen-titan version. Load it with that version or exclude the optimizer"
             )
         # Every saved parameter: which optimizer, its index there, its record.
-        where: dict[str, tuple[str, int, schema.V1ParamRecord, int, int]] = {}
+        where: dict[str, tuple[str, int, schema_v1.V1ParamRecord, int, int]] = {}
         for key, value in small.items():
             pk = schema.parse_key(key)
             if pk and pk.kind == "optimizer":
-                meta = schema.V1OptimizerRecord.from_json(value, pk.name)
+                meta = schema_v1.V1OptimizerRecord.from_json(value, pk.name)
                 for i, rec in enumerate(meta.params):
                     where[rec.fqn] = (pk.name, i, rec, meta.nshards, len(meta.params))
         params, sources = {}, {}
@@ -257,7 +257,7 @@ class PerRankStateAdapter(StagedLoad):
                 if rk not in small:
                     raise GefenCheckpointError(
                         f"{slot.fqn}: records of source rank {label} missing (truncated checkpoint?)")
-                global_step, table = schema.read_v1_rank_table(small[rk], nparams, rk)
+                global_step, table = schema_v1.read_v1_rank_table(small[rk], nparams, rk)
                 row = table[index]
                 bk = ours.get(schema.blocks_key(opt_id, label))
                 rows = bk.size[0] if bk is not None else -1

@@ -1,4 +1,4 @@
-"""What the state adapters share: the two-step load, and (format v2) the
+"""What the state adapters share: the two-step load, and (formats v2, v3) the
 parameter slots and the checked save.
 
 The container holds one adapter per optimizer kind (Gefen's, GefenMuon's)
@@ -89,7 +89,7 @@ class Slot:
 
 
 class AgreedAdapter(StagedLoad):
-    """A format v2 adapter over the optimizers ``owns`` picks: its slots, and
+    """A format v2/v3 adapter over the optimizers ``owns`` picks: its slots, and
     ``state_dict`` (the entries to save, checked and agreed on every rank, or
     between ``prepare_load`` and the commit, DCP's load destinations)."""
 
@@ -131,10 +131,14 @@ class AgreedAdapter(StagedLoad):
         parsed = {k: schema.parse_key(k) for k in ours}
         rec_keys = sorted(k for k, pk in parsed.items() if pk and pk.kind == self.record_kind)
         books = sorted(k for k, pk in parsed.items() if pk and pk.kind == self.codebook_kind)
-        small = read_small(checkpoint_id, metadata, prefix, books, rec_keys)
+        header = [schema.header_key()] if schema.header_key() in ours else []
+        small = read_small(checkpoint_id, metadata, prefix, books, rec_keys + header)
         plan, error = None, None
         try:
-            plan = self._plan_from(checkpoint_id, small, ours, rec_keys, books)
+            version = schema.Header.from_json(small[header[0]]).version if header else schema.VERSION
+            if version not in schema.AGREED_VERSIONS:
+                raise GefenCheckpointError(f"the checkpoint is format v{version}, not an agreed-blocking one")
+            plan = self._plan_from(checkpoint_id, small, ours, rec_keys, books, version)
         except (GefenCheckpointError, ValueError) as e:
             error = str(e)
         agree(error, f"cannot load {self.kind} optimizer state from {checkpoint_id}")
@@ -142,7 +146,8 @@ class AgreedAdapter(StagedLoad):
 
     @abstractmethod
     def _plan_from(self, checkpoint_id: str, small: dict[str, Any], ours: dict[str, Any], rec_keys: list[str],
-                   books: list[str]) -> Any: ...
+                   books: list[str], version: int) -> Any:
+        """The load's plan; ``version``: the checkpoint's (``schema.AGREED_VERSIONS``)."""
 
     @abstractmethod
     def _save_entries(self) -> dict[str, Any]: ...

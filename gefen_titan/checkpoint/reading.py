@@ -1,0 +1,285 @@
+"""DCP storage readers that check ``.digests`` before anything is used, and read v3's raw entries.
+
+**Metadata.** ``read_metadata`` checks ``.metadata``'s bytes before
+unpickling them (a flipped byte never reaches ``pickle``).
+
+**Items.** ``read_data`` reads every item this rank's plan needs, checks
+each digest, and only when every rank's items are intact (when ``agree``:
+one all-gather of whether each rank could read ``.digests``, one all-reduce
+of the verdicts) deserializes them into the planner's targets, which for
+the model are the live parameters: a damaged byte anywhere stops the load on
+every rank before the first in-place copy. A raw item (its storage record
+carries ``schema.RAW_DESCRIPTOR``; ``checkpoint.writing``) is viewed where
+it was read, its dtype and sizes taken from its chunk record in
+``.metadata``, so checking it costs the hash and no copy; a torch.saved one
+goes through ``torch.load`` as DCP does it. With ``check_unread`` the
+coordinator also hands every stored item that no rank's plan reads
+(another rank's data-loader entries, an excluded component) to the rank
+with the fewest such bytes, so each load checks every item of the
+checkpoint once. Cost: one xxh3 pass over the bytes read, and the rank's
+items held in memory between the read and the commit (DCP holds one at a
+time). A checkpoint without ``.digests`` is read by DCP's own
+``read_data``, unchecked (its raw items, if any, by ours).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
+from torch.futures import Future
+
+from gefen_titan.checkpoint import digests as dg
+from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint.errors import root_cause
+from gefen_titan.distributed import all_gather_objects, is_distributed, raise_on_any_rank
+
+__all__ = ["CheckedFileSystemReader", "CheckedFsspecReader", "load_metadata"]
+
+_CHUNK = 1 << 24  # bytes per read
+_UNSET: Any = object()
+_RAW = (schema.RAW_DESCRIPTOR,)
+
+
+# ------------------------------------------------------------------ load
+def load_metadata(fs: Any, path: Any, checkpoint_id: str) -> tuple[Metadata, dg.Digests | None]:
+    """``.metadata`` checked against ``.digests`` (when there is one), then unpickled.
+
+    Raises ``digests.CorruptCheckpointError`` for damaged bytes, OSError
+    when a file cannot be read.
+    """
+    digest_path = fs.concat_path(path, dg.FILE)
+    record = None
+    if fs.exists(digest_path):
+        with fs.create_stream(digest_path, "rb") as f:
+            record = dg.parse(f.read(), checkpoint_id)
+    with fs.create_stream(fs.concat_path(path, dg.METADATA_FILE), "rb") as f:
+        raw = f.read()
+    if record is not None:
+        record.check_metadata(raw, checkpoint_id)
+    try:
+        metadata = pickle.loads(raw)
+        if not isinstance(metadata, Metadata):
+            raise TypeError(f"holds a {type(metadata).__name__}, not DCP Metadata")
+    except Exception as e:  # any unpickling failure of damaged bytes
+        raise dg.CorruptCheckpointError(dg.corrupt_message(
+            checkpoint_id, dg.METADATA_FILE, None, f"does not unpickle ({root_cause(e)})"), dg.METADATA_FILE) from e
+    return metadata, record
+
+
+class _CheckedReading:
+    """Mixin over DCP's file system readers: checks ``.digests`` before anything is used (module docstring).
+
+    ``metadata``/``digests``: already read (and checked) by the caller;
+    ``agree``: the load is collective, so every rank's verdict is agreed
+    before the first commit (an all-gather and an all-reduce); ``check_unread``: also check
+    the items no rank reads.
+    """
+
+    def __init__(self, path: Any, *args: Any, metadata: Metadata | None = None, digests: Any = _UNSET,
+                 agree: bool = False, check_unread: bool = False, **kwargs: Any) -> None:
+        super().__init__(path, *args, **kwargs)
+        self._metadata = metadata
+        self._digests = digests
+        self._agree = agree
+        self._check_unread = check_unread
+        self._set_up: Metadata | None = None  # set_up_storage_reader's: the raw items' chunk records
+
+    def _id(self) -> str:
+        return str(self.path)
+
+    def digests(self) -> dg.Digests | None:
+        """The checkpoint's ``.digests`` (None: it has none), read once."""
+        if self._digests is _UNSET:
+            if self._metadata is None:
+                self._metadata, self._digests = load_metadata(self.fs, self.path, self._id())
+            else:
+                p = self.fs.concat_path(self.path, dg.FILE)
+                self._digests = None
+                if self.fs.exists(p):
+                    with self.fs.create_stream(p, "rb") as f:
+                        self._digests = dg.parse(f.read(), self._id())
+        return self._digests
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:  # DCP's per-rank metadata fallback: not ours
+            return super().read_metadata(*args, **kwargs)
+        if self._metadata is None:
+            self._metadata, self._digests = load_metadata(self.fs, self.path, self._id())
+        if getattr(self._metadata, "storage_meta", None) is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        plans = super().prepare_global_plan(plans)
+        if not (self._check_unread and self.digests() is not None and plans):
+            return plans
+        read = {item.storage_index for p in plans for item in p.items}
+        extra: list[list[Any]] = [[] for _ in plans]
+        load = [0] * len(plans)
+        unread = sorted((i for i in self.storage_data if i not in read),
+                        key=lambda i: -int(self.storage_data[i].length))
+        for index in unread:  # largest first, each to the least loaded rank
+            r = load.index(min(load))
+            extra[r].append(index)
+            load[r] += int(self.storage_data[index].length)
+        return [dataclasses.replace(p, storage_data=x) if x else p for p, x in zip(plans, extra)]
+
+    def read_data(self, plan: LoadPlan, planner: Any) -> Future:
+        # Every rank must take the same path through the collectives below,
+        # so whether the checkpoint has digests (and whether they could be
+        # read) is agreed first, in one all-gather, when the load is collective.
+        try:
+            record, error = self.digests(), None
+        except Exception as e:  # a damaged .digests, an unreadable file
+            record, error = None, str(e) if isinstance(e, dg.CorruptCheckpointError) else dg.corrupt_message(
+                self._id(), dg.FILE, None, f"cannot read it ({root_cause(e)})")
+        if self._agree and is_distributed():
+            verdicts = all_gather_objects((error, record is not None))
+            errors = sorted({e for e, _ in verdicts if e})
+            if not errors and len({has for _, has in verdicts}) > 1:
+                errors = [f"ranks disagree whether {self._id()} has {dg.FILE} (does every rank see the same files?)"]
+            if errors:
+                raise dg.CorruptCheckpointError("the checkpoint cannot be loaded: " + "; ".join(errors))
+        elif error:
+            raise dg.CorruptCheckpointError(error)
+        if record is None and not any(self._is_raw(req.storage_index) for req in plan.items):
+            return super().read_data(plan, planner)
+        staged, error = self._read_and_check(plan, record)
+        if self._agree and record is not None:
+            raise_on_any_rank(error, "the checkpoint cannot be loaded", dg.CorruptCheckpointError)
+        elif error:
+            raise dg.CorruptCheckpointError(error)
+        # Every rank's bytes are intact: only now does anything reach the planner's targets.
+        uses: dict[Any, int] = {}
+        for req in plan.items:
+            uses[req.storage_index] = uses.get(req.storage_index, 0) + 1
+        for req in plan.items:
+            data = staged[req.storage_index]
+            uses[req.storage_index] -= 1
+            if not uses[req.storage_index]:
+                del staged[req.storage_index]  # hold each item only until its last use
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(self._stream(req, data).read(-1)))
+                continue
+            tensor = narrow_tensor_by_index(self._tensor(req, data), req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _is_raw(self, index: Any) -> bool:
+        return tuple(self.storage_data[index].transform_descriptors or ()) == _RAW
+
+    def _stream(self, req: Any, data: bytearray) -> Any:
+        info = self.storage_data[req.storage_index]
+        return self.transforms.transform_load_stream(req, info.transform_descriptors or (), io.BytesIO(data))
+
+    def _tensor(self, req: Any, data: bytearray) -> torch.Tensor:
+        """The stored chunk: raw bytes viewed in place (no copy), else torch.load."""
+        if not self._is_raw(req.storage_index):
+            stream = self._stream(req, data)
+            if not stream.seekable():
+                stream = io.BytesIO(stream.read(-1))
+            return torch.load(stream, map_location="cpu", weights_only=True)
+        dtype, sizes = self._raw_chunk(req.storage_index)
+        if not data:
+            return torch.empty(sizes, dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype).view(sizes)
+
+    def _raw_chunk(self, index: Any) -> tuple[torch.dtype, tuple[int, ...]]:
+        """(dtype, sizes) of a raw item, from ``.metadata``'s chunk record with its offsets."""
+        md = self._set_up.state_dict_metadata[index.fqn]
+        offsets = tuple(index.offset or ())
+        for chunk in md.chunks:
+            if tuple(chunk.offsets) == offsets:
+                return md.properties.dtype, tuple(chunk.sizes)
+        raise dg.CorruptCheckpointError(f"{self._id()}: .metadata has no chunk of {index.fqn} at {offsets}")
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._set_up = metadata
+
+    def _raw_size_error(self, index: Any, length: int) -> str | None:
+        try:
+            dtype, sizes = self._raw_chunk(index)
+        except dg.CorruptCheckpointError as e:
+            return str(e)
+        want = math.prod(sizes) * torch.empty((), dtype=dtype).element_size()
+        return None if want == length else f"a raw item of {length:,} bytes, its chunk needs {want:,}"
+
+    def _read_and_check(self, plan: LoadPlan, record: dg.Digests | None) -> tuple[dict[Any, bytearray], str | None]:
+        """This rank's items (those of its plan, and the unread ones it was handed), each checked
+        (against ``record``'s digests when there is one; raw items' sizes always).
+
+        Never raises: a failure is the returned message, so every rank
+        reaches the agreement.
+        """
+        needed = {req.storage_index for req in plan.items}
+        wanted = list(needed) + [i for i in (plan.storage_data or []) if i not in needed]
+        per_file: dict[str, list[Any]] = {}
+        for index in wanted:
+            per_file.setdefault(self.storage_data[index].relative_path, []).append(index)
+        staged: dict[Any, bytearray] = {}
+        file, entry = dg.METADATA_FILE, None
+        try:
+            for file in sorted(per_file):
+                with self.fs.create_stream(self.fs.concat_path(self.path, file), "rb") as f:
+                    for index in sorted(per_file[file], key=lambda i: int(self.storage_data[i].offset)):
+                        entry = index.fqn
+                        info = self.storage_data[index]
+                        f.seek(int(info.offset))
+                        data = _read_exact(f, int(info.length))
+                        expected = None if record is None else record.item(file, info.offset, info.length)
+                        if len(data) != int(info.length):
+                            what = f"cannot read it: truncated, {len(data):,} of the item's {int(info.length):,} bytes"
+                        elif record is not None and expected is None:
+                            what = "no digest was recorded for this item (.digests is from another save?)"
+                        elif record is not None and dg.hexdigest(data) != expected:
+                            what = f"{dg.ALGORITHM} digest mismatch: its bytes differ from what the save wrote"
+                        elif self._is_raw(index) and (why := self._raw_size_error(index, len(data))):
+                            what = why
+                        else:
+                            if index in needed:
+                                staged[index] = data
+                            continue
+                        return {}, dg.corrupt_message(self._id(), file, entry, what)
+        except Exception as e:  # OSError, a missing file: the same agreement, the same message shape
+            return {}, dg.corrupt_message(self._id(), file, entry, f"cannot read it ({root_cause(e)})")
+        return staged, None
+
+
+def _read_exact(f: Any, length: int) -> bytearray:
+    """``length`` bytes from ``f`` (fewer at the end of the file) into a writable
+    buffer, which raw items are viewed in without a copy."""
+    buf = bytearray(length)
+    view, n = memoryview(buf), 0
+    while n < length:
+        got = f.readinto(view[n:n + _CHUNK])
+        if not got:
+            break
+        n += got
+    view.release()
+    return buf if n == length else buf[:n]
+
+
+class CheckedFileSystemReader(_CheckedReading, FileSystemReader):
+    """DCP's ``FileSystemReader`` that checks ``.digests`` (module docstring)."""
+
+
+class CheckedFsspecReader(_CheckedReading, FsspecReader):
+    """DCP's ``FsspecReader`` (checkpoints at URLs) that checks ``.digests``."""
