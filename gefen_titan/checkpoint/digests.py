@@ -75,6 +75,9 @@ def hexdigest(data: Any) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+_EMPTY = hexdigest(b"")
+
+
 @dataclass
 class Digests:
     """What ``.digests`` holds: ``.metadata``'s size and digest, and each item's.
@@ -89,6 +92,8 @@ class Digests:
 
     def item(self, file: str, offset: int, length: int) -> str | None:
         """The recorded digest of the item ``[offset, offset + length)`` of ``file``; None if none was recorded."""
+        if int(length) == 0:  # an empty item (an empty shard's raw entry) has no bytes to damage
+            return _EMPTY
         rec = self.items.get(file, {}).get(int(offset))
         return rec[1] if rec is not None and rec[0] == int(length) else None
 

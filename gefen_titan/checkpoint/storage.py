@@ -25,7 +25,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torchtitan.tools import filesystem
 
 from gefen_titan.checkpoint import digests
@@ -34,8 +36,8 @@ from gefen_titan.checkpoint.errors import GefenCheckpointError, unreadable
 from gefen_titan.checkpoint.reading import CheckedFileSystemReader, CheckedFsspecReader
 from gefen_titan.checkpoint.writing import DigestingFileSystemWriter, DigestingFsspecWriter
 
-__all__ = ["is_remote", "read_metadata", "read_checked_metadata", "read_digests", "read_small", "storage_reader",
-           "storage_writer", "list_files", "file_size", "open_file", "join", "refusal"]
+__all__ = ["is_remote", "load_all", "read_metadata", "read_checked_metadata", "read_digests", "read_small",
+           "storage_reader", "storage_writer", "list_files", "file_size", "open_file", "join", "refusal"]
 
 
 def is_remote(checkpoint_id: str | os.PathLike) -> bool:
@@ -99,6 +101,18 @@ def read_small(checkpoint_id: str, metadata: Metadata, prefix: str, tensors: lis
     except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps the cause
         raise refusal(checkpoint_id, e) from e
     return {k[len(prefix):]: v for k, v in small.items()}
+
+
+def load_all(checkpoint_id: str | os.PathLike) -> dict[str, Any]:
+    """Every entry of a checkpoint, nested as it was saved, in this process
+    (DCP's ``format_utils.dcp_to_torch_save`` reads through DCP's own reader,
+    which refuses format v3's raw entries; this one reads them, and checks
+    ``.digests``). The whole checkpoint in memory: for tools and tests."""
+    sd: dict[str, Any] = {}
+    # What dcp_to_torch_save calls (dcp.load would hand back only the keys it was given).
+    _load_state_dict(sd, storage_reader=storage_reader(checkpoint_id), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    return sd
 
 
 def refusal(checkpoint_id: str, error: Exception) -> GefenCheckpointError:

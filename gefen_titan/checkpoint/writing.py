@@ -247,8 +247,9 @@ class _DigestWriting:
             for r in rank_results:
                 if isinstance(r.storage_data, _Digested):
                     info = r.storage_data.info
-                    items.setdefault(info.relative_path, {})[int(info.offset)] = (int(info.length),
-                                                                                  r.storage_data.digest)
+                    if int(info.length):  # an empty item shares its offset with the next one (Digests.item)
+                        items.setdefault(info.relative_path, {})[int(info.offset)] = (int(info.length),
+                                                                                      r.storage_data.digest)
                     r = WriteResult(r.index, r.size_in_bytes, info)
                 kept.append(r)
             plain.append(kept)

@@ -1,4 +1,4 @@
-"""The agreed-blocking (format v2) runs of ``agreed_worker`` that
+"""The agreed-blocking (format v3) runs of ``agreed_worker`` that
 tests/integration/test_agreed_blocking.py checks: which jobs, in which launches.
 
 Under the plan's base folder: ``c_TAG`` the checkpoints of the reference

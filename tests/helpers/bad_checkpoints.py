@@ -2,10 +2,10 @@
 
 Each case pairs a damage with the text the load's error must contain:
 
-* ``V2_CASES`` (agreed blocking, format v2: global grids per parameter, JSON
-  records, one codebook per optimizer), tried by ``agreed_worker``'s
+* ``V2_CASES`` (agreed blocking, format v3 as a run writes it: global grids
+  per parameter, JSON records, one codebook per optimizer), tried by ``agreed_worker``'s
   ``--cases`` (tests/integration/test_agreed_blocking.py);
-* ``MUON_CASES`` (GefenMuon's v2 entries, and checkpoints of one optimizer
+* ``MUON_CASES`` (GefenMuon's entries, and checkpoints of one optimizer
   kind loaded by the other), tried by ``muon_worker``'s ``--cases``
   (tests/integration/test_gefen_muon.py);
 * ``V1_CASES`` (per-rank blocking, format v1: per-rank record tables and
@@ -24,7 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+
+from gefen_titan.checkpoint.storage import load_all
 
 Edit = Callable[[dict], None]
 
@@ -33,10 +35,10 @@ def edited(src: Path, dst: Path, step: int, edit: Edit) -> None:
     """A copy of checkpoint root ``src`` (its ``ckpt/step-N``) at ``dst``, the
     optimizer's entries passed through ``edit``; the scratch file lies next to ``dst``."""
     full = dst.parent / (dst.name + ".pt")
-    dcp_to_torch_save(str(src / "ckpt" / f"step-{step}"), str(full))
-    sd = torch.load(full, weights_only=False)
+    sd = load_all(src / "ckpt" / f"step-{step}")
     edit(sd["optimizer"])
     torch.save(sd, full)
+    # DCP's own writer: the copy stores every entry framed and has no .digests (it loads unchecked).
     torch_save_to_dcp(str(full), str(dst / "ckpt" / f"step-{step}"))
 
 
@@ -60,7 +62,7 @@ def drop_entry(key: str) -> Edit:
     return lambda opt: opt.pop(key)
 
 
-# ------------------------------------------------------------------ format v2
+# ------------------------------------------------------------------ format v3 (agreed)
 def set_v2_record(fqn: str, field: str, value) -> Edit:
     """A field of ``fqn``'s JSON record."""
     def edit(opt):
@@ -83,10 +85,11 @@ def nudged(cb: torch.Tensor) -> torch.Tensor:
 # name -> (source checkpoint, edit, "truncate" or None (the source as it is),
 # config overrides of the loading optimizer, expected text)
 V2_CASES = {
-    "grid_missing": ("c_fsdp2", lambda o: o.pop("gefen/vmean/layers.0.w1.weight"), "", "missing from the checkpoint"),
-    "grid_corrupt": ("c_fsdp2", set_entry("gefen/magnitude/output.weight", lambda v: v.fill_(float("nan"))), "",
+    "grid_missing": ("c_fsdp2", lambda o: o.pop("gefen/grid/layers.0.w1.weight"), "", "missing from the checkpoint"),
+    "grid_corrupt": ("c_fsdp2", set_entry("gefen/grid/output.weight",
+                                          lambda v: v.index_fill(-1, torch.tensor([0]), float("nan"))), "",
                      "non-finite"),
-    "grid_shape": ("c_fsdp2", set_entry("gefen/vmean/output.weight", lambda v: v[:, :1].clone()), "", "expected"),
+    "grid_shape": ("c_fsdp2", set_entry("gefen/grid/output.weight", lambda v: v[:, :1].clone()), "", "expected"),
     "counters": ("c_fsdp2", set_v2_record("layers.1.w2.weight", "vmean_step", 99), "", "counters do not add up"),
     "codebook_corrupt": ("c_fsdp2", set_entry("gefen/codebook/tok_embeddings.weight", lambda v: v.flip(0)), "",
                          "is corrupt"),

@@ -1,7 +1,7 @@
 """The scale plan's checks that need a (fake) process group, in one fresh process.
 
 Run by tests/integration/test_scale.py as ``python -m tests.helpers.scale_worker STEP_DIR``; prints
-one JSON line. STEP_DIR is a real format-v2 checkpoint of the debug recipe
+one JSON line. STEP_DIR is a real format-v3 checkpoint of the debug recipe
 saved at 2 gloo ranks (the CPU half of ``scripts/gpu_check.sh``).
 
 1. collectives: real Gefen's first step under a fake process group of 4

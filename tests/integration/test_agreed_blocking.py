@@ -8,10 +8,10 @@ gradients:
   periods, codebook) and the parameters are bit-identical at W=1, 2, 3
   (uneven rows, an empty shard), 4, FSDP 2 x TP 2, TP 2, HSDP 2 x 2 and
   2 pipeline stages (x FSDP 2);
-* the reshard matrix through GefenCheckpointManager (format v2): the loaded
+* the reshard matrix through GefenCheckpointManager (format v3): the loaded
   global state is bit-identical to the saved one, and the parameters after 2
   more steps equal the uninterrupted run at the target layout, bit for bit;
-* fail closed: bad v2 checkpoints, a layout the periods do not fit, a
+* fail closed: bad v3 checkpoints, a layout the periods do not fit, a
   ``deterministic`` or blocking mismatch, ranks that disagree at save time.
 
 The jobs are ``tests.helpers.agreed_runs``'s plan: five launches (one per

@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 
 import gefen_titan.train
 from gefen_titan.checkpoint import schema as fmt
+from gefen_titan.checkpoint import storage
 from gefen_titan.checkpoint.reader import Checkpoint, Entry
 from gefen_titan.ckpt import cli
 from gefen_titan.ckpt.verify import _cover_once
@@ -112,7 +113,7 @@ def test_inspect_gefen_checkpoint(runs, capsys):
     path = step_dir(base, "gefen", 2)
     rc, report = ckpt_json(capsys, "inspect", path)
     assert rc == 0
-    assert report["format"] == {"name": "gefen-titan", "version": 2, "blocking": "agreed"}
+    assert report["format"] == {"name": "gefen-titan", "version": fmt.VERSION, "blocking": "agreed"}
     assert report["counters"]["train_state.step"] == 2 and report["counters"]["lr_scheduler.last_epoch"] == 2
     assert report["mesh"]["writer_ranks"] == 1 and report["mesh"]["data_parallel_ranks"] == 1
     (opt,) = report["optimizers"]
@@ -126,8 +127,10 @@ def test_inspect_gefen_checkpoint(runs, capsys):
     assert [p["fqn"] for p in opt["params"]] == [p["fqn"] for p in record["params"]]
     for row, rec in zip(opt["params"], record["params"]):
         assert row["period"] == rec["period"] and row["step"] == rec["step"] == 2
-        grid = tuple(md["optimizer." + fmt.magnitude_key(row["fqn"])].size)
-        assert tuple(row["grid"]) == grid == tuple(rec["shape"][:-1]) + (rec["shape"][-1] // rec["period"],)
+        packed = tuple(md["optimizer." + fmt.grid_key(row["fqn"])].size)
+        grid = packed[:-1]
+        assert packed[-1] == 2 and tuple(row["grid"]) == grid == tuple(rec["shape"][:-1]) + (
+            rec["shape"][-1] // rec["period"],)
         assert row["bytes"] == math.prod(rec["shape"]) + 8 * math.prod(grid)
     assert opt["elements"] == sum(math.prod(p["shape"]) for p in record["params"])
     assert 1.0 < opt["stored_bytes_per_param"] < 1.2
@@ -139,7 +142,7 @@ def test_inspect_gefen_checkpoint(runs, capsys):
         1 for k in md if not k.startswith(("optimizer.", "dataloader.", "lr_scheduler.", "train_state.")))
     rc, text = ckpt(capsys, "inspect", path)
     assert rc == 0
-    assert "gefen-titan v2 (agreed blocking)" in text
+    assert f"gefen-titan v{fmt.VERSION} (agreed blocking)" in text
     assert re.search(r"tok_embeddings\.weight\s+2048x256\s+\d+\s+2048x\d+\s+2\s", text), text
 
 
@@ -230,14 +233,14 @@ def test_verify_inconsistent_records_and_non_finite_grid(copy, tmp_path, capsys)
     wo = next(p for p in record["params"] if p["fqn"] == "layers.0.attention.wo.weight")
     wo["period"] = 64 if wo["period"] != 64 else 32
     sd[key] = json.dumps(record)
-    sd["optimizer." + fmt.magnitude_key("lm_head.weight")][3, 1] = float("nan")
+    sd["optimizer." + fmt.grid_key("lm_head.weight")][3, 1, 0] = float("nan")
     bad = tmp_path / "bad" / "step-4"
     dcp.save(sd, checkpoint_id=str(bad), no_dist=True)
     rc, report = ckpt_json(capsys, "verify", bad)
     assert rc == 1
     whats = [p["what"] for p in report["problems"]]
     assert any("non-finite" in w for w in whats), whats
-    assert any(fmt.magnitude_key("layers.0.attention.wo.weight") in w and "expected" in w for w in whats), whats
+    assert any(fmt.grid_key("layers.0.attention.wo.weight") in w and "expected" in w for w in whats), whats
     assert report["first_bad_file"] == "__0_0.distcp"
 
 
@@ -278,7 +281,7 @@ def test_inspect_and_verify_format_v1(tmp_path, capsys):
     rc, report = ckpt_json(capsys, "verify", tmp_path / "bad")
     assert rc == 1 and any(p["entry"] == blocks and "negative" in p["what"] for p in report["problems"])
     rc, report = ckpt_json(capsys, "convert", path, tmp_path / "out", "--to", "adamw")
-    assert rc == 1 and "format v2" in report["error"] and not (tmp_path / "out").exists()
+    assert rc == 1 and "formats v2 and v3" in report["error"] and not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------ convert
@@ -302,19 +305,19 @@ def test_convert_gefen_to_adamw_resumes(runs, capsys):
     assert report["params"] == 45 and report["steps"] == {"2": 45}
     # exp_avg is codebook[code] * magnitude of its block, exp_avg_sq the block's vmean (computed here anew).
     fqn = "layers.0.feed_forward.w2.weight"
-    keys = {k: "optimizer." + f(fqn) for k, f in
-            (("codes", fmt.codes_key), ("mag", fmt.magnitude_key), ("vmean", fmt.vmean_key))}
+    keys = {k: "optimizer." + f(fqn) for k, f in (("codes", fmt.codes_key), ("grid", fmt.grid_key))}
     cb_key = "optimizer." + fmt.codebook_key("tok_embeddings.weight")
     md = Checkpoint(str(src)).metadata.state_dict_metadata
     g = {k: torch.empty(md[k].size, dtype=md[k].properties.dtype) for k in [*keys.values(), cb_key]}
-    dcp.load(g, checkpoint_id=str(src), no_dist=True)
+    dcp.load(g, storage_reader=storage.storage_reader(src), no_dist=True)  # raw entries: gefen-titan's reader
+    mag, vmean = fmt.unpack_blocks(fmt.VERSION, {"grid": g[keys["grid"]]})
     a = {f"optimizer.state.{fqn}.{s}": torch.empty(md[keys["codes"]].size) for s in ("exp_avg", "exp_avg_sq")}
     a[f"optimizer.state.{fqn}.step"] = torch.empty(())
     dcp.load(a, checkpoint_id=str(out), no_dist=True)
-    period = md[keys["codes"]].size[-1] // md[keys["mag"]].size[-1]
-    mag = g[keys["mag"]].repeat_interleave(period, dim=-1)
+    period = md[keys["codes"]].size[-1] // mag.shape[-1]
+    mag = mag.repeat_interleave(period, dim=-1)
     assert torch.equal(a[f"optimizer.state.{fqn}.exp_avg"], g[cb_key][g[keys["codes"]].long()] * mag)
-    assert torch.equal(a[f"optimizer.state.{fqn}.exp_avg_sq"], g[keys["vmean"]].repeat_interleave(period, dim=-1))
+    assert torch.equal(a[f"optimizer.state.{fqn}.exp_avg_sq"], vmean.repeat_interleave(period, dim=-1))
     assert float(a[f"optimizer.state.{fqn}.step"]) == 2
     rc, _ = ckpt(capsys, "verify", out)
     assert rc == 0
@@ -335,7 +338,7 @@ def test_convert_adamw_to_gefen_resumes(runs, capsys):
     assert report["momentum_relative_rms_error"] < 0.02
     assert 1.0 < report["state_bytes_per_param"] < 1.2
     rc, inspected = ckpt_json(capsys, "inspect", out)
-    assert rc == 0 and inspected["format"]["version"] == 2
+    assert rc == 0 and inspected["format"]["version"] == fmt.VERSION
     (opt,) = inspected["optimizers"]
     periods = {p["fqn"]: p["period"] for p in opt["params"]}
     assert periods["norm.weight"] == 1 and all(
@@ -397,7 +400,7 @@ def _muon_path(root: Path) -> Path:
 def test_inspect_gefen_muon_checkpoint(muon, capsys):
     path = _muon_path(muon)
     rc, report = ckpt_json(capsys, "inspect", path)
-    assert rc == 0 and report["format"]["version"] == 2
+    assert rc == 0 and report["format"]["version"] == fmt.VERSION
     assert report["mesh"]["writer_ranks"] == 2 and report["mesh"]["data_parallel_ranks"] == 2
     gefen, gm = report["optimizers"]
     assert gefen["kind"] == "Gefen" and gm["kind"] == "GefenMuon"
@@ -442,10 +445,10 @@ def test_verify_gefen_muon_checkpoint(muon, capsys):
     rc, report = ckpt_json(capsys, "verify", _muon_path(muon))
     assert rc == 0 and report["ok"], report["problems"]
     assert report["gefen"]["params"] == 15
-    assert report["gefen_muon"] == {"version": 2, "optimizers": 1, "params": 30, "stateful_params": 30,
+    assert report["gefen_muon"] == {"version": fmt.VERSION, "optimizers": 1, "params": 30, "stateful_params": 30,
                                     "codebooks": 1}
     rc, text = ckpt(capsys, "verify", _muon_path(muon))
-    assert rc == 0 and "GefenMuon v2: 30 parameters in 1 record(s), 1 codebook(s)" in text
+    assert rc == 0 and f"GefenMuon v{fmt.VERSION}: 30 parameters in 1 record(s), 1 codebook(s)" in text
 
 
 def _bad_group(opt_id: str):

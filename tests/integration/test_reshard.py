@@ -7,7 +7,7 @@ parameters after more steps); splits on whole blocks are bit-exact state;
 merges are within error bounds. Measured figures are printed (-s) and quoted
 in the README. Also an HSDP 2 x 2 save resumed as plain FSDP at 2. The runs
 are conftest's ``runs``: the jobs of ``reshard_runs.RUN_PLAN``, in the five
-launches they share with the format-v2 runs (``worker_runs``).
+launches they share with the format-v3 runs (``worker_runs``).
 """
 
 from __future__ import annotations

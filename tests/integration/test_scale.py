@@ -1,7 +1,7 @@
 """The scale tools: scripts/gpu_check.sh's CPU path, the scale plan, the benchmarks' arguments.
 
 * ``gpu_check.sh`` without CUDA: bad arguments exit 2 with the reason (its
-  parser); a run does the CPU half of the checkpoint check (a real v2 checkpoint of the
+  parser); a run does the CPU half of the checkpoint check (a real v3 checkpoint of the
   debug recipe at 2 gloo ranks), skips every GPU stage, writes its report
   and exits 3 saying "no CUDA".
 * The scale plan against that real checkpoint (``tests/helpers/scale_worker.py``):

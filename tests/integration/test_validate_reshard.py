@@ -1,7 +1,7 @@
 """The reshard validation (``gefen_titan.validation``, command lines
 ``scripts/validate_reshard.py`` and ``gefen-titan validate``) end to end on
 CPU (gloo): the standard set 2->4, 4->2, 2->1 of the debug recipe passes with
-the state after every load bit-exact (agreed blocking, checkpoint format v2:
+the state after every load bit-exact (agreed blocking, checkpoint format v3:
 splits and merges alike); per-rank blocking (format v1) keeps its promises
 (a same-size resume exact, a merge within the adapter's bounds); and a
 broken resume (optimizer state dropped) makes the command fail, naming the
@@ -92,7 +92,7 @@ def test_standard_set_passes_with_table_and_plot(standard):
     assert proc.returncode == 0, log[-6000:]
     assert "all pairs within tolerance" in proc.stdout
     assert "gloo on CPU" in proc.stdout  # says which backend it used
-    assert "agreed blocking, checkpoint format v2" in proc.stdout
+    assert "agreed blocking, checkpoint format v3" in proc.stdout
     for pair in ("2->4", "4->2", "2->1"):
         row = _row(proc.stdout, pair)
         assert row[-1] == "ok" and row[6] == "exact" and row[7] == "exact", row  # state, params
@@ -147,7 +147,7 @@ def test_dropped_optimizer_state_fails_naming_pair_and_figure(standard, tmp_path
     assert _row(proc.stdout, "4->2")[6] == "DIFFER"
     err = proc.stderr
     assert "FAILED" in err
-    assert "4->2: Gefen state after the load is not bit-exact (format v2 promises it)" in err
+    assert "4->2: Gefen state after the load is not bit-exact (format v3 promises it)" in err
     assert "4->2: first-update error 1 > 0" in err
     assert "4->2: momentum error 1 > 0" in err
     assert "have no optimizer state after the load" in err

@@ -24,5 +24,6 @@ def test_key_builders_use_the_table():
     assert fmt.records_key("o", 3) == "gefen/records/o/3"
     assert fmt.blocks_key("o", 3) == "gefen/blocks/o/3"
     assert fmt.rank_codebook_key("o", 3) == "gefen/codebook/o/3"
-    assert fmt.VERSION == 2 and fmt.V1 == 1
+    assert fmt.grid_key("a.b") == "gefen/grid/a.b"
+    assert fmt.VERSION == 3 and fmt.V2 == 2 and fmt.V1 == 1
     assert f"`gefen-titan` v{fmt.VERSION}" in DOC

@@ -1,0 +1,136 @@
+"""Format v3's raw entries: written without torch.save's framing, read back bit for bit.
+
+One process, DCP with ``no_dist=True``, the writer and reader of
+``checkpoint.storage`` on a state dict that mixes raw entries (Gefen state
+keys) with ordinary ones (a model weight, a record, a counter). The
+multi-rank saves and reshards of real state are
+tests/integration/test_agreed_blocking.py and test_v2_fixture.py.
+"""
+
+import os
+import random
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from gefen_titan.checkpoint import schema, storage
+from gefen_titan.ckpt.verify import verify_checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
+
+CODES = "optimizer." + schema.codes_key("layers.0.w")
+GRID = "optimizer." + schema.grid_key("layers.0.w")
+EMPTY = "optimizer." + schema.muon_tensor_keys("layers.1.w")["rows"]
+GROUP = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
+
+
+def state(empty: bool = False) -> dict:
+    """A model weight, one Gefen parameter's v3 state with its records, a counter
+    (``empty``: and a zero-byte raw entry, as an empty shard writes)."""
+    g = torch.Generator().manual_seed(0)
+    mag, vmean = torch.rand(8, 4, generator=g), torch.rand(8, 4, generator=g)
+    record = schema.OptimizerRecord(False, 3, [schema.ParamRecord("layers.0.w", (8, 16), 4, 3, 3, GROUP)])
+    sd = {"model.w": torch.randn(8, 16, generator=g),
+          CODES: torch.randint(0, 256, (8, 16), dtype=torch.uint8, generator=g),
+          GRID: schema.pack_blocks(mag, vmean),
+          "optimizer." + schema.header_key(): schema.Header.for_blocking("agreed").to_json(),
+          "optimizer." + schema.optimizer_key("layers.0.w"): record.to_json(),
+          "optimizer." + schema.codebook_key("layers.0.w"): torch.linspace(-1, 1, schema.K),
+          "step": torch.tensor(7)}
+    if empty:
+        sd[EMPTY] = torch.empty(0)
+    return sd
+
+
+def blank(empty: bool = False) -> dict:
+    return {key: "" if isinstance(value, str) else torch.zeros_like(value) for key, value in state(empty).items()}
+
+
+def test_which_entries_are_raw():
+    assert schema.is_raw_entry(CODES) and schema.is_raw_entry(GRID)
+    for name in schema.muon_tensor_keys("x").values():
+        assert schema.is_raw_entry("optimizer." + name)
+    for flat in ("model.w", "optimizer." + schema.header_key(), "optimizer." + schema.optimizer_key("x"),
+                 "optimizer." + schema.codebook_key("x"), "optimizer.state.w.exp_avg", "step"):
+        assert not schema.is_raw_entry(flat), flat
+
+
+def test_pack_unpack_and_specs():
+    mag, vmean = torch.rand(3, 5), torch.rand(3, 5)
+    grid = schema.pack_blocks(mag, vmean)
+    assert grid.shape == (3, 5, 2)
+    m, v = schema.unpack_blocks(schema.VERSION, {"grid": grid})
+    assert torch.equal(m, mag) and torch.equal(v, vmean)
+    m, v = schema.unpack_blocks(schema.V2, {"magnitude": mag, "vmean": vmean})
+    assert m is mag and v is vmean
+    with pytest.raises(schema.FormatError):
+        schema.unpack_blocks(schema.VERSION, {"grid": torch.zeros(3, 5)})
+    v3 = schema.param_tensor_specs("w", (6, 12), 4)
+    assert v3 == {"gefen/codes/w": (torch.uint8, (6, 12)), "gefen/grid/w": (torch.float32, (6, 3, 2))}
+    v2 = schema.param_tensor_specs("w", (6, 12), 4, schema.V2)
+    assert sorted(v2) == ["gefen/codes/w", "gefen/magnitude/w", "gefen/vmean/w"]
+
+
+@pytest.mark.parametrize("empty", [False, True])
+def test_raw_round_trip_has_no_framing(tmp_path, empty):
+    path = tmp_path / "step-1"
+    want = state(empty)
+    dcp.save(want, storage_writer=storage.storage_writer(path), no_dist=True)
+    md = storage.read_metadata(path)
+    infos = {index.fqn: info for index, info in md.storage_data.items()}
+    for key in (CODES, GRID, EMPTY) if empty else (CODES, GRID):
+        t = want[key]
+        assert tuple(infos[key].transform_descriptors) == (schema.RAW_DESCRIPTOR,), key
+        assert infos[key].length == t.numel() * t.element_size(), key  # the bytes alone
+        stored = (path / infos[key].relative_path).read_bytes()
+        assert stored[infos[key].offset:infos[key].offset + infos[key].length] == t.numpy().tobytes()
+    framed = infos["model.w"]
+    assert not framed.transform_descriptors and framed.length > want["model.w"].numel() * 4 + 500
+    got = blank(empty)
+    dcp.load(got, storage_reader=storage.storage_reader(path), no_dist=True)
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        else:
+            assert got[key] == value
+    if not empty:  # (a GefenMuon entry without its records is, rightly, a problem for verify)
+        report = verify_checkpoint(str(path))
+        assert report["ok"], report["problems"]
+
+
+def test_dcp_own_reader_refuses_raw_entries_but_reads_the_rest(tmp_path):
+    path = tmp_path / "step-1"
+    dcp.save(state(), storage_writer=storage.storage_writer(path), no_dist=True)
+    model = {"model.w": torch.zeros(8, 16)}
+    dcp.load(model, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    assert torch.equal(model["model.w"], state()["model.w"])
+    with pytest.raises(BaseException, match="Unknown extension"):  # DCP wraps it in a CheckpointException
+        dcp.load({CODES: torch.zeros(8, 16, dtype=torch.uint8)}, storage_reader=dcp.FileSystemReader(str(path)),
+                 no_dist=True)
+
+
+def test_raw_entries_load_without_digests(tmp_path):
+    """A checkpoint whose .digests was removed still reads its raw entries (unchecked)."""
+    path = tmp_path / "step-1"
+    dcp.save(state(), storage_writer=storage.storage_writer(path), no_dist=True)
+    os.remove(path / ".digests")
+    got = blank()
+    dcp.load(got, storage_reader=storage.storage_reader(path), no_dist=True)
+    assert torch.equal(got[GRID], state()[GRID]) and torch.equal(got[CODES], state()[CODES])
+
+
+def test_flipped_raw_byte_is_refused(tmp_path):
+    path = tmp_path / "step-1"
+    dcp.save(state(), storage_writer=storage.storage_writer(path), no_dist=True)
+    info = next(i for idx, i in storage.read_metadata(path).storage_data.items() if idx.fqn == GRID)
+    file = path / info.relative_path
+    data = bytearray(file.read_bytes())
+    data[info.offset + random.Random(1).randrange(info.length)] ^= 0x10
+    file.write_bytes(bytes(data))
+    got = blank()
+    with pytest.raises(BaseException, match="digest mismatch"):
+        dcp.load(got, storage_reader=storage.storage_reader(path), no_dist=True)
+    assert torch.equal(got[GRID], torch.zeros(8, 4, 2))  # nothing reached the target
+    report = verify_checkpoint(str(path))
+    assert not report["ok"]
