@@ -17,13 +17,15 @@ names the version); ``v1`` the per-rank format (``blocking = "per_rank"``);
 ``gefen-x`` gefen-x's own ``GefenDCPState``; ``adamw`` the baseline;
 ``gefen-muon`` (not in the default list) the current format with GefenMuon
 for the hidden matrices and Gefen for the rest, the param groups of
-``recipes/llama_gefen_muon.toml``; ``digests`` the current format saved and
-loaded as ``GefenCheckpointManager`` does it (``checkpoint.storage``'s
-writer, which records ``.digests``, and its checking reader, which checks
-every item on every rank before the first commit), where ``current`` uses
-DCP's own writer and reader: with both in the run, a line prints the
-digests' cost on its own: its workers also save and load the same state
-without and with digests, alternated ``PAIRED`` times in one process, best
+``recipes/llama_gefen_muon.toml``. ``current``, ``v1`` and ``gefen-muon`` are
+saved and loaded as ``GefenCheckpointManager`` does it (``checkpoint.storage``'s
+writer: v3's raw entries and ``.digests``; its checking reader, which checks
+every item on every rank before the first commit); ``gefen-x`` and ``adamw``
+with DCP's own writer and reader, as torchtitan saves them. ``digests`` (not
+in the default list) is ``current`` plus a line with the digests' cost on
+its own: its workers also save and load the same state without and with
+digests (the same writer and reader, ``storage_writer(digests=False)``),
+alternated ``PAIRED`` times in one process, best
 of each (separate launches differ by more than the cost on a shared machine).
 
 Prints, per method: optimizer bytes/param on disk and on disk over in
@@ -62,6 +64,7 @@ METHODS = (*DEFAULT_METHODS, "gefen-muon", "digests")
 MUON_PATTERN = r"^layers\.\d+\.(attention|feed_forward)\."
 MUON_KWARGS = {"momentum": 0.95, "nesterov": True, "ns_steps": 5, "adjust_lr_fn": "match_rms_adamw", "normuon": True}
 SAVE_TARGET, LOAD_TARGET, PEAK_TARGET = 0.5, 1.0, 1.0
+OURS = ("current", "v1", "gefen-muon", "digests")  # saved and loaded as GefenCheckpointManager does
 PAIRED = 5  # alternated saves/loads without and with digests in one process (method "digests")
 
 
@@ -73,7 +76,7 @@ def method_label(method: str) -> str:
 
         blocking = GefenOptimizersContainer.Config().blocking
         version = fmt.VERSION if blocking == "agreed" else fmt.V1
-        return f"gefen-titan v{version} ({blocking}, current)" + (" + .digests" if method == "digests" else "")
+        return f"gefen-titan v{version} ({blocking}, current)" + (" (paired digests)" if method == "digests" else "")
     return {"v1": "gefen-titan v1 (per_rank)", "gefen-x": "gefen-x GefenDCPState", "adamw": "AdamW",
             "gefen-muon": "gefen-titan GefenMuon + Gefen (agreed)"}[method]
 
@@ -165,23 +168,14 @@ def _worker(args) -> None:
     def largest_shard() -> int:
         return max(p.to_local().nbytes for p in model.parameters())
 
-    def load_current(ckpt: str) -> None:
-        from torch.distributed.checkpoint import FileSystemReader
-
-        opt.prepare_load(ckpt, FileSystemReader(ckpt).read_metadata(), prefix="optimizer.")
-        try:
-            dcp.load({"optimizer": opt}, checkpoint_id=ckpt)
-        finally:
-            opt.abort_load()
-
-    def load_checked() -> None:  # as GefenCheckpointManager.dcp_load reads it
+    def load_current(ckpt: str) -> None:  # as GefenCheckpointManager.dcp_load reads it
         from gefen_titan.checkpoint import storage
 
-        md, record = storage.read_checked_metadata(args.ckpt)
-        opt.prepare_load(args.ckpt, md, prefix="optimizer.")
+        md, record = storage.read_checked_metadata(ckpt)
+        opt.prepare_load(ckpt, md, prefix="optimizer.")
         try:
             dcp.load({"optimizer": opt}, storage_reader=storage.storage_reader(
-                args.ckpt, metadata=md, digests=record, agree=True, check_unread=True))
+                ckpt, metadata=md, digests=record, agree=True, check_unread=True))
         finally:
             opt.abort_load()
 
@@ -214,7 +208,7 @@ def _worker(args) -> None:
         dist.all_reduce(totals)
         result["memory_bytes"] = float(totals[0])
         kwargs = {}
-        if args.method == "digests":
+        if args.method in OURS:  # as GefenCheckpointManager.dcp_save writes it
             from gefen_titan.checkpoint import storage
 
             kwargs["storage_writer"] = storage.storage_writer(args.ckpt)
@@ -239,8 +233,9 @@ def _worker(args) -> None:
             from gefen_titan.checkpoint import storage
 
             result["paired_s"] = paired(
-                lambda: dcp.save({"optimizer": state_obj()}, checkpoint_id=args.ckpt + ".plain"),
-                lambda: dcp.save({"optimizer": state_obj()}, checkpoint_id=args.ckpt + ".again",
+                lambda: dcp.save({"optimizer": state_obj()},
+                                 storage_writer=storage.storage_writer(args.ckpt + ".plain", digests=False)),
+                lambda: dcp.save({"optimizer": state_obj()},
                                  storage_writer=storage.storage_writer(args.ckpt + ".again")))
         digests, update = next_update()
     else:
@@ -252,9 +247,7 @@ def _worker(args) -> None:
             t0 = time.perf_counter()
             if profiler:
                 profiler.enable()
-            if args.method == "digests":
-                load_checked()
-            elif args.method in ("current", "v1", "gefen-muon"):
+            if args.method in OURS:
                 load_current(args.ckpt)
             else:
                 dcp.load({"optimizer": state_obj()}, checkpoint_id=args.ckpt)
@@ -266,7 +259,8 @@ def _worker(args) -> None:
         result["rss"] = {"growth": rss.growth, "state": state_bytes, "shard": largest_shard(), "method": rss.method}
         result["state_bytes_per_param"] = state_bytes / numel
         if args.method == "digests":
-            result["paired_s"] = paired(lambda: load_current(args.ckpt + ".plain"), load_checked)
+            # The same reader: a checkpoint without .digests is read unchecked.
+            result["paired_s"] = paired(lambda: load_current(args.ckpt + ".plain"), lambda: load_current(args.ckpt))
         digests, update = next_update()
     if profiler:
         profiler.dump_stats(args.profile)

@@ -155,7 +155,7 @@ class _CheckedReading:
             raise dg.CorruptCheckpointError(error)
         if record is None and not any(self._is_raw(req.storage_index) for req in plan.items):
             return super().read_data(plan, planner)
-        staged, error = self._read_and_check(plan, record)
+        staged, error = self._read_and_check(plan, record, self._direct_targets(plan, planner))
         if self._agree and record is not None:
             raise_on_any_rank(error, "the checkpoint cannot be loaded", dg.CorruptCheckpointError)
         elif error:
@@ -167,6 +167,9 @@ class _CheckedReading:
         for req in plan.items:
             data = staged[req.storage_index]
             uses[req.storage_index] -= 1
+            if isinstance(data, torch.Tensor):  # read straight into its staging target (_direct_targets)
+                planner.commit_tensor(req, data)
+                continue
             if not uses[req.storage_index]:
                 del staged[req.storage_index]  # hold each item only until its last use
             if req.type == LoadItemType.BYTE_IO:
@@ -222,9 +225,41 @@ class _CheckedReading:
         want = math.prod(sizes) * torch.empty((), dtype=dtype).element_size()
         return None if want == length else f"a raw item of {length:,} bytes, its chunk needs {want:,}"
 
-    def _read_and_check(self, plan: LoadPlan, record: dg.Digests | None) -> tuple[dict[Any, bytearray], str | None]:
+    def _direct_targets(self, plan: LoadPlan, planner: Any) -> dict[Any, torch.Tensor]:
+        """Raw items whose one request takes the whole stored chunk into a
+        contiguous CPU target of its dtype: read into the target itself.
+
+        Raw entries are Gefen's and GefenMuon's state, whose load
+        destinations are the adapters' staging tensors (``_load_destinations``:
+        fresh, installed only after every rank's checks agree), never live
+        state; so bytes that fail their check there are discarded with the
+        staging, and the copy of held bytes into the target is saved (at N
+        -> N, every item).
+        """
+        count: dict[Any, int] = {}
+        for req in plan.items:
+            count[req.storage_index] = count.get(req.storage_index, 0) + 1
+        out = {}
+        for req in plan.items:
+            index = req.storage_index
+            if count[index] != 1 or req.type == LoadItemType.BYTE_IO or not self._is_raw(index):
+                continue
+            try:
+                dtype, sizes = self._raw_chunk(index)
+            except dg.CorruptCheckpointError:
+                continue  # _read_and_check reports it, on every rank together
+            if any(req.storage_offsets) or tuple(req.lengths) != sizes:
+                continue
+            target = planner.resolve_tensor(req).detach()
+            if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
+                out[index] = target
+        return out
+
+    def _read_and_check(self, plan: LoadPlan, record: dg.Digests | None,
+                        direct: dict[Any, torch.Tensor]) -> tuple[dict[Any, Any], str | None]:
         """This rank's items (those of its plan, and the unread ones it was handed), each checked
-        (against ``record``'s digests when there is one; raw items' sizes always).
+        (against ``record``'s digests when there is one; raw items' sizes always); ``direct``'s
+        read into their targets (the value staged is then the target).
 
         Never raises: a failure is the returned message, so every rank
         reaches the agreement.
@@ -234,7 +269,7 @@ class _CheckedReading:
         per_file: dict[str, list[Any]] = {}
         for index in wanted:
             per_file.setdefault(self.storage_data[index].relative_path, []).append(index)
-        staged: dict[Any, bytearray] = {}
+        staged: dict[Any, Any] = {}
         file, entry = dg.METADATA_FILE, None
         try:
             for file in sorted(per_file):
@@ -243,7 +278,11 @@ class _CheckedReading:
                         entry = index.fqn
                         info = self.storage_data[index]
                         f.seek(int(info.offset))
-                        data = _read_exact(f, int(info.length))
+                        target = direct.get(index)
+                        if target is not None and target.nbytes == int(info.length):
+                            data = _read_into(f, target)
+                        else:
+                            target, data = None, _read_exact(f, int(info.length))
                         expected = None if record is None else record.item(file, info.offset, info.length)
                         if len(data) != int(info.length):
                             what = f"cannot read it: truncated, {len(data):,} of the item's {int(info.length):,} bytes"
@@ -255,12 +294,26 @@ class _CheckedReading:
                             what = why
                         else:
                             if index in needed:
-                                staged[index] = data
+                                staged[index] = data if target is None else target
                             continue
                         return {}, dg.corrupt_message(self._id(), file, entry, what)
         except Exception as e:  # OSError, a missing file: the same agreement, the same message shape
             return {}, dg.corrupt_message(self._id(), file, entry, f"cannot read it ({root_cause(e)})")
         return staged, None
+
+
+def _read_into(f: Any, target: torch.Tensor) -> memoryview:
+    """Fill a contiguous CPU tensor's bytes from ``f``; the bytes read (fewer at the end of the file)."""
+    if not target.nbytes:
+        return memoryview(b"")
+    view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+    n = 0
+    while n < len(view):
+        got = f.readinto(view[n:n + _CHUNK])
+        if not got:
+            break
+        n += got
+    return view[:n]
 
 
 def _read_exact(f: Any, length: int) -> bytearray:

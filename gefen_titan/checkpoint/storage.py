@@ -128,12 +128,14 @@ def refusal(checkpoint_id: str, error: Exception) -> GefenCheckpointError:
     return unreadable(checkpoint_id, error)
 
 
-def storage_writer(checkpoint_id: str | os.PathLike) -> DigestingFileSystemWriter:
-    """A DCP writer for a new checkpoint folder (fsspec for URLs) that also writes ``.digests``."""
+def storage_writer(checkpoint_id: str | os.PathLike, digests: bool = True) -> DigestingFileSystemWriter:
+    """A DCP writer for a new checkpoint folder (fsspec for URLs): format v3's
+    raw entries, and ``.digests`` (``digests=False``: none, for benchmarks
+    that measure what they cost)."""
     checkpoint_id = os.fspath(checkpoint_id)
     if is_remote(checkpoint_id):
-        return DigestingFsspecWriter(checkpoint_id)
-    return DigestingFileSystemWriter(checkpoint_id)
+        return DigestingFsspecWriter(checkpoint_id, digests=digests)
+    return DigestingFileSystemWriter(checkpoint_id, digests=digests)
 
 
 def join(checkpoint_id: str | os.PathLike, name: str) -> str:

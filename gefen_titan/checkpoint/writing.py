@@ -55,8 +55,9 @@ _RAW = (schema.RAW_DESCRIPTOR,)
 class _HashingStream:
     """A write stream that digests the bytes between consecutive ``tell()`` calls (one item each)."""
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, hashing: bool = True) -> None:
         self._raw = raw
+        self._hashing = hashing
         self._pos = 0  # a new file ("wb"): the count of bytes written is the position
         self._start = 0
         self._hasher = dg.new_hasher()
@@ -68,7 +69,8 @@ class _HashingStream:
         # save's hot path, kept to one call each. The streams are buffered
         # (a write takes all its bytes or raises), so ``b`` is what was written.
         n = self._raw.write(b)
-        self._hasher.update(b)
+        if self._hashing:
+            self._hasher.update(b)
         self._pos += n
         return n
 
@@ -77,8 +79,12 @@ class _HashingStream:
         return self._pos
 
     def _cut(self) -> None:
-        self.segments[(self._start, self._pos)] = self._hasher.hexdigest()
-        self._start, self._hasher = self._pos, dg.new_hasher()
+        if self._hashing:
+            self.segments[(self._start, self._pos)] = self._hasher.hexdigest()
+            self._start, self._hasher = self._pos, dg.new_hasher()
+        else:
+            self.segments[(self._start, self._pos)] = ""
+            self._start = self._pos
 
     def close(self) -> None:
         if not self._done:
@@ -99,6 +105,7 @@ class _Ledger:
     files: dict[str, dict[tuple[int, int], str]] = dataclasses.field(default_factory=dict)
     items: dict[str, dict[int, tuple[int, str]]] | None = None
     sync: bool = False
+    hashing: bool = True  # False: no digests, no .digests (benchmarks measure the digests' own cost so)
 
 
 class _DigestingFS:
@@ -120,7 +127,7 @@ class _DigestingFS:
             if "w" not in mode:
                 yield raw
                 return
-            stream = _HashingStream(raw)
+            stream = _HashingStream(raw, self._ledger.hashing)
             yield stream
             stream.close()
             self._ledger.files[str(path)] = stream.segments
@@ -179,11 +186,11 @@ class _Digested:
 class _DigestWriting:
     """Mixin over DCP's file system writers: digests every item and writes ``.digests`` (module docstring)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, digests: bool = True, **kwargs: Any) -> None:
         if kwargs.get("_extensions"):
             raise ValueError("gefen-titan's checkpoint writers take no DCP stream extensions (compression)")
         super().__init__(*args, **kwargs)
-        self._ledger = _Ledger(sync=bool(getattr(self, "sync_files", False)))
+        self._ledger = _Ledger(sync=bool(getattr(self, "sync_files", False)), hashing=digests)
         self.fs = _DigestingFS(self.fs, self._ledger)
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -253,7 +260,8 @@ class _DigestWriting:
                     r = WriteResult(r.index, r.size_in_bytes, info)
                 kept.append(r)
             plain.append(kept)
-        self._ledger.items = items  # the rename of .metadata writes them (_DigestingFS.rename)
+        # The rename of .metadata writes them (_DigestingFS.rename).
+        self._ledger.items = items if self._ledger.hashing else None
         try:
             super().finish(metadata, plain)
         finally:
