@@ -5,8 +5,8 @@ unpickling them (a flipped byte never reaches ``pickle``).
 
 **Items.** ``read_data`` reads every item this rank's plan needs, checks
 each digest, and only when every rank's items are intact (when ``agree``:
-one all-gather of whether each rank could read ``.digests``, one all-reduce
-of the verdicts) deserializes them into the planner's targets, which for
+one all-reduce of whether each rank could read ``.digests``, one of the
+verdicts; the messages are gathered only on a failure) deserializes them into the planner's targets, which for
 the model are the live parameters: a damaged byte anywhere stops the load on
 every rank before the first in-place copy. A raw item (its storage record
 carries ``schema.RAW_DESCRIPTOR``; ``checkpoint.writing``) is viewed where
@@ -41,11 +41,11 @@ from torch.futures import Future
 from gefen_titan.checkpoint import digests as dg
 from gefen_titan.checkpoint import schema
 from gefen_titan.checkpoint.errors import root_cause
-from gefen_titan.distributed import all_gather_objects, is_distributed, raise_on_any_rank
+from gefen_titan.distributed import all_gather_objects, any_ranks, is_distributed, raise_on_any_rank
 
 __all__ = ["CheckedFileSystemReader", "CheckedFsspecReader", "load_metadata"]
 
-_CHUNK = 1 << 24  # bytes per read
+_PIECE = 1 << 20  # bytes per read: hashed while in cache
 _UNSET: Any = object()
 _RAW = (schema.RAW_DESCRIPTOR,)
 
@@ -81,7 +81,7 @@ class _CheckedReading:
 
     ``metadata``/``digests``: already read (and checked) by the caller;
     ``agree``: the load is collective, so every rank's verdict is agreed
-    before the first commit (an all-gather and an all-reduce); ``check_unread``: also check
+    before the first commit (two small all-reduces); ``check_unread``: also check
     the items no rank reads.
     """
 
@@ -138,19 +138,22 @@ class _CheckedReading:
     def read_data(self, plan: LoadPlan, planner: Any) -> Future:
         # Every rank must take the same path through the collectives below,
         # so whether the checkpoint has digests (and whether they could be
-        # read) is agreed first, in one all-gather, when the load is collective.
+        # read) is agreed first, in one all-reduce, when the load is collective.
         try:
             record, error = self.digests(), None
         except Exception as e:  # a damaged .digests, an unreadable file
             record, error = None, str(e) if isinstance(e, dg.CorruptCheckpointError) else dg.corrupt_message(
                 self._id(), dg.FILE, None, f"cannot read it ({root_cause(e)})")
         if self._agree and is_distributed():
-            verdicts = all_gather_objects((error, record is not None))
-            errors = sorted({e for e, _ in verdicts if e})
-            if not errors and len({has for _, has in verdicts}) > 1:
-                errors = [f"ranks disagree whether {self._id()} has {dg.FILE} (does every rank see the same files?)"]
-            if errors:
-                raise dg.CorruptCheckpointError("the checkpoint cannot be loaded: " + "; ".join(errors))
+            # One all-reduce when all is well (the load's hot path); the messages only on a failure.
+            failed, some_have, some_lack = any_ranks([bool(error), record is not None, record is None])
+            if failed:
+                raise dg.CorruptCheckpointError("the checkpoint cannot be loaded: " + "; ".join(
+                    sorted({e for e in all_gather_objects(error) if e})))
+            if some_have and some_lack:
+                raise dg.CorruptCheckpointError(
+                    f"the checkpoint cannot be loaded: ranks disagree whether {self._id()} has {dg.FILE} (does "
+                    "every rank see the same files?)")
         elif error:
             raise dg.CorruptCheckpointError(error)
         if record is None and not any(self._is_raw(req.storage_index) for req in plan.items):
@@ -279,16 +282,17 @@ class _CheckedReading:
                         info = self.storage_data[index]
                         f.seek(int(info.offset))
                         target = direct.get(index)
+                        hasher = None if record is None else dg.new_hasher()
                         if target is not None and target.nbytes == int(info.length):
-                            data = _read_into(f, target)
+                            data = _read_into(f, target, hasher)
                         else:
-                            target, data = None, _read_exact(f, int(info.length))
+                            target, data = None, _read_exact(f, int(info.length), hasher)
                         expected = None if record is None else record.item(file, info.offset, info.length)
                         if len(data) != int(info.length):
                             what = f"cannot read it: truncated, {len(data):,} of the item's {int(info.length):,} bytes"
                         elif record is not None and expected is None:
                             what = "no digest was recorded for this item (.digests is from another save?)"
-                        elif record is not None and dg.hexdigest(data) != expected:
+                        elif hasher is not None and hasher.hexdigest() != expected:
                             what = f"{dg.ALGORITHM} digest mismatch: its bytes differ from what the save wrote"
                         elif self._is_raw(index) and (why := self._raw_size_error(index, len(data))):
                             what = why
@@ -302,30 +306,34 @@ class _CheckedReading:
         return staged, None
 
 
-def _read_into(f: Any, target: torch.Tensor) -> memoryview:
+def _fill(f: Any, view: memoryview, hasher: Any) -> int:
+    """Read into ``view`` piece by piece, each piece hashed while it is still
+    in cache (one pass over memory, not two); the bytes read."""
+    n = 0
+    while n < len(view):
+        got = f.readinto(view[n:n + _PIECE])
+        if not got:
+            break
+        if hasher is not None:
+            hasher.update(view[n:n + got])
+        n += got
+    return n
+
+
+def _read_into(f: Any, target: torch.Tensor, hasher: Any) -> memoryview:
     """Fill a contiguous CPU tensor's bytes from ``f``; the bytes read (fewer at the end of the file)."""
     if not target.nbytes:
         return memoryview(b"")
     view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
-    n = 0
-    while n < len(view):
-        got = f.readinto(view[n:n + _CHUNK])
-        if not got:
-            break
-        n += got
-    return view[:n]
+    return view[:_fill(f, view, hasher)]
 
 
-def _read_exact(f: Any, length: int) -> bytearray:
+def _read_exact(f: Any, length: int, hasher: Any) -> bytearray:
     """``length`` bytes from ``f`` (fewer at the end of the file) into a writable
     buffer, which raw items are viewed in without a copy."""
     buf = bytearray(length)
-    view, n = memoryview(buf), 0
-    while n < length:
-        got = f.readinto(view[n:n + _CHUNK])
-        if not got:
-            break
-        n += got
+    view = memoryview(buf)
+    n = _fill(f, view, hasher)
     view.release()
     return buf if n == length else buf[:n]
 
