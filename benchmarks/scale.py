@@ -550,24 +550,20 @@ def metadata_bytes(entries: list[Entry], world: int, chunks: Chunks, checkpoint_
         (bucket,) = _split_by_size_and_type(1, plan.items)
         file_name = f"{plan.storage_data.prefix}0.distcp"
         offset, res = 0, []
-        raw = (_fresh(fmt.RAW_DESCRIPTOR),)  # one object per rank, as after the gather (checkpoint.writing)
         ordered = ([w for w in bucket if w.type == WriteItemType.BYTE_IO]
                    + [w for w in bucket if w.type != WriteItemType.BYTE_IO])
         for w in ordered:
             e = by_key[w.index.fqn]
-            descriptors = None
             if w.type == WriteItemType.BYTE_IO:
                 length = saved_length(e.value)
             elif fmt.is_raw_entry(w.index.fqn):
                 length = math.prod(w.tensor_data.chunk.sizes) * torch.empty((), dtype=e.dtype).element_size()
-                descriptors = raw
             else:
                 length = saved_length((e.dtype, tuple(w.tensor_data.chunk.sizes)))
             index = MetadataIndex(_fresh(w.index.fqn), None if w.index.offset is None else torch.Size(w.index.offset),
                                   w.index.index)
             res.append(WriteResult(index=index, size_in_bytes=length,
-                                   storage_data=_StorageInfo(file_name, offset, length,
-                                                             transform_descriptors=descriptors)))
+                                   storage_data=_StorageInfo(file_name, offset, length)))
             offset += length
         if r in sampled:
             result_bytes.append(len(pickle.dumps(res)))

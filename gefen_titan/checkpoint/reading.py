@@ -8,8 +8,8 @@ each digest, and only when every rank's items are intact (when ``agree``:
 one all-reduce of whether each rank could read ``.digests``, one of the
 verdicts; the messages are gathered only on a failure) deserializes them into the planner's targets, which for
 the model are the live parameters: a damaged byte anywhere stops the load on
-every rank before the first in-place copy. A raw item (its storage record
-carries ``schema.RAW_DESCRIPTOR``; ``checkpoint.writing``) is viewed where
+every rank before the first in-place copy. A raw item (its key says so:
+``schema.is_raw_entry``; ``checkpoint.writing``) is viewed where
 it was read, its dtype and sizes taken from its chunk record in
 ``.metadata``, so checking it costs the hash and no copy; a torch.saved one
 goes through ``torch.load`` as DCP does it. With ``check_unread`` the
@@ -47,7 +47,6 @@ __all__ = ["CheckedFileSystemReader", "CheckedFsspecReader", "load_metadata"]
 
 _PIECE = 1 << 20  # bytes per read: hashed while in cache
 _UNSET: Any = object()
-_RAW = (schema.RAW_DESCRIPTOR,)
 
 
 # ------------------------------------------------------------------ load
@@ -189,7 +188,7 @@ class _CheckedReading:
         return fut
 
     def _is_raw(self, index: Any) -> bool:
-        return tuple(self.storage_data[index].transform_descriptors or ()) == _RAW
+        return schema.is_raw_entry(index.fqn)
 
     def _stream(self, req: Any, data: bytearray) -> Any:
         info = self.storage_data[req.storage_index]

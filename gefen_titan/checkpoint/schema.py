@@ -23,12 +23,14 @@ and ``vmean`` as two entries on the *block grid* (the shape with the last
 dimension divided by the period), v3 as one, the grid with a trailing
 dimension of 2 (``pack_blocks``): DCP's metadata holds one chunk record per
 entry per rank and frames every stored item, so one entry fewer per
-parameter is a third less of both. v3's state tensors are stored as raw
-bytes (``RAW_DESCRIPTOR``, ``is_raw_entry``; written and read by
-``checkpoint.storage``'s writer and reader), not in torch.save's framing.
+parameter is a third less of both. v3's two state tensors are stored as raw
+bytes, not in torch.save's framing, under keys no earlier version wrote
+(``gefen/qcodes``, ``gefen/grid``): the key alone says how an item is
+stored (``is_raw_entry``; written and read by ``checkpoint.storage``'s
+writer and reader), which costs ``.metadata`` nothing per item.
 
 GefenMuon's state (``gefen/muon*``; a checkpoint without GefenMuon holds none
-of them; records in ``schema_muon``) has the same keys in v2 and v3.
+of them; records in ``schema_muon``) has the same keys, framed, in v2 and v3.
 
 Version 1 (per-rank blocking) keeps each rank's own codebook and periods
 (``schema_v1``).
@@ -53,8 +55,8 @@ from gefen_titan.checkpoint.errors import GefenCheckpointError
 
 __all__ = [
     "FORMAT", "VERSION", "V1", "V2", "VERSIONS", "AGREED_VERSIONS", "PREFIX", "K", "HYPER", "KEYS",
-    "PARAM_TENSORS", "MUON_TENSORS", "RAW_DESCRIPTOR", "FormatError", "Key", "Header", "ParamRecord",
-    "OptimizerRecord", "header_key", "optimizer_key", "codebook_key", "codes_key", "magnitude_key", "vmean_key",
+    "PARAM_TENSORS", "MUON_TENSORS", "FormatError", "Key", "Header", "ParamRecord", "OptimizerRecord",
+    "header_key", "optimizer_key", "codebook_key", "codes_key", "qcodes_key", "magnitude_key", "vmean_key",
     "grid_key", "records_key", "blocks_key", "rank_codebook_key", "parse_key", "is_gefen_key", "is_raw_entry",
     "param_tensor_keys", "param_tensor_specs", "pack_blocks", "unpack_blocks", "grid_shape", "check_hyper",
     "check_codebook", "check_counters", "key_table", "loads_json", "record_fields", "muon_optimizer_key",
@@ -80,6 +82,7 @@ _PATTERN = {
     "optimizer": "gefen/optimizer/{opt}",
     "codebook": "gefen/codebook/{opt}",
     "codes": "gefen/codes/{fqn}",
+    "qcodes": "gefen/qcodes/{fqn}",
     "magnitude": "gefen/magnitude/{fqn}",
     "vmean": "gefen/vmean/{fqn}",
     "grid": "gefen/grid/{fqn}",
@@ -116,12 +119,11 @@ KEYS: dict[int, list[tuple[str, str, str]]] = {
         ("optimizer", _RECORD, "every rank of the optimizer (same)"),
         ("codebook", "fp32 [256], sorted, ends -1 and +1; one codebook for the whole job",
          "every rank of the optimizer (same)"),
-        ("codes", "uint8, the parameter's shape and placements." + _RAW, "DTensor: each its shard"),
+        ("qcodes", "uint8, the parameter's shape and placements." + _RAW, "DTensor: each its shard"),
         ("grid", "fp32, the block grid (shape[:-1] + (shape[-1] / period,)) + (2,): [..., 0] the per-block "
          "magnitude, [..., 1] the per-block vmean, with the parameter's placements." + _RAW,
          "DTensor: each its shard"),
-        *[(k, v + ("." + _RAW if k.startswith("muon_") and k != "muon_codebook" else ""), b)
-          for k, v, b in _MUON_ROWS],
+        *_MUON_ROWS,
     ]],
     2: [(_PATTERN[kind], value, by) for kind, value, by in [
         ("header", 'str (json) {"format": "gefen-titan", "version": 2, "blocking": "agreed"}', "every rank (same)"),
@@ -151,14 +153,16 @@ KEYS: dict[int, list[tuple[str, str, str]]] = {
 # A stateful agreed parameter's tensors per version, in the order the
 # adapters and tools list them.
 PARAM_TENSORS = {VERSION: ("codes", "grid"), V2: ("codes", "magnitude", "vmean")}
+# Their key kinds (``_PATTERN``): v3's codes have a key of their own, stored raw.
+_TENSOR_KINDS = {VERSION: {"codes": "qcodes", "grid": "grid"},
+                 V2: {"codes": "codes", "magnitude": "magnitude", "vmean": "vmean"}}
 # A GefenMuon parameter's tensors ("rows" only with NorMuon state), v2 and v3.
 MUON_TENSORS = ("codes", "magnitude", "rows")
 
-# The DCP transform descriptor on every raw entry's storage record (DCP's
-# "name/version" form). DCP's own reader does not know it and refuses the
-# entry with "Unknown extension", rather than unpickling raw bytes.
-RAW_DESCRIPTOR = "gefen_titan.raw/1"
-_RAW_KINDS = ("codes", "grid", "muon_codes", "muon_magnitude", "muon_rows")
+# Stored raw: the chunk's bytes alone (dtype and sizes are the chunk's own in
+# .metadata). Only keys that no format before v3 wrote, so no earlier
+# checkpoint has a framed item under one of them.
+_RAW_KINDS = ("qcodes", "grid")
 
 
 class FormatError(GefenCheckpointError):
@@ -180,7 +184,13 @@ def codebook_key(opt: str) -> str:
 
 
 def codes_key(fqn: str) -> str:
+    """v2 and v1 (v3: ``qcodes_key``)."""
     return _PATTERN["codes"].format(fqn=fqn)
+
+
+def qcodes_key(fqn: str) -> str:
+    """v3: the codes, stored raw."""
+    return _PATTERN["qcodes"].format(fqn=fqn)
 
 
 def magnitude_key(fqn: str) -> str:
@@ -230,7 +240,7 @@ class Key:
     """A parsed Gefen key: what the entry is, and whose.
 
     ``kind`` is one of ``header``, ``optimizer``, ``codebook`` (v2/v3),
-    ``codes``, ``magnitude``, ``vmean`` (v2), ``grid`` (v3), ``records``,
+    ``codes``, ``magnitude``, ``vmean`` (v2), ``qcodes``, ``grid`` (v3), ``records``,
     ``blocks``, ``rank_codebook`` (v1), ``muon``, ``muon_codebook``,
     ``muon_codes``, ``muon_magnitude``, ``muon_rows`` (GefenMuon); ``name``
     is the optimizer id or the parameter's fqn (empty for the header);
@@ -242,7 +252,7 @@ class Key:
     rank: int | None = None
 
 
-_PARAM_KINDS = ("codes", "magnitude", "vmean", "grid", "muon_codes", "muon_magnitude", "muon_rows")
+_PARAM_KINDS = ("codes", "magnitude", "vmean", "qcodes", "grid", "muon_codes", "muon_magnitude", "muon_rows")
 _RANK_KEY = re.compile(r"^(records|blocks|codebook)/(.+)/(\d+)$")
 
 
@@ -274,12 +284,11 @@ def is_gefen_key(key: str) -> bool:
 
 
 def is_raw_entry(flat_key: str) -> bool:
-    """Whether a save writes this DCP entry as raw bytes (format v3).
+    """Whether this DCP entry is stored as raw bytes (format v3's ``qcodes`` and ``grid``).
 
-    ``flat_key`` is DCP's flattened name (``optimizer.gefen/codes/...``):
-    the Gefen and GefenMuon state tensors of a parameter (a per-rank save's
-    codes too: the storage record's ``RAW_DESCRIPTOR``, not the version,
-    tells a reader how an item is stored).
+    ``flat_key`` is DCP's flattened name (``optimizer.gefen/grid/...``). The
+    writer and the reader both decide by it: the keys are v3's own, so no
+    checkpoint holds a framed item under one.
     """
     _, _, key = flat_key.partition(".")
     pk = parse_key(key)
@@ -288,7 +297,7 @@ def is_raw_entry(flat_key: str) -> bool:
 
 def param_tensor_keys(fqn: str, version: int = VERSION) -> dict[str, str]:
     """An agreed parameter's entries by ``PARAM_TENSORS[version]`` name."""
-    return {name: _PATTERN[name].format(fqn=fqn) for name in PARAM_TENSORS[version]}
+    return {name: _PATTERN[_TENSOR_KINDS[version][name]].format(fqn=fqn) for name in PARAM_TENSORS[version]}
 
 
 def param_tensor_specs(fqn: str, shape: tuple[int, ...], period: int,

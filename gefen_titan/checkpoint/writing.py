@@ -4,7 +4,7 @@
 ``FileSystemWriter`` does (same names, same split by ``thread_count``, bytes
 items first), written in one thread: a tensor whose key
 ``schema.is_raw_entry`` names (Gefen's and GefenMuon's state) as its bytes
-alone, its storage record carrying ``schema.RAW_DESCRIPTOR``; every other
+alone (the key says so: v3's own keys); every other
 tensor (model, AdamW, ...) as DCP writes it, one ``torch.save`` each, so
 that DCP's own reader still reads them. torch.save frames each item with
 about 1.5 KB (a zip archive: headers, 64-byte alignment, a directory); a
@@ -47,8 +47,6 @@ from gefen_titan.checkpoint import schema
 __all__ = ["DigestingFileSystemWriter", "DigestingFsspecWriter"]
 
 _CHUNK = 1 << 24  # bytes per read when an item is read back
-# One object for all of a rank's raw items: pickle writes it once per rank's results and once per rank in .metadata.
-_RAW = (schema.RAW_DESCRIPTOR,)
 
 
 # ------------------------------------------------------------------ save
@@ -221,7 +219,6 @@ class _DigestWriting:
         with self.fs.create_stream(path, "wb") as stream:
             for w in ordered:
                 start = stream.tell()
-                descriptors = None
                 data = planner.resolve_data(w)
                 if w.type == WriteItemType.BYTE_IO:
                     stream.write(data.getbuffer())
@@ -230,13 +227,12 @@ class _DigestWriting:
                     if schema.is_raw_entry(w.index.fqn):
                         # The chunk's bytes, row-major: its dtype and sizes are in .metadata.
                         stream.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
-                        descriptors = _RAW
                     else:
                         if tensor.untyped_storage().size() != tensor.nbytes:
                             tensor = tensor.clone()  # as DCP: torch.save writes the whole storage
                         torch.save(tensor, stream)
                 end = stream.tell()
-                info = _StorageInfo(name, start, end - start, transform_descriptors=descriptors)
+                info = _StorageInfo(name, start, end - start)
                 out.append(WriteResult(w.index, end - start, _Digested(info, stream.segments[(start, end)])))
             if self.sync_files:
                 stream.flush()

@@ -167,8 +167,8 @@ class _Verifier:
                         elif digests.hexdigest(data) != expected:
                             self.add(name, index.fqn, f"corrupt bytes: {digests.ALGORITHM} digest mismatch (the "
                                                       "load refuses it)")
-                    raw = tuple(info.transform_descriptors or ()) == (schema.RAW_DESCRIPTOR,)
-                    if info.transform_descriptors and not raw:
+                    raw = schema.is_raw_entry(index.fqn)
+                    if info.transform_descriptors:
                         self.warnings.append(f"{name}: {index.fqn} is stored transformed "
                                              f"({', '.join(info.transform_descriptors)}); its bytes were read, "
                                              "not decoded")
@@ -176,7 +176,7 @@ class _Verifier:
                     self.item(ck, name, index, data, raw)
 
     def item(self, ck: Checkpoint, name: str, index: Any, data: bytes, raw: bool = False) -> None:
-        """One stored item's checks; ``raw``: format v3's raw bytes (``schema.RAW_DESCRIPTOR``)."""
+        """One stored item's checks; ``raw``: format v3's raw bytes (``schema.is_raw_entry``)."""
         e = ck.entries.get(index.fqn)
         if e is None:
             return

@@ -305,7 +305,7 @@ def test_convert_gefen_to_adamw_resumes(runs, capsys):
     assert report["params"] == 45 and report["steps"] == {"2": 45}
     # exp_avg is codebook[code] * magnitude of its block, exp_avg_sq the block's vmean (computed here anew).
     fqn = "layers.0.feed_forward.w2.weight"
-    keys = {k: "optimizer." + f(fqn) for k, f in (("codes", fmt.codes_key), ("grid", fmt.grid_key))}
+    keys = {k: "optimizer." + f(fqn) for k, f in (("codes", fmt.qcodes_key), ("grid", fmt.grid_key))}
     cb_key = "optimizer." + fmt.codebook_key("tok_embeddings.weight")
     md = Checkpoint(str(src)).metadata.state_dict_metadata
     g = {k: torch.empty(md[k].size, dtype=md[k].properties.dtype) for k in [*keys.values(), cb_key]}

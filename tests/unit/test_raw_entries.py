@@ -19,15 +19,15 @@ from gefen_titan.ckpt.verify import verify_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
 
-CODES = "optimizer." + schema.codes_key("layers.0.w")
+CODES = "optimizer." + schema.qcodes_key("layers.0.w")
 GRID = "optimizer." + schema.grid_key("layers.0.w")
-EMPTY = "optimizer." + schema.muon_tensor_keys("layers.1.w")["rows"]
+EMPTY = "optimizer." + schema.grid_key("layers.1.w")
 GROUP = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
 
 
 def state(empty: bool = False) -> dict:
     """A model weight, one Gefen parameter's v3 state with its records, a counter
-    (``empty``: and a zero-byte raw entry, as an empty shard writes)."""
+    (``empty``: and a zero-byte raw entry, as an empty shard writes, of a parameter without records)."""
     g = torch.Generator().manual_seed(0)
     mag, vmean = torch.rand(8, 4, generator=g), torch.rand(8, 4, generator=g)
     record = schema.OptimizerRecord(False, 3, [schema.ParamRecord("layers.0.w", (8, 16), 4, 3, 3, GROUP)])
@@ -39,7 +39,7 @@ def state(empty: bool = False) -> dict:
           "optimizer." + schema.codebook_key("layers.0.w"): torch.linspace(-1, 1, schema.K),
           "step": torch.tensor(7)}
     if empty:
-        sd[EMPTY] = torch.empty(0)
+        sd[EMPTY] = torch.empty(0, 4, 2)
     return sd
 
 
@@ -48,9 +48,13 @@ def blank(empty: bool = False) -> dict:
 
 
 def test_which_entries_are_raw():
+    """v3's own keys, and no key an earlier format wrote (their items are framed)."""
     assert schema.is_raw_entry(CODES) and schema.is_raw_entry(GRID)
-    for name in schema.muon_tensor_keys("x").values():
-        assert schema.is_raw_entry("optimizer." + name)
+    assert set(schema.param_tensor_keys("x").values()) == {schema.qcodes_key("x"), schema.grid_key("x")}
+    earlier = [*schema.param_tensor_keys("x", schema.V2).values(), *schema.muon_tensor_keys("x").values(),
+               schema.records_key("x", 0), schema.blocks_key("x", 0), schema.rank_codebook_key("x", 0)]
+    for name in earlier:
+        assert not schema.is_raw_entry("optimizer." + name), name
     for flat in ("model.w", "optimizer." + schema.header_key(), "optimizer." + schema.optimizer_key("x"),
                  "optimizer." + schema.codebook_key("x"), "optimizer.state.w.exp_avg", "step"):
         assert not schema.is_raw_entry(flat), flat
@@ -67,7 +71,7 @@ def test_pack_unpack_and_specs():
     with pytest.raises(schema.FormatError):
         schema.unpack_blocks(schema.VERSION, {"grid": torch.zeros(3, 5)})
     v3 = schema.param_tensor_specs("w", (6, 12), 4)
-    assert v3 == {"gefen/codes/w": (torch.uint8, (6, 12)), "gefen/grid/w": (torch.float32, (6, 3, 2))}
+    assert v3 == {"gefen/qcodes/w": (torch.uint8, (6, 12)), "gefen/grid/w": (torch.float32, (6, 3, 2))}
     v2 = schema.param_tensor_specs("w", (6, 12), 4, schema.V2)
     assert sorted(v2) == ["gefen/codes/w", "gefen/magnitude/w", "gefen/vmean/w"]
 
@@ -81,7 +85,7 @@ def test_raw_round_trip_has_no_framing(tmp_path, empty):
     infos = {index.fqn: info for index, info in md.storage_data.items()}
     for key in (CODES, GRID, EMPTY) if empty else (CODES, GRID):
         t = want[key]
-        assert tuple(infos[key].transform_descriptors) == (schema.RAW_DESCRIPTOR,), key
+        assert not infos[key].transform_descriptors, key
         assert infos[key].length == t.numel() * t.element_size(), key  # the bytes alone
         stored = (path / infos[key].relative_path).read_bytes()
         assert stored[infos[key].offset:infos[key].offset + infos[key].length] == t.numpy().tobytes()
@@ -94,18 +98,18 @@ def test_raw_round_trip_has_no_framing(tmp_path, empty):
             assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
         else:
             assert got[key] == value
-    if not empty:  # (a GefenMuon entry without its records is, rightly, a problem for verify)
+    if not empty:  # (an entry without its records is, rightly, a problem for verify)
         report = verify_checkpoint(str(path))
         assert report["ok"], report["problems"]
 
 
-def test_dcp_own_reader_refuses_raw_entries_but_reads_the_rest(tmp_path):
+def test_dcp_own_reader_fails_on_raw_entries_but_reads_the_rest(tmp_path):
     path = tmp_path / "step-1"
     dcp.save(state(), storage_writer=storage.storage_writer(path), no_dist=True)
     model = {"model.w": torch.zeros(8, 16)}
     dcp.load(model, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
     assert torch.equal(model["model.w"], state()["model.w"])
-    with pytest.raises(BaseException, match="Unknown extension"):  # DCP wraps it in a CheckpointException
+    with pytest.raises(BaseException):  # torch.load of raw bytes (DCP wraps it in a CheckpointException)
         dcp.load({CODES: torch.zeros(8, 16, dtype=torch.uint8)}, storage_reader=dcp.FileSystemReader(str(path)),
                  no_dist=True)
 
