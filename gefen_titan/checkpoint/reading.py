@@ -92,6 +92,8 @@ class _CheckedReading:
         self._agree = agree
         self._check_unread = check_unread
         self._set_up: Metadata | None = None  # set_up_storage_reader's: the raw items' chunk records
+        self._layouts: dict[Any, Any] = {}  # _raw_layout's, per storage index
+        self._chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
 
     def _id(self) -> str:
         return str(self.path)
@@ -188,50 +190,60 @@ class _CheckedReading:
         return fut
 
     def _is_raw(self, index: Any) -> bool:
-        return schema.is_raw_entry(index.fqn)
+        return self._raw_layout(index) is not None
 
     def _stream(self, req: Any, data: bytearray) -> Any:
         info = self.storage_data[req.storage_index]
         return self.transforms.transform_load_stream(req, info.transform_descriptors or (), io.BytesIO(data))
 
-    def _tensor(self, req: Any, data: bytearray) -> torch.Tensor:
+    def _tensor(self, req: Any, data: Any) -> torch.Tensor:
         """The stored chunk: raw bytes viewed in place (no copy), else torch.load."""
-        if not self._is_raw(req.storage_index):
+        layout = self._raw_layout(req.storage_index)
+        if layout is None:
             stream = self._stream(req, data)
             if not stream.seekable():
                 stream = io.BytesIO(stream.read(-1))
             return torch.load(stream, map_location="cpu", weights_only=True)
-        dtype, sizes = self._raw_chunk(req.storage_index)
-        if not data:
+        dtype, sizes = layout
+        if not len(data):
             return torch.empty(sizes, dtype=dtype)
         return torch.frombuffer(data, dtype=dtype).view(sizes)
 
-    def _raw_chunk(self, index: Any) -> tuple[torch.dtype, tuple[int, ...]]:
-        """(dtype, sizes) of a raw item, from ``.metadata``'s chunk record with its offsets."""
-        md = self._set_up.state_dict_metadata[index.fqn]
-        offsets = tuple(index.offset or ())
-        for chunk in md.chunks:
-            if tuple(chunk.offsets) == offsets:
-                return md.properties.dtype, tuple(chunk.sizes)
-        raise dg.CorruptCheckpointError(f"{self._id()}: .metadata has no chunk of {index.fqn} at {offsets}")
+    def _raw_layout(self, index: Any) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        """(dtype, sizes) of a raw item; None for a framed one.
+
+        Raw: a key ``schema.is_raw_entry`` names, stored in exactly the
+        chunk's bytes (its dtype and sizes from ``.metadata``). The length
+        tells the two apart for certain (torch.save's framing is never empty),
+        so a v3 state dict saved again by DCP's own writer (framed: e.g.
+        ``torch_save_to_dcp``) reads as DCP would read it.
+        """
+        if index in self._layouts:
+            return self._layouts[index]
+        layout = None
+        md = self._set_up.state_dict_metadata.get(index.fqn) if schema.is_raw_entry(index.fqn) else None
+        if md is not None and not (self.storage_data[index].transform_descriptors or ()):
+            chunks = self._chunks.get(index.fqn)
+            if chunks is None:
+                chunks = self._chunks[index.fqn] = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
+            sizes = chunks.get(tuple(index.offset or ()))
+            itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
+            if sizes is not None and int(self.storage_data[index].length) == math.prod(sizes) * itemsize:
+                layout = (md.properties.dtype, sizes)
+        self._layouts[index] = layout
+        return layout
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._set_up = metadata
-
-    def _raw_size_error(self, index: Any, length: int) -> str | None:
-        try:
-            dtype, sizes = self._raw_chunk(index)
-        except dg.CorruptCheckpointError as e:
-            return str(e)
-        want = math.prod(sizes) * torch.empty((), dtype=dtype).element_size()
-        return None if want == length else f"a raw item of {length:,} bytes, its chunk needs {want:,}"
+        self._layouts.clear()
+        self._chunks.clear()
 
     def _direct_targets(self, plan: LoadPlan, planner: Any) -> dict[Any, torch.Tensor]:
         """Raw items whose one request takes the whole stored chunk into a
         contiguous CPU target of its dtype: read into the target itself.
 
-        Raw entries are Gefen's and GefenMuon's state, whose load
+        Raw entries are Gefen's state (v3's qcodes and grid), whose load
         destinations are the adapters' staging tensors (``_load_destinations``:
         fresh, installed only after every rank's checks agree), never live
         state; so bytes that fail their check there are discarded with the
@@ -246,10 +258,7 @@ class _CheckedReading:
             index = req.storage_index
             if count[index] != 1 or req.type == LoadItemType.BYTE_IO or not self._is_raw(index):
                 continue
-            try:
-                dtype, sizes = self._raw_chunk(index)
-            except dg.CorruptCheckpointError:
-                continue  # _read_and_check reports it, on every rank together
+            dtype, sizes = self._raw_layout(index)
             if any(req.storage_offsets) or tuple(req.lengths) != sizes:
                 continue
             target = planner.resolve_tensor(req).detach()
@@ -260,7 +269,7 @@ class _CheckedReading:
     def _read_and_check(self, plan: LoadPlan, record: dg.Digests | None,
                         direct: dict[Any, torch.Tensor]) -> tuple[dict[Any, Any], str | None]:
         """This rank's items (those of its plan, and the unread ones it was handed), each checked
-        (against ``record``'s digests when there is one; raw items' sizes always); ``direct``'s
+        (against ``record``'s digests when there is one); ``direct``'s
         read into their targets (the value staged is then the target).
 
         Never raises: a failure is the returned message, so every rank
@@ -293,8 +302,6 @@ class _CheckedReading:
                             what = "no digest was recorded for this item (.digests is from another save?)"
                         elif hasher is not None and hasher.hexdigest() != expected:
                             what = f"{dg.ALGORITHM} digest mismatch: its bytes differ from what the save wrote"
-                        elif self._is_raw(index) and (why := self._raw_size_error(index, len(data))):
-                            what = why
                         else:
                             if index in needed:
                                 staged[index] = data if target is None else target

@@ -167,7 +167,7 @@ class _Verifier:
                         elif digests.hexdigest(data) != expected:
                             self.add(name, index.fqn, f"corrupt bytes: {digests.ALGORITHM} digest mismatch (the "
                                                       "load refuses it)")
-                    raw = schema.is_raw_entry(index.fqn)
+                    raw = schema.is_raw_entry(index.fqn) and _chunk_bytes(ck, index) == length
                     if info.transform_descriptors:
                         self.warnings.append(f"{name}: {index.fqn} is stored transformed "
                                              f"({', '.join(info.transform_descriptors)}); its bytes were read, "
@@ -356,6 +356,15 @@ def verify_checkpoint(path: str) -> dict[str, Any]:
                ", or resume from another checkpoint (none other found next to it)")
             + ". Nothing was changed.")
     return report
+
+
+def _chunk_bytes(ck: Checkpoint, index: Any) -> int | None:
+    """Bytes of the stored chunk's elements: a v3 raw item's whole length (a framed one is longer)."""
+    e = ck.entries.get(index.fqn)
+    if e is None or not e.is_tensor or index.offset is None:
+        return None
+    sizes = next((s for o, s in e.chunks if o == tuple(index.offset)), None)
+    return None if sizes is None else math.prod(sizes) * torch.empty((), dtype=e.dtype).element_size()
 
 
 def render(report: dict[str, Any]) -> str:

@@ -176,7 +176,11 @@ def test_verify_sound_checkpoint_through_the_command(runs, capsys, monkeypatch):
     assert report["ok"] and report["problems"] == []
     size = sum(p.stat().st_size for p in path.glob("*.distcp"))
     assert report["checked"]["bytes"] == size  # every byte of every data file read
-    assert report["checked"]["crc_checked"] == report["checked"]["items"]
+    # Every framed item's CRC32, every item's digest (v3's raw entries have no framing, so no CRC32).
+    raw = sum(fmt.is_raw_entry(index.fqn) for index in Checkpoint(str(path)).metadata.storage_data)
+    assert raw == 2 * 45
+    assert report["checked"]["crc_checked"] == report["checked"]["items"] - raw
+    assert report["checked"]["digests_checked"] == report["checked"]["items"]
     assert report["gefen"]["params"] == 45
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["gefen-titan"] == "gefen_titan.cli:main" and scripts["gefen-titan-train"] == "gefen_titan.train:main"

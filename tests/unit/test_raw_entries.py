@@ -109,7 +109,7 @@ def test_dcp_own_reader_fails_on_raw_entries_but_reads_the_rest(tmp_path):
     model = {"model.w": torch.zeros(8, 16)}
     dcp.load(model, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
     assert torch.equal(model["model.w"], state()["model.w"])
-    with pytest.raises(BaseException):  # torch.load of raw bytes (DCP wraps it in a CheckpointException)
+    with pytest.raises(BaseException, match="torch.load"):  # of raw bytes (DCP wraps it in a CheckpointException)
         dcp.load({CODES: torch.zeros(8, 16, dtype=torch.uint8)}, storage_reader=dcp.FileSystemReader(str(path)),
                  no_dist=True)
 
@@ -140,3 +140,19 @@ def test_flipped_raw_byte_is_refused(tmp_path):
     assert torch.equal(got["model.w"], torch.zeros(8, 16))
     report = verify_checkpoint(str(path))
     assert not report["ok"]
+
+
+def test_v3_keys_saved_framed_by_dcp_own_writer_still_read(tmp_path):
+    """A v3 state dict saved again by DCP's own writer (as ``torch_save_to_dcp`` does) has framed
+    items under raw keys: the length tells them apart, so gefen-titan's reader and verify read them."""
+    path = tmp_path / "step-1"
+    want = state()
+    dcp.save(want, checkpoint_id=str(path), no_dist=True)
+    md = storage.read_metadata(path)
+    info = next(i for idx, i in md.storage_data.items() if idx.fqn == GRID)
+    assert info.length > want[GRID].nbytes  # framed
+    got = blank()
+    dcp.load(got, storage_reader=storage.storage_reader(path), no_dist=True)
+    assert torch.equal(got[GRID], want[GRID]) and torch.equal(got[CODES], want[CODES])
+    report = verify_checkpoint(str(path))
+    assert report["ok"], report["problems"]
