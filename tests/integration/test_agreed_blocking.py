@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from gefen_titan.checkpoint import schema as fmt
 from gefen_titan.checkpoint.schema import grid_shape
 from gefen_titan.optim import gefen_state as gs
 from gefen_titan.optim.blocking import BlockingError, candidate_periods, histogram, row_unit
@@ -223,7 +224,7 @@ def test_the_state_is_quantized_and_compact(agreed):
     periods = ref["periods"]
     assert all(p > 1 for n, p in periods.items() if "norm" not in n)
     # uneven rows and an empty shard were really exercised
-    assert ref["gefen/codes/gate.weight"].shape == (2, 64)
+    assert ref[fmt.qcodes_key("gate.weight")].shape == (2, 64)
     state_bytes, numel = load(out, "fsdp1")[0]["ref"]["bytes"]
     assert 1.0 < state_bytes / numel < 1.6
 

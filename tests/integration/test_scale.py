@@ -83,7 +83,7 @@ def worker(gpu_check_cpu):
 
 def test_plan_matches_a_real_checkpoint(worker):
     c = worker["checkpoint"]
-    assert c["keys_plan"] == c["keys_real"] and len(c["keys_plan"]) > 100
+    assert c["keys_plan"] == c["keys_real"] and len(c["keys_plan"]) > 90  # v3: 2 per parameter, 3 shared
     assert c["chunks_plan"] == c["chunks_real"]
     assert c["files_plan"] == c["files_real"]  # bytes each rank wrote, to the byte
     assert c["replicated"] == 3 and c["writers_plan"] == c["writers_real"]  # format, record, codebook

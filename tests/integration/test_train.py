@@ -104,4 +104,4 @@ def test_components_in_torchtitans_own_trainer(tmp_path):
     assert sorted(losses(log)) == [1, 2] and "bytes/param" in log  # our container's report
     keys = read_metadata(tmp_path / "checkpoint" / "step-2").state_dict_metadata
     assert "optimizer." + fmt.header_key() in keys  # written by our adapter, format v3
-    assert any(k.startswith("optimizer." + fmt.PREFIX + "codes/") for k in keys)
+    assert any(k.startswith("optimizer." + fmt.PREFIX + "qcodes/") for k in keys)

@@ -61,6 +61,8 @@ def _as_v3(v2: dict) -> dict:
         if key.kind == "magnitude":
             tensors = {n: v2[k] for n, k in schema.param_tensor_keys(key.name, schema.V2).items()}
             out[schema.grid_key(key.name)] = schema.pack_blocks(*schema.unpack_blocks(schema.V2, tensors))
+        elif key.kind == "codes":
+            out[schema.qcodes_key(key.name)] = value
         elif key.kind not in ("vmean", "header"):
             out[name] = value
     return out
@@ -81,7 +83,7 @@ def test_v2_fixture_loads_bit_exactly(saved, nproc, tmp_path):
             continue
         assert got.dtype == value.dtype and got.shape == value.shape, name
         assert torch.equal(got, value), f"{name} differs after loading at {nproc} rank(s)"
-        stateful += name.startswith("gefen/codes/")
+        stateful += name.startswith("gefen/qcodes/")
     assert stateful == 45  # every parameter of the debug model has Gefen state after 3 steps
     # The live optimizer on every rank holds the fixture's codebook.
     codebook = saved["gefen/codebook/tok_embeddings.weight"]

@@ -137,7 +137,10 @@ class AgreedAdapter(StagedLoad):
         try:
             version = schema.Header.from_json(small[header[0]]).version if header else schema.VERSION
             if version not in schema.AGREED_VERSIONS:
-                raise GefenCheckpointError(f"the checkpoint is format v{version}, not an agreed-blocking one")
+                if self.slots:  # (Gefen's own adapter is chosen by the header: only GefenMuon gets here)
+                    raise GefenCheckpointError(
+                        f"the checkpoint is format v{version} (per-rank blocking), which holds no {self.kind} state")
+                version = schema.VERSION  # nothing of this kind to load
             plan = self._plan_from(checkpoint_id, small, ours, rec_keys, books, version)
         except (GefenCheckpointError, ValueError) as e:
             error = str(e)
