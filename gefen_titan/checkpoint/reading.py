@@ -294,7 +294,9 @@ class _CheckedReading:
                         if target is not None and target.nbytes == int(info.length):
                             data = _read_into(f, target, hasher)
                         else:
-                            target, data = None, _read_exact(f, int(info.length), hasher)
+                            target = None
+                            data = (_read_raw(f, int(info.length), hasher) if self._is_raw(index)
+                                    else _read_framed(f, int(info.length), hasher))
                         expected = None if record is None else record.item(file, info.offset, info.length)
                         if len(data) != int(info.length):
                             what = f"cannot read it: truncated, {len(data):,} of the item's {int(info.length):,} bytes"
@@ -334,14 +336,26 @@ def _read_into(f: Any, target: torch.Tensor, hasher: Any) -> memoryview:
     return view[:_fill(f, view, hasher)]
 
 
-def _read_exact(f: Any, length: int, hasher: Any) -> bytearray:
-    """``length`` bytes from ``f`` (fewer at the end of the file) into a writable
-    buffer, which raw items are viewed in without a copy."""
-    buf = bytearray(length)
-    view = memoryview(buf)
-    n = _fill(f, view, hasher)
-    view.release()
-    return buf if n == length else buf[:n]
+def _read_raw(f: Any, length: int, hasher: Any) -> memoryview:
+    """A raw item's bytes (fewer at the end of the file) in an uninitialized
+    buffer (no zero fill), which the item is then viewed in without a copy."""
+    view = memoryview(torch.empty(length, dtype=torch.uint8).numpy())
+    return view[:_fill(f, view, hasher)]
+
+
+def _read_framed(f: Any, length: int, hasher: Any) -> bytes:
+    """A torch.saved item's bytes (fewer at the end of the file), as ``bytes``:
+    ``io.BytesIO`` then reads them in place, without a copy."""
+    parts, n = [], 0
+    while n < length:
+        part = f.read(length - n)
+        if not part:
+            break
+        if hasher is not None:
+            hasher.update(part)
+        parts.append(part)
+        n += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 class CheckedFileSystemReader(_CheckedReading, FileSystemReader):
