@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import math
 import pickle
 from typing import Any
 
@@ -192,7 +191,7 @@ class _CheckedReading:
     def _is_raw(self, index: Any) -> bool:
         return self._raw_layout(index) is not None
 
-    def _stream(self, req: Any, data: bytearray) -> Any:
+    def _stream(self, req: Any, data: Any) -> Any:
         info = self.storage_data[req.storage_index]
         return self.transforms.transform_load_stream(req, info.transform_descriptors or (), io.BytesIO(data))
 
@@ -210,14 +209,7 @@ class _CheckedReading:
         return torch.frombuffer(data, dtype=dtype).view(sizes)
 
     def _raw_layout(self, index: Any) -> tuple[torch.dtype, tuple[int, ...]] | None:
-        """(dtype, sizes) of a raw item; None for a framed one.
-
-        Raw: a key ``schema.is_raw_entry`` names, stored in exactly the
-        chunk's bytes (its dtype and sizes from ``.metadata``). The length
-        tells the two apart for certain (torch.save's framing is never empty),
-        so a v3 state dict saved again by DCP's own writer (framed: e.g.
-        ``torch_save_to_dcp``) reads as DCP would read it.
-        """
+        """(dtype, sizes) of a raw item (``schema.is_raw_item``); None for a framed one."""
         if index in self._layouts:
             return self._layouts[index]
         layout = None
@@ -227,8 +219,8 @@ class _CheckedReading:
             if chunks is None:
                 chunks = self._chunks[index.fqn] = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
             sizes = chunks.get(tuple(index.offset or ()))
-            itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
-            if sizes is not None and int(self.storage_data[index].length) == math.prod(sizes) * itemsize:
+            if sizes is not None and schema.is_raw_item(index.fqn, self.storage_data[index].length,
+                                                        md.properties.dtype, sizes):
                 layout = (md.properties.dtype, sizes)
         self._layouts[index] = layout
         return layout

@@ -23,11 +23,10 @@ and ``vmean`` as two entries on the *block grid* (the shape with the last
 dimension divided by the period), v3 as one, the grid with a trailing
 dimension of 2 (``pack_blocks``): DCP's metadata holds one chunk record per
 entry per rank and frames every stored item, so one entry fewer per
-parameter is a third less of both. v3's two state tensors are stored as raw
-bytes, not in torch.save's framing, under keys no earlier version wrote
-(``gefen/qcodes``, ``gefen/grid``): the key alone says how an item is
-stored (``is_raw_entry``; written and read by ``checkpoint.storage``'s
-writer and reader), which costs ``.metadata`` nothing per item.
+parameter is a third less of both. v3's two state tensors are written as
+raw bytes under keys no earlier version wrote (``gefen/qcodes``,
+``gefen/grid``); key and length tell a reader how an item is stored
+(``is_raw_item``), at no cost to ``.metadata``.
 
 GefenMuon's state (``gefen/muon*``; a checkpoint without GefenMuon holds none
 of them; records in ``schema_muon``) has the same keys, framed, in v2 and v3.
@@ -44,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -58,8 +58,8 @@ __all__ = [
     "PARAM_TENSORS", "MUON_TENSORS", "FormatError", "Key", "Header", "ParamRecord", "OptimizerRecord",
     "header_key", "optimizer_key", "codebook_key", "codes_key", "qcodes_key", "magnitude_key", "vmean_key",
     "grid_key", "records_key", "blocks_key", "rank_codebook_key", "parse_key", "is_gefen_key", "is_raw_entry",
-    "param_tensor_keys", "param_tensor_specs", "pack_blocks", "unpack_blocks", "grid_shape", "check_hyper",
-    "check_codebook", "check_counters", "key_table", "loads_json", "record_fields", "muon_optimizer_key",
+    "is_raw_item", "param_tensor_keys", "param_tensor_specs", "pack_blocks", "unpack_blocks", "grid_shape",
+    "check_hyper", "check_codebook", "check_counters", "key_table", "loads_json", "record_fields", "muon_optimizer_key",
     "muon_codebook_key", "muon_tensor_keys", "record_fqns",
 ]
 
@@ -284,15 +284,15 @@ def is_gefen_key(key: str) -> bool:
 
 
 def is_raw_entry(flat_key: str) -> bool:
-    """Whether this DCP entry is stored as raw bytes (format v3's ``qcodes`` and ``grid``).
-
-    ``flat_key`` is DCP's flattened name (``optimizer.gefen/grid/...``). The
-    writer and the reader both decide by it: the keys are v3's own, so no
-    checkpoint holds a framed item under one.
-    """
-    _, _, key = flat_key.partition(".")
-    pk = parse_key(key)
+    """Whether a save writes this DCP entry (flattened: ``optimizer.gefen/grid/...``) as raw bytes."""
+    pk = parse_key(flat_key.partition(".")[2])
     return pk is not None and pk.kind in _RAW_KINDS
+
+
+def is_raw_item(flat_key: str, length: int, dtype: torch.dtype, sizes: tuple[int, ...]) -> bool:
+    """Whether a stored item (its chunk's dtype and sizes) is raw: a raw entry's chunk stored in exactly
+    its bytes. A framed item is always longer, so one saved again by DCP's own writer reads as DCP's."""
+    return is_raw_entry(flat_key) and int(length) == math.prod(sizes) * torch.empty((), dtype=dtype).element_size()
 
 
 def param_tensor_keys(fqn: str, version: int = VERSION) -> dict[str, str]:

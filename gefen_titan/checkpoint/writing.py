@@ -3,9 +3,8 @@
 **Items.** ``write_data`` lays out each rank's data files as DCP's own
 ``FileSystemWriter`` does (same names, same split by ``thread_count``, bytes
 items first), written in one thread: a tensor whose key
-``schema.is_raw_entry`` names (Gefen's and GefenMuon's state) as its bytes
-alone (the key says so: v3's own keys); every other
-tensor (model, AdamW, ...) as DCP writes it, one ``torch.save`` each, so
+``schema.is_raw_entry`` names (Gefen's v3 ``qcodes`` and ``grid``) as its
+bytes alone; every other tensor (model, AdamW, GefenMuon, ...) as DCP writes it, one ``torch.save`` each, so
 that DCP's own reader still reads them. torch.save frames each item with
 about 1.5 KB (a zip archive: headers, 64-byte alignment, a directory); a
 parameter's raw entries carry none, which is what keeps a small model's

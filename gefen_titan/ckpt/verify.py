@@ -167,7 +167,7 @@ class _Verifier:
                         elif digests.hexdigest(data) != expected:
                             self.add(name, index.fqn, f"corrupt bytes: {digests.ALGORITHM} digest mismatch (the "
                                                       "load refuses it)")
-                    raw = schema.is_raw_entry(index.fqn) and _chunk_bytes(ck, index) == length
+                    raw = _is_raw(ck, index, length)
                     if info.transform_descriptors:
                         self.warnings.append(f"{name}: {index.fqn} is stored transformed "
                                              f"({', '.join(info.transform_descriptors)}); its bytes were read, "
@@ -358,13 +358,13 @@ def verify_checkpoint(path: str) -> dict[str, Any]:
     return report
 
 
-def _chunk_bytes(ck: Checkpoint, index: Any) -> int | None:
-    """Bytes of the stored chunk's elements: a v3 raw item's whole length (a framed one is longer)."""
+def _is_raw(ck: Checkpoint, index: Any, length: int) -> bool:
+    """Whether a stored item is a v3 raw one (``schema.is_raw_item``), from its entry's chunk record."""
     e = ck.entries.get(index.fqn)
     if e is None or not e.is_tensor or index.offset is None:
-        return None
+        return False
     sizes = next((s for o, s in e.chunks if o == tuple(index.offset)), None)
-    return None if sizes is None else math.prod(sizes) * torch.empty((), dtype=e.dtype).element_size()
+    return sizes is not None and schema.is_raw_item(index.fqn, length, e.dtype, tuple(sizes))
 
 
 def render(report: dict[str, Any]) -> str:

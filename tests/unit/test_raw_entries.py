@@ -55,6 +55,10 @@ def test_which_entries_are_raw():
                schema.records_key("x", 0), schema.blocks_key("x", 0), schema.rank_codebook_key("x", 0)]
     for name in earlier:
         assert not schema.is_raw_entry("optimizer." + name), name
+    grid_bytes = 8 * 4 * 2 * 4
+    assert schema.is_raw_item(GRID, grid_bytes, torch.float32, (8, 4, 2))
+    assert not schema.is_raw_item(GRID, grid_bytes + 1500, torch.float32, (8, 4, 2))  # framed: longer
+    assert not schema.is_raw_item("model.w", grid_bytes, torch.float32, (8, 4, 2))
     for flat in ("model.w", "optimizer." + schema.header_key(), "optimizer." + schema.optimizer_key("x"),
                  "optimizer." + schema.codebook_key("x"), "optimizer.state.w.exp_avg", "step"):
         assert not schema.is_raw_entry(flat), flat

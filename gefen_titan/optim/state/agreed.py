@@ -182,14 +182,11 @@ class AgreedStateAdapter(AgreedAdapter):
             period = plan.records[s.fqn].period
             if not period:
                 continue
-            shape = tuple(s.param.shape)
-            local_shape = tuple(s.local.shape)
-            dev = s.local.device
-            local_grid = grid_shape(local_shape, period) if local_shape else ()
-            grid = grid_shape(shape, period)
-            for key, (dtype, want) in schema.param_tensor_specs(s.fqn, shape, period, plan.version).items():
-                here = local_shape if dtype == torch.uint8 else local_grid + tuple(want[len(grid):])
-                sd[key] = like_param(s.param, torch.empty(here, dtype=dtype, device=dev), want)
+            # The same entries at the local shard's shape (periods fit every cut: checked in _plan_from).
+            here = schema.param_tensor_specs(s.fqn, tuple(s.local.shape), period, plan.version)
+            for key, (dtype, want) in schema.param_tensor_specs(s.fqn, tuple(s.param.shape), period,
+                                                                plan.version).items():
+                sd[key] = like_param(s.param, torch.empty(here[key][1], dtype=dtype, device=s.local.device), want)
         return sd
 
     def stage_load(self, sd: dict[str, Any]) -> None:

@@ -1,0 +1,53 @@
+"""What gefen-titan's checkpoint storage takes from DCP's internals (torch is not pinned exactly).
+
+``checkpoint/writing.py`` lays out data files with DCP's private
+``_split_by_size_and_type``, ``DEFAULT_SUFFIX`` and ``_StorageInfo``;
+``checkpoint/storage.load_all`` is DCP's ``dcp_to_torch_save`` through our
+reader (``_load_state_dict``, ``_EmptyStateDictLoadPlanner``). If a torch
+release changes any of them, these fail here, naming it, before a
+checkpoint is written differently.
+"""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _split_by_size_and_type, _StorageInfo
+
+from gefen_titan.checkpoint import schema, storage
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
+
+
+def state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"model.w": torch.randn(16, 8, generator=g), "step": torch.tensor(3),
+            "optimizer." + schema.header_key(): schema.Header.for_blocking("agreed").to_json(),
+            "optimizer." + schema.grid_key("w"): torch.rand(16, 2, 2, generator=g)}
+
+
+def test_storage_info_and_split_signatures():
+    assert DEFAULT_SUFFIX == ".distcp"
+    assert [f.name for f in dataclasses.fields(_StorageInfo)] == [
+        "relative_path", "offset", "length", "transform_descriptors"]
+    assert _split_by_size_and_type(1, []) == [[]]
+
+
+def test_our_files_are_named_as_dcp_names_them(tmp_path):
+    dcp.save(state(), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    dcp.save(state(), storage_writer=storage.storage_writer(tmp_path / "ours"), no_dist=True)
+    data = lambda p: sorted(n for n in os.listdir(p) if n.endswith(DEFAULT_SUFFIX))  # noqa: E731
+    assert data(tmp_path / "ours") == data(tmp_path / "dcp")
+    md = storage.read_metadata(tmp_path / "ours")
+    assert {i.fqn for i in md.storage_data} == set(state())
+
+
+def test_load_all_returns_every_entry(tmp_path):
+    want = state()
+    dcp.save(want, storage_writer=storage.storage_writer(tmp_path / "c"), no_dist=True)
+    got = storage.load_all(tmp_path / "c")
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value
