@@ -25,8 +25,10 @@ with DCP's own writer and reader, as torchtitan saves them. ``digests`` (not
 in the default list) is ``current`` plus a line with the digests' cost on
 its own: its workers also save and load the same state without and with
 digests (the same writer and reader, ``storage_writer(digests=False)``),
-alternated ``PAIRED`` times in one process, best
-of each (separate launches differ by more than the cost on a shared machine).
+``PAIRED`` rounds in one process, the order swapped each round; the cost is
+the median over rounds of each round's with / without (separate launches,
+and even single rounds, differ by more than the cost on a shared machine),
+with the best of each beside it.
 
 Prints, per method: optimizer bytes/param on disk and on disk over in
 memory, the first step's time, save time and the peak RSS growth during the
@@ -52,6 +54,7 @@ import json
 import math
 import os
 import pstats
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,7 +68,7 @@ MUON_PATTERN = r"^layers\.\d+\.(attention|feed_forward)\."
 MUON_KWARGS = {"momentum": 0.95, "nesterov": True, "ns_steps": 5, "adjust_lr_fn": "match_rms_adamw", "normuon": True}
 SAVE_TARGET, LOAD_TARGET, PEAK_TARGET = 0.5, 1.0, 1.0
 OURS = ("current", "v1", "gefen-muon", "digests")  # saved and loaded as GefenCheckpointManager does
-PAIRED = 5  # alternated saves/loads without and with digests in one process (method "digests")
+PAIRED = 20  # rounds of a save/load without and with digests in one process (method "digests"; ~0.1-0.3 s each)
 
 
 def method_label(method: str) -> str:
@@ -175,21 +178,23 @@ def _worker(args) -> None:
         opt.prepare_load(ckpt, md, prefix="optimizer.")
         try:
             dcp.load({"optimizer": opt}, storage_reader=storage.storage_reader(
-                ckpt, metadata=md, digests=record, agree=True, check_unread=True))
+                ckpt, metadata=md, digests=record, check_unread=True))
         finally:
             opt.abort_load()
 
     def paired(plain, checked) -> dict:
-        """The digests' cost on its own: without and with them, alternated in this process, best of PAIRED each."""
+        """The digests' cost on its own: without and with them, ``PAIRED`` rounds in this process, the
+        order swapped every round (ABBA: neither always runs second); every time kept."""
         times: dict = {"plain": [], "digests": []}
-        for _ in range(PAIRED):
-            for label, fn in (("plain", plain), ("digests", checked)):
+        for n in range(PAIRED):
+            order = (("plain", plain), ("digests", checked))
+            for label, fn in order if n % 2 == 0 else order[::-1]:
                 dist.barrier()
                 t0 = time.perf_counter()
                 fn()
                 dist.barrier()
                 times[label].append(time.perf_counter() - t0)
-        return {k: min(v) for k, v in times.items()}
+        return times
 
     profiler = cProfile.Profile() if args.profile and rank == 0 else None
     result = {}
@@ -440,14 +445,19 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
     dg = next((r for r in rows if r["method"] == "digests"), None)
     if dg is not None:
         loads_cost = "; ".join(f"load {n}->{m} {_pct(dg['loads'][m]['paired_s'])}" for m in loads)
-        lines.append(f"digest cost on its own (without / with, alternated in one process, best of {PAIRED}): save "
+        lines.append(f"digest cost on its own (without / with, in one process, order swapped each round): save "
                      f"{_pct(dg['paired_save_s'])}; {loads_cost}")
     return "\n".join(lines)
 
 
 def _pct(paired: dict) -> str:
+    """The digests' cost: the median over rounds of with / without (each round's pair ran back to back),
+    and the best of each."""
     plain, checked = paired["plain"], paired["digests"]
-    return f"{100 * (checked / plain - 1):+.1f}% ({plain:.3f} s -> {checked:.3f} s)"
+    ratios = sorted(c / p for p, c in zip(plain, checked))
+    median = statistics.median(ratios)
+    return (f"{100 * (median - 1):+.1f}% (median of {len(ratios)} paired rounds; best of each "
+            f"{min(plain):.3f} s -> {min(checked):.3f} s, {100 * (min(checked) / min(plain) - 1):+.1f}%)")
 
 
 def main(argv: list[str] | None = None) -> None:

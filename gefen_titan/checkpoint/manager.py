@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -120,14 +121,22 @@ class GefenCheckpointManager(CheckpointManager):
             for key, component in self.states.items()
             if key in state_dict and isinstance(component, LoadPreparer)
         ]
-        reader = storage_reader(checkpoint_id, metadata=metadata, digests=record, agree=True, check_unread=True)
+        reader = storage_reader(checkpoint_id, metadata=metadata, digests=record, check_unread=True)
+        # The model's entries (torchtitan flattens them into state_dict) are
+        # its live parameters: DCP would read into them in place. They are
+        # read into fresh tensors instead and applied only once dcp.load has
+        # returned on this rank, i.e. once DCP's gather after the read step
+        # found no rank's read refused: a damaged byte on any rank then
+        # leaves every rank's live model as it was, at no collective of ours.
+        # Cost: a second copy of the rank's model shard, on its device, for
+        # the load's duration. (The optimizer hands fresh targets itself.)
+        targets = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
         try:
             for component, key in prepared:
                 component.prepare_load(checkpoint_id, metadata, prefix=f"{key}.")
-            dcp.load(state_dict, storage_reader=reader)
-            # torchtitan flattens the model's entries into state_dict and loads them itself.
+            dcp.load(targets, storage_reader=reader)
             if MODEL in self.states:
-                self.states[MODEL].load_state_dict(state_dict)
+                self.states[MODEL].load_state_dict(targets)
         except (CheckpointException, OSError) as e:
             # A read failure or a damaged byte: DCP raises the same CheckpointException on every rank.
             raise refusal(checkpoint_id, e) from e

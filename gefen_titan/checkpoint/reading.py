@@ -4,11 +4,18 @@
 unpickling them (a flipped byte never reaches ``pickle``).
 
 **Items.** ``read_data`` reads every item this rank's plan needs, checks
-each digest, and only when every rank's items are intact (when ``agree``:
-one all-reduce of whether each rank could read ``.digests``, one of the
-verdicts; the messages are gathered only on a failure) deserializes them into the planner's targets, which for
-the model are the live parameters: a damaged byte anywhere stops the load on
-every rank before the first in-place copy. A raw item (its key says so:
+each digest, and only then deserializes them into the planner's targets. A
+damaged item raises on its rank before any of its targets is written, and
+DCP's own gather after the read step raises it on every rank, so a refusal
+costs no collective of ours. The targets must not be live state: a rank
+whose own bytes are intact writes its targets before it learns of another
+rank's refusal. Every caller hands fresh ones (the checkpoint manager reads
+the model's entries into fresh tensors and applies them after the load;
+the optimizer container stages its state; ``storage.read_small`` reads
+into new tensors). Whether the checkpoint has ``.digests`` is agreed for free in the planning round DCP makes anyway:
+each rank reads it in ``prepare_local_plan`` (an unreadable one raises
+there, and DCP raises that on every rank) and says whether it found one;
+the coordinator refuses ranks that disagree. A raw item (its key says so:
 ``schema.is_raw_entry``; ``checkpoint.writing``) is viewed where
 it was read, its dtype and sizes taken from its chunk record in
 ``.metadata``, so checking it costs the hash and no copy; a torch.saved one
@@ -40,7 +47,6 @@ from torch.futures import Future
 from gefen_titan.checkpoint import digests as dg
 from gefen_titan.checkpoint import schema
 from gefen_titan.checkpoint.errors import root_cause
-from gefen_titan.distributed import all_gather_objects, any_ranks, is_distributed, raise_on_any_rank
 
 __all__ = ["CheckedFileSystemReader", "CheckedFsspecReader", "load_metadata"]
 
@@ -74,21 +80,26 @@ def load_metadata(fs: Any, path: Any, checkpoint_id: str) -> tuple[Metadata, dg.
     return metadata, record
 
 
+@dataclasses.dataclass(frozen=True)
+class _Found:
+    """A rank's local plan's note to the coordinator: whether it found ``.digests``."""
+
+    digests: bool
+
+
 class _CheckedReading:
     """Mixin over DCP's file system readers: checks ``.digests`` before anything is used (module docstring).
 
     ``metadata``/``digests``: already read (and checked) by the caller;
-    ``agree``: the load is collective, so every rank's verdict is agreed
-    before the first commit (two small all-reduces); ``check_unread``: also check
-    the items no rank reads.
+    ``check_unread``: also check the items no rank reads. The targets
+    handed to the load must not be live state (module docstring).
     """
 
     def __init__(self, path: Any, *args: Any, metadata: Metadata | None = None, digests: Any = _UNSET,
-                 agree: bool = False, check_unread: bool = False, **kwargs: Any) -> None:
+                 check_unread: bool = False, **kwargs: Any) -> None:
         super().__init__(path, *args, **kwargs)
         self._metadata = metadata
         self._digests = digests
-        self._agree = agree
         self._check_unread = check_unread
         self._set_up: Metadata | None = None  # set_up_storage_reader's: the raw items' chunk records
         self._layouts: dict[Any, Any] = {}  # _raw_layout's, per storage index
@@ -120,8 +131,30 @@ class _CheckedReading:
         self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
 
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        # Each rank's .digests is read here, in the planning round DCP makes
+        # anyway: a rank that cannot read it raises, and DCP raises that on
+        # every rank; whether it has one goes to the coordinator with the plan.
+        plan = super().prepare_local_plan(plan)
+        try:
+            record = self.digests()
+        except dg.CorruptCheckpointError:
+            raise
+        except Exception as e:  # an unreadable file
+            raise dg.CorruptCheckpointError(dg.corrupt_message(
+                self._id(), dg.FILE, None, f"cannot read it ({root_cause(e)})"), dg.FILE) from e
+        return dataclasses.replace(plan, storage_data=_Found(record is not None))
+
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        plans = super().prepare_global_plan(plans)
+        # Every rank must take the same path in read_data (checked or not),
+        # so they must all have found .digests, or none.
+        found = {p.storage_data.digests for p in plans if isinstance(p.storage_data, _Found)}
+        if len(found) > 1:
+            raise dg.CorruptCheckpointError(
+                f"the checkpoint cannot be loaded: ranks disagree whether {self._id()} has {dg.FILE} (does "
+                "every rank see the same files?)")
+        plans = super().prepare_global_plan(
+            [dataclasses.replace(p, storage_data=None) if isinstance(p.storage_data, _Found) else p for p in plans])
         if not (self._check_unread and self.digests() is not None and plans):
             return plans
         read = {item.storage_index for p in plans for item in p.items}
@@ -136,34 +169,13 @@ class _CheckedReading:
         return [dataclasses.replace(p, storage_data=x) if x else p for p, x in zip(plans, extra)]
 
     def read_data(self, plan: LoadPlan, planner: Any) -> Future:
-        # Every rank must take the same path through the collectives below,
-        # so whether the checkpoint has digests (and whether they could be
-        # read) is agreed first, in one all-reduce, when the load is collective.
-        try:
-            record, error = self.digests(), None
-        except Exception as e:  # a damaged .digests, an unreadable file
-            record, error = None, str(e) if isinstance(e, dg.CorruptCheckpointError) else dg.corrupt_message(
-                self._id(), dg.FILE, None, f"cannot read it ({root_cause(e)})")
-        if self._agree and is_distributed():
-            # One all-reduce when all is well (the load's hot path); the messages only on a failure.
-            failed, some_have, some_lack = any_ranks([bool(error), record is not None, record is None])
-            if failed:
-                raise dg.CorruptCheckpointError("the checkpoint cannot be loaded: " + "; ".join(
-                    sorted({e for e in all_gather_objects(error) if e})))
-            if some_have and some_lack:
-                raise dg.CorruptCheckpointError(
-                    f"the checkpoint cannot be loaded: ranks disagree whether {self._id()} has {dg.FILE} (does "
-                    "every rank see the same files?)")
-        elif error:
-            raise dg.CorruptCheckpointError(error)
+        record = self.digests()  # read (and agreed on) in the planning round: prepare_local_plan
         if record is None and not any(self._is_raw(req.storage_index) for req in plan.items):
             return super().read_data(plan, planner)
         staged, error = self._read_and_check(plan, record, self._direct_targets(plan, planner))
-        if self._agree and record is not None:
-            raise_on_any_rank(error, "the checkpoint cannot be loaded", dg.CorruptCheckpointError)
-        elif error:
+        if error:  # DCP's gather after the read step raises it on every rank
             raise dg.CorruptCheckpointError(error)
-        # Every rank's bytes are intact: only now does anything reach the planner's targets.
+        # This rank's bytes are intact: only now does anything reach the planner's targets.
         uses: dict[Any, int] = {}
         for req in plan.items:
             uses[req.storage_index] = uses.get(req.storage_index, 0) + 1
@@ -264,8 +276,8 @@ class _CheckedReading:
         (against ``record``'s digests when there is one); ``direct``'s
         read into their targets (the value staged is then the target).
 
-        Never raises: a failure is the returned message, so every rank
-        reaches the agreement.
+        Never raises: a failure is the returned message (``read_data``
+        raises it, DCP's gather raises it on every rank).
         """
         needed = {req.storage_index for req in plan.items}
         wanted = list(needed) + [i for i in (plan.storage_data or []) if i not in needed]
@@ -301,7 +313,7 @@ class _CheckedReading:
                                 staged[index] = data if target is None else target
                             continue
                         return {}, dg.corrupt_message(self._id(), file, entry, what)
-        except Exception as e:  # OSError, a missing file: the same agreement, the same message shape
+        except Exception as e:  # OSError, a missing file: the same message shape
             return {}, dg.corrupt_message(self._id(), file, entry, f"cannot read it ({root_cause(e)})")
         return staged, None
 

@@ -48,9 +48,9 @@ def is_remote(checkpoint_id: str | os.PathLike) -> bool:
 def storage_reader(checkpoint_id: str | os.PathLike, **checks: Any) -> CheckedFileSystemReader:
     """A checking DCP reader for a checkpoint folder: fsspec for URLs, the file system otherwise.
 
-    ``checks`` (``metadata``, ``digests``, ``agree``, ``check_unread``): see
-    ``reading._CheckedReading``; ``agree`` only where every rank loads
-    together (a collective load), never in a single-process tool.
+    ``checks`` (``metadata``, ``digests``, ``check_unread``): see
+    ``reading._CheckedReading``. The load's targets must not be live state:
+    a rank writes its targets before it learns of another rank's refusal.
     """
     checkpoint_id = os.fspath(checkpoint_id)
     if is_remote(checkpoint_id):
@@ -87,8 +87,9 @@ def read_small(checkpoint_id: str, metadata: Metadata, prefix: str, tensors: lis
     """One small ``dcp.load`` of the named entries (keys without ``prefix``).
 
     Collective: every rank calls it with the same keys; an unreadable file
-    raises the same ``GefenCheckpointError`` on every rank (DCP raises its
-    exception on all of them).
+    or a damaged byte raises the same ``GefenCheckpointError`` on every rank
+    (DCP raises its exception on all of them). Its targets are new
+    tensors, as the checking reader requires (``checkpoint.reading``).
     """
     if not tensors and not strings:  # the same on every rank: they all skip the read
         return {}
@@ -97,7 +98,7 @@ def read_small(checkpoint_id: str, metadata: Metadata, prefix: str, tensors: lis
                              for k in tensors}
     small.update({prefix + k: "" for k in strings})
     try:
-        dcp.load(small, storage_reader=storage_reader(checkpoint_id, metadata=metadata, agree=True))
+        dcp.load(small, storage_reader=storage_reader(checkpoint_id, metadata=metadata))
     except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps the cause
         raise refusal(checkpoint_id, e) from e
     return {k[len(prefix):]: v for k, v in small.items()}

@@ -1,7 +1,7 @@
 """``.digests``: written by every save through ``storage.storage_writer``, checked by every load.
 
 One process, DCP with ``no_dist=True``: the writer and reader pair of
-``checkpoint.integrity`` on a small state dict of tensors and an object
+``checkpoint.writing`` and ``checkpoint.reading`` on a small state dict of tensors and an object
 entry. The multi-rank resume of a real recipe is
 tests/integration/test_checkpoint_integrity.py.
 """
