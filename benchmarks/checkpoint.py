@@ -26,9 +26,9 @@ in the default list) is ``current`` plus a line with the digests' cost on
 its own: its workers also save and load the same state without and with
 digests (the same writer and reader, ``storage_writer(digests=False)``),
 ``PAIRED`` rounds in one process, the order swapped each round; the cost is
-the median over rounds of each round's with / without (separate launches,
-and even single rounds, differ by more than the cost on a shared machine),
-with the best of each beside it.
+the median over rounds of each round's with / without, with its 95%
+interval (separate launches, and even single rounds, differ by more than
+the cost on a shared machine), and the best of each beside it.
 
 Prints, per method: optimizer bytes/param on disk and on disk over in
 memory, the first step's time, save time and the peak RSS growth during the
@@ -68,7 +68,7 @@ MUON_PATTERN = r"^layers\.\d+\.(attention|feed_forward)\."
 MUON_KWARGS = {"momentum": 0.95, "nesterov": True, "ns_steps": 5, "adjust_lr_fn": "match_rms_adamw", "normuon": True}
 SAVE_TARGET, LOAD_TARGET, PEAK_TARGET = 0.5, 1.0, 1.0
 OURS = ("current", "v1", "gefen-muon", "digests")  # saved and loaded as GefenCheckpointManager does
-PAIRED = 20  # rounds of a save/load without and with digests in one process (method "digests"; ~0.1-0.3 s each)
+PAIRED = 60  # rounds of a save/load without and with digests in one process (method "digests"; ~0.1-0.3 s each)
 
 
 def method_label(method: str) -> str:
@@ -452,12 +452,14 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
 
 def _pct(paired: dict) -> str:
     """The digests' cost: the median over rounds of with / without (each round's pair ran back to back),
-    and the best of each."""
+    with a distribution-free 95% interval of that median (order statistics), and the best of each."""
     plain, checked = paired["plain"], paired["digests"]
     ratios = sorted(c / p for p, c in zip(plain, checked))
-    median = statistics.median(ratios)
-    return (f"{100 * (median - 1):+.1f}% (median of {len(ratios)} paired rounds; best of each "
-            f"{min(plain):.3f} s -> {min(checked):.3f} s, {100 * (min(checked) / min(plain) - 1):+.1f}%)")
+    n = len(ratios)
+    k = max(0, math.floor(n / 2 - 0.98 * math.sqrt(n)))  # 0-based: ratios[k] .. ratios[n - 1 - k]
+    return (f"{100 * (statistics.median(ratios) - 1):+.1f}% (median of {n} paired rounds, 95% interval "
+            f"{100 * (ratios[k] - 1):+.1f}%..{100 * (ratios[n - 1 - k] - 1):+.1f}%; best of each "
+            f"{min(plain):.3f} s -> {min(checked):.3f} s)")
 
 
 def main(argv: list[str] | None = None) -> None:

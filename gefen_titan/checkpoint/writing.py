@@ -46,6 +46,7 @@ from gefen_titan.checkpoint import schema
 __all__ = ["DigestingFileSystemWriter", "DigestingFsspecWriter"]
 
 _CHUNK = 1 << 24  # bytes per read when an item is read back
+_PIECE = 1 << 20  # bytes per write of a large item: hashed while in cache
 
 
 # ------------------------------------------------------------------ save
@@ -65,11 +66,23 @@ class _HashingStream:
         # torch.save writes each record in many small pieces: this is the
         # save's hot path, kept to one call each. The streams are buffered
         # (a write takes all its bytes or raises), so ``b`` is what was written.
+        if self._hashing and len(b) > _PIECE:
+            return self._write_pieces(memoryview(b).cast("B"))
         n = self._raw.write(b)
         if self._hashing:
             self._hasher.update(b)
         self._pos += n
         return n
+
+    def _write_pieces(self, view: memoryview) -> int:
+        # A raw entry arrives whole (tens of MB): each piece is hashed right
+        # after the write has read it, while it is still in cache (one pass
+        # over memory, not two).
+        for i in range(0, len(view), _PIECE):
+            piece = view[i:i + _PIECE]
+            self._pos += self._raw.write(piece)
+            self._hasher.update(piece)
+        return len(view)
 
     def tell(self) -> int:
         self._cut()
