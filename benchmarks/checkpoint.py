@@ -25,7 +25,7 @@ with DCP's own writer and reader, as torchtitan saves them. ``digests`` (not
 in the default list) is ``current`` plus a line with the digests' cost on
 its own: its workers also save and load the same state without and with
 digests (the same writer and reader, ``storage_writer(digests=False)``),
-``PAIRED`` rounds in one process, the order swapped each round; the cost is
+``--paired`` rounds (default 60) in one process, the order swapped each round; the cost is
 the median over rounds of each round's with / without, with its 95%
 interval (separate launches, and even single rounds, differ by more than
 the cost on a shared machine), and the best of each beside it.
@@ -68,7 +68,7 @@ MUON_PATTERN = r"^layers\.\d+\.(attention|feed_forward)\."
 MUON_KWARGS = {"momentum": 0.95, "nesterov": True, "ns_steps": 5, "adjust_lr_fn": "match_rms_adamw", "normuon": True}
 SAVE_TARGET, LOAD_TARGET, PEAK_TARGET = 0.5, 1.0, 1.0
 OURS = ("current", "v1", "gefen-muon", "digests")  # saved and loaded as GefenCheckpointManager does
-PAIRED = 60  # rounds of a save/load without and with digests in one process (method "digests"; ~0.1-0.3 s each)
+PAIRED = 60  # --paired default: rounds of a save/load without and with digests (method "digests"; ~0.1-0.3 s each)
 
 
 def method_label(method: str) -> str:
@@ -183,10 +183,10 @@ def _worker(args) -> None:
             opt.abort_load()
 
     def paired(plain, checked) -> dict:
-        """The digests' cost on its own: without and with them, ``PAIRED`` rounds in this process, the
+        """The digests' cost on its own: without and with them, ``--paired`` rounds in this process, the
         order swapped every round (ABBA: neither always runs second); every time kept."""
         times: dict = {"plain": [], "digests": []}
-        for n in range(PAIRED):
+        for n in range(args.paired):
             order = (("plain", plain), ("digests", checked))
             for label, fn in order if n % 2 == 0 else order[::-1]:
                 dist.barrier()
@@ -333,6 +333,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--save-ranks", type=int, default=2)
     ap.add_argument("--load-ranks", default="2,4,1")
     ap.add_argument("--steps", type=int, default=3, help="training steps before the save")
+    ap.add_argument("--paired", type=int, default=PAIRED,
+                    help="method digests: rounds of the paired with / without digests measurement")
     ap.add_argument("--no-profile", action="store_true", help="do not re-run missed targets under cProfile")
     ap.add_argument("--json", default="", help="also write every figure here")
     for hidden in ("--mode", "--method", "--ckpt", "--out", "--update-out", "--reference", "--profile"):
@@ -351,8 +353,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.load_ranks = [int(x) for x in args.load_ranks.split(",")]
     except ValueError:
         ap.error(f"--load-ranks: expected comma-separated integers, got {args.load_ranks!r}")
-    if args.save_ranks < 1 or any(m < 1 for m in args.load_ranks) or args.steps < 1:
-        ap.error("--save-ranks, --load-ranks and --steps must be >= 1")
+    if args.save_ranks < 1 or any(m < 1 for m in args.load_ranks) or args.steps < 1 or args.paired < 1:
+        ap.error("--save-ranks, --load-ranks, --steps and --paired must be >= 1")
     return args
 
 
@@ -360,7 +362,7 @@ def run(args: argparse.Namespace, tmp: str) -> list[dict]:
     import torch
 
     rows = []
-    common = ["--model", args.model, "--steps", str(args.steps)]
+    common = ["--model", args.model, "--steps", str(args.steps), "--paired", str(args.paired)]
     for method in args.methods:
         ckpt = os.path.join(tmp, method)
         out, update = os.path.join(tmp, f"{method}-save.json"), os.path.join(tmp, f"{method}-update.pt")
