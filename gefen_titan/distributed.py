@@ -27,7 +27,6 @@ from torch.distributed.tensor.placement_types import _StridedShard
 __all__ = [
     "all_gather_objects",
     "any_rank",
-    "any_ranks",
     "comm_device",
     "is_distributed",
     "like_param",
@@ -102,15 +101,6 @@ def like_param_rows(param: torch.Tensor, local_rows: torch.Tensor) -> torch.Tens
                   for pl in param.placements]
     return DTensor.from_local(local_rows, param.device_mesh, placements, run_check=False, shape=(param.shape[0],),
                               stride=(1,))
-
-
-def any_ranks(flags: list[bool]) -> list[bool]:
-    """``any_rank`` of several flags in one all-reduce (collective)."""
-    if not is_distributed():
-        return list(flags)
-    t = torch.tensor([int(f) for f in flags], device=comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(x) for x in t.tolist()]
 
 
 def any_rank(flag: bool) -> bool:

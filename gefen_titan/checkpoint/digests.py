@@ -38,14 +38,15 @@ import xxhash
 
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 
-__all__ = ["FILE", "METADATA_FILE", "ALGORITHM", "CorruptCheckpointError", "Digests", "new_hasher", "hexdigest",
-           "parse", "older_steps", "corrupt_message", "file_table"]
+__all__ = ["FILE", "METADATA_FILE", "ALGORITHM", "PIECE", "CorruptCheckpointError", "Digests", "new_hasher",
+           "hexdigest", "parse", "older_steps", "corrupt_message", "file_table"]
 
 FILE = ".digests"
 METADATA_FILE = ".metadata"  # DCP's name for it
 ALGORITHM = "xxh3_64"
 MAGIC = "gefen-digests"
 FILE_VERSION = 1
+PIECE = 1 << 20  # bytes the writer and the readers hash at a time: each piece right after its I/O, still in cache
 _HEADER = re.compile(rf"^{MAGIC} (\d+) ([a-z0-9_]+) ([0-9a-f]{{16}})$")
 
 

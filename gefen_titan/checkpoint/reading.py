@@ -12,10 +12,11 @@ whose own bytes are intact writes its targets before it learns of another
 rank's refusal. Every caller hands fresh ones (the checkpoint manager reads
 the model's entries into fresh tensors and applies them after the load;
 the optimizer container stages its state; ``storage.read_small`` reads
-into new tensors). Whether the checkpoint has ``.digests`` is agreed for free in the planning round DCP makes anyway:
-each rank reads it in ``prepare_local_plan`` (an unreadable one raises
-there, and DCP raises that on every rank) and says whether it found one;
-the coordinator refuses ranks that disagree. A raw item (its key says so:
+into new tensors). Whether the checkpoint has ``.digests`` is agreed for
+free in the planning round DCP makes anyway: each rank reads it in
+``prepare_local_plan`` (an unreadable one raises there, and DCP raises that
+on every rank) and says whether it found one; the coordinator refuses
+ranks that disagree. A raw item (its key says so:
 ``schema.is_raw_entry``; ``checkpoint.writing``) is viewed where
 it was read, its dtype and sizes taken from its chunk record in
 ``.metadata``, so checking it costs the hash and no copy; a torch.saved one
@@ -50,7 +51,6 @@ from gefen_titan.checkpoint.errors import root_cause
 
 __all__ = ["CheckedFileSystemReader", "CheckedFsspecReader", "load_metadata"]
 
-_PIECE = 1 << 20  # bytes per read: hashed while in cache
 _UNSET: Any = object()
 
 
@@ -125,7 +125,9 @@ class _CheckedReading:
         if kwargs.get("rank") is not None:  # DCP's per-rank metadata fallback: not ours
             return super().read_metadata(*args, **kwargs)
         if self._metadata is None:
-            self._metadata, self._digests = load_metadata(self.fs, self.path, self._id())
+            self._metadata, record = load_metadata(self.fs, self.path, self._id())
+            if self._digests is _UNSET:  # digests handed in by the caller stay theirs
+                self._digests = record
         if getattr(self._metadata, "storage_meta", None) is None:
             self._metadata.storage_meta = StorageMeta()
         self._metadata.storage_meta.load_id = self.load_id
@@ -323,7 +325,7 @@ def _fill(f: Any, view: memoryview, hasher: Any) -> int:
     in cache (one pass over memory, not two); the bytes read."""
     n = 0
     while n < len(view):
-        got = f.readinto(view[n:n + _PIECE])
+        got = f.readinto(view[n:n + dg.PIECE])
         if not got:
             break
         if hasher is not None:

@@ -46,7 +46,6 @@ from gefen_titan.checkpoint import schema
 __all__ = ["DigestingFileSystemWriter", "DigestingFsspecWriter"]
 
 _CHUNK = 1 << 24  # bytes per read when an item is read back
-_PIECE = 1 << 20  # bytes per write of a large item: hashed while in cache
 
 
 # ------------------------------------------------------------------ save
@@ -66,7 +65,7 @@ class _HashingStream:
         # torch.save writes each record in many small pieces: this is the
         # save's hot path, kept to one call each. The streams are buffered
         # (a write takes all its bytes or raises), so ``b`` is what was written.
-        if self._hashing and len(b) > _PIECE:
+        if self._hashing and len(b) > dg.PIECE:
             return self._write_pieces(memoryview(b).cast("B"))
         n = self._raw.write(b)
         if self._hashing:
@@ -78,8 +77,8 @@ class _HashingStream:
         # A raw entry arrives whole (tens of MB): each piece is hashed right
         # after the write has read it, while it is still in cache (one pass
         # over memory, not two).
-        for i in range(0, len(view), _PIECE):
-            piece = view[i:i + _PIECE]
+        for i in range(0, len(view), dg.PIECE):
+            piece = view[i:i + dg.PIECE]
             self._pos += self._raw.write(piece)
             self._hasher.update(piece)
         return len(view)

@@ -1,9 +1,11 @@
-"""The checking reader's refusals are collective: every rank raises the same error, none hangs, nothing live is written.
+"""The checking reader's refusals are collective: every rank raises the same error and none hangs.
 
 The reader makes no collective of its own: whether every rank found
 ``.digests`` travels with DCP's planning round, a damaged item's refusal
 with DCP's gather after the read step. This is what keeps a load from
-hanging with one rank refused; the 2-rank resume of a real recipe with
+hanging with one rank refused; a rank whose own bytes are intact has
+written its (fresh) targets by then, which is why no caller hands the
+reader live ones; the 2-rank resume of a real recipe with
 flipped bytes, whose live model and optimizer must stay as they were, is
 ``test_checkpoint_integrity.py``.
 """

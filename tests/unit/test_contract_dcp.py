@@ -5,7 +5,11 @@
 ``checkpoint/storage.load_all`` is DCP's ``dcp_to_torch_save`` through our
 reader (``_load_state_dict``, ``_EmptyStateDictLoadPlanner``). If a torch
 release changes any of them, these fail here, naming it, before a
-checkpoint is written differently.
+checkpoint is written differently. The reader's agreement rides on DCP's
+collectives (a local plan's ``storage_data`` reaching the coordinator's
+``prepare_global_plan``; an exception there or in ``read_data`` raised on
+every rank): ``tests/integration/test_checked_reads.py`` fails if either
+changes.
 """
 
 import dataclasses

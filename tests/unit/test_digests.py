@@ -142,3 +142,13 @@ def test_corrupt_error_pickles_across_ranks():
 def test_doc_shows_the_digest_file_table():
     assert digests.file_table() in DOC, ("docs/checkpoint_format.md's .digests table differs from "
                                          "gefen_titan.checkpoint.digests.file_table(); paste it into the doc")
+
+
+def test_digests_handed_to_the_reader_are_kept(tmp_path):
+    """A reader given ``digests`` (here None: load unchecked) but no metadata keeps them when it reads
+    ``.metadata``; it does not take up the folder's ``.digests`` instead."""
+    path = save(tmp_path / "step-1")
+    reader = storage.storage_reader(path, digests=None)
+    reader.read_metadata()
+    assert reader.digests() is None
+    assert storage.storage_reader(path).digests() is not None  # by default it reads them

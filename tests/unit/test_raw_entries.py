@@ -163,10 +163,10 @@ def test_v3_keys_saved_framed_by_dcp_own_writer_still_read(tmp_path):
 
 
 def test_a_raw_entry_larger_than_a_write_piece_is_digested_whole(tmp_path):
-    """The writer writes and hashes a large raw entry piece by piece (1 MiB, ``checkpoint.writing``):
+    """The writer writes and hashes a large raw entry piece by piece (``digests.PIECE``, 1 MiB):
     its recorded digest is still that of all its stored bytes, and it reads back bit for bit."""
     g = torch.Generator().manual_seed(1)
-    rows = (3 << 20) // 16 + 5  # three pieces and a ragged tail
+    rows = 3 * digests.PIECE // 16 + 5  # three pieces and a ragged tail
     sd = {CODES: torch.randint(0, 256, (rows, 16), dtype=torch.uint8, generator=g), "step": torch.tensor(2)}
     path = tmp_path / "big"
     dcp.save(sd, storage_writer=storage.storage_writer(path), no_dist=True)
