@@ -9,18 +9,29 @@ them) while ``.metadata`` carries none. So every save through
   length)`` of its data file that ``.metadata`` points to: every byte of a
   data file lies in exactly one item);
 * the digest and size of ``.metadata`` itself;
-* and, on the file's first line, the digest of the rest of the file, so a
-  flipped byte of ``.digests`` is found too.
+* and digests of ``.digests``' own parts, so a flipped byte of it is found
+  too.
 
 Every byte of a step folder is therefore covered. xxh3-64 (``xxhash``) is
 not cryptographic (it finds corruption, not tampering) and runs at memory
 speed, so the digest costs little next to the write or read it rides on.
 
-Layout (one ASCII header line, then a JSON object)::
+Layout (file version 2): an ASCII header line, a JSON index line, then one
+section of rows per data file::
 
-    gefen-digests 1 xxh3_64 <16 hex digits: digest of everything after this line>
+    gefen-digests 2 xxh3_64 <16 hex digits: digest of the index line>
     {"metadata": {"size": N, "digest": "<hex>"},
-     "items": {"<relative data file>": [[offset, length, "<hex>"], ...], ...}}
+     "files": {"<relative data file>": [start, length, rows, "<hex of the section>"], ...}}
+    <offset> <length> <hex>        one row per item of the first file, by offset
+    ...
+
+``start`` counts from the first byte after the index line. The layout keeps
+what a rank reads flat in the world size: a checkpoint saved by 1,024 ranks
+holds millions of items (one per entry per rank), but a rank reads the
+header, the index (one row per data file) and the sections of the files it
+reads, each checked against the index when it is first needed. File
+version 1 (one JSON object with every item, its digest on the header
+line; written 2026-12-01/02) is still read.
 
 A checkpoint without ``.digests`` (written before it existed, by
 torchtitan's own writer, or by a tool) still loads, unchecked.
@@ -28,26 +39,31 @@ torchtitan's own writer, or by a tool) still loads, unchecked.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-from dataclasses import dataclass, field
-from typing import Any
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
 
 import xxhash
 
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 
 __all__ = ["FILE", "METADATA_FILE", "ALGORITHM", "PIECE", "CorruptCheckpointError", "Digests", "new_hasher",
-           "hexdigest", "parse", "older_steps", "corrupt_message", "file_table"]
+           "hexdigest", "parse", "read", "parsed_once", "older_steps", "corrupt_message", "file_table"]
 
 FILE = ".digests"
 METADATA_FILE = ".metadata"  # DCP's name for it
 ALGORITHM = "xxh3_64"
 MAGIC = "gefen-digests"
-FILE_VERSION = 1
+FILE_VERSION = 2
+READ_VERSIONS = (1, 2)
 PIECE = 1 << 20  # bytes the writer and the readers hash at a time: each piece right after its I/O, still in cache
+_FIRST_READ = 1 << 16  # bytes read first: the header and the index of a thousand files, or a whole small file
 _HEADER = re.compile(rf"^{MAGIC} (\d+) ([a-z0-9_]+) ([0-9a-f]{{16}})$")
+_ROW = re.compile(rb"(\d+) (\d+) ([0-9a-f]{16})\n")
 
 
 class CorruptCheckpointError(GefenCheckpointError):
@@ -79,34 +95,97 @@ def hexdigest(data: Any) -> str:
 _EMPTY = hexdigest(b"")
 
 
-@dataclass
+def _bad(checkpoint_id: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(corrupt_message(checkpoint_id, FILE, None, what), FILE, what=what)
+
+
 class Digests:
     """What ``.digests`` holds: ``.metadata``'s size and digest, and each item's.
 
-    ``items[file][offset] = (length, digest)``: an item is named by its data
-    file and offset, as DCP's ``.metadata`` names it.
+    An item is named by its data file and offset, as DCP's ``.metadata``
+    names it. Built by the writer from ``items[file][offset] = (length,
+    digest)``; read from a file (``parse``, ``read``), each file's section
+    is read and checked when one of its items is first asked for. Shared
+    within ``parsed_once``: read-only, apart from the sections it caches.
     """
 
-    metadata_size: int
-    metadata_digest: str
-    items: dict[str, dict[int, tuple[int, str]]] = field(default_factory=dict)
+    def __init__(self, metadata_size: int, metadata_digest: str,
+                 items: dict[str, dict[int, tuple[int, str]]] | None = None, *,
+                 sections: dict[str, tuple[int, int, int, str]] | None = None,
+                 read_rows: Callable[[int, int], bytes] | None = None, source: str = "") -> None:
+        self.metadata_size = int(metadata_size)
+        self.metadata_digest = str(metadata_digest)
+        self._items = {str(f): dict(rows) for f, rows in (items or {}).items()}  # decoded sections
+        # Read from a file: each section's start, length, rows and digest until it is decoded, read
+        # through read_rows (bytes [start, start + length) of the sections), source naming the checkpoint.
+        self._sections = dict(sections or {})
+        self._read_rows = read_rows
+        self._source = source
 
     def item(self, file: str, offset: int, length: int) -> str | None:
-        """The recorded digest of the item ``[offset, offset + length)`` of ``file``; None if none was recorded."""
+        """The recorded digest of the item ``[offset, offset + length)`` of ``file``; None if none was recorded.
+
+        Raises ``CorruptCheckpointError`` (naming ``.digests``) if ``file``'s section is damaged.
+        """
         if int(length) == 0:  # an empty item (an empty shard's raw entry) has no bytes to damage
             return _EMPTY
-        rec = self.items.get(file, {}).get(int(offset))
+        rec = self._rows(file).get(int(offset))
         return rec[1] if rec is not None and rec[0] == int(length) else None
 
+    def files(self) -> list[str]:
+        """The data files it records items of."""
+        return sorted({*self._items, *self._sections})
+
     def count(self) -> int:
-        return sum(len(v) for v in self.items.values())
+        """Items recorded (the index says how many each unread section holds)."""
+        return sum(len(v) for v in self._items.values()) + sum(s[2] for s in self._sections.values())
+
+    def check(self, file: str) -> None:
+        """Read and check ``file``'s section now (``ckpt verify``; a load reads those it needs when it needs them)."""
+        self._rows(file)
+
+    def _rows(self, file: str) -> dict[int, tuple[int, str]]:
+        rows = self._items.get(file)
+        if rows is not None:
+            return rows
+        section = self._sections.get(file)
+        if section is None or self._read_rows is None:
+            return {}
+        start, length, count, digest = section
+        try:
+            raw = self._read_rows(start, length)
+        except CorruptCheckpointError:
+            raise
+        except Exception as e:  # OSError: a short or unreadable file
+            raise _bad(self._source, f"cannot read the section of {file} ({type(e).__name__}: {e})") from e
+        if len(raw) != length or hexdigest(raw) != digest:
+            raise _bad(self._source, f"the section of {file} does not match its digest in the index")
+        rows = {}
+        pos = 0
+        for m in _ROW.finditer(raw):
+            if m.start() != pos:
+                break
+            rows[int(m.group(1))] = (int(m.group(2)), m.group(3).decode())
+            pos = m.end()
+        if pos != length or len(rows) != count:  # a digest that matches yet does not parse: a foreign writer
+            raise _bad(self._source, f"unreadable rows in the section of {file}")
+        self._items[file] = rows
+        del self._sections[file]
+        return rows
 
     def to_bytes(self) -> bytes:
-        body = json.dumps({
-            "metadata": {"size": self.metadata_size, "digest": self.metadata_digest},
-            "items": {f: [[o, n, d] for o, (n, d) in sorted(v.items())] for f, v in sorted(self.items.items())},
-        }, separators=(",", ":")).encode()
-        return f"{MAGIC} {FILE_VERSION} {ALGORITHM} {hexdigest(body)}\n".encode() + body
+        """The file's bytes (version ``FILE_VERSION``)."""
+        index: dict[str, list[Any]] = {}
+        parts, start = [], 0
+        for file in self.files():
+            rows = self._rows(file)
+            section = "".join(f"{o} {n} {d}\n" for o, (n, d) in sorted(rows.items())).encode()
+            index[file] = [start, len(section), len(rows), hexdigest(section)]
+            parts.append(section)
+            start += len(section)
+        line = json.dumps({"metadata": {"size": self.metadata_size, "digest": self.metadata_digest},
+                           "files": index}, separators=(",", ":")).encode()
+        return f"{MAGIC} {FILE_VERSION} {ALGORITHM} {hexdigest(line)}\n".encode() + line + b"\n" + b"".join(parts)
 
     def check_metadata(self, raw: bytes, checkpoint_id: str) -> None:
         """Raise ``CorruptCheckpointError`` unless ``raw`` is the ``.metadata`` this save wrote."""
@@ -117,32 +196,115 @@ class Digests:
                                          what=what)
 
 
-def parse(raw: bytes, checkpoint_id: str) -> Digests:
-    """``.digests``'s bytes -> ``Digests``; ``CorruptCheckpointError`` (naming ``.digests``) if they are damaged.
+_scope = threading.local()  # parsed_once's: .memo, header line -> Digests, while a load runs
 
-    Every byte counts: the header must be exactly as written (magic,
-    version, algorithm, digest in lower-case hex) and the digest must be the
-    body's, so a flipped byte anywhere in the file is refused.
+
+@contextlib.contextmanager
+def parsed_once() -> Iterator[None]:
+    """Within it, each ``.digests`` is decoded once.
+
+    One load makes several DCP reads (the optimizer's small record reads,
+    then the main one), and each reader reads ``.digests`` itself, so that
+    no reader trusts bytes another read. Each still reads its header and
+    index and checks them (microseconds); an index whose digest matches a
+    header already decoded in this scope is that record (the header holds
+    the index's digest, the index each section's), so its decoding and its
+    sections (checked once, when first needed) are shared. Scoped to a load:
+    nothing read outlives it.
     """
-    def bad(what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(corrupt_message(checkpoint_id, FILE, None, what), FILE, what=what)
+    outer = getattr(_scope, "memo", None)
+    if outer is None:
+        _scope.memo = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _scope.memo = None
 
-    head, sep, body = raw.partition(b"\n")
+
+def parse(raw: bytes, checkpoint_id: str) -> Digests:
+    """A whole ``.digests`` file's bytes -> ``Digests``; ``CorruptCheckpointError`` (naming ``.digests``) if
+    they are damaged (a section's damage: when it is first read, or by ``Digests.check``)."""
+    return _decode(raw, True, None, checkpoint_id)
+
+
+def read(open_stream: Callable[[], BinaryIO], checkpoint_id: str) -> Digests:
+    """``.digests`` from a stream opener: its header and index now, each section when first needed
+    (a fresh stream each, seeked there). A small file is read whole at once."""
+    with open_stream() as f:
+        parts = [f.read(_FIRST_READ)]
+        whole = len(parts[0]) < _FIRST_READ
+        if not whole and parts[0].startswith(f"{MAGIC} 1 ".encode()):  # version 1: one JSON object, read whole
+            parts.append(f.read())
+            whole = True
+        lines = parts[0].count(b"\n")
+        while not whole and lines < 2:  # an index of many files: read on to its end
+            parts.append(f.read(_FIRST_READ))
+            lines += parts[-1].count(b"\n")
+            whole = len(parts[-1]) < _FIRST_READ
+        raw = b"".join(parts)
+
+    def read_range(start: int, length: int) -> bytes:
+        with open_stream() as f:
+            f.seek(start)
+            out = f.read(length)
+        return out
+
+    return _decode(raw, whole, read_range, checkpoint_id)
+
+
+def _decode(raw: bytes, whole: bool, read_range: Callable[[int, int], bytes] | None,
+            checkpoint_id: str) -> Digests:
+    """Every byte counts: the header must be exactly as written (magic,
+    version, algorithm, digest in lower-case hex) and the digest must be
+    that of what it covers (v2: the index line; v1: the rest of the file),
+    so a flipped byte anywhere is refused."""
+    head, sep, rest = raw.partition(b"\n")
     m = _HEADER.match(head.decode("ascii", errors="replace")) if sep else None
     if m is None:
-        raise bad("its first line is not a digest header")
-    if int(m.group(1)) != FILE_VERSION or m.group(2) != ALGORITHM:
-        raise bad(f"digest file version {m.group(1)} / {m.group(2)}: this gefen-titan reads "
-                  f"{FILE_VERSION} / {ALGORITHM}")
-    if hexdigest(body) != m.group(3):
-        raise bad("its own digest does not match its contents")
+        raise _bad(checkpoint_id, "its first line is not a digest header")
+    version = int(m.group(1))
+    if version not in READ_VERSIONS or m.group(2) != ALGORITHM:
+        raise _bad(checkpoint_id, f"digest file version {m.group(1)} / {m.group(2)}: this gefen-titan reads "
+                                  f"{', '.join(map(str, READ_VERSIONS))} / {ALGORITHM}")
+    if version == 1:
+        if not whole:
+            raise _bad(checkpoint_id, "a version 1 file is read whole")  # read() reads it to its end
+        return _decode_v1(rest, m.group(3), checkpoint_id)
+    line, sep, rows = rest.partition(b"\n")
+    if not sep or hexdigest(line) != m.group(3):
+        raise _bad(checkpoint_id, "its index does not match the digest on its first line")
+    memo = getattr(_scope, "memo", None)
+    if memo is not None and head in memo:
+        return memo[head]
+    try:
+        doc = json.loads(line)
+        size, digest = int(doc["metadata"]["size"]), str(doc["metadata"]["digest"])
+        sections = {str(f): (int(s), int(n), int(c), str(d)) for f, (s, n, c, d) in doc["files"].items()}
+    except (ValueError, KeyError, TypeError) as e:  # a digest that matches yet does not parse: a foreign writer
+        raise _bad(checkpoint_id, f"unreadable index ({type(e).__name__}: {e})") from e
+    base = len(head) + 1 + len(line) + 1  # the sections' first byte in the file
+    read_rows = None
+    if whole or all(s + n <= len(rows) for s, n, _, _ in sections.values()):
+        read_rows = lambda start, length: rows[start:start + length]  # noqa: E731
+    elif read_range is not None:
+        read_rows = lambda start, length: read_range(base + start, length)  # noqa: E731
+    record = Digests(size, digest, sections=sections, read_rows=read_rows, source=checkpoint_id)
+    if memo is not None:
+        memo[head] = record
+    return record
+
+
+def _decode_v1(body: bytes, digest: str, checkpoint_id: str) -> Digests:
+    if hexdigest(body) != digest:
+        raise _bad(checkpoint_id, "its own digest does not match its contents")
     try:
         doc = json.loads(body)
         md = doc["metadata"]
         items = {str(f): {int(o): (int(n), str(d)) for o, n, d in rows} for f, rows in doc["items"].items()}
         return Digests(int(md["size"]), str(md["digest"]), items)
     except (ValueError, KeyError, TypeError) as e:  # a digest that matches yet does not parse: a foreign writer
-        raise bad(f"unreadable contents ({type(e).__name__}: {e})") from e
+        raise _bad(checkpoint_id, f"unreadable contents ({type(e).__name__}: {e})") from e
 
 
 def older_steps(checkpoint_id: str) -> list[int]:
@@ -175,9 +337,13 @@ def file_table() -> str:
     """``docs/checkpoint_format.md``'s table of the ``.digests`` file, generated from this module."""
     rows = [
         ("line 1", f"`{MAGIC} {FILE_VERSION} {ALGORITHM} <hex>`",
-         "format name, version, algorithm, and the digest of everything after this line"),
-        ("`metadata.size`, `metadata.digest`", "int, hex", f"size and {ALGORITHM} of `{METADATA_FILE}`"),
-        ("`items[file]`", "list of `[offset, length, hex]`",
-         f"the {ALGORITHM} of each item's stored bytes, named by file and offset as `{METADATA_FILE}` names it"),
+         "format name, version, algorithm, and the digest of line 2 (the index)"),
+        ("line 2: `metadata.size`, `metadata.digest`", "int, hex", f"size and {ALGORITHM} of `{METADATA_FILE}`"),
+        ("line 2: `files[file]`", "`[start, length, rows, hex]`",
+         "where the data file's section lies (counted from the first byte after line 2), its row count and its "
+         f"{ALGORITHM}"),
+        ("each section: one line per item", "`<offset> <length> <hex>`",
+         f"the {ALGORITHM} of the item's stored bytes, named by file and offset as `{METADATA_FILE}` names it; "
+         "sections in the index's order, rows by offset"),
     ]
     return "\n".join(["| field | value | what |", "|---|---|---|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)])

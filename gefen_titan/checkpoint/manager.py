@@ -100,6 +100,12 @@ class GefenCheckpointManager(CheckpointManager):
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         if from_hf:
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
+        # Every read of this load (the metadata's, the components' small
+        # ones, the main one) checks .digests itself; decoded once.
+        with digests.parsed_once():
+            self._checked_load(state_dict, checkpoint_id)
+
+    def _checked_load(self, state_dict: dict[str, Any], checkpoint_id: str) -> None:
         # The same file on every rank gives the same verdict; agreed all the
         # same, so a rank that could not read it does not leave the others waiting.
         error, metadata, record = None, None, None

@@ -62,10 +62,7 @@ def load_metadata(fs: Any, path: Any, checkpoint_id: str) -> tuple[Metadata, dg.
     when a file cannot be read.
     """
     digest_path = fs.concat_path(path, dg.FILE)
-    record = None
-    if fs.exists(digest_path):
-        with fs.create_stream(digest_path, "rb") as f:
-            record = dg.parse(f.read(), checkpoint_id)
+    record = dg.read(lambda: fs.create_stream(digest_path, "rb"), checkpoint_id) if fs.exists(digest_path) else None
     with fs.create_stream(fs.concat_path(path, dg.METADATA_FILE), "rb") as f:
         raw = f.read()
     if record is not None:
@@ -117,8 +114,7 @@ class _CheckedReading:
                 p = self.fs.concat_path(self.path, dg.FILE)
                 self._digests = None
                 if self.fs.exists(p):
-                    with self.fs.create_stream(p, "rb") as f:
-                        self._digests = dg.parse(f.read(), self._id())
+                    self._digests = dg.read(lambda: self.fs.create_stream(p, "rb"), self._id())
         return self._digests
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -315,6 +311,8 @@ class _CheckedReading:
                                 staged[index] = data if target is None else target
                             continue
                         return {}, dg.corrupt_message(self._id(), file, entry, what)
+        except dg.CorruptCheckpointError as e:  # the section of .digests for this file (Digests.item)
+            return {}, str(e)
         except Exception as e:  # OSError, a missing file: the same message shape
             return {}, dg.corrupt_message(self._id(), file, entry, f"cannot read it ({root_cause(e)})")
         return staged, None

@@ -75,11 +75,11 @@ def read_checked_metadata(checkpoint_id: str | os.PathLike) -> tuple[Metadata, D
 
 
 def read_digests(checkpoint_id: str | os.PathLike) -> Digests | None:
-    """The checkpoint's ``.digests`` (None: it has none); ``CorruptCheckpointError`` if it is damaged."""
+    """The checkpoint's ``.digests`` (None: it has none); ``CorruptCheckpointError`` if its header or
+    index is damaged (a section: when an item of its file is first asked for, or ``Digests.check``)."""
     if file_size(checkpoint_id, digests.FILE) is None:
         return None
-    with open_file(checkpoint_id, digests.FILE) as f:
-        return digests.parse(f.read(), os.fspath(checkpoint_id))
+    return digests.read(lambda: open_file(checkpoint_id, digests.FILE), os.fspath(checkpoint_id))
 
 
 def read_small(checkpoint_id: str, metadata: Metadata, prefix: str, tensors: list[str],

@@ -70,9 +70,11 @@ class _Verifier:
         self.checked = {"files": 0, "items": 0, "bytes": 0, "entries": 0, "crc_checked": 0, "digests_checked": 0}
         self.digests: digests.Digests | None = None
         self.has_digests = False
+        self.bad_sections: set[str] = set()  # data files whose section of .digests is damaged: items unchecked
 
     def digest_file(self) -> bool:
-        """``.digests`` and ``.metadata`` against it, as the load checks them; False if either is damaged."""
+        """``.digests`` and ``.metadata`` against it, as the load checks them; False if either is damaged
+        (a damaged section of ``.digests`` is reported, and its file's items are checked without it)."""
         try:
             self.digests = storage.read_digests(self.path)
             self.has_digests = self.digests is not None
@@ -83,6 +85,12 @@ class _Verifier:
             self.has_digests = True
             self.add(err.file, None, err.what)
             return False
+        for name in self.digests.files() if self.digests is not None else []:
+            try:  # each data file's section of .digests (a load checks it before that file's items)
+                self.digests.check(name)
+            except digests.CorruptCheckpointError as err:
+                self.add(err.file, None, err.what)
+                self.bad_sections.add(name)
         return True
 
     def add(self, file: str | None, entry: str | None, what: str) -> None:
@@ -158,7 +166,7 @@ class _Verifier:
                     if len(data) != length:
                         self.add(name, index.fqn, f"short read: {len(data)} of {length} bytes")
                         continue
-                    if self.digests is not None:
+                    if self.digests is not None and name not in self.bad_sections:
                         expected = self.digests.item(name, offset, length)
                         self.checked["digests_checked"] += 1
                         # Then the checks below too: they say more about what the damage hit.

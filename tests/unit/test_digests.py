@@ -6,6 +6,8 @@ entry. The multi-rank resume of a real recipe is
 tests/integration/test_checkpoint_integrity.py.
 """
 
+import io
+import json
 import os
 import pickle
 import random
@@ -90,15 +92,96 @@ def test_every_random_flip_is_refused_before_any_target_changes(tmp_path):
 
 
 def test_every_byte_of_the_digest_file_counts(tmp_path):
+    """A flip in the header or the index is refused on reading; one in a data file's section when that
+    section is first needed (``Digests.check``: what an item's lookup does)."""
     raw = (save(tmp_path / "step-1") / digests.FILE).read_bytes()
-    assert digests.parse(raw, "x").count() > 0
+    record = digests.parse(raw, "x")
+    assert record.count() > 0 and record.files()
     for i in range(len(raw)):
         for flip in (0x01, 0x20, 0x80):
             bad = bytearray(raw)
             bad[i] ^= flip
             with pytest.raises(digests.CorruptCheckpointError) as err:
-                digests.parse(bytes(bad), "x")
+                for file in digests.parse(bytes(bad), "x").files():
+                    digests.parse(bytes(bad), "x").check(file)
             assert err.value.file == digests.FILE
+
+
+def test_a_load_decodes_the_digest_file_once_and_still_checks_every_read(tmp_path):
+    """Within ``parsed_once`` (the manager's load) the same checked bytes give the same record; a
+    flipped byte is refused as outside it; another checkpoint gets its own; nothing outlives the scope."""
+    raw = (save(tmp_path / "step-1") / digests.FILE).read_bytes()
+    other = (save_other(tmp_path / "step-2") / digests.FILE).read_bytes()
+    bad = bytearray(raw)
+    bad[raw.index(b"\n") + 5] ^= 0x01  # in the index, which the header's digest covers
+    with digests.parsed_once():
+        first = digests.parse(raw, "x")
+        with digests.parsed_once():  # nested: the outer scope's records
+            assert digests.parse(raw, "x") is first
+        assert digests.parse(raw, "x") is first
+        with pytest.raises(digests.CorruptCheckpointError):
+            digests.parse(bytes(bad), "x")
+        second = digests.parse(other, "x")
+        assert second is not first and second.metadata_digest != first.metadata_digest
+    assert digests.parse(raw, "x") is not first and digests.parse(raw, "x").to_bytes() == first.to_bytes() == raw
+
+
+def test_digest_file_version_1_is_still_read(tmp_path):
+    """Version 1 (one JSON object, its digest on the header line), written before the per-file sections."""
+    path = save(tmp_path / "step-1")
+    now = storage.read_digests(path)
+    items = {}
+    for f in now.files():
+        md = storage.read_metadata(path)
+        items[f] = [[int(i.offset), int(i.length), now.item(f, i.offset, i.length)]
+                    for i in md.storage_data.values() if i.relative_path == f and int(i.length)]
+    body = json.dumps({"metadata": {"size": now.metadata_size, "digest": now.metadata_digest}, "items": items},
+                      separators=(",", ":")).encode()
+    (path / digests.FILE).write_bytes(f"gefen-digests 1 xxh3_64 {digests.hexdigest(body)}\n".encode() + body)
+    old = storage.read_digests(path)
+    assert old.count() == now.count() and old.to_bytes() == now.to_bytes()
+    assert torch.equal(load(path)["w"], state()["w"]) and verify_checkpoint(str(path))["ok"]
+    (path / digests.FILE).write_bytes(f"gefen-digests 1 xxh3_64 {digests.hexdigest(body)}\n".encode() + body[:-2])
+    with pytest.raises(digests.CorruptCheckpointError, match="its own digest"):
+        storage.read_digests(path)
+
+
+def test_a_rank_reads_the_index_and_the_sections_it_needs(tmp_path):
+    """At a thousand ranks ``.digests`` holds millions of rows; a reader reads the header, the index
+    (here past the first read's 64 KiB) and the section of each file it asks about, each checked."""
+    items = {f"__{r}_0.distcp": {o * 4096: (4096, f"{(r * 1000 + o):016x}") for o in range(50)} for r in range(2000)}
+    raw = digests.Digests(123, "0123456789abcdef", items).to_bytes()
+    (tmp_path / digests.FILE).write_bytes(raw)
+    index_end = raw.index(b"\n", raw.index(b"\n") + 1) + 1
+    assert index_end > 1 << 16 and len(raw) > 30 * index_end // 10  # the index needs a second read
+
+    read = []
+
+    class Counting(io.FileIO):
+        def read(self, n=-1):
+            out = super().read(n)
+            read.append(len(out))
+            return out
+
+    record = digests.read(lambda: Counting(tmp_path / digests.FILE), "x")
+    assert record.count() == 2000 * 50 and record.metadata_size == 123
+    assert record.item("__1234_0.distcp", 7 * 4096, 4096) == f"{1234007:016x}"
+    assert record.item("__1234_0.distcp", 7 * 4096, 4095) is None and record.item("__9_0.distcp", 1, 4096) is None
+    assert sum(read) < index_end + (1 << 16) + 50 * 40, (sum(read), index_end, len(raw))
+    bad = bytearray(raw)
+    bad[raw.index(b"4096 " + f"{5007:016x}".encode())] ^= 0x01  # a row of __5_0.distcp's section
+    (tmp_path / digests.FILE).write_bytes(bytes(bad))
+    record = digests.read(lambda: open(tmp_path / digests.FILE, "rb"), "x")
+    assert record.item("__1234_0.distcp", 0, 4096) == f"{1234000:016x}"  # another file's section: intact
+    with pytest.raises(digests.CorruptCheckpointError, match="section of __5_0.distcp does not match"):
+        record.item("__5_0.distcp", 0, 4096)
+
+
+def save_other(path: Path) -> Path:
+    sd = state()
+    sd["w"] = sd["w"] + 1
+    dcp.save(sd, storage_writer=storage.storage_writer(path), no_dist=True)
+    return path
 
 
 def test_checkpoint_without_digests_loads_unchecked(tmp_path):
