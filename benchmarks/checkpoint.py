@@ -126,7 +126,7 @@ def _worker(args) -> None:
     # collector off, a full collection every training.gc_freq steps). With it
     # on, a full collection (0.3-0.5 s here) fell every 16th load and, the
     # rounds' allocations being the same each time, always into the same arm
-    # of the paired measurement: +4-9% on a cost under 1%.
+    # of the paired measurement: 4-9 points on a cost of a few percent.
     GarbageCollection()
     torch.manual_seed(0)
     model = model_registry(MODELS[args.model], attn_backend="flex").model.build()

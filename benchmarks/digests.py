@@ -1,6 +1,6 @@
 """What one rank reads of ``.digests`` to load its share of a checkpoint saved by many ranks.
 
-    python scripts/bench_digests.py                       # 405B under FSDP at 1,024 ranks (~1 min)
+    python scripts/bench_digests.py                       # 405B under FSDP at 1,024 ranks (~30 s)
     python scripts/bench_digests.py --world 64 --items-per-rank 2910
 
 A checkpoint saved by W ranks records one digest per stored item: about

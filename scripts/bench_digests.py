@@ -1,6 +1,6 @@
 """What one rank reads of ``.digests`` to load a checkpoint saved by many ranks (current vs file version 1).
 
-    python scripts/bench_digests.py                       # 405B under FSDP at 1,024 ranks (~1 min)
+    python scripts/bench_digests.py                       # 405B under FSDP at 1,024 ranks (~30 s)
     python scripts/bench_digests.py --world 64
 
 The benchmark itself is ``benchmarks.digests`` (its docstring says what is

@@ -52,7 +52,7 @@ import xxhash
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 
 __all__ = ["FILE", "METADATA_FILE", "ALGORITHM", "PIECE", "CorruptCheckpointError", "Digests", "new_hasher",
-           "hexdigest", "parse", "read", "parsed_once", "older_steps", "corrupt_message", "file_table"]
+           "hexdigest", "read", "parsed_once", "older_steps", "corrupt_message", "file_table"]
 
 FILE = ".digests"
 METADATA_FILE = ".metadata"  # DCP's name for it
@@ -104,7 +104,7 @@ class Digests:
 
     An item is named by its data file and offset, as DCP's ``.metadata``
     names it. Built by the writer from ``items[file][offset] = (length,
-    digest)``; read from a file (``parse``, ``read``), each file's section
+    digest)``; read from a file (``read``), each file's section
     is read and checked when one of its items is first asked for. Shared
     within ``parsed_once``: read-only, apart from the sections it caches.
     """
@@ -222,15 +222,14 @@ def parsed_once() -> Iterator[None]:
             _scope.memo = None
 
 
-def parse(raw: bytes, checkpoint_id: str) -> Digests:
-    """A whole ``.digests`` file's bytes -> ``Digests``; ``CorruptCheckpointError`` (naming ``.digests``) if
-    they are damaged (a section's damage: when it is first read, or by ``Digests.check``)."""
-    return _decode(raw, True, None, checkpoint_id)
-
-
 def read(open_stream: Callable[[], BinaryIO], checkpoint_id: str) -> Digests:
     """``.digests`` from a stream opener: its header and index now, each section when first needed
-    (a fresh stream each, seeked there). A small file is read whole at once."""
+    (a fresh stream each, seeked there). A small file is read whole at once.
+
+    ``CorruptCheckpointError`` (naming ``.digests``) if the header or the
+    index is damaged; a section's damage when the section is first needed
+    (``Digests.item``, ``Digests.check``).
+    """
     with open_stream() as f:
         parts = [f.read(_FIRST_READ)]
         whole = len(parts[0]) < _FIRST_READ
@@ -253,8 +252,7 @@ def read(open_stream: Callable[[], BinaryIO], checkpoint_id: str) -> Digests:
     return _decode(raw, whole, read_range, checkpoint_id)
 
 
-def _decode(raw: bytes, whole: bool, read_range: Callable[[int, int], bytes] | None,
-            checkpoint_id: str) -> Digests:
+def _decode(raw: bytes, whole: bool, read_range: Callable[[int, int], bytes], checkpoint_id: str) -> Digests:
     """Every byte counts: the header must be exactly as written (magic,
     version, algorithm, digest in lower-case hex) and the digest must be
     that of what it covers (v2: the index line; v1: the rest of the file),
@@ -284,10 +282,9 @@ def _decode(raw: bytes, whole: bool, read_range: Callable[[int, int], bytes] | N
     except (ValueError, KeyError, TypeError) as e:  # a digest that matches yet does not parse: a foreign writer
         raise _bad(checkpoint_id, f"unreadable index ({type(e).__name__}: {e})") from e
     base = len(head) + 1 + len(line) + 1  # the sections' first byte in the file
-    read_rows = None
     if whole or all(s + n <= len(rows) for s, n, _, _ in sections.values()):
-        read_rows = lambda start, length: rows[start:start + length]  # noqa: E731
-    elif read_range is not None:
+        read_rows = lambda start, length: rows[start:start + length]  # noqa: E731  (already read)
+    else:
         read_rows = lambda start, length: read_range(base + start, length)  # noqa: E731
     record = Digests(size, digest, sections=sections, read_rows=read_rows, source=checkpoint_id)
     if memo is not None:

@@ -91,19 +91,24 @@ def test_every_random_flip_is_refused_before_any_target_changes(tmp_path):
     assert refused == 40
 
 
+def from_bytes(raw: bytes) -> digests.Digests:
+    return digests.read(lambda: io.BytesIO(raw), "x")
+
+
 def test_every_byte_of_the_digest_file_counts(tmp_path):
     """A flip in the header or the index is refused on reading; one in a data file's section when that
     section is first needed (``Digests.check``: what an item's lookup does)."""
     raw = (save(tmp_path / "step-1") / digests.FILE).read_bytes()
-    record = digests.parse(raw, "x")
+    record = from_bytes(raw)
     assert record.count() > 0 and record.files()
     for i in range(len(raw)):
         for flip in (0x01, 0x20, 0x80):
             bad = bytearray(raw)
             bad[i] ^= flip
             with pytest.raises(digests.CorruptCheckpointError) as err:
-                for file in digests.parse(bytes(bad), "x").files():
-                    digests.parse(bytes(bad), "x").check(file)
+                damaged = from_bytes(bytes(bad))
+                for file in damaged.files():
+                    damaged.check(file)
             assert err.value.file == digests.FILE
 
 
@@ -115,15 +120,15 @@ def test_a_load_decodes_the_digest_file_once_and_still_checks_every_read(tmp_pat
     bad = bytearray(raw)
     bad[raw.index(b"\n") + 5] ^= 0x01  # in the index, which the header's digest covers
     with digests.parsed_once():
-        first = digests.parse(raw, "x")
+        first = from_bytes(raw)
         with digests.parsed_once():  # nested: the outer scope's records
-            assert digests.parse(raw, "x") is first
-        assert digests.parse(raw, "x") is first
+            assert from_bytes(raw) is first
+        assert from_bytes(raw) is first
         with pytest.raises(digests.CorruptCheckpointError):
-            digests.parse(bytes(bad), "x")
-        second = digests.parse(other, "x")
+            from_bytes(bytes(bad))
+        second = from_bytes(other)
         assert second is not first and second.metadata_digest != first.metadata_digest
-    assert digests.parse(raw, "x") is not first and digests.parse(raw, "x").to_bytes() == first.to_bytes() == raw
+    assert from_bytes(raw) is not first and from_bytes(raw).to_bytes() == first.to_bytes() == raw
 
 
 def test_digest_file_version_1_is_still_read(tmp_path):
@@ -153,7 +158,7 @@ def test_a_rank_reads_the_index_and_the_sections_it_needs(tmp_path):
     raw = digests.Digests(123, "0123456789abcdef", items).to_bytes()
     (tmp_path / digests.FILE).write_bytes(raw)
     index_end = raw.index(b"\n", raw.index(b"\n") + 1) + 1
-    assert index_end > 1 << 16 and len(raw) > 30 * index_end // 10  # the index needs a second read
+    assert index_end > 1 << 16 and len(raw) > 3 * index_end  # the index needs a second read
 
     read = []
 
