@@ -42,6 +42,7 @@ from gefen_titan.distributed import any_rank, local
 from gefen_titan.optim import gefen_state as gs
 from gefen_titan.optim import registry
 from gefen_titan.optim.blocking import AgreedBlocking
+from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB, MuonStepStats
 from gefen_titan.optim.state import StateAdapter, check_kinds
 
 __all__ = ["GefenOptimizersContainer", "GROUP_DEFAULTS", "ParamGroup"]
@@ -134,6 +135,14 @@ class GefenOptimizersContainer(OptimizersContainer):
         shard (format v1); resumes at another layout requantize, and TP
         layouts cannot be checkpointed."""
 
+        muon_bucket_mib: float = DEFAULT_BUCKET_MIB
+        """GefenMuon: the bytes (MiB) of dense momentum one bucket of its
+        step may put in flight on a rank (what the rank sends, plus the
+        whole matrices it orthogonalizes), raised to twice the largest
+        GefenMuon matrix. Two buckets are live at a time (the next one's
+        exchange overlaps this one's Newton-Schulz); fewer, larger buckets
+        mean fewer exchanges, smaller ones less memory (docs/gefen_muon.md)."""
+
         max_tensor_parallel_degree: int = 1
         """Agreed blocking: the largest tensor-parallel degree a checkpoint of
         this run must resume at. Blocks then never cross the last-dim cut of
@@ -151,6 +160,8 @@ class GefenOptimizersContainer(OptimizersContainer):
                 raise ValueError("optimizer.codebook_refresh_every must be >= 0")
             if self.blocking not in ("agreed", "per_rank"):
                 raise ValueError(f"optimizer.blocking must be 'agreed' or 'per_rank', got {self.blocking!r}")
+            if not self.muon_bucket_mib > 0:
+                raise ValueError(f"optimizer.muon_bucket_mib must be > 0, got {self.muon_bucket_mib!r}")
             if self.max_tensor_parallel_degree < 1:
                 raise ValueError("optimizer.max_tensor_parallel_degree must be >= 1")
             if self.blocking == "agreed" and self.codebook_refresh_every > 0:
@@ -182,6 +193,7 @@ class GefenOptimizersContainer(OptimizersContainer):
                 "period_one_substrings": tuple(self.period_one_substrings),
                 "codebook_refresh_every": self.codebook_refresh_every,
                 "deterministic": self.deterministic,
+                "muon_bucket_mib": self.muon_bucket_mib,
             }
 
         def resolved_param_groups(self) -> list[ParamGroupConfig]:
@@ -428,6 +440,10 @@ class GefenOptimizersContainer(OptimizersContainer):
     def muon_optimizers(self) -> list[Optimizer]:
         """The GefenMuon optimizers."""
         return [o for o in self.optimizers if gs.is_gefen_muon(o)]
+
+    def muon_step_stats(self) -> list[MuonStepStats]:
+        """Each GefenMuon optimizer's step statistics on this rank (benchmarks)."""
+        return [gs.sharded_step(o).stats for o in self.muon_optimizers]
 
     @property
     def agreed_optimizers(self) -> list[Optimizer]:

@@ -41,7 +41,8 @@ __all__ = [
     "clear", "has_state", "period", "set_period", "codebook", "set_codebook", "global_step", "set_global_step",
     "count_empty_shard_step", "empty_shard_counters", "set_empty_shard_counters", "finalize_period",
     "fallback_enabled", "state_tensors", "CODEBOOK_FAMILIES", "codebook_family", "MUON_GROUP_KEYS", "MUON_REFUSED",
-    "MUON_UPDATE_DTYPE", "MuonState", "ShardedGefenMuon", "new_gefen_muon", "set_sharded_step", "is_gefen_muon",
+    "MUON_UPDATE_DTYPE", "MuonState", "ShardedGefenMuon", "new_gefen_muon", "set_sharded_step", "sharded_step",
+    "is_gefen_muon",
     "muon_defaults", "muon_refused", "muon_deterministic", "muon_read", "muon_write", "muon_rows", "muon_set_rows",
     "muon_momentum", "muon_orthogonalize", "muon_normuon", "muon_apply", "muon_restore_group", "advance_global_step"
 ]
@@ -335,6 +336,11 @@ def new_gefen_muon(param_groups: list[dict[str, Any]], **options: Any) -> Optimi
 
 def set_sharded_step(optim: Optimizer, step: Any) -> None:
     optim.sharded_step = step
+
+
+def sharded_step(optim: Optimizer) -> Any:
+    """The sharded step a ``ShardedGefenMuon`` runs (``set_sharded_step``'s)."""
+    return optim.sharded_step
 
 
 def is_gefen_muon(optim: Optimizer) -> bool:

@@ -38,7 +38,7 @@ import torch
 from torch.optim import Optimizer
 
 from gefen_titan.optim import gefen_state as gs
-from gefen_titan.optim.muon import ShardedMuonStep
+from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB, ShardedMuonStep
 from gefen_titan.optim.state import GefenState, MuonStateAdapter, StateAdapter
 
 __all__ = ["GEFEN_OPTION_KEYS", "MUON_OPTION_KEYS", "SHORTHAND_KEYS", "OptimizerSpec", "StateOptions", "build_gefen",
@@ -188,8 +188,9 @@ register(OptimizerSpec(
     group_key_hint=_gefen_group_key_hint,
 ))
 
-# GefenMuon constructor options the container fills in from [optimizer].
-MUON_OPTION_KEYS = ("deterministic",)
+# GefenMuon options the container fills in from [optimizer]: gefen-x's
+# ``deterministic``, and the sharded step's bucket size (not gefen-x's).
+MUON_OPTION_KEYS = ("deterministic", "muon_bucket_mib")
 
 
 def build_gefen_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Optimizer:
@@ -214,8 +215,11 @@ def build_gefen_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any) 
             f"({', '.join(not_matrices[:3])}{' ...' if len(not_matrices) > 3 else ''}): narrow the GefenMuon "
             "pattern in [[optimizer.param_groups]], or match those parameters in an earlier group for Gefen")
     groups, options = _split_options(param_groups, MUON_OPTION_KEYS, "GefenMuon")
+    bucket_mib = options.pop("muon_bucket_mib", DEFAULT_BUCKET_MIB)
+    if not bucket_mib > 0:
+        raise ValueError(f"optimizer.muon_bucket_mib must be > 0, got {bucket_mib!r}")
     optim = gs.new_gefen_muon(groups, **options, **factory_kwargs)
-    gs.set_sharded_step(optim, ShardedMuonStep(optim))
+    gs.set_sharded_step(optim, ShardedMuonStep(optim, bucket_bytes=int(bucket_mib * 2**20)))
     return optim
 
 

@@ -43,6 +43,10 @@ from tests.helpers import worker_jobs
 
 MUON_PATTERN = r"^layers\.\d+\.w[12]\.weight$|^gate\.weight$"
 MUON_KWARGS = {"lr": 0.02, "normuon": True}
+# Small enough that the step runs several buckets at every layout (the limit
+# becomes twice the largest matrix, ~98 KiB), so the two live buckets, their
+# exchanges' order and the carried owner loads are what the layouts compare.
+MUON_BUCKET_MIB = 0.05
 
 
 def groups(gefen_only: bool) -> dict:
@@ -50,7 +54,21 @@ def groups(gefen_only: bool) -> dict:
         return {}
     return {"param_groups": [ParamGroup(pattern=MUON_PATTERN, optimizer_name="GefenMuon",
                                         optimizer_kwargs=dict(MUON_KWARGS)),
-                             ParamGroup(pattern=".*")]}
+                             ParamGroup(pattern=".*")],
+            "muon_bucket_mib": MUON_BUCKET_MIB}
+
+
+def schedule(opt: GefenOptimizersContainer) -> dict:
+    """This rank's GefenMuon buckets ([(fqn, owner), ...] each) and its step statistics."""
+    out = {"buckets": [], "stats": []}
+    for optim, stats in zip(opt.muon_optimizers, opt.muon_step_stats(), strict=True):
+        names = [fqn for fqn, _, _ in gs.named_params(optim)]
+        sched = gs.sharded_step(optim).schedule
+        out["buckets"] += [[(names[i], o) for i, o in zip(b.matrices, b.owners)] for b in sched.buckets]
+        out["stats"].append({"peak": stats.peak_inflight_bytes, "bound": stats.bound_bytes,
+                             "sent": stats.bytes_sent, "received": stats.bytes_received,
+                             "ns_matrices": stats.ns_matrices, "steps": stats.steps})
+    return out
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -187,6 +205,7 @@ def job(args, rank: int, world: int) -> None:
                 ref.compare(s, sm.full_params(model), muon_state(opt))
         ckpt.close()
         res["gefen_x"] = None if ref is None else ref.differ
+        res["schedule"] = schedule(opt)
         results["ref"] = res
     if args.load:
         with worker_jobs.no_codebook_learning():

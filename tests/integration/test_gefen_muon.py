@@ -16,7 +16,10 @@ layout fed bit-identical global gradients:
   equal the uninterrupted run at the target layout;
 * fail closed: bad GefenMuon entries and records, and a checkpoint of one
   optimizer kind loaded by the other, refused on every rank with live state
-  unchanged.
+  unchanged;
+* the schedule: every member of a stage ran the same buckets, an owner
+  agrees it owns what its members send it, several owners computed in a
+  bucket, and each rank's peak bytes in flight stayed within the bound.
 
 The jobs are ``tests.helpers.muon_runs``'s plan: five launches.
 """
@@ -205,3 +208,38 @@ def test_bad_checkpoint_fails_closed_on_every_rank(muon, name):
             else:
                 assert _same(before, after), f"live {key} changed"
     assert len({g["error"] for g in got}) == 1, "ranks raised different errors"
+
+
+# ----------------------------------------------------------------- schedule
+@pytest.mark.parametrize("tag", ["fsdp2", "fsdp3", "fsdp4", "fsdp_tp4", "hsdp4", "pp4"])
+def test_every_member_runs_the_same_schedule_with_owners_at_once(muon, tag):
+    _, out, _ = muon
+    ranks = [r["ref"]["schedule"] for r in load(out, tag)]
+    stages: dict[frozenset, list[int]] = {}
+    for r, s in enumerate(ranks):
+        stages.setdefault(frozenset(f for b in s["buckets"] for f, _ in b), []).append(r)
+    for members in stages.values():
+        shapes = {json.dumps([[f for f, _ in b] for b in ranks[r]["buckets"]]) for r in members}
+        assert len(shapes) == 1, f"{tag}: ranks {members} built different buckets"
+        buckets = ranks[members[0]]["buckets"]
+        if tag in ("fsdp2", "fsdp3", "hsdp4"):
+            # groups of 2-3: a rank's share of the four 192 x 64 matrices is over
+            # muon_worker's ~98 KiB limit, so two live buckets ran (at 4 ranks, or a
+            # pipeline stage's two matrices, one bucket holds them)
+            assert len(buckets) > 1, buckets
+        for r in members:
+            for i, b in enumerate(ranks[r]["buckets"]):
+                for fqn, owner in b:  # the owner a member sends to agrees that it owns the matrix
+                    if owner >= 0:
+                        assert dict(ranks[owner]["buckets"][i])[fqn] == owner, (tag, r, fqn)
+        owners_at_once = [len({o for r in members for _, o in ranks[r]["buckets"][i]}) for i in range(len(buckets))]
+        assert max(owners_at_once) > 1, owners_at_once
+    for r, s in enumerate(ranks):
+        (stats,) = s["stats"] or [None]
+        if stats is None:
+            continue
+        assert 0 < stats["peak"] <= stats["bound"], (r, stats)
+        assert stats["sent"] > 0 and stats["received"] > 0, (r, stats)
+    if tag.startswith("fsdp") and "_" not in tag:  # one group: each matrix orthogonalized once a step
+        n = sum(len(b) for b in ranks[0]["buckets"])
+        assert sum(s["stats"][0]["ns_matrices"] for s in ranks) == n * ranks[0]["stats"][0]["steps"]

@@ -1,6 +1,6 @@
-"""GefenMuon's registry entry, its records, its owner assignment, and its
-single-process step against gefen-x's own GefenMuon (the multi-rank layouts
-are tests/integration/test_gefen_muon.py)."""
+"""GefenMuon's registry entry, its records, and its single-process step
+against gefen-x's own GefenMuon (its schedule: test_muon_schedule.py; the
+multi-rank layouts: tests/integration/test_gefen_muon.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from gefen_titan.checkpoint.schema_muon import (
 from gefen_titan.optim import gefen_state as gs
 from gefen_titan.optim import registry
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
-from gefen_titan.optim.muon import assign_owners
 
 
 class Net(nn.Module):
@@ -96,24 +95,6 @@ def test_gefen_x_step_cannot_be_reached():
 
 
 # ------------------------------------------------------------------ owners
-def test_owner_assignment_is_deterministic_and_balanced():
-    group = (3, 5, 7, 11)
-    sizes = [4096, 1024, 4096, 512, 2048, 2048, 1024, 512, 8192, 64]
-    matrices = [(n, group) for n in sizes] + [(100, ()), (300, (5, 7))]
-    owners = assign_owners(matrices)
-    assert owners == assign_owners(list(matrices))
-    assert owners[10] == -1  # whole on every rank: no owner
-    assert owners[11] == 5  # its own group (another TP column, say) is balanced on its own
-    load = {r: sum(n for (n, g), o in zip(matrices, owners) if o == r and g == group) for r in group}
-    assert set(owners[:10]) == set(group)
-    # largest first, each to the least-loaded member: the 8192 matrix alone
-    # on one rank, the other 18,432 elements spread over three within 64
-    big = owners[8]
-    assert [i for i, o in enumerate(owners[:10]) if o == big] == [8]
-    rest = [v for r, v in load.items() if r != big]
-    assert sum(rest) == sum(sizes) - 8192 and max(rest) - min(rest) <= 64
-
-
 # ------------------------------------------------------------------ records
 def _record(**group_over):
     group = {**gs.muon_defaults(), "lr": 0.02, "weight_decay": 0.1, **group_over}

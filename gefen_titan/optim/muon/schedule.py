@@ -1,0 +1,195 @@
+"""Which rank orthogonalizes which GefenMuon matrix, and in which bucket: a pure plan.
+
+Newton-Schulz needs the whole matrix, so each matrix a *shard group* holds
+(the ranks that hold one copy of it, cut; see ``layout.shard_groups``) is
+gathered to one member, its *owner*. The step runs in buckets: per bucket
+one exchange brings every matrix's momentum to its owner, every owner
+orthogonalizes its matrices of the bucket at the same time, and one reverse
+exchange returns the updates. So the step costs, per bucket, the busiest
+owner's Newton-Schulz, and what a rank holds in flight is bounded by its
+share of one bucket (two, with the next bucket's exchange under way).
+
+The plan is a pure function of the matrices' FQNs, shapes, Newton-Schulz
+steps and shard groups (every member computes it alike, with no
+communication) and never enters a checkpoint. It decides *where* and *when*
+each matrix is orthogonalized, never *how*: every matrix still runs its own
+Newton-Schulz, whole, so the result is bit-identical whatever the mesh, the
+bucket size or the owner (batched Newton-Schulz would change the GEMMs'
+reduction order with the batch's make-up, which here depends on the mesh).
+
+* **Cost**: Newton-Schulz FLOPs, ``2 * ns_steps * s^2 * (2l + s)`` for an
+  ``s x l`` matrix (s the smaller dim): per step two ``s^2 l`` GEMMs and one
+  ``s^3``, two FLOPs a multiply-add. Balancing by numel would put a square
+  matrix and a long thin one of equal size on a par; their costs differ by
+  the ratio of their smaller dims squared.
+* **Owners** (``lpt``): within a bucket, per shard group, matrices by cost,
+  largest first (ties: FQN), each to the member with the least cost in this
+  bucket, then the least carried over from earlier buckets, then the earlier
+  member. Balancing the bucket first is what makes owners compute at once
+  (the bucket's time is its busiest owner's); the carried loads spread the
+  bucket-sized remainders over the whole step.
+* **Buckets** (``build_schedule``): consecutive runs of the matrices in step
+  order, as long as the bytes each rank holds for the bucket (``rank_bytes``:
+  the dense fp32 momentum and NorMuon rows it sends, plus the whole
+  matrices it owns or holds whole) stay
+  within the limit: ``bucket_bytes``, raised to twice the largest matrix so
+  that an owner can always take one whole matrix beside its shares (a
+  smaller limit would put one matrix in a bucket and run the owners one
+  after another again). A bucket is the longest run that fits (found by
+  bisection), at least one matrix.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_BUCKET_MIB", "MOMENTUM_BYTES", "Bucket", "MatrixSpec", "Schedule", "build_schedule",
+           "lpt", "ns_flops", "owner_loads", "rank_bytes"]
+
+# The dense momentum and the assembled matrix are fp32 (gefen-x dequantizes to fp32).
+MOMENTUM_BYTES = 4
+
+# [optimizer] muon_bucket_mib's default: at 70B (the largest matrix 0.94 GB
+# fp32) the limit is already twice the largest matrix, so the default only
+# decides for models whose matrices are smaller than 256 MiB, where it keeps
+# several buckets (the next one's exchange overlaps this one's compute).
+DEFAULT_BUCKET_MIB = 512
+
+
+def ns_flops(shape: Sequence[int], ns_steps: int) -> int:
+    """Newton-Schulz FLOPs of one matrix (see the module doc)."""
+    short, long = sorted(int(n) for n in shape)
+    return 2 * int(ns_steps) * short * short * (2 * long + short)
+
+
+@dataclass(frozen=True)
+class MatrixSpec:
+    """One GefenMuon matrix as the plan sees it."""
+
+    fqn: str
+    shape: tuple[int, int]
+    ns_steps: int
+    members: tuple[int, ...]  # global ranks of this rank's shard group; () when every rank holds it whole
+    shard_numel: tuple[int, ...]  # the numel each member holds, aligned with members
+    shard_rows: tuple[int, ...] = ()  # the rows each member holds (NorMuon's rows travel with the momentum)
+
+    @property
+    def cost(self) -> int:
+        return ns_flops(self.shape, self.ns_steps)
+
+    @property
+    def nbytes(self) -> int:
+        """The whole matrix's dense momentum and NorMuon rows."""
+        return self.shape[0] * (self.shape[1] + 1) * MOMENTUM_BYTES
+
+    def shard_bytes(self, j: int) -> int:
+        rows = self.shard_rows[j] if self.shard_rows else 0
+        return (self.shard_numel[j] + rows) * MOMENTUM_BYTES
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Indices into the matrix list (step order) and each one's owner rank (-1: held whole, no owner)."""
+
+    matrices: tuple[int, ...]
+    owners: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    buckets: tuple[Bucket, ...]
+    limit_bytes: int  # the per-rank bound each bucket keeps (rank_bytes)
+
+    def owner_of(self) -> dict[int, int]:
+        return {i: o for b in self.buckets for i, o in zip(b.matrices, b.owners)}
+
+
+def lpt(specs: Sequence[MatrixSpec], items: Sequence[int], carried: dict[tuple[int, ...], list[int]]
+        ) -> tuple[dict[int, int], dict[tuple[int, ...], list[int]]]:
+    """Owners of ``items`` (one bucket) and the carried loads after it (see the module doc).
+
+    ``carried`` maps a shard group to its members' costs so far (aligned
+    with the group); it is not changed. Items held whole get owner -1.
+    """
+    owners: dict[int, int] = {}
+    after = {g: list(v) for g, v in carried.items()}
+    by_group: dict[tuple[int, ...], list[int]] = {}
+    for i in items:
+        if specs[i].members:
+            by_group.setdefault(specs[i].members, []).append(i)
+        else:
+            owners[i] = -1
+    for group, mine in by_group.items():
+        cum = after.setdefault(group, [0] * len(group))
+        heap = [(0, cum[j], j) for j in range(len(group))]
+        heapq.heapify(heap)
+        for i in sorted(mine, key=lambda i: (-specs[i].cost, specs[i].fqn)):
+            bucket_load, _, j = heapq.heappop(heap)
+            cost = specs[i].cost
+            owners[i] = group[j]
+            cum[j] += cost
+            heapq.heappush(heap, (bucket_load + cost, cum[j], j))
+    return owners, after
+
+
+def rank_bytes(specs: Sequence[MatrixSpec], owners: dict[int, int]) -> dict[int, int]:
+    """Per rank, the dense bytes one bucket puts in flight there: the momentum
+    it sends to other owners, plus each whole matrix it owns or holds whole."""
+    out: dict[int, int] = {}
+    for i, owner in owners.items():
+        m = specs[i]
+        if owner < 0:
+            out[-1] = out.get(-1, 0) + m.nbytes  # every rank: its own whole copy
+            continue
+        for j, r in enumerate(m.members):
+            out[r] = out.get(r, 0) + (m.nbytes if r == owner else m.shard_bytes(j))
+    whole = out.pop(-1, 0)
+    return {r: b + whole for r, b in out.items()} if out else ({-1: whole} if whole else {})
+
+
+def build_schedule(specs: Sequence[MatrixSpec], bucket_bytes: int) -> Schedule:
+    """The buckets and owners of ``specs`` (in step order) under ``bucket_bytes`` (see the module doc)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    limit = max([int(bucket_bytes)] + [2 * m.nbytes for m in specs])
+    carried: dict[tuple[int, ...], list[int]] = {}
+    buckets = []
+    start, n = 0, len(specs)
+
+    def fits(end: int):
+        owners, after = lpt(specs, range(start, end), carried)
+        return max(rank_bytes(specs, owners).values(), default=0) <= limit, owners, after
+
+    while start < n:
+        ok, owners, after = fits(start + 1)  # one matrix always makes a bucket
+        lo, hi = start + 1, n
+        best = (owners, after)
+        step = 1
+        while lo < hi:  # exponential search for an end that does not fit, then bisection
+            probe = min(hi, lo + step)
+            ok, owners, after = fits(probe)
+            if ok:
+                lo, best = probe, (owners, after)
+                step *= 2
+            else:
+                hi = probe - 1
+                step = 1
+        owners, carried = best
+        buckets.append(Bucket(tuple(range(start, lo)), tuple(owners[i] for i in range(start, lo))))
+        start = lo
+    return Schedule(tuple(buckets), limit)
+
+
+def owner_loads(specs: Sequence[MatrixSpec], schedule: Schedule) -> dict[int, int]:
+    """Per rank, the Newton-Schulz FLOPs it runs in a step (whole matrices count on every rank)."""
+    loads: dict[int, int] = {}
+    whole = 0
+    for i, owner in schedule.owner_of().items():
+        if owner < 0:
+            whole += specs[i].cost
+        else:
+            loads[owner] = loads.get(owner, 0) + specs[i].cost
+    ranks = {r for m in specs for r in m.members}
+    return {r: loads.get(r, 0) + whole for r in ranks} if ranks else {-1: whole}
