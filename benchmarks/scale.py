@@ -46,6 +46,12 @@ shard from DTensor's own ``_compute_local_shape_and_global_offset``):
   reads the whole metadata on every load, so its job-wide cost is W times
   its size. The coordinator also receives every rank's plan and write
   results (``gather at rank 0``).
+* **GefenMuon's step** (``muon_plan``; ``--no-muon`` leaves it out): the
+  muon recipe's hidden matrices with their real placements, scheduled as
+  the step schedules them (``optim.muon.schedule``, ``--muon-bucket-mib``):
+  the busiest owner's Newton-Schulz FLOPs against the mean and the largest
+  matrix, the serial sum every rank waited on before, exchange and
+  in-flight bytes per rank.
 * **First-step collectives** (Gefen's agreement, ``blocking.
   agreement_collectives``): per rank the bytes each collective gathers;
   the candidate width is the real candidate count of every searched
@@ -657,7 +663,69 @@ def collectives(built: Built) -> list[dict[str, Any]]:
     return out
 
 
-def plan(built: Built, exact_items: int = 100_000) -> dict[str, Any]:
+# recipes/llama_gefen_muon.toml's GefenMuon group: the hidden matrices.
+MUON_PATTERN = re.compile(r"^layers\.\d+\.(attention|feed_forward)\.")
+MUON_NS_STEPS = 5  # the recipe's (gefen-x's default)
+
+
+def muon_specs(built: Built, rank: int = 0) -> list:
+    """GefenMuon's matrices (the muon recipe's pattern) as rank ``rank``'s shard group sees them.
+
+    A group is the ranks at ``rank``'s coordinates on the mesh dims that
+    replicate the matrix, ordered by their coordinates on the dims that
+    shard it (``layout.shard_groups``' rule); each member's numel and rows
+    come from ``layout.shard_indices`` (DTensor's own split), cached per
+    shape and coordinate since the layers repeat.
+    """
+    from gefen_titan.optim.muon import MatrixSpec, shard_indices
+
+    cache: dict[tuple, tuple[int, int]] = {}
+    out = []
+    for p in built.params:
+        if len(p.shape) != 2 or not MUON_PATTERN.match(p.fqn):
+            continue
+        sharding = [d for d, pl in enumerate(p.placements) if not pl.is_replicate()]
+        mine = p.coords[rank]
+        members = sorted((r for r, c in enumerate(p.coords)
+                          if all(c[d] == mine[d] for d in range(len(c)) if d not in sharding)),
+                         key=lambda r: tuple(p.coords[r][d] for d in sharding))
+        cuts = []
+        for r in members:
+            key = (p.shape, str(p.placements), p.mesh_shape, p.coords[r])
+            if key not in cache:
+                rows, cols = shard_indices(p.shape, p.mesh_shape, p.placements, p.coords[r])
+                cache[key] = (rows.numel() * cols.numel(), rows.numel())
+            cuts.append(cache[key])
+        if len(members) == 1:
+            members, cuts = [], []
+        out.append(MatrixSpec(p.fqn, p.shape, MUON_NS_STEPS, tuple(members), tuple(n for n, _ in cuts),
+                              tuple(rows for _, rows in cuts)))
+    return out
+
+
+def muon_plan(built: Built, bucket_mib: float) -> dict[str, Any]:
+    """GefenMuon's step at this mesh: Newton-Schulz FLOPs of the busiest owner against the mean and
+    against the serial sum (every rank waiting on every matrix, as before the owner-parallel step),
+    exchange bytes and in-flight bytes per rank."""
+    from gefen_titan.optim.muon import build_schedule
+    from gefen_titan.optim.muon.schedule import exchange_bytes, owner_loads, rank_bytes
+    from gefen_titan.optim.muon.step import COPIES, SLOTS
+
+    specs = muon_specs(built)
+    sched = build_schedule(specs, int(bucket_mib * 2**20))
+    loads = owner_loads(specs, sched)
+    group = max(1, len(loads))
+    costs = [m.cost for m in specs]
+    per_bucket = [rank_bytes(specs, dict(zip(b.matrices, b.owners))) for b in sched.buckets]
+    live = max((max(a.get(r, 0) + b.get(r, 0) for r in set(a) | set(b))
+                for a, b in zip(per_bucket, per_bucket[1:] + [{}])), default=0)
+    return {"matrices": len(specs), "group": group, "buckets": len(sched.buckets),
+            "busiest_flops": max(loads.values()), "mean_flops": sum(costs) / group, "largest_flops": max(costs),
+            "serial_flops": sum(costs), "exchange_max": max(exchange_bytes(specs, sched).values(), default=0),
+            "inflight_max": COPIES * live, "bound": SLOTS * COPIES * sched.limit_bytes, "bucket_mib": bucket_mib}
+
+
+def plan(built: Built, exact_items: int = 100_000, muon_bucket_mib: float | None = None) -> dict[str, Any]:
     chunks = Chunks()
     w = built.mesh.world
     row: dict[str, Any] = {"flavor": built.flavor, "mesh": built.mesh.kind, "label": built.mesh.label, "world": w,
@@ -675,6 +743,8 @@ def plan(built: Built, exact_items: int = 100_000) -> dict[str, Any]:
     coll = collectives(built)
     row["collectives"] = coll
     row["agreement_per_rank"] = sum(c["per_rank"] for c in coll)
+    if muon_bucket_mib is not None:
+        row["muon"] = muon_plan(built, muon_bucket_mib)
     return row
 
 
@@ -751,6 +821,31 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _flops(n: float) -> str:
+    for unit, size in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+def muon_table(rows: list[dict]) -> str:
+    lines = ["| flavor | mesh | W | matrices / group / buckets | busiest owner NS | mean | largest matrix "
+             "| busiest / max(largest, 1.1 x mean) | serial sum (before) | exchange/rank/step | in flight/rank "
+             "(bound) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m = r.get("muon")
+        if not m:
+            continue
+        target = max(m["largest_flops"], 1.1 * m["mean_flops"])
+        lines.append(
+            f"| {r['flavor']} | {r['label']} | {r['world']} | {m['matrices']} / {m['group']} / {m['buckets']} "
+            f"| {_flops(m['busiest_flops'])} | {_flops(m['mean_flops'])} | {_flops(m['largest_flops'])} "
+            f"| {m['busiest_flops'] / target:.2f} | {_flops(m['serial_flops'])} | {_b(m['exchange_max'])} "
+            f"| {_b(m['inflight_max'])} ({_b(m['bound'])}) |")
+    return "\n".join(lines)
+
+
 def growth_table(found: list[dict]) -> str:
     by: dict[tuple, dict] = defaultdict(dict)
     for f in found:
@@ -785,6 +880,14 @@ def report(rows: list[dict], max_tp: int) -> list[dict]:
             for f in flagged:
                 print(f"  {f['flavor']} {f['mesh']}: {f['figure']}: per rank W^{f['per_rank']:+.2f}, "
                       f"job W^{f['job']:.2f}")
+    if any(r.get("muon") for r in rows):
+        mib = next(r["muon"]["bucket_mib"] for r in rows if r.get("muon"))
+        print("\nGefenMuon's step per optimizer step (recipes/llama_gefen_muon.toml's hidden matrices, ns_steps "
+              f"{MUON_NS_STEPS}, muon_bucket_mib {mib:g}): Newton-Schulz FLOPs of the busiest owner, against the "
+              "mean over the group and the largest matrix; the serial sum is what every rank waited on before "
+              "owners ran at once; exchange: sent + received by the busiest rank; in flight: two live buckets' "
+              "bytes on the worst rank, one copy each (bound: 2 x 2 x the schedule's limit)\n")
+        print(muon_table(rows))
     if rows:
         r = rows[-1]
         collectives = "; ".join(f"{c['what']} {c['op']} {c['numel']:,} x {c['dtype']} -> {_b(c['per_rank'])}/rank"
@@ -806,9 +909,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--exact-items", type=int, default=100_000,
                     help="build the metadata in full up to this many plan items, else extrapolate over layers")
     ap.add_argument("--recipe", default=RECIPE)
+    ap.add_argument("--muon-bucket-mib", type=float, default=None,
+                    help="optimizer.muon_bucket_mib of the GefenMuon rows (default: its default)")
+    ap.add_argument("--no-muon", action="store_true", help="leave out the GefenMuon rows")
     ap.add_argument("--json", default="", help="also write every figure here")
     ap.add_argument("--from-json", default="", help="print the tables of an earlier --json run (builds nothing)")
     args = ap.parse_args(argv)
+    if args.muon_bucket_mib is None:
+        from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB
+
+        args.muon_bucket_mib = DEFAULT_BUCKET_MIB
+    if not args.muon_bucket_mib > 0:
+        ap.error("--muon-bucket-mib must be > 0")
     args.flavors = [f for f in args.flavors.split(",") if f]
     args.meshes = [m for m in args.meshes.split(",") if m]
     bad = [m for m in args.meshes if m not in MESHES]
@@ -848,7 +960,7 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 begin = time.monotonic()
                 built = build(flavor, mesh, args.max_tp_degree, args.recipe)
-                row = plan(built, args.exact_items)
+                row = plan(built, args.exact_items, None if args.no_muon else args.muon_bucket_mib)
                 rows.append(row)
                 print(f"done: {flavor} {mesh.label} ({time.monotonic() - begin:.1f} s)", file=sys.stderr, flush=True)
     found = report(rows, args.max_tp_degree)

@@ -24,8 +24,12 @@ logging intervals (whose first one also counts the set-up):
   hidden matrices, Gefen for the rest), and, as arithmetic from the model's
   shapes and the run's periods, what gefen-x's ``sharded_mode="exact"`` would
   keep on every rank for those matrices (full-matrix codes, block magnitudes,
-  NorMuon rows, codebook) and the largest dense fp32 matrix an owner holds
-  in flight. ``--ranks 2,4`` runs every optimizer at each world size.
+  NorMuon rows, codebook); and from GefenMuon's step statistics
+  (``MuonStepStats``), per steady step and the busiest rank: the seconds
+  of Newton-Schulz (its share of the optimizer step), the bytes exchanged,
+  and the peak bytes in flight against the step's bound. With 1 among
+  ``--ranks``, each other world size's GefenMuon optimizer step is printed
+  as a ratio to 1 rank's. ``--ranks 2,4`` runs every optimizer at each world size.
 
 The slowest rank's time is taken for every step. Few steps and a short
 sequence at 150M (defaults below) keep it to minutes on a CPU; say so when
@@ -109,12 +113,26 @@ def _worker(out: str, train_args: list[str]) -> None:
         steps.append(time.perf_counter() - t0)
         return result
 
+    muon_stats = trainer.optimizers.muon_step_stats()
+    muon_steps: list[dict] = []
+
     def timed_opt_step(*a, **k):
+        for st in muon_stats:
+            st.reset()
+            st.sync_cuda = cuda
         sync()
         t0 = time.perf_counter()
         result = opt_step(*a, **k)
         sync()
         opt_steps.append(time.perf_counter() - t0)
+        if muon_stats:
+            muon_steps.append({"ns_s": sum(st.ns_seconds for st in muon_stats),
+                               "muon_s": sum(st.seconds for st in muon_stats),
+                               "sent": sum(st.bytes_sent for st in muon_stats),
+                               "received": sum(st.bytes_received for st in muon_stats),
+                               "peak": max(st.peak_inflight_bytes for st in muon_stats),
+                               "bound": max(st.bound_bytes for st in muon_stats),
+                               "buckets": sum(st.buckets for st in muon_stats)})
         return result
 
     trainer.train_step = timed_train_step
@@ -143,7 +161,8 @@ def _worker(out: str, train_args: list[str]) -> None:
         state_bytes, numel = trainer.optimizers.state_bytes()
         exact = muon_exact(trainer.optimizers.optimizers)
         peak = torch.cuda.max_memory_allocated() if cuda else rss.peak
-        mine = {"steps": steps, "opt_steps": opt_steps, "agreement_s": sum(agreement_s), "peak": peak,
+        mine = {"steps": steps, "opt_steps": opt_steps, "muon_steps": muon_steps, "agreement_s": sum(agreement_s),
+                "peak": peak,
                 "state_bytes": state_bytes, "numel": numel, **exact,
                 "memory": "cuda max_memory_allocated" if cuda else f"peak RSS ({rss.method})"}
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -182,6 +201,18 @@ def summarize(raw: dict, ranks: int) -> dict:
     steady_opt = opts[2:] or opts[1:] or opts
     step_s = statistics.median(steady)
     state = sum(r["state_bytes"] for r in per_rank)
+    muon = {}
+    if all(r.get("muon_steps") for r in per_rank):
+        m = min(len(r["muon_steps"]) for r in per_rank)
+        first = 2 if m > 2 else (1 if m > 1 else 0)
+
+        def worst(key: str) -> float:  # the steady median of each step's worst rank
+            return statistics.median(max(r["muon_steps"][i][key] for r in per_rank) for i in range(first, m))
+
+        muon = {"ns_s": worst("ns_s"), "exchange_bytes": worst("sent") + worst("received"),
+                "sent_bytes": worst("sent"), "inflight_peak": worst("peak"),
+                "inflight_bound": max(r["muon_steps"][0]["bound"] for r in per_rank),
+                "buckets": per_rank[0]["muon_steps"][0]["buckets"]}
     numel = sum(r["numel"] for r in per_rank)
     return {
         "steps": n, "first_step_s": steps[0], "steady_step_s": step_s, "steady_opt_s": statistics.median(steady_opt),
@@ -195,6 +226,7 @@ def summarize(raw: dict, ranks: int) -> dict:
         "exact_bytes_per_param": per_rank[0].get("exact_bytes", 0) / numel if numel else float("nan"),
         "inflight_bytes_per_param": per_rank[0].get("inflight_bytes", 0) / numel if numel else float("nan"),
         "muon_share": per_rank[0].get("muon_numel", 0) / numel if numel else float("nan"),
+        **muon,
     }
 
 
@@ -302,11 +334,25 @@ def report(rows: list[dict]) -> str:
             if base in by:
                 lines.append(_versus(f"{where}: GefenMuon vs {base}", m, by[base]))
         lines.append(f"{where}: GefenMuon state per rank {m['rank_bytes_per_param']:.4f} B/param = "
-                     f"{m['rank_bytes_per_param'] * ranks:.3f} / {ranks} of the model (goal <= 1.05 / {ranks}), "
-                     f"plus in flight one dense fp32 matrix on its owner: <= {m['inflight_bytes_per_param']:.4f} "
-                     f"B/param; gefen-x exact mode would keep {m['exact_bytes_per_param']:.4f} B/param on every rank "
+                     f"{m['rank_bytes_per_param'] * ranks:.3f} / {ranks} of the model (goal <= 1.05 / {ranks}); "
+                     f"gefen-x exact mode would keep {m['exact_bytes_per_param']:.4f} B/param on every rank "
                      f"for the GefenMuon matrices alone ({m['muon_share']:.1%} of the parameters; arithmetic, "
                      "the run's periods)")
+        if "ns_s" in m:
+            lines.append(f"{where}: GefenMuon optimizer step {m['steady_opt_s']:.3f} s, of it Newton-Schulz "
+                         f"{m['ns_s']:.3f} s ({m['ns_s'] / m['steady_opt_s']:.0%}; the busiest rank's); exchange "
+                         f"{m['exchange_bytes'] / 2**20:,.1f} MiB per rank and step (sent + received); in flight "
+                         f"at most {m['inflight_peak'] / 2**20:,.1f} MiB per rank (bound "
+                         f"{m['inflight_bound'] / 2**20:,.1f} MiB, {m['buckets']} bucket(s))")
+    muon_rows = {(r["model"], r["ranks"]): r for r in rows if r["optimizer"] == "GefenMuon"}
+    for (model, ranks), r in muon_rows.items():
+        one = muon_rows.get((model, 1))
+        if one is not None and ranks > 1:
+            ratio = r["steady_opt_s"] / one["steady_opt_s"]
+            lines.append(f"{model}: GefenMuon steady optimizer step at {ranks} ranks x{ratio:.2f}"
+                         f" of 1 rank's ({r['steady_opt_s']:.2f} s vs {one['steady_opt_s']:.2f} s)"
+                         + (f"; {ranks} ranks on {os.cpu_count()} cores are oversubscribed"
+                            if ranks > (os.cpu_count() or 1) else ""))
     return "\n".join(lines)
 
 

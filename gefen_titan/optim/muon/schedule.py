@@ -45,11 +45,13 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_BUCKET_MIB", "MOMENTUM_BYTES", "Bucket", "MatrixSpec", "Schedule", "build_schedule",
-           "lpt", "ns_flops", "owner_loads", "rank_bytes"]
+__all__ = ["DEFAULT_BUCKET_MIB", "MOMENTUM_BYTES", "UPDATE_BYTES", "Bucket", "MatrixSpec", "Schedule",
+           "build_schedule", "exchange_bytes", "lpt", "ns_flops", "owner_loads", "rank_bytes"]
 
-# The dense momentum and the assembled matrix are fp32 (gefen-x dequantizes to fp32).
+# The dense momentum and the assembled matrix are fp32 (gefen-x dequantizes to
+# fp32); the update Newton-Schulz returns is bf16.
 MOMENTUM_BYTES = 4
+UPDATE_BYTES = 2
 
 # [optimizer] muon_bucket_mib's default: at 70B (the largest matrix 0.94 GB
 # fp32) the limit is already twice the largest matrix, so the default only
@@ -193,3 +195,22 @@ def owner_loads(specs: Sequence[MatrixSpec], schedule: Schedule) -> dict[int, in
             loads[owner] = loads.get(owner, 0) + specs[i].cost
     ranks = {r for m in specs for r in m.members}
     return {r: loads.get(r, 0) + whole for r in ranks} if ranks else {-1: whole}
+
+
+def exchange_bytes(specs: Sequence[MatrixSpec], schedule: Schedule) -> dict[int, int]:
+    """Per rank, the bytes it sends plus receives in one step: each member's
+    fp32 momentum and rows to the owner, and the owner's bf16 update slices
+    and fp32 rows back (what ``step`` moves, before the packing's padding)."""
+    out: dict[int, int] = {}
+    for i, owner in schedule.owner_of().items():
+        m = specs[i]
+        if owner < 0:
+            continue
+        for j, r in enumerate(m.members):
+            if r == owner:
+                continue
+            rows = m.shard_rows[j] if m.shard_rows else 0
+            moved = m.shard_numel[j] * (MOMENTUM_BYTES + UPDATE_BYTES) + 2 * rows * MOMENTUM_BYTES
+            out[r] = out.get(r, 0) + moved
+            out[owner] = out.get(owner, 0) + moved
+    return out

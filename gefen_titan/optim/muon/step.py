@@ -65,7 +65,7 @@ from gefen_titan.optim.muon.exchange import Exchange
 from gefen_titan.optim.muon.layout import MuonLayoutError, Piece, as_slice, shard_groups, shard_indices
 from gefen_titan.optim.muon.schedule import MatrixSpec, Schedule, build_schedule
 
-__all__ = ["MuonStepStats", "ShardedMuonStep"]
+__all__ = ["COPIES", "SLOTS", "MuonStepStats", "ShardedMuonStep"]
 
 # Per bucket, a rank holds at most rank_bytes plus one copy of them; two buckets are live.
 SLOTS, COPIES = 2, 2
