@@ -23,9 +23,12 @@ minutes on an H100/H200 class part). Stages, in order:
    fused CUDA momentum kernel, and the fused kernel equals gefen-x's
    pure-torch path on the same device (``muon_momentum_check``); then
    one-GPU training of ``recipes/llama_gefen_muon.toml`` (NCCL, fused), as
-   ``train`` checks it. One GPU cannot run two NCCL ranks, so the owner's
-   gather and scatter (point-to-point) are checked on gloo by the test
-   suite only.
+   ``train`` checks it (one rank: the sharded step orthogonalizes every
+   matrix where it is). One GPU cannot run two NCCL ranks, so the
+   owner-parallel exchange (packed ``batch_isend_irecv``) is checked on
+   gloo by the test suite only; on NCCL it needs two GPUs or more
+   (``gefen-titan validate --recipe recipes/llama_gefen_muon.toml
+   --backend nccl``, ``scripts/bench_muon_exchange.py --backend nccl``).
 
 Without CUDA only the CPU half of ``checkpoint`` and the shard check of
 ``muon`` run (so they cannot rot before a GPU runs them), every GPU stage is reported as skipped, and the exit

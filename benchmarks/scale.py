@@ -717,11 +717,19 @@ def muon_plan(built: Built, bucket_mib: float) -> dict[str, Any]:
     group = max(1, len(loads))
     costs = [m.cost for m in specs]
     per_bucket = [rank_bytes(specs, dict(zip(b.matrices, b.owners))) for b in sched.buckets]
+    critical = 0  # buckets run one after another, each as long as its busiest owner
+    for b in sched.buckets:
+        load: dict[int, int] = defaultdict(int)
+        for i, o in zip(b.matrices, b.owners):
+            load[o] += specs[i].cost
+        whole = load.pop(-1, 0)
+        critical += max(load.values(), default=0) + whole
     live = max((max(a.get(r, 0) + b.get(r, 0) for r in set(a) | set(b))
                 for a, b in zip(per_bucket, per_bucket[1:] + [{}])), default=0)
     return {"matrices": len(specs), "group": group, "buckets": len(sched.buckets),
             "busiest_flops": max(loads.values()), "mean_flops": sum(costs) / group, "largest_flops": max(costs),
-            "serial_flops": sum(costs), "exchange_max": max(exchange_bytes(specs, sched).values(), default=0),
+            "serial_flops": sum(costs), "critical_flops": critical,
+            "exchange_max": max(exchange_bytes(specs, sched).values(), default=0),
             "inflight_max": COPIES * live, "bound": SLOTS * COPIES * sched.limit_bytes, "bucket_mib": bucket_mib}
 
 
@@ -830,9 +838,9 @@ def _flops(n: float) -> str:
 
 def muon_table(rows: list[dict]) -> str:
     lines = ["| flavor | mesh | W | matrices / group / buckets | busiest owner NS | mean | largest matrix "
-             "| busiest / max(largest, 1.1 x mean) | serial sum (before) | exchange/rank/step | in flight/rank "
-             "(bound) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| busiest / max(largest, 1.1 x mean) | buckets' busiest, summed | serial sum (before) "
+             "| exchange/rank/step | in flight/rank (bound) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         m = r.get("muon")
         if not m:
@@ -841,7 +849,8 @@ def muon_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['flavor']} | {r['label']} | {r['world']} | {m['matrices']} / {m['group']} / {m['buckets']} "
             f"| {_flops(m['busiest_flops'])} | {_flops(m['mean_flops'])} | {_flops(m['largest_flops'])} "
-            f"| {m['busiest_flops'] / target:.2f} | {_flops(m['serial_flops'])} | {_b(m['exchange_max'])} "
+            f"| {m['busiest_flops'] / target:.2f} | {_flops(m['critical_flops'])} | {_flops(m['serial_flops'])} "
+            f"| {_b(m['exchange_max'])} "
             f"| {_b(m['inflight_max'])} ({_b(m['bound'])}) |")
     return "\n".join(lines)
 
@@ -884,9 +893,11 @@ def report(rows: list[dict], max_tp: int) -> list[dict]:
         mib = next(r["muon"]["bucket_mib"] for r in rows if r.get("muon"))
         print("\nGefenMuon's step per optimizer step (recipes/llama_gefen_muon.toml's hidden matrices, ns_steps "
               f"{MUON_NS_STEPS}, muon_bucket_mib {mib:g}): Newton-Schulz FLOPs of the busiest owner, against the "
-              "mean over the group and the largest matrix; the serial sum is what every rank waited on before "
-              "owners ran at once; exchange: sent + received by the busiest rank; in flight: two live buckets' "
-              "bytes on the worst rank, one copy each (bound: 2 x 2 x the schedule's limit)\n")
+              "mean over the group and the largest matrix; the buckets' busiest owners summed is the step's "
+              "critical path (a bucket's returns are waited before the next computes); the serial sum is what "
+              "every rank waited on before owners ran at once; exchange: sent + received by the busiest rank; in "
+              "flight: two live buckets' bytes on the worst rank, one copy each (bound: 2 x 2 x the schedule's "
+              "limit)\n")
         print(muon_table(rows))
     if rows:
         r = rows[-1]

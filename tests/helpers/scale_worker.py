@@ -15,6 +15,10 @@ saved at 2 gloo ranks (the CPU half of ``scripts/gpu_check.sh``).
 3. extrapolation: the same plan's metadata built in full vs extrapolated
    over the model's layers.
 4. hand: one parameter's chunks and state bytes at FSDP 2.
+5. muon: the plan's GefenMuon matrices at FSDP 2 (from the Gefen recipe's
+   parameters and the muon recipe's pattern) against the ones the real
+   sharded step of ``recipes/llama_gefen_muon.toml`` builds at FSDP 2, and
+   the schedules made from each.
 """
 
 from __future__ import annotations
@@ -128,8 +132,27 @@ def hand(built) -> dict:
             "state": scale.gefen_param_bytes(1024 * 256, p.period("fallback"))}
 
 
+def muon(built) -> dict:
+    from benchmarks.meta import build_on_meta
+    from gefen_titan.optim import gefen_state as gs
+    from gefen_titan.optim.muon import build_schedule
+
+    planned = scale.muon_specs(built)
+    real = build_on_meta("recipes/llama_gefen_muon.toml", 2, {}).optimizers
+    specs, sched = [], []
+    for optim in real.muon_optimizers:
+        mine, schedule = gs.sharded_step(optim).plan()
+        specs += mine
+        sched += [[list(b.matrices), list(b.owners)] for b in schedule.buckets]
+    plan_sched = build_schedule(planned, gs.sharded_step(real.muon_optimizers[0]).bucket_bytes)
+    return {"planned": [dataclasses.astuple(m) for m in planned], "real": [dataclasses.astuple(m) for m in specs],
+            "planned_schedule": [[list(b.matrices), list(b.owners)] for b in plan_sched.buckets],
+            "real_schedule": sched, "optimizers": len(real.muon_optimizers)}
+
+
 if __name__ == "__main__":
     result = {"collectives": collectives()}
     built = scale.build("debugmodel", scale.mesh_for("fsdp", 2), max_tp=2, recipe="recipes/llama_gefen.toml")
-    result.update(checkpoint=checkpoint(sys.argv[1], built), extrapolation=extrapolation(built), hand=hand(built))
+    result.update(checkpoint=checkpoint(sys.argv[1], built), extrapolation=extrapolation(built), hand=hand(built),
+                  muon=muon(built))
     print(json.dumps(result, default=list))

@@ -109,6 +109,15 @@ def test_plan_by_hand(worker):
     assert h["state"] == 1024 * 256 + 16 * (1024 * 256 // 128)  # codes; magnitude, vmean, 2 scratch fp32 per block
 
 
+def test_plan_schedules_gefen_muon_as_the_real_step_does(worker):
+    got = worker["muon"]
+    assert got["optimizers"] == 1 and got["planned"], got
+    assert got["planned"] == got["real"]  # fqn, shape, ns_steps, members, shard numel and rows
+    assert got["planned_schedule"] == got["real_schedule"]
+    members = {tuple(m[3]) for m in got["real"]}
+    assert members == {(0, 1)} and len({o for _, owners in got["real_schedule"] for o in owners}) == 2
+
+
 def test_state_formula_matches_real_gefen(gefen_stepped):
     from gefen_titan.optim import gefen_state as gs
 

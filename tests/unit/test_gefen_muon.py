@@ -95,6 +95,19 @@ def test_gefen_x_step_cannot_be_reached():
 
 
 # ------------------------------------------------------------------ owners
+def test_the_bucket_size_reaches_the_sharded_step_and_a_bad_one_is_refused():
+    opt = _config(muon_bucket_mib=3).build(model_parts=[Net()])
+    (muon,) = opt.muon_optimizers
+    assert gs.sharded_step(muon).bucket_bytes == 3 * 2**20
+    assert gs.sharded_step(_config().build(model_parts=[Net()]).muon_optimizers[0]).bucket_bytes == 512 * 2**20
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="muon_bucket_mib must be > 0"):
+            _config(muon_bucket_mib=bad)
+        with pytest.raises(ValueError, match="muon_bucket_mib must be > 0"):  # the factory's own check
+            registry.build_gefen_muon([{"params": [nn.Parameter(torch.zeros(4, 4))], "param_names": ["w"],
+                                        "muon_bucket_mib": bad}])
+
+
 # ------------------------------------------------------------------ records
 def _record(**group_over):
     group = {**gs.muon_defaults(), "lr": 0.02, "weight_decay": 0.1, **group_over}

@@ -304,6 +304,12 @@ class ShardedMuonStep:
         self.schedule: Schedule | None = None
         self._buckets: list[list[_Matrix]] = []
 
+    def plan(self) -> tuple[list[MatrixSpec], Schedule]:
+        """The matrices as the schedule sees them and the schedule (made on the first call or step)."""
+        if self._matrices is None:
+            self._plan()
+        return [spec_of(m) for m in self._matrices], self.schedule
+
     def _plan(self) -> None:
         self._matrices = _matrices(self.optimizers)
         self.schedule = build_schedule([spec_of(m) for m in self._matrices], self.bucket_bytes)
