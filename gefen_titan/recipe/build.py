@@ -57,6 +57,7 @@ from torchtitan.components.checkpoint import CheckpointManager
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.data.corpus import DEFAULT_TOKENIZER_PATH
 from gefen_titan.data.registry import UnknownLoaderError, lift_dataloader_config, loader_config_class
+from gefen_titan.optim import registry as optimizers
 from gefen_titan.optim.container import GROUP_DEFAULTS, GefenOptimizersContainer
 from gefen_titan.recipe.checks import check_global_order_batch, check_optimizer, validate_mesh
 from gefen_titan.recipe.coerce import coerce_value, type_hints
@@ -190,6 +191,19 @@ def _rebuild_model_spec(
         loss_fn.global_vocab_size = decoder_vocab_size(config.model_spec)
 
 
+def _refuse_composite_keys(table: Any, optimizer: Any, path: str) -> None:
+    """An [optimizer] key that is an option of the optimizer a composite name
+    stands for (gefen-x's GefenMuonHybrid keywords) but no field here: why."""
+    if not isinstance(table, dict):
+        return
+    fields = {f.name for f in dataclasses.fields(optimizer)}
+    for key in table:
+        for name in optimizers.composite_names():
+            why = optimizers.composite(name).refused_keys.get(key)
+            if why is not None and key not in fields:
+                raise RecipeError(f"{path}: [optimizer] {key}: gefen-x's {name} option is not supported: {why}")
+
+
 def _base_config(module: str, base_config: str, path: str) -> Any:
     try:
         registry = importlib.import_module(f"torchtitan.models.{module}.config_registry")
@@ -259,6 +273,7 @@ def build_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] |
         _rebuild_model_spec(config, module, model.get("flavor"), model.get("attn_backend"), f"{path}: [model]")
 
     config.optimizer = _as_gefen_optimizer_config(config.optimizer)
+    _refuse_composite_keys(data.get("optimizer"), config.optimizer, path)
     config.checkpoint = _as_gefen_checkpoint_config(config.checkpoint)
     config.dataloader = lift_dataloader_config(config.dataloader)
     loader_table = data.get("dataloader")
