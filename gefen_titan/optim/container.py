@@ -419,16 +419,17 @@ class GefenOptimizersContainer(OptimizersContainer):
     @staticmethod
     def _build_param_groups(model: torch.nn.Module, param_group_configs: list[ParamGroupConfig],
                             impl_kwargs: dict[str, Any]) -> tuple[dict[str, list[dict]], dict[str, list[str]]]:
-        """torchtitan's, except that a routed group (a composite's, exact names)
-        that matches nothing in this model part is left out: a pipeline stage
-        may hold no parameter of a routed set, which is no recipe error."""
-        names = [n for n, p in model.named_parameters() if p.requires_grad]
-        configs = [g for g in param_group_configs
-                   if not isinstance(g, RoutedGroup) or any(re.search(g.pattern, n) for n in names)]
+        """torchtitan's, except that a routed group (a composite's: exact names;
+        its log line gives their count) that claims nothing in this model part
+        is left out: a pipeline stage may hold no parameter of a routed set."""
+        left, configs = [n for n, p in model.named_parameters() if p.requires_grad], []
+        for g in param_group_configs:  # first match wins, as torchtitan claims them
+            rest = [n for n in left if not re.search(g.pattern, n)]
+            configs += [g] if len(rest) < len(left) or not isinstance(g, RoutedGroup) else []
+            left = rest
         return OptimizersContainer._build_param_groups(model, configs, impl_kwargs)  # noqa: SLF001
 
     def _log_optimizer(self, optimizer: Optimizer, part_idx: int, patterns: list[str]) -> None:
-        # A routed group's pattern lists every parameter name: log its size instead.
         short = [p if len(p) <= 100 else f"{p[:60]}... ({p.count('|') + 1} exact names)" for p in patterns]
         super()._log_optimizer(optimizer, part_idx, short)
 
