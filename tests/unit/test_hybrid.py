@@ -262,3 +262,35 @@ def test_kind_hints_name_the_setting():
     assert "--optimizer.name Gefen" in hybrid.kind_hint(hybrid_gefen, "Gefen", "GefenMuon")
     mixed = Config(name="Gefen", param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW")])
     assert hybrid.kind_hint(mixed, "Gefen", "AdamW") == ""
+
+
+@pytest.mark.parametrize("saved_backup,live_backup", [("gefen", "adamw"), ("adamw", "gefen")])
+def test_kinds_check_refuses_the_other_backup_naming_backup_optimizer(monkeypatch, saved_backup, live_backup):
+    """``check_kinds`` (the container's load preparation) on a hybrid
+    checkpoint's keys: a Gefen backup's records, or AdamW's flat
+    ``param_groups.<fqn>.lr`` entries, against the other backup live."""
+    import json
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from gefen_titan.checkpoint import schema
+    from gefen_titan.checkpoint.errors import GefenCheckpointError
+    from gefen_titan.optim import state
+
+    records = {schema.muon_optimizer_key("0"): json.dumps({"params": [{"fqn": "layers.0.w1.weight"}]})}
+    flat = []
+    if saved_backup == "gefen":
+        records[schema.optimizer_key("1")] = json.dumps({"params": [{"fqn": "norm.weight"}]})
+    else:
+        flat = ["param_groups.norm.weight.lr", "state.norm.weight.exp_avg"]
+    metadata = Metadata(state_dict_metadata={"optimizer." + k: None for k in [*records, *flat]})
+    monkeypatch.setattr(state, "read_small", lambda cid, md, prefix, tensors, wanted: {k: records[k] for k in wanted})
+    config = Config(name="GefenMuonHybrid", backup_optimizer=live_backup)
+    live = {"layers.0.w1.weight": "GefenMuon", "norm.weight": hybrid.BACKUPS[live_backup]}
+    was, now = hybrid.BACKUPS[saved_backup], hybrid.BACKUPS[live_backup]
+    with pytest.raises(GefenCheckpointError, match=(
+            rf"1 parameter\(s\) \(norm.weight\) were saved by {was} and the recipe gives them to {now}: "
+            rf'set optimizer.backup_optimizer = "{saved_backup}"')):
+        state.check_kinds("ckpt", metadata, "optimizer.", live, hint=lambda w, n: hybrid.kind_hint(config, w, n))
+    same = {**live, "norm.weight": was}  # the backup that wrote it: nothing to refuse
+    state.check_kinds("ckpt", metadata, "optimizer.", same, hint=lambda w, n: hybrid.kind_hint(config, w, n))
