@@ -8,6 +8,7 @@ check's hints."""
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +23,10 @@ from gefen_titan.optim import gefen_state as gs
 from gefen_titan.optim import hybrid, registry
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
 from gefen_titan.recipe import RecipeError, load_recipe
+from gefen_titan.recipe.cli import load_cli
 
 Config = GefenOptimizersContainer.Config
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------ models
@@ -137,6 +140,14 @@ def test_pipeline_stages_route_alike_and_a_stage_may_lack_a_routed_set():
     assert kinds[4][1] == ["norm.weight", "output.weight"] and kinds[5][1] == ["layers.2.weight"]
 
 
+def test_registered_as_a_composite_not_an_optimizer():
+    spec = registry.composite("GefenMuonHybrid")
+    assert spec.bind is hybrid.bind and spec.refused_keys is hybrid.REFUSED
+    assert "GefenMuonHybrid" not in registry.names() and registry.get("GefenMuonHybrid") is None
+    with pytest.raises(NotImplementedError):  # no factory: no optimizer of that type is ever built
+        GefenOptimizersContainer._resolve_optimizer_factory("GefenMuonHybrid")
+
+
 def test_a_model_without_blocks_is_refused():
     with pytest.raises(ValueError, match="no hidden matrix"):
         Config(name="GefenMuonHybrid").build(model_parts=[nn.Sequential(nn.Linear(4, 4))])
@@ -237,8 +248,7 @@ def test_bad_keys_are_refused_with_the_reason(tmp_path):
         Config(name="GefenMuonHybrid", ns_schedule="tuned9").check_param_groups()
     with pytest.raises(ValueError, match="needs optimizer.blocking"):
         Config(name="GefenMuonHybrid", blocking="per_rank").check_param_groups()
-    base = (f'[job]\nextends = "{registry.__file__.rsplit("/gefen_titan/", 1)[0]}/recipes/llama_gefen.toml"\n'
-            '[optimizer]\nname = "GefenMuonHybrid"\n')
+    base = f'[job]\nextends = "{ROOT / "recipes" / "llama_gefen.toml"}"\n[optimizer]\nname = "GefenMuonHybrid"\n'
     cases = {
         'backup_optimizer = "sgd"': r"backup_optimizer: must be one of \['gefen', 'adamw'\], got 'sgd'",
         "fp8_ns = true": "fp8_ns: gefen-x's GefenMuonHybrid option is not supported: fp8 Newton-Schulz",
@@ -251,6 +261,10 @@ def test_bad_keys_are_refused_with_the_reason(tmp_path):
         path.write_text(base + line + "\n")
         with pytest.raises(RecipeError, match=message):
             load_recipe(path, world_size=2)
+    with pytest.raises(RecipeError, match="command line: --optimizer.cautious: gefen-x's GefenMuonHybrid option is "
+                       "not supported: cautious masking needs the full gradient"):
+        load_cli(["--job.config", str(ROOT / "recipes" / "llama_gefen_muon_hybrid.toml"), "--optimizer.cautious",
+                  "true"], world_size=2)
 
 
 def test_kind_hints_name_the_setting():
