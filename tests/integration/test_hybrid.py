@@ -4,11 +4,15 @@
 * ``recipes/llama_gefen_muon_hybrid.toml`` saved at 2 ranks and resumed at 3
   by ``gefen-titan validate`` (its checks: every checkpoint entry, parameter,
   period, codebook, counter and group key after the load equal the save's;
-  the losses within the validation's band): 3 launches.
+  the losses within the validation's band): 3 launches; ``gefen-titan ckpt
+  inspect`` names the checkpoint's GefenMuon and Gefen records.
 * ``recipes/llama_gefen.toml --optimizer.name GefenMuonHybrid
   --optimizer.backup_optimizer adamw`` trains 2 steps and saves; the same
   command with the default backup (Gefen) is refused on every rank, naming
   the setting; the AdamW command resumes and trains step 3: 3 launches.
+
+* ``llama_gefen_fsdp_tp.toml --optimizer.name GefenMuonHybrid`` built on the
+  meta device at 4 fake ranks (TP-parallelized Linears route as plain ones).
 
 (The recipe's own 7-step curve is tests/integration/test_recipe_regression.py's.)
 """
@@ -16,6 +20,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -36,7 +41,7 @@ def losses(log: str) -> dict[int, float]:
     return out
 
 
-def test_hybrid_recipe_saved_at_2_resumes_at_3(tmp_path):
+def test_hybrid_recipe_saved_at_2_resumes_at_3(tmp_path, capsys):
     out = tmp_path / "validate"
     cmd = [sys.executable, "-m", "gefen_titan", "validate", "--recipe", "recipes/llama_gefen_muon_hybrid.toml",
            "--pairs", "2:3", "--backend", "gloo", "--steps-before", "2", "--steps-after", "2",
@@ -49,6 +54,17 @@ def test_hybrid_recipe_saved_at_2_resumes_at_3(tmp_path):
     st = pair["state"]
     assert st["exact"] and st["params_exact"] and not st["problems"] and st["entries_differ"] == [], st
     assert sorted(int(s) for s in pair["resumed_losses"]) == [3, 4]
+    # The checkpoint is GefenMuon's and Gefen's records, as gefen-titan ckpt inspect names them.
+    from gefen_titan.ckpt import cli
+
+    capsys.readouterr()
+    assert cli.main(["inspect", str(out / "ref-2" / "checkpoint" / "step-2"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    gefen, muon = report["optimizers"]
+    assert (gefen["kind"], muon["kind"]) == ("Gefen", "GefenMuon") and len(muon["params"]) == 30
+    (group,) = muon["hyperparameters"]
+    assert group["ns_steps"] == 3 and group["normuon"] is True  # tuned3
+    assert report["optimizer_totals"]["params"] == 45
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +106,18 @@ def test_adamw_backup_resumes(adamw_backup):
     assert "Loading the checkpoint from" in log and "step-2" in log
     assert sorted(losses(log)) == [3]
     assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-2", "step-3"]
+
+
+def test_fsdp_tp_model_routes_alike_on_meta():
+    """``llama_gefen_fsdp_tp.toml --optimizer.name GefenMuonHybrid`` built as the
+    Trainer builds it (torchtitan's parallelize: TP 2 × FSDP 2, DTensor
+    parameters of parallelized Linears) on the meta device at 4 fake ranks,
+    in a fresh process (``test_recipe_regression``'s builder)."""
+    cmd = [sys.executable, "-m", "tests.integration.test_recipe_regression", "--build",
+           "recipes/llama_gefen_fsdp_tp.toml", "4", json.dumps({"optimizer": {"name": "GefenMuonHybrid"}})]
+    proc = processes.run(cmd, cwd=ROOT, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert built["optimizers"] == ["ShardedGefenMuon", "Gefen"]
+    assert built["params"] == 45 and built["gefen_params"] == 15  # 30 matrices to GefenMuon, as on one rank
+    assert len(built["placements"]) > 1 and built["mesh_sizes"] == [4]  # TP placements beside FSDP's
