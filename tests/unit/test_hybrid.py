@@ -308,3 +308,24 @@ def test_kinds_check_refuses_the_other_backup_naming_backup_optimizer(monkeypatc
         state.check_kinds("ckpt", metadata, "optimizer.", live, hint=lambda w, n: hybrid.kind_hint(config, w, n))
     same = {**live, "norm.weight": was}  # the backup that wrote it: nothing to refuse
     state.check_kinds("ckpt", metadata, "optimizer.", same, hint=lambda w, n: hybrid.kind_hint(config, w, n))
+
+
+def test_kinds_check_refuses_a_hybrid_checkpoint_in_a_gefen_recipe(monkeypatch):
+    import json
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from gefen_titan.checkpoint import schema
+    from gefen_titan.checkpoint.errors import GefenCheckpointError
+    from gefen_titan.optim import state
+
+    records = {schema.muon_optimizer_key("0"): json.dumps({"params": [{"fqn": "layers.0.w1.weight"}]}),
+               schema.optimizer_key("1"): json.dumps({"params": [{"fqn": "norm.weight"}]})}
+    metadata = Metadata(state_dict_metadata={"optimizer." + k: None for k in records})
+    monkeypatch.setattr(state, "read_small", lambda cid, md, prefix, tensors, wanted: {k: records[k] for k in wanted})
+    config = Config(name="Gefen")
+    with pytest.raises(GefenCheckpointError, match=(
+            r"\(layers.0.w1.weight\) were saved by GefenMuon and the recipe gives them to Gefen: if the run that "
+            r'wrote it was \[optimizer\] name = "GefenMuonHybrid", set that')):
+        state.check_kinds("ckpt", metadata, "optimizer.", {"layers.0.w1.weight": "Gefen", "norm.weight": "Gefen"},
+                          hint=lambda w, n: hybrid.kind_hint(config, w, n))
