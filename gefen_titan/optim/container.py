@@ -42,7 +42,7 @@ from torchtitan.tools.logging import logger
 
 from gefen_titan.distributed import any_rank, local
 from gefen_titan.optim import gefen_state as gs
-from gefen_titan.optim import hybrid, registry
+from gefen_titan.optim import registry
 from gefen_titan.optim.blocking import AgreedBlocking
 from gefen_titan.optim.hybrid import HybridOptions, RoutedGroup
 from gefen_titan.optim.state import StateAdapter, check_kinds
@@ -289,8 +289,7 @@ class GefenOptimizersContainer(OptimizersContainer):
             if spec is not None and spec.option_keys:
                 kwargs = {**{k: options[k] for k in spec.option_keys}, **kwargs}
             groups.append(dataclasses.replace(g, optimizer_kwargs=kwargs))
-        # A composite name (GefenMuonHybrid) routes by module: its groups'
-        # patterns are the exact names of the parameters it routes to each.
+        # A composite name (GefenMuonHybrid) routes by module: exact-name patterns from the parts.
         composite = registry.composite(config.name) if not config.param_groups else None
         if composite is not None:
             groups = composite.bind(groups, model_parts)
@@ -385,14 +384,14 @@ class GefenOptimizersContainer(OptimizersContainer):
     # calls these on every rank around torchtitan's dcp.load.
     def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
         self._loading = True
-        # Every live parameter's optimizer kind; the flat ones (AdamW, Adam)
-        # too, so a Gefen checkpoint into AdamW (or the reverse) is named.
+        # Every live parameter's kind, the flat ones (AdamW, Adam) too; composites say what to set.
         live = {fqn: spec.name for o in self.optimizers if (spec := registry.spec_of(o)) is not None
                 and spec.state is not None for fqn, _, _ in gs.named_params(o)}
         for o in self._flat_optimizers():
             live.update({fqn: type(o).__name__ for g in o.param_groups for fqn in g.get("param_names", ())})
-        check_kinds(checkpoint_id, metadata, prefix, live,
-                    hint=lambda was, now: hybrid.kind_hint(self.config, was, now))
+        composites = [registry.composite(n) for n in registry.composite_names()]
+        check_kinds(checkpoint_id, metadata, prefix, live, hint=lambda was, now: "; ".join(
+            h for c in composites if (h := c.kind_hint(self.config, was, now))))
         for state in self._states:
             state.prepare_load(checkpoint_id, metadata, prefix)
 
@@ -424,7 +423,8 @@ class GefenOptimizersContainer(OptimizersContainer):
         is left out: a pipeline stage may hold no parameter of a routed set."""
         left, configs = [n for n, p in model.named_parameters() if p.requires_grad], []
         for g in param_group_configs:  # first match wins, as torchtitan claims them
-            rest = [n for n in left if not re.search(g.pattern, n)]
+            pattern = re.compile(g.pattern)
+            rest = [n for n in left if not pattern.search(n)]
             configs += [g] if len(rest) < len(left) or not isinstance(g, RoutedGroup) else []
             left = rest
         return OptimizersContainer._build_param_groups(model, configs, impl_kwargs)  # noqa: SLF001

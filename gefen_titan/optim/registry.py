@@ -95,6 +95,9 @@ class CompositeSpec:
     """The ``[optimizer]`` fields only this name reads."""
     refused_keys: dict[str, str]
     """Options of the optimizer it stands for that have no field here -> why."""
+    kind_hint: Callable[[Any, str, str], str]
+    """(``[optimizer]`` config, kind that saved a parameter, kind the config
+    gives it) -> the setting that resumes it, for the kinds check ("" if none)."""
 
 
 _REGISTRY: dict[str, OptimizerSpec] = {}
@@ -297,4 +300,5 @@ register_composite(CompositeSpec(
     check=hybrid.check,
     option_keys=hybrid.OPTION_KEYS,
     refused_keys=hybrid.REFUSED,
+    kind_hint=hybrid.kind_hint,
 ))

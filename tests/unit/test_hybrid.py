@@ -142,7 +142,7 @@ def test_pipeline_stages_route_alike_and_a_stage_may_lack_a_routed_set():
 
 def test_registered_as_a_composite_not_an_optimizer():
     spec = registry.composite("GefenMuonHybrid")
-    assert spec.bind is hybrid.bind and spec.refused_keys is hybrid.REFUSED
+    assert spec.bind is hybrid.bind and spec.refused_keys is hybrid.REFUSED and spec.kind_hint is hybrid.kind_hint
     assert "GefenMuonHybrid" not in registry.names() and registry.get("GefenMuonHybrid") is None
     with pytest.raises(NotImplementedError):  # no factory: no optimizer of that type is ever built
         GefenOptimizersContainer._resolve_optimizer_factory("GefenMuonHybrid")
