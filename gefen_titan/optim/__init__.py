@@ -7,6 +7,8 @@
 * ``blocking``: agreed blocking, the first-step agreement that makes the
   state a function of the model (periods and one codebook for the job);
 * ``codebook_solver``: gefen-x's exact codebook DP, fast;
+* ``hybrid``: ``name = "GefenMuonHybrid"``, GefenMuon and Gefen/AdamW
+  param groups routed by module (a registry ``CompositeSpec``);
 * ``state``: how Gefen's state becomes checkpoint entries and back (format
   v3 (and v2 loads) under agreed blocking, v1 under per-rank blocking).
 """

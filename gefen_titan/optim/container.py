@@ -24,6 +24,8 @@ hands it the checkpoint's metadata before DCP reads.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -42,8 +44,10 @@ from gefen_titan.distributed import any_rank, local
 from gefen_titan.optim import gefen_state as gs
 from gefen_titan.optim import registry
 from gefen_titan.optim.blocking import AgreedBlocking
+from gefen_titan.optim.hybrid import HybridOptions, RoutedGroup
 from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB, MuonStepStats
 from gefen_titan.optim.state import StateAdapter, check_kinds
+from gefen_titan.optim.state_size import state_bytes
 
 __all__ = ["GefenOptimizersContainer", "GROUP_DEFAULTS", "ParamGroup"]
 
@@ -53,8 +57,8 @@ __all__ = ["GefenOptimizersContainer", "GROUP_DEFAULTS", "ParamGroup"]
 GROUP_DEFAULTS = ("name", "lr", "betas", "eps", "weight_decay")
 
 # The names ``[optimizer] name`` accepts (its type, so the recipe check and
-# the command line both list them): the registry's entries.
-_REGISTERED = registry.names()
+# the command line both list them): the registry's optimizers and composites.
+_REGISTERED = registry.names() + registry.composite_names()
 
 # Why GefenMuon (its sharded step) refuses per-rank blocking.
 _NEEDS_AGREED = ("needs optimizer.blocking = \"agreed\": its sharded step cuts the momentum along the "
@@ -84,7 +88,7 @@ class GefenOptimizersContainer(OptimizersContainer):
     """torchtitan's ``OptimizersContainer`` that also knows ``"Gefen"``."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(OptimizersContainer.Config):
+    class Config(OptimizersContainer.Config, HybridOptions):
         param_groups: list[ParamGroup] = field(default_factory=list)
         """Per-parameter-group optimizers, first matching pattern wins (as in
         torchtitan). Empty: one catch-all group of ``name`` with ``lr``,
@@ -151,11 +155,14 @@ class GefenOptimizersContainer(OptimizersContainer):
         periods happen to fit."""
 
         def __post_init__(self) -> None:
-            if registry.get(self.name) is None:
+            if registry.get(self.name) is None and registry.composite(self.name) is None:
                 raise ValueError(
-                    f"optimizer.name must be one of {list(registry.names())}, "
+                    f"optimizer.name must be one of {list(_REGISTERED)}, "
                     f"got {self.name!r}"
                 )
+            if self.backup_optimizer not in ("gefen", "adamw"):
+                raise ValueError(
+                    f"optimizer.backup_optimizer must be 'gefen' or 'adamw', got {self.backup_optimizer!r}")
             if self.codebook_refresh_every < 0:
                 raise ValueError("optimizer.codebook_refresh_every must be >= 0")
             if self.blocking not in ("agreed", "per_rank"):
@@ -206,6 +213,9 @@ class GefenOptimizersContainer(OptimizersContainer):
             weight_decay). Other optimizers' groups (a base config's, e.g.
             DistMuon) are kept as they are.
             """
+            composite = registry.composite(self.name)
+            if composite is not None and not self.param_groups:
+                return composite.param_groups(self)
             if not self.param_groups:
                 return [
                     ParamGroupConfig(
@@ -215,8 +225,13 @@ class GefenOptimizersContainer(OptimizersContainer):
                     )
                 ]
             groups = []
-            for g in self.param_groups:
+            for i, g in enumerate(self.param_groups):
                 name = g.optimizer_name or self.name
+                if registry.composite(name) is not None:
+                    raise ValueError(
+                        f"param_groups[{i}]: {name} is no optimizer of a param group: [optimizer] name = "
+                        f"\"{name}\" without [[optimizer.param_groups]] expands into its groups; with them, "
+                        f"give each group its optimizer_name ({', '.join(registry.names())})")
                 kwargs = dict(g.optimizer_kwargs)
                 if registry.get(name) is not None:
                     kwargs = {**self.hyperparameters(name), **kwargs}
@@ -242,7 +257,9 @@ class GefenOptimizersContainer(OptimizersContainer):
             them: an optimizer no factory knows, an ``optimizer_kwargs`` key
             the group's optimizer does not read (torch and gefen-x keep unknown
             group keys without a word), factory kwargs for an optimizer no
-            group uses."""
+            group uses, a GefenMuonHybrid key where the hybrid is not built."""
+            for name in registry.composite_names():
+                registry.composite(name).check(self)
             names = set()
             for i, g in enumerate(self.resolved_param_groups()):
                 where = f"param_groups[{i}]" if self.param_groups else "name"
@@ -284,7 +301,11 @@ class GefenOptimizersContainer(OptimizersContainer):
             kwargs = dict(g.optimizer_kwargs)
             if spec is not None and spec.option_keys:
                 kwargs = {**{k: options[k] for k in spec.option_keys}, **kwargs}
-            groups.append(ParamGroupConfig(pattern=g.pattern, optimizer_name=g.optimizer_name, optimizer_kwargs=kwargs))
+            groups.append(dataclasses.replace(g, optimizer_kwargs=kwargs))
+        # A composite name (GefenMuonHybrid) routes by module: exact-name patterns from the parts.
+        composite = registry.composite(config.name) if not config.param_groups else None
+        if composite is not None:
+            groups = composite.bind(groups, model_parts)
         base = OptimizersContainer.Config(
             param_groups=groups,
             implementation=config.implementation,
@@ -376,9 +397,14 @@ class GefenOptimizersContainer(OptimizersContainer):
     # calls these on every rank around torchtitan's dcp.load.
     def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
         self._loading = True
+        # Every live parameter's kind, the flat ones (AdamW, Adam) too; composites say what to set.
         live = {fqn: spec.name for o in self.optimizers if (spec := registry.spec_of(o)) is not None
                 and spec.state is not None for fqn, _, _ in gs.named_params(o)}
-        check_kinds(checkpoint_id, metadata, prefix, live)
+        for o in self._flat_optimizers():
+            live.update({fqn: type(o).__name__ for g in o.param_groups for fqn in g.get("param_names", ())})
+        composites = [registry.composite(n) for n in registry.composite_names()]
+        check_kinds(checkpoint_id, metadata, prefix, live, hint=lambda was, now: "; ".join(
+            h for c in composites if (h := c.kind_hint(self.config, was, now))))
         for state in self._states:
             state.prepare_load(checkpoint_id, metadata, prefix)
 
@@ -403,6 +429,24 @@ class GefenOptimizersContainer(OptimizersContainer):
         return [o for o in self.optimizers if (s := registry.spec_of(o)) is None or s.state is None]
 
     @staticmethod
+    def _build_param_groups(model: torch.nn.Module, param_group_configs: list[ParamGroupConfig],
+                            impl_kwargs: dict[str, Any]) -> tuple[dict[str, list[dict]], dict[str, list[str]]]:
+        """torchtitan's, except that a routed group (a composite's: exact names;
+        its log line gives their count) that claims nothing in this model part
+        is left out: a pipeline stage may hold no parameter of a routed set."""
+        left, configs = [n for n, p in model.named_parameters() if p.requires_grad], []
+        for g in param_group_configs:  # first match wins, as torchtitan claims them
+            pattern = re.compile(g.pattern)
+            rest = [n for n in left if not pattern.search(n)]
+            configs += [g] if len(rest) < len(left) or not isinstance(g, RoutedGroup) else []
+            left = rest
+        return OptimizersContainer._build_param_groups(model, configs, impl_kwargs)  # noqa: SLF001
+
+    def _log_optimizer(self, optimizer: Optimizer, part_idx: int, patterns: list[str]) -> None:
+        short = [p if len(p) <= 100 else f"{p[:60]}... ({p.count('|') + 1} exact names)" for p in patterns]
+        super()._log_optimizer(optimizer, part_idx, short)
+
+    @staticmethod
     def _resolve_optimizer_factory(name: str) -> Callable[..., Optimizer]:
         spec = registry.get(name)
         if spec is not None:
@@ -410,26 +454,8 @@ class GefenOptimizersContainer(OptimizersContainer):
         return OptimizersContainer._resolve_optimizer_factory(name)  # noqa: SLF001 (torchtitan's own dict, DistMuon)
 
     def state_bytes(self) -> tuple[int, int]:
-        """(optimizer state bytes, parameter elements) held by this rank.
-
-        Counts every tensor in every optimizer's per-param state (local shards
-        of DTensors) plus Gefen's per-optimizer codebooks.
-        """
-        state_bytes = 0
-        numel = 0
-        for optim in self.optimizers:
-            for group in optim.param_groups:
-                for p in group["params"]:
-                    numel += local(p).numel()
-            if gs.is_gefen_family(optim):
-                state_bytes += sum(local(t).nbytes for t in gs.state_tensors(optim))
-            else:
-                for group in optim.param_groups:
-                    for p in group["params"]:
-                        for value in optim.state.get(p, {}).values():
-                            if isinstance(value, torch.Tensor):
-                                state_bytes += local(value).nbytes
-        return state_bytes, numel
+        """(optimizer state bytes, parameter elements) held by this rank (``optim.state_size``)."""
+        return state_bytes(self.optimizers)
 
     @property
     def gefen_optimizers(self) -> list[Optimizer]:

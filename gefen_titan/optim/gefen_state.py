@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gefen import Gefen, GefenMuon, partitioning
-from gefen.gefen_muon import _zeropower_via_newtonschulz
+from gefen import Gefen, GefenMuon, GefenMuonHybrid, partitioning
+from gefen.gefen_muon import NS_SCHEDULES, _zeropower_via_newtonschulz
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -37,14 +37,14 @@ from gefen_titan.checkpoint import schema
 from gefen_titan.checkpoint.schema_muon import MUON_HYPER
 
 __all__ = [
-    "K", "ParamState", "is_gefen", "is_gefen_family", "new_gefen", "named_params", "options", "read", "write",
-    "clear", "has_state", "period", "set_period", "codebook", "set_codebook", "global_step", "set_global_step",
+    "K", "ParamState", "is_gefen", "is_gefen_family", "new_gefen", "named_params", "options", "read", "write", "clear",
+    "has_state", "period", "set_period", "codebook", "set_codebook", "global_step", "set_global_step",
     "count_empty_shard_step", "empty_shard_counters", "set_empty_shard_counters", "finalize_period",
     "fallback_enabled", "state_tensors", "CODEBOOK_FAMILIES", "codebook_family", "MUON_GROUP_KEYS", "MUON_REFUSED",
     "MUON_UPDATE_DTYPE", "MuonState", "ShardedGefenMuon", "new_gefen_muon", "set_sharded_step", "sharded_step",
-    "is_gefen_muon",
-    "muon_defaults", "muon_refused", "muon_deterministic", "muon_read", "muon_write", "muon_rows", "muon_set_rows",
-    "muon_momentum", "muon_orthogonalize", "muon_normuon", "muon_apply", "muon_restore_group", "advance_global_step"
+    "is_gefen_muon", "muon_defaults", "muon_refused", "muon_deterministic", "muon_read", "muon_write", "muon_rows",
+    "muon_set_rows", "muon_momentum", "muon_orthogonalize", "muon_normuon", "muon_apply", "muon_restore_group",
+    "advance_global_step", "hybrid_defaults", "ns_schedule_names", "ns_schedule_coefficients",
 ]
 
 K = schema.K  # codebook entries (gefen-x: num_codebooks=256)
@@ -476,3 +476,25 @@ def muon_restore_group(group: dict, values: dict[str, Any]) -> None:
 def advance_global_step(optim: Optimizer) -> None:
     """The per-optimizer step counter gefen-x's ``step()`` advances last."""
     optim._advance_gefen_global_step()
+
+
+# GefenMuonHybrid is never built (optim.hybrid expands it into groups): its defaults and NS schedules are read.
+def hybrid_defaults() -> dict[str, Any]:
+    """gefen-x's ``GefenMuonHybrid.__init__`` keyword defaults (``lr`` has none: absent)."""
+    params = inspect.signature(GefenMuonHybrid.__init__).parameters
+    return {k: p.default for k, p in params.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not inspect.Parameter.empty}
+
+
+def ns_schedule_names() -> tuple[str, ...]:
+    """The named Newton-Schulz schedules gefen-x's ``ns_schedule`` takes ("standard", "tuned3", ...)."""
+    return tuple(NS_SCHEDULES)
+
+
+def ns_schedule_coefficients(name: str) -> list[list[float]] | None:
+    """A named schedule as GefenMuon's ``ns_coefficients`` (one ``[a, b, c]`` per iteration), None for
+    ``"standard"`` (the fixed quintic ``ns_coefficients`` repeated ``ns_steps`` times)."""
+    if name not in NS_SCHEDULES:
+        raise ValueError(f"unknown Newton-Schulz schedule {name!r} (gefen-x has {', '.join(NS_SCHEDULES)})")
+    schedule = NS_SCHEDULES[name]
+    return None if schedule is None else [[float(x) for x in abc] for abc in schedule]

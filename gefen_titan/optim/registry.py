@@ -25,6 +25,12 @@ variant is one ``register`` call plus its state type and records:
   per-parameter state dict;
 * ``agreed_blocking``: the first step's agreement pre-sets its block periods
   and codebook (``gefen_titan.optim.blocking``).
+
+A ``CompositeSpec`` (``register_composite``) is a name ``[optimizer] name``
+takes that is no optimizer at run time: it expands into param groups of
+registered optimizers, chosen by module once the model parts exist
+(``GefenMuonHybrid``: ``gefen_titan.optim.hybrid``), so its checkpoints hold
+only those optimizers' records.
 """
 
 from __future__ import annotations
@@ -38,11 +44,13 @@ import torch
 from torch.optim import Optimizer
 
 from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import hybrid
 from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB, ShardedMuonStep
 from gefen_titan.optim.state import GefenState, MuonStateAdapter, StateAdapter
 
-__all__ = ["GEFEN_OPTION_KEYS", "MUON_OPTION_KEYS", "SHORTHAND_KEYS", "OptimizerSpec", "StateOptions", "build_gefen",
-           "build_gefen_muon", "get", "names", "register", "spec_of", "specs"]
+__all__ = ["GEFEN_OPTION_KEYS", "MUON_OPTION_KEYS", "SHORTHAND_KEYS", "CompositeSpec", "OptimizerSpec", "StateOptions",
+           "build_gefen", "build_gefen_muon", "composite", "composite_names", "get", "names", "register",
+           "register_composite", "spec_of", "specs"]
 
 # The [optimizer] shorthand hyperparameters a group can take as defaults.
 SHORTHAND_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -69,7 +77,31 @@ class OptimizerSpec:
     shorthand_keys: tuple[str, ...] = SHORTHAND_KEYS
 
 
+@dataclass(frozen=True)
+class CompositeSpec:
+    """A name ``[optimizer] name`` takes that expands into param groups of
+    registered optimizers (no optimizer of its own at run time)."""
+
+    name: str
+    param_groups: Callable[[Any], list[Any]]
+    """The ``[optimizer]`` config -> its ``ParamGroupConfig`` groups, patterns
+    not yet bound (the recipe checks read their optimizers and keys)."""
+    bind: Callable[[list[Any], list[torch.nn.Module]], list[Any]]
+    """Those groups and the model parts -> the groups the container builds."""
+    check: Callable[[Any], None]
+    """Refuses (ValueError) an ``[optimizer]`` config whose keys of this name
+    have no effect or no valid value (the recipe checks call it)."""
+    option_keys: tuple[str, ...]
+    """The ``[optimizer]`` fields only this name reads."""
+    refused_keys: dict[str, str]
+    """Options of the optimizer it stands for that have no field here -> why."""
+    kind_hint: Callable[[Any, str, str], str]
+    """(``[optimizer]`` config, kind that saved a parameter, kind the config
+    gives it) -> the setting that resumes it, for the kinds check ("" if none)."""
+
+
 _REGISTRY: dict[str, OptimizerSpec] = {}
+_COMPOSITES: dict[str, CompositeSpec] = {}
 
 
 def register(spec: OptimizerSpec) -> OptimizerSpec:
@@ -79,12 +111,29 @@ def register(spec: OptimizerSpec) -> OptimizerSpec:
     return spec
 
 
+def register_composite(spec: CompositeSpec) -> CompositeSpec:
+    if spec.name in _REGISTRY or spec.name in _COMPOSITES:
+        raise ValueError(f"optimizer {spec.name!r} is already registered")
+    _COMPOSITES[spec.name] = spec
+    return spec
+
+
 def get(name: str) -> OptimizerSpec | None:
     return _REGISTRY.get(name)
 
 
+def composite(name: str) -> CompositeSpec | None:
+    return _COMPOSITES.get(name)
+
+
 def names() -> tuple[str, ...]:
+    """The optimizers a param group can name."""
     return tuple(_REGISTRY)
+
+
+def composite_names() -> tuple[str, ...]:
+    """The names only ``[optimizer] name`` takes (expanded into groups)."""
+    return tuple(_COMPOSITES)
 
 
 def specs() -> tuple[OptimizerSpec, ...]:
@@ -246,4 +295,14 @@ register(OptimizerSpec(
     group_key_hint=_muon_group_key_hint,
     # eps is the Newton-Schulz normalisation floor here (default 1e-7), not Adam's.
     shorthand_keys=("lr", "weight_decay"),
+))
+
+register_composite(CompositeSpec(
+    name=hybrid.NAME,
+    param_groups=hybrid.param_groups,
+    bind=hybrid.bind,
+    check=hybrid.check,
+    option_keys=hybrid.OPTION_KEYS,
+    refused_keys=hybrid.REFUSED,
+    kind_hint=hybrid.kind_hint,
 ))

@@ -57,13 +57,15 @@ from torchtitan.components.checkpoint import CheckpointManager
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.data.corpus import DEFAULT_TOKENIZER_PATH
 from gefen_titan.data.registry import UnknownLoaderError, lift_dataloader_config, loader_config_class
+from gefen_titan.optim import registry as optimizers
 from gefen_titan.optim.container import GROUP_DEFAULTS, GefenOptimizersContainer
 from gefen_titan.recipe.checks import check_global_order_batch, check_optimizer, validate_mesh
 from gefen_titan.recipe.coerce import coerce_value, type_hints
 from gefen_titan.recipe.errors import RecipeError
 from gefen_titan.recipe.files import merge_tables, read_recipe_tables
 
-__all__ = ["BUILTIN_PREFIX", "JOB_KEYS", "MODEL_KEYS", "Recipe", "build_recipe", "finish_recipe", "load_recipe"]
+__all__ = ["BUILTIN_PREFIX", "JOB_KEYS", "MODEL_KEYS", "Recipe", "build_recipe", "composite_refusal", "finish_recipe",
+           "load_recipe"]
 
 JOB_KEYS = ("module", "base_config", "extends", "description", "dump_folder", "hf_assets_path")
 MODEL_KEYS = ("flavor", "attn_backend")
@@ -190,6 +192,25 @@ def _rebuild_model_spec(
         loss_fn.global_vocab_size = decoder_vocab_size(config.model_spec)
 
 
+def composite_refusal(key: str) -> str | None:
+    """Why an [optimizer] key is refused: an option of the optimizer a
+    composite name stands for (gefen-x's GefenMuonHybrid keywords) with no
+    field here; None for any other key."""
+    if key in {f.name for f in dataclasses.fields(GefenOptimizersContainer.Config)}:
+        return None
+    for name in optimizers.composite_names():
+        why = optimizers.composite(name).refused_keys.get(key)
+        if why is not None:
+            return f"gefen-x's {name} option is not supported: {why}"
+    return None
+
+
+def _refuse_composite_keys(table: Any, path: str) -> None:
+    for key in table if isinstance(table, dict) else ():
+        if (why := composite_refusal(key)) is not None:
+            raise RecipeError(f"{path}: [optimizer] {key}: {why}")
+
+
 def _base_config(module: str, base_config: str, path: str) -> Any:
     try:
         registry = importlib.import_module(f"torchtitan.models.{module}.config_registry")
@@ -259,6 +280,7 @@ def build_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] |
         _rebuild_model_spec(config, module, model.get("flavor"), model.get("attn_backend"), f"{path}: [model]")
 
     config.optimizer = _as_gefen_optimizer_config(config.optimizer)
+    _refuse_composite_keys(data.get("optimizer"), path)
     config.checkpoint = _as_gefen_checkpoint_config(config.checkpoint)
     config.dataloader = lift_dataloader_config(config.dataloader)
     loader_table = data.get("dataloader")

@@ -648,6 +648,38 @@ def test_muon_constructor_keywords_and_defaults():
         GefenMuon([("b", nn.Parameter(torch.randn(4)))], fused=False)
 
 
+def test_hybrid_defaults_and_named_schedules():
+    """What gefen_titan.optim.hybrid reads of gefen-x's GefenMuonHybrid: its
+    keyword defaults (gs.hybrid_defaults) and the named Newton-Schulz schedules
+    (gs.ns_schedule_coefficients), which GefenMuon takes as ns_coefficients."""
+    from gefen import GefenMuon, GefenMuonHybrid
+    from gefen.gefen_muon import NS_SCHEDULES
+
+    from gefen_titan.optim import gefen_state as gs
+
+    params = inspect.signature(GefenMuonHybrid.__init__).parameters
+    contract(params["lr"].default is inspect.Parameter.empty and params["lr"].kind is inspect.Parameter.KEYWORD_ONLY,
+             "GefenMuonHybrid's lr is no longer a required keyword")
+    defaults = gs.hybrid_defaults()
+    contract({k: defaults[k] for k in ("backup_optimizer", "ns_schedule", "adjust_lr_fn", "normuon", "weight_decay",
+                                       "betas", "eps", "momentum", "nesterov", "ns_steps")}
+             == {"backup_optimizer": "gefen", "ns_schedule": "tuned3", "adjust_lr_fn": "match_rms_adamw",
+                 "normuon": True, "weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "momentum": 0.95,
+                 "nesterov": True, "ns_steps": 5}, f"GefenMuonHybrid's defaults changed: {defaults}")
+    contract(gs.ns_schedule_names() == ("standard", "tuned3", "tuned4") and NS_SCHEDULES["standard"] is None,
+             f"gefen-x's named Newton-Schulz schedules changed: {sorted(NS_SCHEDULES)}")
+    tuned3 = gs.ns_schedule_coefficients("tuned3")
+    contract(tuned3 == [[5.0067, -14.4125, 10.6001], [3.7534, -6.8083, 3.384], [3.208, -4.3501, 2.033]]
+             and gs.ns_schedule_coefficients("standard") is None, f"the tuned3 schedule changed: {tuned3}")
+    # A schedule given as ns_coefficients is what ns_schedule would have set: the same group.
+    w = nn.Parameter(torch.randn(6, 8))
+    named = GefenMuon([("w", w)], fused=False, ns_schedule="tuned3").param_groups[0]
+    listed = GefenMuon([("w", w)], fused=False, ns_coefficients=tuned3, ns_steps=3).param_groups[0]
+    contract([list(x) for x in named["ns_coefficients"]] == listed["ns_coefficients"]
+             and named["ns_steps"] == listed["ns_steps"] == 3,
+             "ns_schedule='tuned3' no longer equals ns_coefficients=<its list>, ns_steps=3")
+
+
 def test_muon_learns_its_codebook_with_gefens_learner(monkeypatch):
     """GefenMuon's own codebook is Gefen's learner over its full gradients and periods
     (so the agreement's histogram of them, ``test_histogram_matches_gefens_learner``,

@@ -22,6 +22,7 @@ The entries' keys and records are defined in ``gefen_titan.checkpoint.schema``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from torch.optim import Optimizer
@@ -34,7 +35,7 @@ from gefen_titan.optim.state.muon import MuonStateAdapter
 from gefen_titan.optim.state.per_rank import PerRankStateAdapter
 
 __all__ = ["AgreedStateAdapter", "GefenState", "MuonStateAdapter", "PerRankStateAdapter", "StateAdapter",
-           "checkpoint_blocking", "check_kinds"]
+           "FLAT_KIND", "checkpoint_blocking", "check_kinds"]
 
 # The record kinds of the format (``schema.parse_key``) -> the optimizer that wrote them.
 _SAVED_BY = {"optimizer": "Gefen", "muon": "GefenMuon"}
@@ -96,13 +97,22 @@ def checkpoint_blocking(checkpoint_id: str, metadata: Any, prefix: str, has_gefe
     return blocking or "agreed"
 
 
-def check_kinds(checkpoint_id: str, metadata: Any, prefix: str, live: dict[str, str]) -> None:
+# The kind a checkpoint's flat torch state (``state.<fqn>.*``, ``param_groups.<fqn>.*``:
+# AdamW, Adam) is reported as; a live optimizer without records of its own is of it.
+FLAT_KIND = "AdamW"
+
+
+def check_kinds(checkpoint_id: str, metadata: Any, prefix: str, live: dict[str, str],
+                hint: Callable[[str, str], str] | None = None) -> None:
     """Refuse, on every rank, a checkpoint that saved a live parameter under
-    another optimizer kind (``live``: fqn -> the registry name stepping it,
-    for the kinds with records: Gefen, GefenMuon). Collective.
+    another optimizer kind (``live``: fqn -> the registry name stepping it;
+    the kinds without records of their own, AdamW and Adam, count as one,
+    ``FLAT_KIND``, since their flat state is the same). Collective.
 
     Without this check the adapters would each see parameters without state
-    of their own kind and call the checkpoint foreign; the fix is a setting.
+    of their own kind and call the checkpoint foreign (or DCP would miss the
+    flat keys); the fix is a setting, which the message names (``hint(was,
+    now)`` adds the one its caller knows, e.g. GefenMuonHybrid's keys).
     """
     keys = sorted(k[len(prefix):] for k in metadata.state_dict_metadata if k.startswith(prefix))
     records = [k for k in keys if (pk := schema.parse_key(k)) is not None and pk.kind in _SAVED_BY]
@@ -111,16 +121,20 @@ def check_kinds(checkpoint_id: str, metadata: Any, prefix: str, live: dict[str, 
     try:
         saved = {fqn: _SAVED_BY[schema.parse_key(k).kind] for k in records
                  for fqn in schema.record_fqns(small[k], f"optimizer record {k}")}
+        present = set(keys)
+        saved.update({fqn: FLAT_KIND for fqn in live if fqn not in saved and f"param_groups.{fqn}.lr" in present})
         moved: dict[tuple[str, str], list[str]] = {}
         for fqn, kind in live.items():
+            kind = kind if kind in _SAVED_BY.values() else FLAT_KIND
             if saved.get(fqn, kind) != kind:
                 moved.setdefault((saved[fqn], kind), []).append(fqn)
         error = "; ".join(
             f"{len(fqns)} parameter(s) ({', '.join(sorted(fqns)[:3])}{' ...' if len(fqns) > 3 else ''}) were saved "
-            f"by {was} and the recipe gives them to {now}: give them to {was} again (a "
-            f"[[optimizer.param_groups]] entry with optimizer_name = \"{was}\" whose pattern matches them, as in "
-            "the run that wrote it), or start the optimizer fresh with checkpoint.exclude_from_loading = "
-            "[\"optimizer\"]" for (was, now), fqns in sorted(moved.items())) or None
+            f"by {was} and the recipe gives them to {now}: "
+            + ((hint(was, now) + ", or ") if hint is not None and hint(was, now) else "")
+            + f"give them to {was} again (a [[optimizer.param_groups]] entry with optimizer_name = \"{was}\" "
+            "whose pattern matches them, as in the run that wrote it), or start the optimizer fresh with "
+            "checkpoint.exclude_from_loading = [\"optimizer\"]" for (was, now), fqns in sorted(moved.items())) or None
     except schema.FormatError as e:
         error = str(e)
     agree(error, f"cannot load optimizer state from {checkpoint_id}")
