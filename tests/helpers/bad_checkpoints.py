@@ -237,7 +237,7 @@ V1_CASES = {
     "gap": (set_v1_record("layers.0.w2.weight", 1, 0, lambda v: v + 128), "do not tile"),
     "missing": (("file", Path.unlink), "cannot read"),
     "truncated": (("file", truncate), "cannot read"),
-    "adamw": (None, "another optimizer's state"),
+    "adamw": (None, "were saved by AdamW and the recipe gives them to Gefen"),
 }
 
 
