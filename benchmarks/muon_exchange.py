@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, port: int, sizes: list[float], rounds: int, b
     for mib in sizes:
         n = int(mib * 2**20) // 4 // world * world  # fp32 elements this rank sends in all
         part = n // world
-        send = torch.arange(n, dtype=torch.float32, device=device) + rank * n
+        send = torch.arange(n, dtype=torch.int32, device=device) + rank * n
         times = {"p2p": [], "all_to_all": []}
         for r in range(rounds + 1):
             for how in ("p2p", "all_to_all"):
@@ -53,11 +53,11 @@ def _worker(rank: int, world: int, port: int, sizes: list[float], rounds: int, b
                     for peer in range(world):
                         if peer != rank:
                             ex.send(peer, send[peer * part:(peer + 1) * part])
-                            ex.recv(peer, (part,), torch.float32)
+                            ex.recv(peer, (part,), torch.int32)
                     got = ex.start().wait()
                     parts = [got[p][0] if p != rank else send[rank * part:(rank + 1) * part] for p in range(world)]
                 else:
-                    recv = torch.empty(n, dtype=torch.float32, device=device)
+                    recv = torch.empty(n, dtype=torch.int32, device=device)
                     dist.all_to_all_single(recv, send)
                     parts = list(recv.split(part))
                 if backend == "nccl":
@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, port: int, sizes: list[float], rounds: int, b
                 if r:
                     times[how].append(time.perf_counter() - t0)
                 for p, t in enumerate(parts):  # peer p's slice for this rank
-                    want = torch.arange(part, dtype=torch.float32, device=device) + p * n + rank * part
+                    want = torch.arange(part, dtype=torch.int32, device=device) + p * n + rank * part
                     if not torch.equal(t, want):
                         raise SystemExit(f"{how}: rank {rank} received wrong data from rank {p}")
         rows.append({"mib": mib, **{k: statistics.median(v) for k, v in times.items()}})
