@@ -59,8 +59,8 @@ LAYOUTS = [
     pytest.param((6, 10), (3,), (Shard(1),), id="tp3-rowwise-uneven"),  # 4, 4, 2 columns
     pytest.param((8, 6), (2, 2), fsdp_tp(2), id="fsdp2xtp2"),
     pytest.param((10, 6), (2, 2), fsdp_tp(2), id="fsdp2xtp2-uneven"),
-    pytest.param((13, 5), (3, 2), fsdp_tp(2), id="fsdp3xtp2-uneven"),
-    pytest.param((7, 4), (3, 2), fsdp_tp(2), id="fsdp3xtp2-uneven-empty"),  # one shard empty
+    # FSDP 3 x TP 2 at 13 or 7 rows: DTensor's own _StridedShard split differs from what FSDP2 holds;
+    # shard_indices follows FSDP2 (the trainer's shards): test_fsdp2_over_tp_at_an_uneven_cut below.
     pytest.param((24, 4), (2, 4), fsdp_tp(4), id="fsdp2xtp4"),
     pytest.param((12, 10), (2, 2), (Shard(0), Shard(1)), id="fsdp2xtp2-rowwise"),
     pytest.param((16, 6), (2, 2, 2), (Replicate(), *fsdp_tp(2)), id="hsdp2x2xtp2"),
@@ -122,13 +122,13 @@ def test_shard_indices_are_the_elements_fsdp2_over_tp_holds(shape, dp, tp, style
         assert torch.equal(w.to_local(), held(full, shape, (dp, tp), w.placements, coord)), (rank, coord)
 
 
-@pytest.mark.xfail(strict=True, reason="FSDP2 cuts each TP shard (torch.chunk) unlike DTensor's _StridedShard split "
-                                       "at this uneven size; shard_indices follows DTensor's (reported, issue 27)")
-def test_fsdp2_over_tp_at_an_uneven_cut_dtensor_splits_otherwise():
-    """7 rows, TP 2 (4 + 3), FSDP 3: FSDP2 holds rows [], [6] at coordinates (2, 0), (2, 1); DTensor's
-    split of its placements, and so ``shard_indices``, says [6], []."""
-    shape = (7, 4)
-    full = torch.arange(28, dtype=torch.float32).reshape(shape)
+@pytest.mark.parametrize("rows", [7, 13])
+def test_fsdp2_over_tp_at_an_uneven_cut(rows):
+    """7 rows, TP 2 (4 + 3), FSDP 3: FSDP2 holds rows [], [6] at coordinates (2, 0), (2, 1), where
+    DTensor's own split of the same placements says [6], []: ``shard_indices`` replays FSDP2's cuts
+    (TP first, then a chunk of each TP shard), the layout the trainer's parameters have."""
+    shape = (rows, 4)
+    full = torch.arange(rows * 4, dtype=torch.float32).reshape(shape)
     for rank in range(6):
         coord, w = fsdp_tp_weight(shape, 3, 2, ColwiseParallel, rank)
         assert torch.equal(w.to_local(), held(full, shape, (3, 2), w.placements, coord)), (rank, coord)

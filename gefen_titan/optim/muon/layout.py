@@ -33,15 +33,22 @@ def shard_indices(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placement
     applied to ``arange`` of the dim.
     """
     ix = [torch.arange(n) for n in shape]
-    for mesh_dim, pl in enumerate(placements):
+    for pl in placements:
+        if not pl.is_replicate() and type(pl) not in (Shard, _StridedShard):
+            raise MuonLayoutError(f"placement {pl} (only Shard, _StridedShard and Replicate hold a parameter)")
+    order = list(enumerate(placements))
+    if any(type(pl) is _StridedShard for pl in placements):
+        # _StridedShard is how FSDP2 over TP records its layout: TP cut first,
+        # then FSDP2's torch.chunk of each TP shard. At uneven sizes DTensor's
+        # own strided split differs from what FSDP2 holds (tests/unit/
+        # test_muon_layout.py compares with real fully_shard shards), so the
+        # cuts are replayed as FSDP2 made them: right to left, each a plain chunk.
+        order.reverse()
+    for mesh_dim, pl in order:
         if pl.is_replicate():
             continue
-        if type(pl) not in (Shard, _StridedShard):
-            raise MuonLayoutError(f"placement {pl} (only Shard, _StridedShard and Replicate hold a parameter)")
         d = pl.dim % len(shape)
-        one_d = _StridedShard(0, split_factor=pl.split_factor) if type(pl) is _StridedShard else Shard(0)
-        # DTensor's own split (uneven and strided shards alike); tests compare it with real shards.
-        pieces, _ = one_d._split_tensor(ix[d], mesh_shape[mesh_dim], with_padding=False)  # noqa: SLF001
+        pieces, _ = Shard(0)._split_tensor(ix[d], mesh_shape[mesh_dim], with_padding=False)  # noqa: SLF001
         ix[d] = pieces[coord[mesh_dim]]
     return ix
 
