@@ -7,7 +7,10 @@
 * ``manager``: ``GefenCheckpointManager``, torchtitan's manager told the
   checkpoint's layout before a load (``LoadPreparer``);
 * ``storage``: every read and write, local folders and fsspec URLs alike;
-* ``digests``: the ``.digests`` file (a digest of every stored byte);
+* ``digests``: the ``.digests`` file (a digest of every stored byte; keyed,
+  a MAC, with ``checkpoint.digest_key_env``);
+* ``unpickling``: every pickle read from a checkpoint, restricted to
+  allowlisted globals (reading a checkpoint never runs code from it);
 * ``writing`` / ``reading``: the DCP writers (format v3's raw entries, and
   ``.digests``) and readers (raw entries; every byte checked before anything
   loaded is used);

@@ -13,8 +13,16 @@ Integrity: every DCP save (synchronous or async) goes through
 ``storage.storage_writer``, which also writes ``.digests``; every load reads
 ``.metadata`` checked against it (agreed on every rank) and loads through
 ``storage.storage_reader``, which checks every stored item, on every rank,
-before the first byte reaches a live tensor (``checkpoint.reading``). A
-checkpoint without ``.digests`` loads unchecked, with one log line.
+before the first byte reaches a live tensor (``checkpoint.reading``), and
+refuses data files with bytes no item covers or that ``.metadata`` does not
+list (``storage.stray_bytes``). A checkpoint whose ``.metadata`` says its
+save wrote ``.digests`` (``digests.expects_digests``) is refused without
+one unless ``checkpoint.load_without_digests``; one from before digests
+(formats v1, v2) loads unchecked, with a warning on every rank. With
+``checkpoint.digest_key_env`` saves sign ``.digests`` and loads check the
+signature before anything is unpickled (``digests``;
+``docs/checkpoints.md``, "Threat model"). Nothing read is executed
+(``checkpoint.unpickling``).
 Scheduling saves, async modes, ``load_step``, ``exclude_from_loading``,
 ``initial_load_path`` and HF checkpoints are torchtitan's own.
 """
@@ -35,7 +43,13 @@ from torchtitan.tools.utils import GarbageCollection
 
 from gefen_titan.checkpoint import digests
 from gefen_titan.checkpoint.errors import GefenCheckpointError, agree, unreadable
-from gefen_titan.checkpoint.storage import read_checked_metadata, refusal, storage_reader, storage_writer
+from gefen_titan.checkpoint.storage import (
+    read_checked_metadata,
+    refusal,
+    storage_reader,
+    storage_writer,
+    stray_bytes,
+)
 
 __all__ = ["GefenCheckpointManager", "LoadPreparer", "SnapshotsOnSave"]
 
@@ -70,9 +84,19 @@ class SnapshotsOnSave(Protocol):
 class GefenCheckpointManager(CheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
-        pass
+        digest_key_env: str = ""
+        """Name of an environment variable holding a key: saves sign ``.digests`` with it
+        (keyed BLAKE2b) and loads refuse a checkpoint not signed with it. Empty: unsigned."""
+
+        load_without_digests: bool = False
+        """Load a checkpoint whose ``.digests`` was deleted (its ``.metadata`` says the save wrote
+        one), unchecked. Off: such a checkpoint is refused. Has no effect when a key is set."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
+        # Resolved first: a named but unset variable stops the job before anything is built.
+        # getattr: torchtitan's own tests (../shared/tools/torchtitan_peer_tests.sh) pass their Config.
+        self._digest_key = digests.key_from_env(getattr(config, "digest_key_env", ""))
+        self._load_without_digests = bool(getattr(config, "load_without_digests", False))
         super().__init__(config, **kwargs)
         if not self.enable:  # torchtitan keeps no states then
             return
@@ -85,7 +109,7 @@ class GefenCheckpointManager(CheckpointManager):
         """torchtitan's DCP save with a writer that also records ``.digests`` (HF exports are torchtitan's)."""
         if to_hf:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
-        writer = storage_writer(checkpoint_id)
+        writer = storage_writer(checkpoint_id, key=self._digest_key)
         if async_mode == AsyncMode.ASYNC:
             ret = dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id, process_group=self.pg)
         elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
@@ -102,7 +126,7 @@ class GefenCheckpointManager(CheckpointManager):
             return super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
         # Every read of this load (the metadata's, the components' small
         # ones, the main one) checks .digests itself; decoded once.
-        with digests.parsed_once():
+        with digests.parsed_once(), digests.keyed(self._digest_key):
             self._checked_load(state_dict, checkpoint_id)
 
     def _checked_load(self, state_dict: dict[str, Any], checkpoint_id: str) -> None:
@@ -115,11 +139,22 @@ class GefenCheckpointManager(CheckpointManager):
             error = str(e)
         except Exception as e:  # OSError, a foreign file
             error = str(unreadable(checkpoint_id, e))
+        if error is None and record is None and digests.expects_digests(metadata) and not self._load_without_digests:
+            error = digests.corrupt_message(
+                checkpoint_id, digests.FILE, None, "missing, and its .metadata says the save wrote one (deleted "
+                "or lost since); to load it unchecked anyway, set checkpoint.load_without_digests = true")
+        if error is None and record is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            try:  # one rank lists the folder (the same files for all); the verdict is agreed below
+                stray = stray_bytes(checkpoint_id, metadata)
+            except OSError as e:
+                stray = [(digests.METADATA_FILE, f"cannot list the folder ({e})")]
+            if stray:
+                error = digests.corrupt_message(checkpoint_id, stray[0][0], None, stray[0][1])
         agree(error, "the checkpoint cannot be loaded")
-        if record is None and (not dist.is_initialized() or dist.get_rank() == 0):
-            logger.warning(f"checkpoint {checkpoint_id} carries no {digests.FILE} (written by torchtitan's own writer "
-                           "or before gefen-titan recorded digests): loading it unchecked; `gefen-titan ckpt verify` "
-                           "checks its records' CRC32s")
+        if record is None:  # on every rank: each rank's log says what it loaded
+            logger.warning(f"checkpoint {checkpoint_id} carries no {digests.FILE} (saved before gefen-titan recorded "
+                           "digests, by torchtitan's own writer, or loaded with checkpoint.load_without_digests): "
+                           "loading it UNCHECKED; `gefen-titan ckpt verify` checks its records' CRC32s")
         # Every rank holds the same components in the same order, so every
         # rank prepares them in the same order (their reads are collective).
         prepared = [

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from gefen_titan.checkpoint import schema, storage
 from gefen_titan.checkpoint.errors import root_cause
+from gefen_titan.checkpoint.unpickling import ForbiddenObjectError
 
 __all__ = ["CkptError", "Entry", "Checkpoint", "OPTIMIZER", "MODEL", "split_state_key"]
 
@@ -100,6 +101,8 @@ class Checkpoint:
             raise CkptError(self._not_a_checkpoint())
         try:
             self.metadata: Metadata = storage.read_metadata(self.path)
+        except ForbiddenObjectError as e:  # its own message says what and why
+            raise CkptError(str(e)) from e
         except Exception as e:  # OSError, CheckpointException, unpickling errors
             raise CkptError(f"cannot read {self.path}/.metadata ({root_cause(e)}): restore it from a copy, or "
                             "use another step's folder") from e

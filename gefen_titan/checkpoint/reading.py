@@ -26,28 +26,31 @@ coordinator also hands every stored item that no rank's plan reads
 with the fewest such bytes, so each load checks every item of the
 checkpoint once. Cost: one xxh3 pass over the bytes read, and the rank's
 items held in memory between the read and the commit (DCP holds one at a
-time). A checkpoint without ``.digests`` is read by DCP's own
-``read_data``, unchecked (its raw items, if any, by ours).
+time). A checkpoint without ``.digests`` is read the same way without the
+digests. Byte entries are unpickled by ``unpickling.load_entry``
+(``weights_only``), never by the planner's ``torch.load(weights_only=False)``,
+and ``.metadata`` by ``unpickling.load_metadata``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
-import pickle
 from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint._nested_dict import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.futures import Future
 
 from gefen_titan.checkpoint import digests as dg
-from gefen_titan.checkpoint import schema
-from gefen_titan.checkpoint.errors import root_cause
+from gefen_titan.checkpoint import schema, unpickling
+from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause
 
 __all__ = ["CheckedFileSystemReader", "CheckedFsspecReader", "load_metadata"]
 
@@ -56,21 +59,29 @@ _UNSET: Any = object()
 
 # ------------------------------------------------------------------ load
 def load_metadata(fs: Any, path: Any, checkpoint_id: str) -> tuple[Metadata, dg.Digests | None]:
-    """``.metadata`` checked against ``.digests`` (when there is one), then unpickled.
+    """``.metadata`` checked against ``.digests`` (when there is one), then unpickled
+    with DCP's metadata classes only (``unpickling``).
 
-    Raises ``digests.CorruptCheckpointError`` for damaged bytes, OSError
-    when a file cannot be read.
+    Raises ``digests.CorruptCheckpointError`` for damaged bytes,
+    ``unpickling.ForbiddenObjectError`` for a pickle that names other
+    globals, OSError when a file cannot be read.
     """
     digest_path = fs.concat_path(path, dg.FILE)
     record = dg.read(lambda: fs.create_stream(digest_path, "rb"), checkpoint_id) if fs.exists(digest_path) else None
+    if record is None and dg.current_key() is not None:  # nothing unpickled before the MAC is checked
+        raise dg.CorruptCheckpointError(dg.corrupt_message(
+            checkpoint_id, dg.FILE, None, "missing, and a key is set (checkpoint.digest_key_env): a checkpoint "
+            "without its MAC is refused"), dg.FILE)
     with fs.create_stream(fs.concat_path(path, dg.METADATA_FILE), "rb") as f:
         raw = f.read()
     if record is not None:
         record.check_metadata(raw, checkpoint_id)
     try:
-        metadata = pickle.loads(raw)
+        metadata = unpickling.load_metadata(raw, checkpoint_id)
         if not isinstance(metadata, Metadata):
             raise TypeError(f"holds a {type(metadata).__name__}, not DCP Metadata")
+    except unpickling.ForbiddenObjectError:
+        raise
     except Exception as e:  # any unpickling failure of damaged bytes
         raise dg.CorruptCheckpointError(dg.corrupt_message(
             checkpoint_id, dg.METADATA_FILE, None, f"does not unpickle ({root_cause(e)})"), dg.METADATA_FILE) from e
@@ -118,8 +129,11 @@ class _CheckedReading:
         return self._digests
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:  # DCP's per-rank metadata fallback: not ours
-            return super().read_metadata(*args, **kwargs)
+        if kwargs.get("rank") is not None:
+            # DCP's fallback when .metadata cannot be read: a per-rank file it
+            # would unpickle unrestricted. Never taken: the load fails instead.
+            raise GefenCheckpointError(f"{self._id()}: per-rank metadata files are not read (only a checked "
+                                       f"{dg.METADATA_FILE})")
         if self._metadata is None:
             self._metadata, record = load_metadata(self.fs, self.path, self._id())
             if self._digests is _UNSET:  # digests handed in by the caller stay theirs
@@ -167,9 +181,8 @@ class _CheckedReading:
         return [dataclasses.replace(p, storage_data=x) if x else p for p, x in zip(plans, extra)]
 
     def read_data(self, plan: LoadPlan, planner: Any) -> Future:
+        # Always our own read, with .digests or without: DCP's would unpickle byte entries unrestricted.
         record = self.digests()  # read (and agreed on) in the planning round: prepare_local_plan
-        if record is None and not any(self._is_raw(req.storage_index) for req in plan.items):
-            return super().read_data(plan, planner)
         staged, error = self._read_and_check(plan, record, self._direct_targets(plan, planner))
         if error:  # DCP's gather after the read step raises it on every rank
             raise dg.CorruptCheckpointError(error)
@@ -186,7 +199,8 @@ class _CheckedReading:
             if not uses[req.storage_index]:
                 del staged[req.storage_index]  # hold each item only until its last use
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(self._stream(req, data).read(-1)))
+                _load_bytes(planner, req, unpickling.load_entry(
+                    io.BytesIO(self._stream(req, data).read(-1)), req.storage_index.fqn, self._id()))
                 continue
             tensor = narrow_tensor_by_index(self._tensor(req, data), req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
@@ -292,7 +306,7 @@ class _CheckedReading:
                         info = self.storage_data[index]
                         f.seek(int(info.offset))
                         target = direct.get(index)
-                        hasher = None if record is None else dg.new_hasher()
+                        hasher = None if record is None else record.new_hasher()
                         if target is not None and target.nbytes == int(info.length):
                             data = _read_into(f, target, hasher)
                         else:
@@ -305,7 +319,7 @@ class _CheckedReading:
                         elif record is not None and expected is None:
                             what = "no digest was recorded for this item (.digests is from another save?)"
                         elif hasher is not None and hasher.hexdigest() != expected:
-                            what = f"{dg.ALGORITHM} digest mismatch: its bytes differ from what the save wrote"
+                            what = f"{record.algorithm} digest mismatch: its bytes differ from what the save wrote"
                         else:
                             if index in needed:
                                 staged[index] = data if target is None else target
@@ -316,6 +330,20 @@ class _CheckedReading:
         except Exception as e:  # OSError, a missing file: the same message shape
             return {}, dg.corrupt_message(self._id(), file, entry, f"cannot read it ({root_cause(e)})")
         return staged, None
+
+
+def _load_bytes(planner: Any, req: Any, value: Any) -> None:
+    """What ``DefaultLoadPlanner.load_bytes`` does with a byte entry once
+    unpickled, given the value read safely (it would ``torch.load`` it with
+    ``weights_only=False``); pinned by ``tests/unit/test_contract_dcp.py``.
+    Another planner reads bytes its own way, which cannot be made safe here."""
+    if not isinstance(planner, DefaultLoadPlanner) or type(planner).load_bytes is not DefaultLoadPlanner.load_bytes:
+        raise GefenCheckpointError(f"the load planner {type(planner).__name__} reads byte entries itself (it may "
+                                   "unpickle them unrestricted): load with DCP's DefaultLoadPlanner")
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[req.dest_index.fqn], value)
+    else:
+        planner.state_dict[req.dest_index.fqn] = value
 
 
 def _fill(f: Any, view: memoryview, hasher: Any) -> int:

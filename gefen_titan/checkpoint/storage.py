@@ -36,7 +36,8 @@ from gefen_titan.checkpoint.errors import GefenCheckpointError, unreadable
 from gefen_titan.checkpoint.reading import CheckedFileSystemReader, CheckedFsspecReader
 from gefen_titan.checkpoint.writing import DigestingFileSystemWriter, DigestingFsspecWriter
 
-__all__ = ["is_remote", "load_all", "read_metadata", "read_checked_metadata", "read_digests", "read_small",
+__all__ = ["is_remote", "load_all", "stray_bytes",
+           "read_metadata", "read_checked_metadata", "read_digests", "read_small",
            "storage_reader", "storage_writer", "list_files", "file_size", "open_file", "join", "refusal"]
 
 
@@ -110,10 +111,36 @@ def load_all(checkpoint_id: str | os.PathLike) -> dict[str, Any]:
     which refuses format v3's raw entries; this one reads them, and checks
     ``.digests``). The whole checkpoint in memory: for tools and tests."""
     sd: dict[str, Any] = {}
+    metadata, record = read_checked_metadata(checkpoint_id)  # its own errors, not DCP's wrapping of them
     # What dcp_to_torch_save calls (dcp.load would hand back only the keys it was given).
-    _load_state_dict(sd, storage_reader=storage_reader(checkpoint_id), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
+    try:
+        _load_state_dict(sd, storage_reader=storage_reader(checkpoint_id, metadata=metadata, digests=record),
+                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps the cause
+        raise refusal(os.fspath(checkpoint_id), e) from e
     return sd
+
+
+def stray_bytes(checkpoint_id: str | os.PathLike, metadata: Metadata) -> list[tuple[str, str]]:
+    """(file, what) for every byte of the folder's data files that no item covers: a data file longer
+    than its items reach, or a ``.distcp`` file ``.metadata`` does not list.
+
+    A checkpoint with ``.digests`` has every byte of its data files in one
+    item (``digests`` module docstring), so anything else was put there
+    after the save. One listing and one size per data file.
+    """
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), int(info.offset) + int(info.length))
+    found = []
+    for name in list_files(checkpoint_id):
+        if name.endswith(".distcp") and name not in ends:
+            found.append((name, "a data file .metadata does not list (added after the save?)"))
+    for name, end in sorted(ends.items()):
+        size = file_size(checkpoint_id, name)
+        if size is not None and size > end:
+            found.append((name, f"{size - end:,} bytes after its last item (appended after the save?)"))
+    return found
 
 
 def refusal(checkpoint_id: str, error: Exception) -> GefenCheckpointError:
@@ -129,14 +156,15 @@ def refusal(checkpoint_id: str, error: Exception) -> GefenCheckpointError:
     return unreadable(checkpoint_id, error)
 
 
-def storage_writer(checkpoint_id: str | os.PathLike, digests: bool = True) -> DigestingFileSystemWriter:
+def storage_writer(checkpoint_id: str | os.PathLike, digests: bool = True,
+                   key: bytes | None = None) -> DigestingFileSystemWriter:
     """A DCP writer for a new checkpoint folder (fsspec for URLs): format v3's
     raw entries, and ``.digests`` (``digests=False``: none, for benchmarks
-    that measure what they cost)."""
+    that measure what they cost; ``key``: keyed digests, a MAC)."""
     checkpoint_id = os.fspath(checkpoint_id)
     if is_remote(checkpoint_id):
-        return DigestingFsspecWriter(checkpoint_id, digests=digests)
-    return DigestingFileSystemWriter(checkpoint_id, digests=digests)
+        return DigestingFsspecWriter(checkpoint_id, digests=digests, key=key)
+    return DigestingFileSystemWriter(checkpoint_id, digests=digests, key=key)
 
 
 def join(checkpoint_id: str | os.PathLike, name: str) -> str:

@@ -35,7 +35,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _split_by_size_and_type, _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -52,12 +52,13 @@ _CHUNK = 1 << 24  # bytes per read when an item is read back
 class _HashingStream:
     """A write stream that digests the bytes between consecutive ``tell()`` calls (one item each)."""
 
-    def __init__(self, raw: Any, hashing: bool = True) -> None:
+    def __init__(self, raw: Any, hashing: bool = True, key: bytes | None = None) -> None:
         self._raw = raw
         self._hashing = hashing
+        self._key = key
         self._pos = 0  # a new file ("wb"): the count of bytes written is the position
         self._start = 0
-        self._hasher = dg.new_hasher()
+        self._hasher = dg.new_hasher(key)
         self.segments: dict[tuple[int, int], str] = {}
         self._done = False
 
@@ -90,7 +91,7 @@ class _HashingStream:
     def _cut(self) -> None:
         if self._hashing:
             self.segments[(self._start, self._pos)] = self._hasher.hexdigest()
-            self._start, self._hasher = self._pos, dg.new_hasher()
+            self._start, self._hasher = self._pos, dg.new_hasher(self._key)
         else:
             self.segments[(self._start, self._pos)] = ""
             self._start = self._pos
@@ -115,6 +116,7 @@ class _Ledger:
     items: dict[str, dict[int, tuple[int, str]]] | None = None
     sync: bool = False
     hashing: bool = True  # False: no digests, no .digests (benchmarks measure the digests' own cost so)
+    key: bytes | None = None  # keyed digests (a MAC; digests module docstring); held in memory only
 
 
 class _DigestingFS:
@@ -136,7 +138,7 @@ class _DigestingFS:
             if "w" not in mode:
                 yield raw
                 return
-            stream = _HashingStream(raw, self._ledger.hashing)
+            stream = _HashingStream(raw, self._ledger.hashing, self._ledger.key)
             yield stream
             stream.close()
             self._ledger.files[str(path)] = stream.segments
@@ -153,8 +155,8 @@ class _DigestingFS:
         if len(segments) - (1 if (0, 0) in segments else 0) == 1 and whole:
             size, digest = whole[0]
         else:  # written in several pieces: read it back
-            size, digest = _digest_range(self._inner, metadata_tmp, 0, None)
-        record = dg.Digests(size, digest, self._ledger.items or {})
+            size, digest = _digest_range(self._inner, metadata_tmp, 0, None, self._ledger.key)
+        record = dg.Digests(size, digest, self._ledger.items or {}, key=self._ledger.key)
         folder = os.path.dirname(os.fspath(metadata_path))
         final = self._inner.concat_path(folder, dg.FILE)
         tmp = self._inner.concat_path(folder, dg.FILE + ".tmp")
@@ -170,9 +172,10 @@ class _DigestingFS:
         self._inner.rename(tmp, final)
 
 
-def _digest_range(fs: Any, path: Any, offset: int, length: int | None) -> tuple[int, str]:
+def _digest_range(fs: Any, path: Any, offset: int, length: int | None,
+                  key: bytes | None = None) -> tuple[int, str]:
     """Size and digest of ``length`` bytes (None: to the end) of a file, read back."""
-    hasher, n = dg.new_hasher(), 0
+    hasher, n = dg.new_hasher(key), 0
     with fs.create_stream(path, "rb") as f:
         f.seek(offset)
         while length is None or n < length:
@@ -195,11 +198,11 @@ class _Digested:
 class _DigestWriting:
     """Mixin over DCP's file system writers: digests every item and writes ``.digests`` (module docstring)."""
 
-    def __init__(self, *args: Any, digests: bool = True, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, digests: bool = True, key: bytes | None = None, **kwargs: Any) -> None:
         if kwargs.get("_extensions"):
             raise ValueError("gefen-titan's checkpoint writers take no DCP stream extensions (compression)")
         super().__init__(*args, **kwargs)
-        self._ledger = _Ledger(sync=bool(getattr(self, "sync_files", False)), hashing=digests)
+        self._ledger = _Ledger(sync=bool(getattr(self, "sync_files", False)), hashing=digests, key=key)
         self.fs = _DigestingFS(self.fs, self._ledger)
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -253,6 +256,13 @@ class _DigestWriting:
                     pass
         return out
 
+    def storage_meta(self) -> StorageMeta | None:
+        # DCP's finish writes this into .metadata: the mark that this save wrote .digests.
+        meta = super().storage_meta() or StorageMeta()
+        if self._ledger.hashing and dg.MARKER not in meta.modules:
+            meta.modules.append(dg.MARKER)
+        return meta
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         items: dict[str, dict[int, tuple[int, str]]] = {}
         plain = []
@@ -267,7 +277,8 @@ class _DigestWriting:
                     r = WriteResult(r.index, r.size_in_bytes, info)
                 kept.append(r)
             plain.append(kept)
-        # The rename of .metadata writes them (_DigestingFS.rename).
+        # The rename of .metadata writes them (_DigestingFS.rename); .metadata
+        # says so (storage_meta: digests.MARKER), so a load refuses it without them.
         self._ledger.items = items if self._ledger.hashing else None
         try:
             super().finish(metadata, plain)

@@ -1,8 +1,12 @@
 """Command line of the checkpoint tools.
 
 Exit status: 0 the command did what it says (``verify``: the checkpoint is
-sound); 1 the checkpoint is bad, unreadable or cannot be converted (the
-message says what to do; nothing was written); 2 a wrong command line.
+sound and every byte matched its ``.digests``); 1 the checkpoint is bad,
+unreadable or cannot be converted (the message says what to do; nothing
+was written); 2 a wrong command line; 3 (``verify``) no problem found, but
+the checkpoint predates digests, so its bytes are unchecked.
+``--digest-key-env NAME``: the environment variable holding the key the
+checkpoint was signed with (``checkpoint.digest_key_env``).
 With ``--json`` the report is the only thing on stdout.
 """
 
@@ -14,11 +18,13 @@ import os
 import sys
 from typing import Any
 
+from gefen_titan.checkpoint import digests
+from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.checkpoint.reader import CkptError
 from gefen_titan.ckpt import convert, inspection, verify
 
 DESCRIPTION = "Inspect, verify or convert a gefen-titan / torchtitan DCP checkpoint (one step-N folder)."
-OK, BAD, USAGE = 0, 1, 2
+OK, BAD, USAGE, UNCHECKED = 0, 1, 2, 3
 
 
 def add_commands(parser: argparse.ArgumentParser) -> None:
@@ -29,13 +35,16 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
                                    "periods, bytes, codebooks and step counters, the model and data-loader entries.")
     p.add_argument("path", metavar="PATH", help="a checkpoint folder, e.g. outputs/llama_gefen/checkpoint/step-10")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _key_option(p)
 
     p = sub.add_parser("verify", help="offline integrity check of every file and record",
                        description="Reads every byte of every file (CRC32 of every stored record), checks the "
                                    "chunk tiling, Gefen's records, grids and codebooks and non-finite values. "
-                                   "Exit status 0: sound; 1: a problem (the first bad file is named).")
+                                   "Exit status 0: sound, every byte matched .digests; 1: a problem (the first bad "
+                                   "file is named); 3: no problem, but no .digests (a format from before them).")
     p.add_argument("path", metavar="PATH")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _key_option(p)
 
     p = sub.add_parser("convert", help="Gefen state to AdamW moments, or AdamW moments to Gefen state",
                        description="Writes a new checkpoint (OUT must not exist) with the optimizer state "
@@ -56,6 +65,13 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="--to gefen: mark the state for optimizer.deterministic = true")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _key_option(p)
+
+
+def _key_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--digest-key-env", default="", metavar="NAME",
+                   help="environment variable holding the key the checkpoint was signed with (the recipe's "
+                        "checkpoint.digest_key_env); its value is never printed")
 
 
 def _emit(args: argparse.Namespace, report: dict[str, Any], text: str) -> None:
@@ -80,24 +96,27 @@ def _fail(args: argparse.Namespace, message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        key = digests.key_from_env(args.digest_key_env)
         if args.action == "inspect":
-            report = inspection.inspect_checkpoint(args.path)
+            with digests.keyed(key):
+                report = inspection.inspect_checkpoint(args.path)
             _emit(args, report, inspection.render(report))
             return OK
         if args.action == "verify":
-            report = verify.verify_checkpoint(args.path)
+            report = verify.verify_checkpoint(args.path, key)
             _emit(args, report, verify.render(report))
-            return OK if report["ok"] else BAD
+            return {"verified": OK, "unchecked": UNCHECKED}.get(report["verdict"], BAD)
         if args.action == "convert":
             options = convert.ConvertOptions(
                 implementation=args.implementation,
                 max_tensor_parallel_degree=args.max_tensor_parallel_degree,
                 period_one_substrings=tuple(s for s in args.period_one_substrings.split(",") if s),
                 deterministic=args.deterministic)
-            report = convert.convert(args.path, args.out, args.to, options)
+            with digests.keyed(key):  # read checked with the key; written signed with it
+                report = convert.convert(args.path, args.out, args.to, options)
             _emit(args, report, convert.render(report))
             return OK
-    except CkptError as e:
+    except (CkptError, GefenCheckpointError) as e:  # GefenCheckpointError: an unset key variable
         return _fail(args, str(e))
     raise AssertionError(args.action)
 

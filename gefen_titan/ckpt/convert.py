@@ -54,7 +54,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torchtitan.tools import filesystem
 
-from gefen_titan.checkpoint import schema, storage
+from gefen_titan.checkpoint import digests, schema, storage
 from gefen_titan.checkpoint.errors import root_cause
 from gefen_titan.checkpoint.quant import block_mean, dequantize, expand_blocks, requantize
 from gefen_titan.checkpoint.reader import OPTIMIZER, Checkpoint, CkptError, split_state_key
@@ -151,7 +151,8 @@ def _write(state: dict[str, Any], out: str) -> None:
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.save(state, storage_writer=storage.storage_writer(target), no_dist=True)
+            dcp.save(state, storage_writer=storage.storage_writer(target, key=digests.current_key()),
+                     no_dist=True)  # signed with the key the source was read with (cli: --digest-key-env)
         if target != out:
             os.replace(target, out)
     except Exception as e:

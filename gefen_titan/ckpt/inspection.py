@@ -86,7 +86,7 @@ def _digests(ck: Checkpoint) -> dict[str, Any]:
         return {"file": digests.FILE, "state": "damaged", "detail": str(e)}
     if record is None:
         return {"file": None, "state": "none"}
-    return {"file": digests.FILE, "state": "present", "algorithm": digests.ALGORITHM, "items": record.count()}
+    return {"file": digests.FILE, "state": "present", "algorithm": record.algorithm, "items": record.count()}
 
 
 def _file_bytes(ck: Checkpoint, name: str) -> int | None:

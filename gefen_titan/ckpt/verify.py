@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gefen_titan.checkpoint import digests, schema, storage
+from gefen_titan.checkpoint import digests, schema, storage, unpickling
 from gefen_titan.checkpoint.reader import OPTIMIZER, Checkpoint, CkptError, Entry, split_state_key
 from gefen_titan.checkpoint.records import read_gefen
 
@@ -136,7 +136,11 @@ class _Verifier:
             present = set(by_file)
         for extra in sorted(present - set(by_file) - {".metadata"}):
             if extra.endswith(".distcp"):
-                self.warnings.append(f"{extra} is not referenced by .metadata (left over from another save?)")
+                # With .digests every data file of the save is listed: an unlisted one was put there after it.
+                if self.has_digests:
+                    self.add(extra, None, "a data file .metadata does not list (added after the save?)")
+                else:
+                    self.warnings.append(f"{extra} is not referenced by .metadata (left over from another save?)")
         for name in sorted(by_file):
             items = sorted(by_file[name], key=lambda x: x[0])
             size = storage.file_size(self.path, name)
@@ -154,7 +158,10 @@ class _Verifier:
                 self.add(name, cut[2].fqn, f"truncated: {size:,} bytes, its items need {end:,} "
                                            f"(the first cut item starts at byte {cut[0]:,})")
             elif end < size:
-                self.warnings.append(f"{name}: {size - end:,} bytes after its last item")
+                if self.has_digests:  # a save with .digests leaves no byte outside an item
+                    self.add(name, None, f"{size - end:,} bytes after its last item (appended after the save?)")
+                else:
+                    self.warnings.append(f"{name}: {size - end:,} bytes after its last item")
             with storage.open_file(self.path, name) as stream:
                 for offset, length, index, info in items:
                     if offset + length > size:
@@ -172,8 +179,8 @@ class _Verifier:
                         # Then the checks below too: they say more about what the damage hit.
                         if expected is None:
                             self.add(name, index.fqn, f"no digest recorded for this item in {digests.FILE}")
-                        elif digests.hexdigest(data) != expected:
-                            self.add(name, index.fqn, f"corrupt bytes: {digests.ALGORITHM} digest mismatch (the "
+                        elif self.digests.hexdigest(data) != expected:
+                            self.add(name, index.fqn, f"corrupt bytes: {self.digests.algorithm} digest mismatch (the "
                                                       "load refuses it)")
                     raw = _is_raw(ck, index, length)
                     if info.transform_descriptors:
@@ -206,7 +213,10 @@ class _Verifier:
             return
         if not e.is_tensor:
             try:
-                torch.load(io.BytesIO(data), weights_only=False)  # as DCP reads it on resume
+                unpickling.load_entry(io.BytesIO(data), e.key, self.path)  # as a resume reads it
+            except unpickling.ForbiddenObjectError as err:
+                self.add(name, e.key, f"refused: names {err.name}, which a checkpoint may not hold (reading it "
+                                      "could run code)")
             except Exception as err:
                 self.add(name, e.key, f"stored object does not load ({type(err).__name__}: {err})")
             return
@@ -328,18 +338,32 @@ def _other_steps(path: str) -> list[str]:
     return sorted(steps, key=lambda n: int(n[5:]))
 
 
-def verify_checkpoint(path: str) -> dict[str, Any]:
-    """The report ``verify`` prints (``--json`` prints exactly this); ``ok`` is the verdict."""
+def verify_checkpoint(path: str, key: bytes | None = None) -> dict[str, Any]:
+    """The report ``verify`` prints (``--json`` prints exactly this).
+
+    ``ok``: no problem found; ``verdict``: ``verified`` (no problem, and
+    every byte matched ``.digests``), ``unchecked`` (no problem, but the
+    checkpoint predates digests: its bytes are not proven) or ``failed``.
+    ``key``: check keyed digests (a MAC) with it; a checkpoint not signed
+    with it fails.
+    """
+    with digests.keyed(key):
+        return _verify(path)
+
+
+def _verify(path: str) -> dict[str, Any]:
     v = _Verifier(path)
     summary: dict[str, Any] = {}
     intact = v.digest_file()
     try:
-        ck = Checkpoint(path)
+        ck = Checkpoint(path) if intact else None  # a damaged .digests: .metadata is not unpickled unchecked
     except CkptError as err:
-        if intact:  # else the damaged file is reported already, and is why .metadata was not read
-            v.add(".metadata", None, str(err))
+        v.add(".metadata", None, str(err))
         ck = None
     if ck is not None:
+        if not v.has_digests and digests.expects_digests(ck.metadata):
+            v.add(digests.FILE, None, "missing, and .metadata says the save wrote one (deleted or lost since): "
+                                      "a load refuses this checkpoint")
         v.tiling(ck)
         v.every_byte(ck)
         summary = v.records(ck)
@@ -347,6 +371,7 @@ def verify_checkpoint(path: str) -> dict[str, Any]:
     report: dict[str, Any] = {
         "path": v.path,
         "ok": not v.problems,
+        "verdict": "failed" if v.problems else ("verified" if v.has_digests else "unchecked"),
         "problems": [asdict(p) for p in v.problems],
         "warnings": v.warnings,
         "checked": v.checked,
@@ -379,11 +404,15 @@ def render(report: dict[str, Any]) -> str:
     c = report["checked"]
     read = (f"{c['files']} file(s), {c['items']:,} items, {c['bytes'] / 1e6:.2f} MB read, "
             f"{c['crc_checked']:,} CRC32 checked, "
-            + (f"{c['digests_checked']:,} {digests.ALGORITHM} digests checked" if report.get("digests") else
+            + (f"{c['digests_checked']:,} digests checked" if report.get("digests") else
                f"no {digests.FILE} (loads read this checkpoint unchecked)"))
     lines = []
     if report["ok"]:
-        lines.append(f"OK      {report['path']}: {read}")
+        word = "OK" if report["verdict"] == "verified" else "UNCHECKED"
+        lines.append(f"{word:<8}{report['path']}: {read}")
+        if report["verdict"] != "verified":
+            lines.append(f"        no {digests.FILE} (a format from before digests): every check passed, but its "
+                         "bytes are not proven to be the save's")
         g = report.get("gefen")
         m = report.get("gefen_muon")
         if g and (g["optimizers"] or not m):

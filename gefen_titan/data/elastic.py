@@ -56,6 +56,7 @@ from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.tools.logging import logger
 
+from gefen_titan.checkpoint.unpickling import loads_loader_state
 from gefen_titan.data.corpus import register_datasets
 from gefen_titan.data.elastic_dataset import (
     PASS_KEY,
@@ -182,21 +183,39 @@ class ElasticTextDataLoader(HuggingFaceTextDataLoader):
 
     # -- loading ----------------------------------------------------------
 
+    def _unpickle(self, raw: bytes, rank: int | None = None) -> Any:
+        """A rank's pickled loader state, read with plain data only (``checkpoint.unpickling``)."""
+        return loads_loader_state(raw, f"dataloader.dp_rank_{self.dp_rank if rank is None else rank}")
+
+    def _load_own(self, state_dict: dict[str, Any]) -> None:
+        """torchtitan's ``ParallelAwareDataloader.load_state_dict`` (an empty
+        state loads nothing, a missing rank warns, the world size must match),
+        its ``pickle.loads`` of the rank's state restricted to plain data."""
+        if not state_dict:
+            return
+        if self._rank_id not in state_dict:
+            logger.warning(f"DataLoader state is empty for dp rank {self.dp_rank}, expected key {self._rank_id}")
+            return
+        if self.dp_world_size != state_dict["world_size"]:
+            raise DataLoaderReshardError(f"the checkpoint's data loader was saved with {state_dict['world_size']} "
+                                         f"data-parallel ranks, this run has {self.dp_world_size}")
+        StatefulDataLoader.load_state_dict(self, self._unpickle(state_dict[self._rank_id]))
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         request, self._load_request = self._load_request, None
         if not state_dict and request is None:
             return  # empty state is valid (torchtitan)
         src_world = state_dict.get("world_size", request[1] if request else None)
         if src_world is None:
-            return super().load_state_dict(state_dict)  # torchtitan, untouched
+            return self._load_own(state_dict)
         src_world = int(src_world)
         if src_world == self.dp_world_size:
             own = state_dict.get(self._rank_id)
-            src_workers = saved_workers(pickle.loads(own)) if own is not None else self.num_workers
+            src_workers = saved_workers(self._unpickle(own)) if own is not None else self.num_workers
             if src_workers == self.num_workers:
                 if own is not None and self.num_workers and self.dataset.map_style:
-                    self._check_worker_positions(pickle.loads(own))
-                return super().load_state_dict(state_dict)  # torchtitan, untouched
+                    self._check_worker_positions(self._unpickle(own))
+                return self._load_own(state_dict)
             change = f"{src_workers} -> {self.num_workers} data-loader worker processes per rank"
             saved = f"with {src_workers} data-loader workers per rank, this run has {self.num_workers}"
             sources, parts, part = {self.dp_rank: own}, 1, 0
@@ -229,7 +248,8 @@ class ElasticTextDataLoader(HuggingFaceTextDataLoader):
                         "the data loader's prepare_load before dcp.load)"
                     )
                 sources = {r: state_dict[f"dp_rank_{r}"] for r in range(src_world)}
-            units = [u for r in sorted(sources) for u in self._source_units(pickle.loads(sources[r]), src_world, r)]
+            units = [u for r in sorted(sources)
+                     for u in self._source_units(self._unpickle(sources[r], r), src_world, r)]
             states = self.dataset.resharded_units(units, parts, part, self.num_workers)
         except DataLoaderReshardError as e:
             raise DataLoaderReshardError(

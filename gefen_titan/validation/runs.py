@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torchtitan.config.override import format_cli_imports
 
+from gefen_titan.checkpoint import storage
 from gefen_titan.data.global_loader import GlobalOrderDataLoader
 from gefen_titan.validation.identity import run_identity
 from gefen_titan.validation.recipes import config_of, recipe_imports, recipe_tables, resolve_recipe
@@ -78,7 +78,7 @@ def dir_bytes(path: Path) -> int:
 def checkpoint_bytes(step_dir: Path) -> dict[str, Any]:
     """Bytes on disk of the step-S checkpoint, and the optimizer's share of
     them (the stored lengths of the ``optimizer.`` items, from DCP's metadata)."""
-    meta = FileSystemReader(str(step_dir)).read_metadata()
+    meta = storage.read_metadata(step_dir)  # checked and restricted, as every read of a checkpoint
     opt = sum(info.length for index, info in meta.storage_data.items() if index.fqn.startswith("optimizer."))
     return {"total": dir_bytes(step_dir), "optimizer": opt}
 

@@ -29,6 +29,7 @@ from gefen_titan.checkpoint import digests
 from gefen_titan.ckpt.verify import verify_checkpoint
 from tests.helpers import processes
 from tests.helpers.integrity_worker import resume_flipped
+from tests.helpers.untrusted import plant_in_metadata, rewrite_digests
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ["--job.config", "recipes/llama_gefen.toml", "--checkpoint.interval", "2"]
@@ -109,3 +110,72 @@ def test_every_flipped_byte_is_refused(saved, tmp_path):
     errors = re.findall(r"GefenCheckpointError: .*is corrupt: " + re.escape(name) + r".*", log)
     assert len(errors) >= 2, log[-5000:]  # raised on both ranks
     assert "--checkpoint.load_step 2" in errors[0]
+
+
+def _untrusted_copies(saved: Path, root: Path, sentinel: Path) -> list[tuple[Path, str, str]]:
+    """(copy's checkpoint folder, what was done, the text its refusal must hold): step 4 damaged one way each."""
+    def copy(name: str) -> Path:
+        folder = root / name / "checkpoint"
+        shutil.copytree(saved / "checkpoint", folder, copy_function=shutil.copy2)
+        return folder
+
+    out = []
+    folder = copy("no-digests")
+    (folder / "step-4" / digests.FILE).unlink()
+    out.append((folder, "no .digests", "checkpoint.load_without_digests"))
+    folder = copy("short-digests")
+    raw = (folder / "step-4" / digests.FILE).read_bytes()
+    (folder / "step-4" / digests.FILE).write_bytes(raw[:-7])
+    out.append((folder, "truncated .digests", digests.FILE))
+    folder = copy("long-digests")
+    with open(folder / "step-4" / digests.FILE, "ab") as f:
+        f.write(b"0 8 0123456789abcdef\n")
+    out.append((folder, "extended .digests", digests.FILE))
+    folder = copy("appended")
+    with open(folder / "step-4" / "__1_0.distcp", "ab") as f:
+        f.write(os.urandom(64))
+    out.append((folder, "64 bytes appended to a data file", "bytes after its last item"))
+    folder = copy("unlisted")
+    shutil.copy(folder / "step-4" / "__1_0.distcp", folder / "step-4" / "__2_0.distcp")
+    out.append((folder, "an unlisted data file", "__2_0.distcp"))
+    folder = copy("payload")
+    rewrite_digests(folder / "step-4", plant_in_metadata(folder / "step-4", sentinel))
+    out.append((folder, "a payload in .metadata, .digests rewritten to match", ".metadata names io.open"))
+    return out
+
+
+def test_untrusted_folders_are_refused_on_every_rank_and_run_nothing(saved, tmp_path):
+    """Issue 27's acceptance on a real 2-rank checkpoint: each damage is refused on both ranks by the
+    resume (live state unchanged) and fails ``ckpt verify``; the planted payload runs nowhere, in the
+    resume, ``ckpt inspect``, ``verify`` or ``convert``."""
+    from gefen_titan.ckpt import convert, inspection
+
+    sentinel = tmp_path / "pwned"
+    copies = _untrusted_copies(saved, tmp_path / "copies", sentinel)
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [*RECIPE, "--job.dump_folder", str(tmp_path / "dump"), "--copies", str(out), "4", "2",
+            *(str(folder) for folder, _, _ in copies)]
+    processes.run_ranks(2, resume_flipped, argv, logs=tmp_path / "logs", timeout=900)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for i, (folder, what, text) in enumerate(copies):
+        for r, seen in enumerate(ranks):
+            v = seen["flips"][i]
+            assert not v["loaded"], f"rank {r} loaded the copy with {what}"
+            assert v["unchanged"], f"rank {r}: live state changed by the refused load of the copy with {what}"
+            assert text in v["error"], (what, v["error"])
+        report = verify_checkpoint(str(folder / "step-4"))
+        assert report["verdict"] == "failed", (what, report["problems"])
+    assert all(seen["previous_step"] == 2 for seen in ranks)
+    payload = copies[-1][0] / "step-4"
+    for tool in (lambda: inspection.inspect_checkpoint(str(payload)),
+                 lambda: convert.convert(str(payload), str(tmp_path / "converted"), "adamw")):
+        with pytest.raises(Exception, match="io.open"):
+            tool()
+    # End to end: a real train.py resume of the planted copy fails on both ranks and trains nothing.
+    proc = processes.torchrun(2, str(ROOT / "train.py"), *RECIPE, "--job.dump_folder", str(payload.parents[1]),
+                              "--training.steps", "6", timeout=600)
+    log = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+    assert proc.returncode != 0 and not STEP_RE.search(log), log[-3000:]
+    assert len(re.findall(r"GefenCheckpointError: .*\.metadata names io\.open", log)) >= 2, log[-5000:]
+    assert not sentinel.exists()

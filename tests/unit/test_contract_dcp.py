@@ -55,3 +55,47 @@ def test_load_all_returns_every_entry(tmp_path):
     assert sorted(got) == sorted(want)
     for key, value in want.items():
         assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value
+
+
+def test_default_load_planner_load_bytes_is_what_the_safe_reader_mirrors():
+    """``checkpoint.reading._load_bytes`` does what ``DefaultLoadPlanner.load_bytes`` does with a byte
+    entry, given a value unpickled with ``weights_only=True`` (DCP's would ``torch.load`` it unrestricted):
+    if DCP changes where that value goes, the reader must change with it."""
+    import inspect
+
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    src = inspect.getsource(DefaultLoadPlanner.load_bytes)
+    assert "if self.flatten_state_dict:" in src
+    assert "set_element(" in src and "self.original_state_dict" in src
+    assert "self.mappings[read_item.dest_index.fqn]" in src
+    assert "self.state_dict[read_item.dest_index.fqn]" in src
+    assert src.count("torch.load(") == 2  # both branches unpickle: neither may be reached (the reader never calls it)
+
+
+def test_the_safe_reader_never_calls_the_planners_load_bytes(tmp_path, monkeypatch):
+    """Byte entries reach the planner's state dict without ``DefaultLoadPlanner.load_bytes`` (its torch.load),
+    and a planner that reads bytes its own way is refused."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from gefen_titan.checkpoint import storage
+
+    dcp.save({"a": {"n": 3, "s": "x"}, "t": torch.ones(2)}, storage_writer=storage.storage_writer(tmp_path / "c"),
+             no_dist=True)
+
+    class OwnBytes(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            raise AssertionError("called")
+
+    with pytest.raises(BaseException, match="reads byte entries itself"):
+        dcp.load({"a": {"n": 0, "s": ""}}, storage_reader=storage.storage_reader(tmp_path / "c"),
+                 planner=OwnBytes(), no_dist=True)
+
+    def forbidden(*_a, **_k):
+        raise AssertionError("DefaultLoadPlanner.load_bytes was called")
+
+    monkeypatch.setattr(DefaultLoadPlanner, "load_bytes", forbidden)
+    out = {"a": {"n": 0, "s": ""}, "t": torch.zeros(2)}
+    dcp.load(out, storage_reader=storage.storage_reader(tmp_path / "c"), no_dist=True)
+    assert out["a"] == {"n": 3, "s": "x"} and torch.equal(out["t"], torch.ones(2))

@@ -1,0 +1,125 @@
+"""Reading the pickles inside a checkpoint without running code from them.
+
+A checkpoint folder can come from anyone who could write to it (a shared
+file system, a bucket, a downloaded run), and unpickling runs whatever
+callables a pickle names: DCP ``pickle.load``s ``.metadata``, its default
+planner ``torch.load(weights_only=False)``s every byte entry, and a data
+loader's state is a pickle inside a byte entry. Every such read in
+gefen-titan (the training load, ``storage.load_all``, the ``ckpt`` tools,
+the validation) goes through this module, which names the globals a pickle
+may reach and refuses the rest before anything is built from them:
+
+* ``.metadata``: DCP's metadata dataclasses and what they hold
+  (``torch.Size``, dtypes, layouts, the memory-format enum, paths);
+* byte entries: ``torch.load(weights_only=True)``, torch's own allowlist of
+  plain data and tensors, plus ``ENTRY_GLOBALS`` (empty: torchtitan's train
+  state, its LR schedulers, Gefen's records and our loaders store plain
+  ints, strings and bytes; a test saves every shipped recipe and reads it
+  back through here);
+* a data loader's pickled state: plain containers and scalars only.
+
+An allowlisted callable must be harmless whatever its arguments (a class
+whose constructor only stores them, a lookup): ``find_class`` is the only
+door a pickle has to code, so what it hands out is all a hostile pickle can
+call. A refusal is ``ForbiddenObjectError``, naming the file or entry and
+the global.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from typing import Any, BinaryIO
+
+import torch
+
+from gefen_titan.checkpoint.errors import GefenCheckpointError
+
+__all__ = ["ForbiddenObjectError", "METADATA_GLOBALS", "ENTRY_GLOBALS", "LOADER_GLOBALS", "load_metadata",
+           "load_entry", "loads_loader_state"]
+
+# (module, name) a .metadata pickle may name; torch dtypes (``torch.float32``, ...) too.
+METADATA_GLOBALS = frozenset({
+    ("torch.distributed.checkpoint.metadata", "Metadata"),
+    ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+    ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),  # a lookup of torch's layouts by name
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id of a local save
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+})
+
+# Types a byte entry may hold beyond torch's weights_only allowlist (plain data, tensors, dtypes).
+ENTRY_GLOBALS: tuple[Any, ...] = ()
+
+# A data loader's state (torchdata's StatefulDataLoader and our datasets' state dicts): plain data only.
+LOADER_GLOBALS = frozenset({("collections", "OrderedDict")})
+
+_UNSUPPORTED = re.compile(r"GLOBAL ([\w.]+)")  # torch's weights_only refusal names the global so
+
+
+class ForbiddenObjectError(GefenCheckpointError):
+    """A pickle in a checkpoint names a global outside the allowlist: it was not unpickled."""
+
+    def __init__(self, where: str, name: str, source: str = "") -> None:
+        self.where, self.name = where, name
+        in_ckpt = f"checkpoint {source}: " if source else ""
+        super().__init__(
+            f"{in_ckpt}{where} names {name}, which a checkpoint may not hold (reading it could run code): "
+            "refused before anything was built from it. A checkpoint gefen-titan or torchtitan wrote never "
+            "does; if you wrote this one yourself, store plain data there. Nothing was loaded.")
+
+
+class _Restricted(pickle.Unpickler):
+    def __init__(self, file: BinaryIO, allowed: frozenset, where: str, source: str, dtypes: bool) -> None:
+        super().__init__(file)
+        self._allowed, self._where, self._source, self._dtypes = allowed, where, source, dtypes
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._allowed:
+            return super().find_class(module, name)
+        if self._dtypes and module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise ForbiddenObjectError(self._where, f"{module}.{name}", self._source)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise ForbiddenObjectError(self._where, f"a persistent id ({type(pid).__name__})", self._source)
+
+
+def load_metadata(raw: bytes, source: str = "") -> Any:
+    """``.metadata``'s bytes unpickled with ``METADATA_GLOBALS`` only (``ForbiddenObjectError`` otherwise)."""
+    return _Restricted(io.BytesIO(raw), METADATA_GLOBALS, ".metadata", source, dtypes=True).load()
+
+
+def load_entry(stream: BinaryIO | bytes, entry: str, source: str = "") -> Any:
+    """A byte entry (DCP's ``torch.save`` of a non-tensor value), read with ``weights_only=True``.
+
+    ``ForbiddenObjectError`` names the entry and the global when the pickle
+    reaches outside the allowlist; other unpickling errors propagate (damaged bytes).
+    """
+    if isinstance(stream, (bytes, bytearray, memoryview)):
+        stream = io.BytesIO(stream)
+    try:
+        with torch.serialization.safe_globals(list(ENTRY_GLOBALS)):
+            return torch.load(stream, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if not str(e).startswith("Weights only load failed"):
+            raise
+        m = _UNSUPPORTED.search(str(e))
+        name = m.group(1) if m else "an object outside torch's weights_only allowlist"
+        raise ForbiddenObjectError(f"entry {entry}", name, source) from None
+
+
+def loads_loader_state(raw: bytes, entry: str, source: str = "") -> Any:
+    """A data loader's pickled state (torchtitan pickles one per data-parallel rank), plain data only."""
+    return _Restricted(io.BytesIO(raw), LOADER_GLOBALS, f"entry {entry}", source, dtypes=False).load()

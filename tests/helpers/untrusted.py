@@ -1,0 +1,48 @@
+"""Checkpoint folders as a writer without the save's key could leave them (the untrusted-checkpoint tests)."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+from gefen_titan.checkpoint import digests, storage
+
+
+class Payload:
+    def __init__(self, sentinel: Path) -> None:
+        self.sentinel = str(sentinel)
+
+    def __reduce__(self):
+        return (open, (self.sentinel, "w"))
+
+
+def rewrite_digests(step: Path, md, key: bytes | None = None) -> None:
+    """A consistent ``.digests`` for the folder's current bytes (``md``: its metadata, as written), as a
+    writer without the save's key makes it."""
+    items: dict[str, dict[int, tuple[int, str]]] = {}
+    for info in md.storage_data.values():
+        data = (step / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+        if info.length:
+            rows = items.setdefault(info.relative_path, {})
+            rows[int(info.offset)] = (int(info.length), digests.hexdigest(data, key))
+    raw = (step / ".metadata").read_bytes()
+    record = digests.Digests(len(raw), digests.hexdigest(raw, key), items, key=key)
+    (step / digests.FILE).write_bytes(record.to_bytes())
+
+
+def as_pre_digest(step: Path) -> None:
+    """The folder as a save from before digests left it (formats v1, v2): no ``.digests``, no marker."""
+    md = storage.read_metadata(step)
+    md.storage_meta.modules.remove(digests.MARKER)
+    (step / ".metadata").write_bytes(pickle.dumps(md))
+    (step / digests.FILE).unlink()
+
+
+def plant_in_metadata(step: Path, sentinel: Path, key: bytes | None = None):
+    """The clean metadata (read before planting: unpickling the planted file here would run it)."""
+    with digests.keyed(key):
+        md = storage.read_metadata(step)
+    clean = pickle.loads(pickle.dumps(md))
+    md.planner_data["__payload__"] = Payload(sentinel)  # unrestricted unpickling hands back a real Metadata
+    (step / ".metadata").write_bytes(pickle.dumps(md))
+    return clean
