@@ -178,6 +178,12 @@ class GefenCheckpointManager(CheckpointManager):
             dcp.load(targets, storage_reader=reader)
             if MODEL in self.states:
                 self.states[MODEL].load_state_dict(targets)
+            # A raw tensor in `states` (torchtitan's own tests pass one) is
+            # loaded in place by torchtitan; here it was read into a fresh
+            # target like the model's, so it is applied now, as they are.
+            for key, component in self.states.items():
+                if key != MODEL and isinstance(component, torch.Tensor) and key in targets:
+                    state_dict[key].copy_(targets[key])
         except (CheckpointException, OSError) as e:
             # A read failure or a damaged byte: DCP raises the same CheckpointException on every rank.
             raise refusal(checkpoint_id, e) from e

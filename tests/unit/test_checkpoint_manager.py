@@ -69,3 +69,22 @@ def test_a_failed_load_still_releases_the_plan(tmp_path):
         with pytest.raises(ValueError, match="not this checkpoint"):
             _manager(str(tmp_path / "ckpt"), refuses).load(step=1)
     assert refuses.calls[-1] == ("abort",) and not any(c[0] == "load" for c in refuses.calls)
+
+
+def test_a_raw_tensor_in_states_is_restored(tmp_path):
+    """torchtitan loads a plain tensor in ``states`` in place; the manager reads into fresh targets, so it
+    must apply it after the load as it applies the model (torchtitan's own tests pass one)."""
+    def build(value: float):
+        cfg = GefenCheckpointManager.Config(enable=True, folder=str(tmp_path / "ckpt"), interval=1, keep_latest_k=0,
+                                            last_save_model_only=False)
+        t = torch.full((2,), value)
+        return cfg.build(dataloader=Blob(), model_parts=[torch.nn.Linear(2, 2)], optimizers=Blob(),
+                         lr_schedulers=Blob(), states={"trainer": t}, sd_adapter=None, base_folder=""), t
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        saver, _ = build(5.0)
+        saver.save(curr_step=1)
+        loader, live = build(-7.0)
+        assert loader.load(step=1)
+    assert torch.equal(live, torch.full((2,), 5.0))
