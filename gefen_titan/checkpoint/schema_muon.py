@@ -128,8 +128,10 @@ def check_muon_hyper(fqn: str, group: dict[str, Any]) -> None:
         v = group[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise bad(k)
-    if not (group["momentum"] < 1 and group["normuon_beta2"] < 1 and group["eps"] > 0 and group["normuon_eps"] > 0):
-        raise bad("momentum, normuon_beta2, eps or normuon_eps")
+    for k, ok in (("momentum", group["momentum"] < 1), ("normuon_beta2", group["normuon_beta2"] < 1),
+                  ("eps", group["eps"] > 0), ("normuon_eps", group["normuon_eps"] > 0)):
+        if not ok:
+            raise bad(k)  # names the key and its value
     for k in ("nesterov", "normuon"):
         if not isinstance(group[k], bool):
             raise bad(k)

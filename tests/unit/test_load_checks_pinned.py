@@ -321,7 +321,7 @@ _MISSING = object()
 
 
 @pytest.mark.parametrize("key, value, match", [
-    ("normuon_eps", 0.0, "normuon_eps"),
+    ("normuon_eps", 0.0, "normuon_eps=0.0"),  # the key and its value
     ("ns_steps", 100, "ns_steps=100"),
     ("ns_coefficients", [[3.4445, -4.775, 2.0315]] * 100, "ns_coefficients"),
     ("normuon_eps", _MISSING, "'normuon_eps' missing from the checkpoint"),
