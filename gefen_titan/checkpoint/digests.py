@@ -135,13 +135,9 @@ def key_from_env(name: str) -> bytes | None:
     return key
 
 
-def keyed(key: bytes | None) -> contextlib.AbstractContextManager:
-    """Within it, the readers made on this thread check digests with ``key`` (None: unkeyed)."""
-    return _key_scope(key)
-
-
 @contextlib.contextmanager
-def _key_scope(key: bytes | None) -> Iterator[None]:
+def keyed(key: bytes | None) -> Iterator[None]:
+    """Within it, the readers made on this thread check digests with ``key`` (None: unkeyed)."""
     outer = getattr(_scope, "key", None)
     _scope.key = key
     try:

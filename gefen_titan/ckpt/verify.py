@@ -134,13 +134,15 @@ class _Verifier:
             present = set(storage.list_files(self.path))
         except OSError:
             present = set(by_file)
+        if self.has_digests:  # a save with .digests leaves no byte outside an item: the load's own rule
+            try:
+                for name, what in storage.stray_bytes(self.path, ck.metadata):
+                    self.add(name, None, what)
+            except OSError as err:
+                self.add(None, None, f"cannot list the folder ({err})")
         for extra in sorted(present - set(by_file) - {".metadata"}):
-            if extra.endswith(".distcp"):
-                # With .digests every data file of the save is listed: an unlisted one was put there after it.
-                if self.has_digests:
-                    self.add(extra, None, "a data file .metadata does not list (added after the save?)")
-                else:
-                    self.warnings.append(f"{extra} is not referenced by .metadata (left over from another save?)")
+            if extra.endswith(".distcp") and not self.has_digests:
+                self.warnings.append(f"{extra} is not referenced by .metadata (left over from another save?)")
         for name in sorted(by_file):
             items = sorted(by_file[name], key=lambda x: x[0])
             size = storage.file_size(self.path, name)
@@ -157,11 +159,8 @@ class _Verifier:
                 cut = next(x for x in items if x[0] + x[1] > size)
                 self.add(name, cut[2].fqn, f"truncated: {size:,} bytes, its items need {end:,} "
                                            f"(the first cut item starts at byte {cut[0]:,})")
-            elif end < size:
-                if self.has_digests:  # a save with .digests leaves no byte outside an item
-                    self.add(name, None, f"{size - end:,} bytes after its last item (appended after the save?)")
-                else:
-                    self.warnings.append(f"{name}: {size - end:,} bytes after its last item")
+            elif end < size and not self.has_digests:  # with .digests: stray_bytes above
+                self.warnings.append(f"{name}: {size - end:,} bytes after its last item")
             with storage.open_file(self.path, name) as stream:
                 for offset, length, index, info in items:
                     if offset + length > size:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def plant_in_metadata(step: Path, sentinel: Path, key: bytes | None = None):
     """The clean metadata (read before planting: unpickling the planted file here would run it)."""
     with digests.keyed(key):
         md = storage.read_metadata(step)
-    clean = pickle.loads(pickle.dumps(md))
+    clean = copy.deepcopy(md)
     md.planner_data["__payload__"] = Payload(sentinel)  # unrestricted unpickling hands back a real Metadata
     (step / ".metadata").write_bytes(pickle.dumps(md))
     return clean

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -151,7 +152,6 @@ def test_a_checkpoint_from_before_digests_loads_with_a_warning_and_verifies_unch
 
 
 def _cli_verify(step: Path, *extra: str, env: dict | None = None) -> int:
-    import os
     return subprocess.run([sys.executable, "-m", "gefen_titan.ckpt", "verify", str(step), *extra], cwd=ROOT,
                           capture_output=True, env={**os.environ, **(env or {})}, timeout=300).returncode
 
