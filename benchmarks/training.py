@@ -138,7 +138,7 @@ def _worker(out: str, train_args: list[str]) -> None:
     trainer.train_step = timed_train_step
     trainer.optimizers.step = timed_opt_step
     agreement_s: list[float] = []
-    agreement = getattr(trainer.optimizers, "_agreement", None)
+    agreement = getattr(trainer.optimizers, "agreement", None)
     if agreement is not None:  # Gefen, agreed blocking: time the first step's agreement on its own
         maybe_agree = agreement.maybe_agree
 

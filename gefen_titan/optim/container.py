@@ -339,9 +339,9 @@ class GefenOptimizersContainer(OptimizersContainer):
         self.register_step_post_hook(self._log_state_size_once)
 
         self.blocking = config.blocking
-        self._agreement: AgreedBlocking | None = None
+        self.agreement: AgreedBlocking | None = None  # None: per-rank blocking (a heal copies `needed`)
         if config.blocking == "agreed":
-            self._agreement = AgreedBlocking(config.max_tensor_parallel_degree)
+            self.agreement = AgreedBlocking(config.max_tensor_parallel_degree)
             # One hook for the container, not one per optimizer: every rank
             # must join the agreement's collectives, also a rank whose stage
             # holds no Gefen parameter.
@@ -387,11 +387,11 @@ class GefenOptimizersContainer(OptimizersContainer):
         for optim in self._flat_optimizers():
             init_optim_state(optim)
             load_flat_optim_state_dict(optim, state_dict)
-        if self._agreement is not None:
+        if self.agreement is not None:
             # A restored codebook means the agreement is in the checkpoint;
             # one that was saved before the first step still needs it. Every
             # rank must decide alike (ranks without Gefen params included).
-            self._agreement.needed = not any_rank(any(gs.codebook(o) is not None for o in self.agreed_optimizers))
+            self.agreement.needed = not any_rank(any(gs.codebook(o) is not None for o in self.agreed_optimizers))
 
     # LoadPreparer (gefen_titan.checkpoint.manager): GefenCheckpointManager
     # calls these on every rank around torchtitan's dcp.load.
@@ -478,7 +478,7 @@ class GefenOptimizersContainer(OptimizersContainer):
 
     # ------------------------------------------------------------------ hooks
     def _agree_before_first_step(self, container: OptimizersContainer, args: Any, kwargs: Any) -> None:
-        self._agreement.maybe_agree(self.agreed_optimizers)
+        self.agreement.maybe_agree(self.agreed_optimizers)
 
     def _count_empty_shards(self, container: OptimizersContainer, args: Any, kwargs: Any) -> None:
         # GefenMuon's sharded step counts its empty shards' steps itself.

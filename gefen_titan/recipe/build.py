@@ -59,6 +59,7 @@ from gefen_titan.data.corpus import DEFAULT_TOKENIZER_PATH
 from gefen_titan.data.registry import UnknownLoaderError, lift_dataloader_config, loader_config_class
 from gefen_titan.optim import registry as optimizers
 from gefen_titan.optim.container import GROUP_DEFAULTS, GefenOptimizersContainer
+from gefen_titan.recipe import fault_tolerance
 from gefen_titan.recipe.checks import check_global_order_batch, check_optimizer, validate_mesh
 from gefen_titan.recipe.coerce import coerce_value, type_hints
 from gefen_titan.recipe.errors import RecipeError
@@ -267,6 +268,8 @@ def build_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] |
             f"{path}: [job] needs module and base_config strings (e.g. base_config = \"llama3_debugmodel\")"
         )
     config = _base_config(module, base_config, path)
+    if fault_tolerance.SECTION in data:  # torchtitan's FT trainer, with gefen-titan's parts
+        config = fault_tolerance.as_fault_tolerant(config)
     hints = type_hints(type(config))
     for key in _TOP_LEVEL_FROM_JOB:
         if key in job:
@@ -282,6 +285,8 @@ def build_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] |
     config.optimizer = _as_gefen_optimizer_config(config.optimizer)
     _refuse_composite_keys(data.get("optimizer"), path)
     config.checkpoint = _as_gefen_checkpoint_config(config.checkpoint)
+    if fault_tolerance.SECTION in data:
+        fault_tolerance.lift_components(config)
     config.dataloader = lift_dataloader_config(config.dataloader)
     loader_table = data.get("dataloader")
     if isinstance(loader_table, dict) and "loader" in loader_table:
@@ -330,5 +335,6 @@ def finish_recipe(recipe: Recipe, world_size: int | None = None) -> None:
         where = recipe.set_by.get("hf_assets_path", f"{path}: [job] hf_assets_path")
         config.hf_assets_path = _builtin_asset(config.hf_assets_path, where)
     check_optimizer(config.optimizer, path, recipe.set_by)
+    fault_tolerance.check_fault_tolerance(config, path)
     validate_mesh(config, path, world_size)
     check_global_order_batch(config, path, world_size)

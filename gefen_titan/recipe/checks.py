@@ -18,6 +18,7 @@ from typing import Any
 from gefen_titan.data.global_loader import GlobalOrderDataLoader
 from gefen_titan.optim.container import GefenOptimizersContainer
 from gefen_titan.recipe.errors import RecipeError
+from gefen_titan.recipe.fault_tolerance import replica_groups
 
 __all__ = ["check_global_order_batch", "check_optimizer", "validate_mesh"]
 
@@ -82,7 +83,8 @@ def check_global_order_batch(config: Any, path: str, world_size: int | None) -> 
         others = (p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
                   * p.pipeline_parallel_degree)
         shard = world_size // others
-    dp = p.data_parallel_replicate_degree * shard
+    # Under fault tolerance every replica group is one more slice of the same global batch.
+    dp = p.data_parallel_replicate_degree * shard * replica_groups(config)
     local, gbs = t.local_batch_size, t.global_batch_size
     if gbs <= 0:
         raise RecipeError(

@@ -127,7 +127,7 @@ def test_per_rank_blocking_keeps_gefens_own_learning():
     """The opt-out accepts what agreed blocking refuses and installs no agreement hook."""
     model = nn.Linear(64, 64)
     opt = _container(model, blocking="per_rank", codebook_refresh_every=5)
-    assert opt.blocking == "per_rank" and opt._agreement is None
+    assert opt.blocking == "per_rank" and opt.agreement is None
     model(torch.randn(4, 64)).sum().backward()
     opt.step()
     (optim,) = opt.gefen_optimizers

@@ -34,7 +34,11 @@ def canonical(name: str) -> str:
 
 
 def declared_distributions() -> set[str]:
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    """[project] dependencies, and the optional extras the package imports from (torchft: ``[ft]``);
+    the ``test`` extra is the checkout's, not the package's."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project.get("optional-dependencies", {})
+    deps = project["dependencies"] + [d for name, ds in extras.items() if name != "test" for d in ds]
     return {canonical(re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", d.strip()).group(0)) for d in deps}
 
 

@@ -1,0 +1,80 @@
+"""``GefenFTOptimizersContainer``: gefen-titan's optimizer container under torchft.
+
+torchtitan's ``TorchFTOptimizersContainer`` wraps the stock container, runs
+``init_optim_state`` (a zero-gradient step, from which Gefen would learn a
+codebook and periods of zeros) and serves a state dict cached once at
+start-up to every joining group (torchtitan #4422). This one wraps
+``GefenOptimizersContainer`` and does neither:
+
+- ``zero_grad`` starts torchft's quorum (synchronous: ``ft.manager``; a
+  heal is loaded before it returns), then tells the ``on_step_start``
+  listeners (the trainer snapshots what an uncommitted step must rewind);
+- ``step`` asks torchft ``should_commit`` and steps only then, keeping the
+  verdict in ``last_step_committed`` (the trainer and the checkpoint manager
+  read it);
+- ``heal_state_dict`` captures the live state on every call (no cache, no
+  collective; ``optim.live_state``) plus whether the first step's agreement
+  has still to run; ``load_heal_state_dict`` restores both, so a group that
+  joins after step 1 keeps its peers' periods and codebook and never agrees
+  again on its own gradients.
+
+Checkpoints (``state_dict`` / ``load_state_dict``) are the parent's, format
+and all. With ``fault_tolerance.enable = false`` it is the parent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torchtitan.experiments.torchft.optimizer import TorchFTOptimizersContainer
+
+from gefen_titan.optim import live_state
+from gefen_titan.optim.container import GefenOptimizersContainer
+
+__all__ = ["GefenFTOptimizersContainer"]
+
+
+class GefenFTOptimizersContainer(GefenOptimizersContainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(GefenOptimizersContainer.Config, TorchFTOptimizersContainer.Config):
+        """``GefenOptimizersContainer.Config``; being a ``TorchFTOptimizersContainer.Config``
+        too is how torchtitan's FT trainer knows to hand it the torchft manager."""
+
+    def __init__(self, config: Config, *, model_parts: list[torch.nn.Module], ft_manager: Any = None) -> None:
+        super().__init__(config, model_parts=model_parts)
+        self._manager = ft_manager.manager if ft_manager is not None and ft_manager.enabled else None
+        self.last_step_committed = True
+        self.on_step_start: list[Callable[[], None]] = []
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        if self._manager is not None:
+            self._manager.start_quorum()
+        super().zero_grad(*args, **kwargs)
+        for listener in self.on_step_start:
+            listener()
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self._manager is None:
+            super().step(*args, **kwargs)
+            return
+        self.last_step_committed = bool(self._manager.should_commit())
+        if self.last_step_committed:
+            super().step(*args, **kwargs)
+
+    def heal_state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizers": live_state.capture(self.optimizers),
+            "agreement_needed": None if self.agreement is None else bool(self.agreement.needed),
+        }
+
+    def load_heal_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if (state_dict.get("agreement_needed") is None) != (self.agreement is None):
+            raise live_state.LiveStateError(
+                "cannot heal the optimizer state from the live replica group: it runs another "
+                "optimizer.blocking than this one")
+        live_state.restore(self.optimizers, state_dict["optimizers"])
+        if self.agreement is not None:
+            self.agreement.needed = bool(state_dict["agreement_needed"])

@@ -1,0 +1,88 @@
+"""Dumps for the fault-tolerance tests: what a heal sent and loaded, and each rank's state at the end.
+
+A torchtitan override that swaps the FT recipe's ``GefenFTCheckpointManager``
+for a subclass which writes, with ``torch.save``, into ``dir``:
+
+* ``sent-g<replica>-r<rank>-s<step>.pt``: the payload a live group's rank
+  handed torchft for a joiner (the heal payload, as captured);
+* ``healed-g<replica>-r<rank>-s<step>.pt``: the joiner rank's live state
+  captured again right after the heal loaded (before its first step);
+* ``end-g<replica>-r<rank>.pt``: the rank's live state after the last step.
+
+``<step>`` is the trainer step the payload carries. Comparing ``healed``
+with the matching ``sent`` checks that a heal leaves the joiner exactly at
+its peer; comparing the ``end`` files of two groups (and of two runs) checks
+lockstep and the uninterrupted run. Used as::
+
+    --override.imports gefen_titan.patches.sdpa_attention.sdpa_attention \
+        'tests.helpers.ft_hooks.dump_ft={"dir": "/tmp/d"}'
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchtitan.config import override
+from torchtitan.config.override import derive
+
+from gefen_titan.ft.checkpoint import GefenFTCheckpointManager
+
+
+def _cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu(v) for v in value)
+    return copy.deepcopy(value)
+
+
+class DumpingFTCheckpointManager(GefenFTCheckpointManager):
+    @dataclass(kw_only=True, slots=True)
+    class Config(GefenFTCheckpointManager.Config):
+        dump_dir: str = ""
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        self._dump_dir = config.dump_dir
+        super().__init__(config, **kwargs)
+        os.makedirs(self._dump_dir, exist_ok=True)
+        replica = kwargs["ft_manager"].replica_id
+        self._tag = f"g{replica}-r{dist.get_rank()}"
+        heal = self.heal
+        send, load = heal.state_dict, heal.load_state_dict
+
+        def sent() -> dict[str, Any]:
+            payload = send()
+            self._write(f"sent-{self._tag}-s{payload['train_state']['step']}.pt", payload)
+            return payload
+
+        def loaded(state_dict: dict[str, Any]) -> None:
+            load(state_dict)
+            self._write(f"healed-{self._tag}-s{state_dict['train_state']['step']}.pt", send())
+
+        # torchft keeps the functions registered in __init__: swap them in its tables.
+        ft = self.ft_manager
+        key = next(k for k in ft._user_state_dicts)
+        ft._user_state_dicts[key] = sent
+        ft._load_state_dict_fns[key] = loaded
+
+    def _write(self, name: str, payload: dict[str, Any]) -> None:
+        torch.save(_cpu(payload), os.path.join(self._dump_dir, name))
+
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        out = super()._save(curr_step, last_step)
+        if last_step and self.heal.optimizers.last_step_committed:
+            self._write(f"end-{self._tag}.pt", self.heal.state_dict())
+        return out
+
+
+@override(target=GefenFTCheckpointManager.Config, exact=True,
+          description="tests: dump heal payloads and end states")
+def dump_ft(cfg: GefenFTCheckpointManager.Config, *, dir: str):
+    return derive(cfg, DumpingFTCheckpointManager.Config, dump_dir=dir)
