@@ -48,7 +48,8 @@ class GefenFTCheckpointManager(GefenCheckpointManager):
             return
         self.heal = HealState(
             model_parts=kwargs["model_parts"], optimizers=kwargs["optimizers"], lr_schedulers=kwargs["lr_schedulers"],
-            dataloader=kwargs.get("dataloader"), train_state=kwargs["states"]["train_state"])
+            dataloader=kwargs.get("dataloader"), train_state=kwargs["states"]["train_state"],
+            transport=ft_manager.transport)
         self.ft_manager.register_state_dict_fn(HEAL_KEY, self.heal.load_state_dict, self.heal.state_dict)
 
     def _writes(self) -> bool:

@@ -64,6 +64,7 @@ class HealStats:
     optimizer_bytes: int = 0
     params: int = 0
     load_seconds: float = 0.0
+    receive_seconds: float = 0.0
     sends: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
 
@@ -80,7 +81,7 @@ class HealState:
     """The state torchft moves to a joining replica group (registered by ``GefenFTCheckpointManager``)."""
 
     def __init__(self, *, model_parts: list[torch.nn.Module], optimizers: Heals, lr_schedulers: Any,
-                 dataloader: Any, train_state: Any) -> None:
+                 dataloader: Any, train_state: Any, transport: Any = None) -> None:
         if not isinstance(optimizers, Heals):
             raise TypeError(
                 f"fault tolerance needs gefen-titan's GefenFTOptimizersContainer, got {type(optimizers).__name__}: "
@@ -90,6 +91,7 @@ class HealState:
         self.lr_schedulers = lr_schedulers
         self.dataloader = dataloader
         self.train_state = train_state
+        self.transport = transport  # ft.transport.SafeHTTPTransport: what the transfer took, for the log
         self.stats = HealStats()
 
     def state_dict(self) -> dict[str, Any]:
@@ -142,10 +144,11 @@ class HealState:
         s.optimizer_bytes = payload_bytes(state_dict["optimizer"])
         s.params = sum(local(p).numel() for part in self.model_parts for p in part.parameters())
         s.load_seconds = time.perf_counter() - begin
+        s.receive_seconds = self.transport.last_receive_seconds if self.transport is not None else 0.0
         s.history.append({"model_bytes": s.model_bytes, "optimizer_bytes": s.optimizer_bytes,
-                          "params": s.params, "load_seconds": s.load_seconds})
+                          "params": s.params, "load_seconds": s.load_seconds, "receive_seconds": s.receive_seconds})
         logger.info(
             f"Healed from the live replica group at step {self.train_state.step}: model "
             f"{s.model_bytes / 2**20:.2f} MiB, optimizer {s.optimizer_bytes / 2**20:.2f} MiB "
             f"({s.optimizer_bytes / max(s.params, 1):.3f} B/param) for {s.params} param elements on this rank; "
-            f"loaded in {s.load_seconds * 1e3:.1f} ms")
+            f"received in {s.receive_seconds * 1e3:.1f} ms, loaded in {s.load_seconds * 1e3:.1f} ms")

@@ -66,6 +66,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.optim import Optimizer
+from torchtitan.tools.logging import logger
 
 from gefen_titan.distributed import comm_device, is_distributed, local, raise_on_any_rank
 from gefen_titan.optim import gefen_state as gs
@@ -343,6 +344,9 @@ class AgreedBlocking:
             device = next((local(p).device for _, p, _ in gs.named_params(optim)), torch.device("cpu"))
             gs.set_codebook(optim, codebook.to(device).clone())
         self.needed = False
+        # The one line that says the agreement ran (a torchft group that joined late must not).
+        logger.info(f"Agreed blocking: block periods of {sum(1 for q in params if q.unit)} parameter(s) and the "
+                    "codebook(s) set from this step's gradients")
 
     @staticmethod
     def _stage_layout(params: list[_Param]) -> _StageLayout:

@@ -7,6 +7,8 @@ for a subclass which writes, with ``torch.save``, into ``dir``:
   handed torchft for a joiner (the heal payload, as captured);
 * ``healed-g<replica>-r<rank>-s<step>.pt``: the joiner rank's live state
   captured again right after the heal loaded (before its first step);
+* ``saved-g<replica>-r<rank>-s<step>.pt``: the live state a persistent
+  checkpoint of that step was written from (only the writing group);
 * ``end-g<replica>-r<rank>.pt``: the rank's live state after the last step.
 
 ``<step>`` is the trainer step the payload carries. Comparing ``healed``
@@ -77,6 +79,8 @@ class DumpingFTCheckpointManager(GefenFTCheckpointManager):
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         out = super()._save(curr_step, last_step)
+        if out:  # the persistent checkpoint this rank just wrote, as live state
+            self._write(f"saved-{self._tag}-s{curr_step}.pt", self.heal.state_dict())
         if last_step and self.heal.optimizers.last_step_committed:
             self._write(f"end-{self._tag}.pt", self.heal.state_dict())
         return out

@@ -1,0 +1,247 @@
+"""gefen_titan.ft and optim.live_state, one process: what a heal carries, and what it refuses.
+
+The multi-group runs (a lighthouse, SIGKILL, restart) are
+tests/integration/test_fault_tolerance.py; here the pieces: a captured
+state restored into fresh optimizers continues bit for bit (Gefen, GefenMuon,
+AdamW), nothing is cached, no collective runs, a mismatched payload changes
+nothing, the transport refuses a pickle with code, and the recipe layer
+refuses what a fault-tolerant run cannot do.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gefen_titan.optim import live_state
+from gefen_titan.optim.container import ParamGroup
+from gefen_titan.recipe.build import load_recipe
+from gefen_titan.recipe.errors import RecipeError
+
+ROOT = Path(__file__).resolve().parents[2]
+FT_RECIPE = ROOT / "recipes" / "llama_gefen_ft.toml"
+needs_torchft = pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="the [ft] extra")
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 64)
+        self.w1 = torch.nn.Linear(64, 128, bias=False)
+        self.w2 = torch.nn.Linear(128, 64, bias=True)
+        self.norm = torch.nn.LayerNorm(64)
+
+
+def _container(model: torch.nn.Module):
+    """GefenMuon for the matrices, AdamW for the bias, Gefen for the rest; torchft off."""
+    from gefen_titan.ft.optimizer import GefenFTOptimizersContainer
+
+    groups = [ParamGroup(pattern=r"^w[12]\.weight$", optimizer_name="GefenMuon"),
+              ParamGroup(pattern=r"^w2\.bias$", optimizer_name="AdamW"), ParamGroup(pattern=".*")]
+    return GefenFTOptimizersContainer.Config(name="Gefen", lr=3e-3, param_groups=groups).build(model_parts=[model])
+
+
+def _step(model: torch.nn.Module, container, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g) * 1e-2
+    container.step()
+
+
+def _trained(steps: int = 3, seed: int = 0):
+    torch.manual_seed(seed)
+    model = Net()
+    container = _container(model)
+    for s in range(steps):
+        _step(model, container, s)
+    return model, container
+
+
+def _same_state(a, b) -> list[str]:
+    """Where two captures differ (every tensor bit for bit)."""
+    bad = []
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        for fqn in x["state"]:
+            for k, v in x["state"][fqn].items():
+                w = y["state"][fqn].get(k)
+                if not (torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w):
+                    bad.append(f"{i} {fqn} {k}")
+        if x.get("codebook") is not None and not torch.equal(x["codebook"], y["codebook"]):
+            bad.append(f"{i} codebook")
+    return bad
+
+
+def _roundtrip(payload):
+    """Through a weights-only pickle, as the transport moves it."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def test_a_restored_state_continues_bit_for_bit_for_gefen_gefenmuon_and_adamw():
+    model, opts = _trained()
+    assert [type(o).__name__ for o in opts.optimizers] == ["ShardedGefenMuon", "AdamW", "Gefen"]
+    payload = _roundtrip(opts.heal_state_dict())
+    twin = copy.deepcopy(model)  # the same weights (the model's own heal is HealState's)
+    fresh = _container(twin)  # a joiner that has not stepped: the agreement still to run
+    assert fresh.agreement.needed
+    fresh.load_heal_state_dict(payload)
+    assert not fresh.agreement.needed  # the peer's agreed periods and codebook, never its own
+    assert [g["lr"] for o in fresh.optimizers for g in o.param_groups] == \
+        [g["lr"] for o in opts.optimizers for g in o.param_groups]
+    for s in range(3, 6):
+        _step(model, opts, s)
+        _step(twin, fresh, s)
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert _same_state(opts.heal_state_dict()["optimizers"], fresh.heal_state_dict()["optimizers"]) == []
+
+
+def test_capture_is_live_not_a_cached_snapshot():
+    model, opts = _trained()
+    before = _roundtrip(opts.heal_state_dict())
+    _step(model, opts, 9)
+    after = opts.heal_state_dict()
+    assert _same_state(before["optimizers"], after["optimizers"])  # torchtitan #4422 served `before` forever
+    gefen = after["optimizers"][2]
+    assert gefen["global_step"] == before["optimizers"][2]["global_step"] + 1
+
+
+def test_capture_and_restore_run_no_collective(monkeypatch):
+    model, opts = _trained()
+
+    def refuse(*a, **k):
+        raise AssertionError("a collective in a heal: torchft runs it on its own thread, and heals ranks apart")
+
+    for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "broadcast_object_list"):
+        monkeypatch.setattr(dist, name, refuse)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    payload = opts.heal_state_dict()
+    _container(copy.deepcopy(model)).load_heal_state_dict(payload)
+
+
+@pytest.mark.parametrize("damage", ["params", "dtype", "kind", "codebook", "blocking"])
+def test_a_payload_that_does_not_fit_changes_nothing(damage):
+    _, opts = _trained()
+    payload = opts.heal_state_dict()
+    _, target = _trained(steps=1, seed=1)
+    before = copy.deepcopy(target.heal_state_dict())
+    gefen = payload["optimizers"][2]
+    if damage == "params":
+        gefen["params"] = ["other.weight"] + gefen["params"][1:]
+    elif damage == "dtype":
+        gefen["state"]["embed.weight"]["m_magnitude"] = gefen["state"]["embed.weight"]["m_magnitude"].double()
+    elif damage == "kind":
+        payload["optimizers"][1]["kind"] = "SGD"
+    elif damage == "codebook":
+        del gefen["codebook"]
+    else:
+        payload["agreement_needed"] = None  # a peer on per-rank blocking
+    with pytest.raises(live_state.LiveStateError, match="cannot heal the optimizer state"):
+        target.load_heal_state_dict(payload)
+    after = target.heal_state_dict()
+    assert _same_state(before["optimizers"], after["optimizers"]) == []
+    assert after["agreement_needed"] == before["agreement_needed"]
+
+
+def test_capture_refuses_what_a_weights_only_reader_could_not_read():
+    _, opts = _trained(1)
+    opts.optimizers[1].param_groups[0]["hook"] = object()
+    with pytest.raises(live_state.LiveStateError, match="cannot travel in a heal"):
+        opts.heal_state_dict()
+
+
+class _Payload:
+    """Runs code when unpickled (a hostile or compromised peer)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+@needs_torchft
+def test_the_transport_reads_a_heal_without_running_its_code(tmp_path):
+    from gefen_titan.ft.transport import SafeHTTPTransport
+
+    sender, receiver = SafeHTTPTransport(timedelta(seconds=10)), SafeHTTPTransport(timedelta(seconds=10))
+    try:
+        plain = {"model": {"w": torch.arange(6.0)}, "train_state": {"step": 3}, "lrs": [0.1, (0.9, 0.95)]}
+        sender.send_checkpoint([1], step=3, state_dict=plain, timeout=timedelta(seconds=10))
+        got = receiver.recv_checkpoint(0, sender.metadata(), step=3, timeout=timedelta(seconds=10))
+        assert torch.equal(got["model"]["w"], plain["model"]["w"]) and got["train_state"] == {"step": 3}
+        assert receiver.last_received_bytes == sender.last_sent_bytes == 24
+        marker = tmp_path / "ran"
+        sender.send_checkpoint([1], step=4, state_dict={"x": _Payload(str(marker))}, timeout=timedelta(seconds=10))
+        with pytest.raises(Exception, match="(?i)weights.only|unsupported global|system"):
+            receiver.recv_checkpoint(0, sender.metadata(), step=4, timeout=timedelta(seconds=10))
+        assert not marker.exists()
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+
+
+@needs_torchft
+def test_an_ft_recipe_builds_the_fault_tolerant_trainer_with_gefen_parts():
+    from gefen_titan.ft.checkpoint import GefenFTCheckpointManager
+    from gefen_titan.ft.manager import GefenTorchFTManager
+    from gefen_titan.ft.optimizer import GefenFTOptimizersContainer
+    from gefen_titan.ft.trainer import GefenFaultTolerantTrainer
+
+    config = load_recipe(FT_RECIPE, world_size=2).config
+    assert type(config) is GefenFaultTolerantTrainer.Config
+    assert type(config.optimizer) is GefenFTOptimizersContainer.Config and config.optimizer.name == "Gefen"
+    assert type(config.checkpoint) is GefenFTCheckpointManager.Config
+    assert type(config.fault_tolerance) is GefenTorchFTManager.Config and config.fault_tolerance.enable
+
+
+@needs_torchft
+@pytest.mark.parametrize(("overrides", "match"), [
+    ({"fault_tolerance": {"semi_sync_method": "diloco"}}, "DiLoCo"),
+    ({"fault_tolerance": {"replica_id": 2}}, "replica_id 2"),
+    ({"fault_tolerance": {"min_replica_size": 3}}, "min_replica_size 3"),
+    ({"parallelism": {"data_parallel_replicate_degree": 2}}, "data_parallel_replicate_degree"),
+    ({"training": {"global_batch_size": 4}}, "global_batch_size 4 is not a multiple"),
+])
+def test_the_recipe_layer_refuses_what_a_fault_tolerant_run_cannot_do(overrides, match):
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(FT_RECIPE, overrides, world_size=2)
+
+
+@needs_torchft
+def test_fault_tolerance_needs_the_global_order_loader():
+    from gefen_titan.data.elastic import ElasticTextDataLoader
+    from gefen_titan.recipe.fault_tolerance import check_fault_tolerance
+
+    config = load_recipe(FT_RECIPE, world_size=2).config
+    config.dataloader = ElasticTextDataLoader.Config()
+    with pytest.raises(RecipeError, match=r"needs \[dataloader\] loader = \"global_order\""):
+        check_fault_tolerance(config, "x.toml")
+
+
+def test_an_ft_recipe_without_torchft_says_how_to_install_it(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
+    with pytest.raises(RecipeError, match=r"pip install 'gefen-titan\[ft\]'"):
+        load_recipe(FT_RECIPE, world_size=2)
+
+
+@needs_torchft
+def test_a_replica_group_without_fsdp_is_refused():
+    from gefen_titan.ft.manager import GefenTorchFTManager
+
+    manager = GefenTorchFTManager.__new__(GefenTorchFTManager)
+    manager._manager, manager.replicate_pg = object(), object()  # enabled, as after __init__
+    with pytest.raises(ValueError, match="needs FSDP2 inside each replica group"):
+        manager.maybe_set_all_reduce_hook([Net()])
