@@ -42,7 +42,7 @@ RECIPES = {"Gefen": ("recipes/llama_gefen_ft.toml", []),
            "AdamW": ("recipes/llama_gefen_ft.toml", ["--optimizer.name", "AdamW"])}
 HEALED = re.compile(r"Healed from the live replica group at step (\d+): model ([0-9.]+) MiB, optimizer ([0-9.]+) MiB "
                     r"\(([0-9.]+) B/param\) for (\d+) param elements on this rank; received in ([0-9.]+) ms, "
-                    r"loaded in ([0-9.]+) ms")
+                    r"loaded in ([0-9.]+) m")  # (torchft's own log lines may cut in after it)
 STATE = re.compile(r"Optimizer state on this rank: ([0-9.]+) MiB for (\d+) param elements = ([0-9.]+) bytes/param")
 STEP = re.compile(r"step:\s+(\d+)\s+\x1b\[32mloss")
 
@@ -120,7 +120,8 @@ class _Group:
 def _one(args, optimizer: str, out: Path) -> dict:
     from torchft.coordination import LighthouseServer  # the [ft] extra
 
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, quorum_tick_ms=50,
+    # min_replicas = min_replica_size: group 0 waits in the quorum for the lost group.
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=2000, quorum_tick_ms=50,
                                   heartbeat_timeout_ms=2000)
     groups: list[_Group] = []
     try:

@@ -11,7 +11,8 @@ start-up to every joining group (torchtitan #4422). This one wraps
   listeners (the trainer snapshots what an uncommitted step must rewind);
 - ``step`` asks torchft ``should_commit`` and steps only then, keeping the
   verdict in ``last_step_committed`` (the trainer and the checkpoint manager
-  read it);
+  read it); the step hooks (the first step's agreement, the empty-shard
+  counters) run only around a committed step;
 - ``heal_state_dict`` captures the live state on every call (no cache, no
   collective; ``optim.live_state``) plus whether the first step's agreement
   has still to run; ``load_heal_state_dict`` restores both, so a group that
@@ -29,12 +30,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.optim import Optimizer
 from torchtitan.experiments.torchft.optimizer import TorchFTOptimizersContainer
 
 from gefen_titan.optim import live_state
 from gefen_titan.optim.container import GefenOptimizersContainer
 
 __all__ = ["GefenFTOptimizersContainer"]
+
+
+def _own_step() -> Callable[..., Any]:
+    # torch may already have put its hook wrapper around the parent's step in place (a plain
+    # container built earlier in this process): take the function below it.
+    step = GefenOptimizersContainer.step
+    return step.__wrapped__ if getattr(step, "hooked", False) else step
+
+
+# The container's own step with torch's hooks around it.
+_STEP_WITH_HOOKS = Optimizer.profile_hook_step(_own_step())
 
 
 class GefenFTOptimizersContainer(GefenOptimizersContainer):
@@ -57,12 +70,18 @@ class GefenFTOptimizersContainer(GefenOptimizersContainer):
             listener()
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._manager is None:
-            super().step(*args, **kwargs)
-            return
-        self.last_step_committed = bool(self._manager.should_commit())
+        if self._manager is not None:
+            self.last_step_committed = bool(self._manager.should_commit())
         if self.last_step_committed:
-            super().step(*args, **kwargs)
+            _STEP_WITH_HOOKS(self, *args, **kwargs)
+
+    # torch runs an optimizer's step hooks in a wrapper it puts, once, around the most derived
+    # class's `step` (Optimizer._patch_step_function). Around this `step` they would run also
+    # for a step torchft does not commit: the agreement would learn periods and a codebook from
+    # a step that is then retried (its gradients possibly garbage from a failed all-reduce), and
+    # the empty-shard counters would count it. So this one is marked wrapped, and the hooks run
+    # around the parent's step, only when it runs.
+    step.hooked = True  # type: ignore[attr-defined]
 
     def heal_state_dict(self) -> dict[str, Any]:
         return {

@@ -104,7 +104,9 @@ class FTRun:
     def __post_init__(self) -> None:
         from torchft.coordination import LighthouseServer
 
-        self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000,
+        # min_replicas = the runs' min_replica_size: a group that lost its peer then waits in the
+        # quorum for it, instead of failing quorum after quorum of one (and using up max_retries).
+        self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=2000,
                                            quorum_tick_ms=50, heartbeat_timeout_ms=2000)
         (self.base / "dumps").mkdir(parents=True, exist_ok=True)
 

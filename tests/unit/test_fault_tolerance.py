@@ -245,3 +245,52 @@ def test_a_replica_group_without_fsdp_is_refused():
     manager._manager, manager.replicate_pg = object(), object()  # enabled, as after __init__
     with pytest.raises(ValueError, match="needs FSDP2 inside each replica group"):
         manager.maybe_set_all_reduce_hook([Net()])
+
+
+class _Manager:
+    """torchft's Manager as the container sees it: a quorum, then a verdict per step."""
+
+    def __init__(self, verdicts: list[bool]) -> None:
+        self.verdicts = verdicts
+        self.quorums = 0
+
+    def start_quorum(self) -> None:
+        self.quorums += 1
+
+    def should_commit(self) -> bool:
+        return self.verdicts.pop(0)
+
+
+def test_an_uncommitted_step_changes_nothing_and_runs_no_step_hook():
+    """torch runs step hooks around the most derived step: the agreement (a pre-hook) must not
+    learn from a step torchft then throws away, nor may the post-hooks count it."""
+    from types import SimpleNamespace
+
+    from gefen_titan.ft.optimizer import GefenFTOptimizersContainer
+
+    torch.manual_seed(0)
+    model = Net()
+    groups = [ParamGroup(pattern=r"^w[12]\.weight$", optimizer_name="GefenMuon"), ParamGroup(pattern=".*")]
+    manager = _Manager([False, True, False])
+    opts = GefenFTOptimizersContainer.Config(name="Gefen", lr=3e-3, param_groups=groups).build(
+        model_parts=[model], ft_manager=SimpleNamespace(enabled=True, manager=manager))
+    calls = []
+    opts.register_step_pre_hook(lambda *a: calls.append("pre"))
+    opts.register_step_post_hook(lambda *a: calls.append("post"))
+    weights = [p.detach().clone() for p in model.parameters()]
+    opts.zero_grad()
+    _step_grads = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=_step_grads) * 1e-2
+    opts.step()  # not committed
+    assert not opts.last_step_committed and calls == [] and opts.agreement.needed
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+    assert all("step" not in st for o in opts.optimizers for st in o.state.values())  # never stepped
+    opts.step()  # committed: the agreement runs now, on these gradients
+    assert opts.last_step_committed and calls == ["pre", "post"] and not opts.agreement.needed
+    assert not all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+    after = live_state.capture(opts.optimizers)
+    opts.step()  # not committed again: nothing moves
+    assert calls == ["pre", "post"]
+    assert _same_state(after, live_state.capture(opts.optimizers)) == []
+    assert manager.quorums == 1
