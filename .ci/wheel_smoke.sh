@@ -21,6 +21,7 @@ python - <<'PY'
 import os
 import gefen_titan
 from gefen_titan.data import corpus as data
+import gefen_titan.ft.heal, gefen_titan.ft.optimizer  # the FT package ships (torchft itself is the [ft] extra)
 assert "site-packages" in gefen_titan.__file__, gefen_titan.__file__
 for path in (data.DEFAULT_DATASET_PATH, data.DEFAULT_TOKENIZER_PATH):
     assert os.path.exists(path) and "site-packages" in path, path

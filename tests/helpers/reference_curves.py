@@ -29,6 +29,7 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
+from gefen_titan.recipe.files import read_recipe_tables
 from gefen_titan.validation import recipes, runs
 
 # The source checkout (recipes/ and tests/reference_curves/ live there).
@@ -47,8 +48,19 @@ TOLERANCE = 2e-4
 SETTINGS_KEYS = ("steps_before", "steps_after", "global_batch", "local_batch")
 
 
+def _fault_tolerant(recipe: Path) -> bool:
+    return "fault_tolerance" in read_recipe_tables(str(recipe))
+
+
 def cpu_recipes() -> list[Path]:
-    return sorted((ROOT / "recipes").glob("llama_gefen*.toml"))
+    """The CPU recipes one torchrun trains (not the torchft ones: ``ft_recipes``)."""
+    return [r for r in sorted((ROOT / "recipes").glob("llama_gefen*.toml")) if not _fault_tolerant(r)]
+
+
+def ft_recipes() -> list[Path]:
+    """The recipes with a [fault_tolerance] section: a lighthouse and replica groups run them
+    (``tests/integration/test_fault_tolerance.py``, against their own uninterrupted run)."""
+    return [r for r in sorted((ROOT / "recipes").glob("llama_gefen*.toml")) if _fault_tolerant(r)]
 
 
 def nproc_of(recipe: Path) -> int:

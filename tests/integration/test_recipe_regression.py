@@ -38,7 +38,11 @@ GPU_RECIPES = {"llama3_8b_gefen.toml": 8}  # recipe -> world size it is built fo
 
 def test_every_shipped_recipe_is_covered():
     shipped = {p.name for p in (ROOT / "recipes").glob("*.toml")}
-    assert shipped == {p.name for p in CPU_RECIPES} | set(GPU_RECIPES)
+    ft = urc.ft_recipes()
+    assert shipped == {p.name for p in CPU_RECIPES} | {p.name for p in ft} | set(GPU_RECIPES)
+    # The torchft recipes run in the fault-tolerance test, each against its own uninterrupted run.
+    ft_test = (ROOT / "tests" / "integration" / "test_fault_tolerance.py").read_text()
+    assert ft and all(f"recipes/{p.name}" in ft_test for p in ft)
     for recipe in CPU_RECIPES:
         assert urc.curve_path(recipe).exists(), \
             f"no stored curve for {recipe.name}: run scripts/update_reference_curves.py"
