@@ -11,7 +11,9 @@ for a subclass which writes, with ``torch.save``, into ``dir``:
   checkpoint of that step was written from (only the writing group);
 * ``end-g<replica>-r<rank>.pt``: the rank's live state after the last step.
 
-``<step>`` is the trainer step the payload carries. Comparing ``healed``
+``<step>`` is the trainer step the payload carries. ``fail_heals`` makes a
+live rank's first heals (after step 1) fail, to test that a heal that fails
+midway is retried. Comparing ``healed``
 with the matching ``sent`` checks that a heal leaves the joiner exactly at
 its peer; comparing the ``end`` files of two groups (and of two runs) checks
 lockstep and the uninterrupted run. Used as::
@@ -49,9 +51,13 @@ class DumpingFTCheckpointManager(GefenFTCheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(GefenFTCheckpointManager.Config):
         dump_dir: str = ""
+        fail_heals: int = 0
+        """The first this many heals this rank serves after step 1 raise instead (a peer that fails
+        during a heal: torchft reports it, no group commits the step, the next quorum heals again)."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         self._dump_dir = config.dump_dir
+        self._fail_heals = config.fail_heals
         super().__init__(config, **kwargs)
         os.makedirs(self._dump_dir, exist_ok=True)
         replica = kwargs["ft_manager"].replica_id
@@ -61,6 +67,9 @@ class DumpingFTCheckpointManager(GefenFTCheckpointManager):
 
         def sent() -> dict[str, Any]:
             payload = send()
+            if payload["train_state"]["step"] > 1 and self._fail_heals > 0:
+                self._fail_heals -= 1
+                raise RuntimeError("injected: the live peer failed while serving a heal")
             self._write(f"sent-{self._tag}-s{payload['train_state']['step']}.pt", payload)
             return payload
 
@@ -88,5 +97,5 @@ class DumpingFTCheckpointManager(GefenFTCheckpointManager):
 
 @override(target=GefenFTCheckpointManager.Config, exact=True,
           description="tests: dump heal payloads and end states")
-def dump_ft(cfg: GefenFTCheckpointManager.Config, *, dir: str):
-    return derive(cfg, DumpingFTCheckpointManager.Config, dump_dir=dir)
+def dump_ft(cfg: GefenFTCheckpointManager.Config, *, dir: str, fail_heals: int = 0):
+    return derive(cfg, DumpingFTCheckpointManager.Config, dump_dir=dir, fail_heals=fail_heals)

@@ -23,6 +23,11 @@ import torch.multiprocessing as mp
 
 from tests.helpers.processes import PRELOAD, ROOT, free_port
 
+# What every fault-tolerance test run sets on top of its recipe: a group that loses its peer
+# waits for it (and retries its step); checkpoints at step 6; sequences of 128 tokens (half the
+# recipe's 256: the runs are what the suite's time goes to).
+SETTINGS = ["--fault_tolerance.min_replica_size", "2", "--checkpoint.interval", "6", "--training.seq_len", "128"]
+STEPS = 8
 LOSS = re.compile(r"step:\s+(\d+)\s+\x1b\[32mloss:\s+([0-9.]+)")
 RECIPE = "recipes/llama_gefen_ft.toml"
 SDPA = "gefen_titan.patches.sdpa_attention.sdpa_attention"
@@ -96,9 +101,10 @@ class FTRun:
 
     base: Path
     groups: int = 2
-    steps: int = 8
+    steps: int = STEPS
     recipe: str = RECIPE
     extra: list[str] = field(default_factory=list)
+    fail_heals: int = 0  # ft_hooks: the live ranks' first heals after step 1 fail
     started: list[Group] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -118,7 +124,9 @@ class FTRun:
         return ["--job.config", self.recipe, "--job.dump_folder", str(self.base / "out"),
                 "--training.steps", str(self.steps), "--fault_tolerance.replica_id", str(replica),
                 "--fault_tolerance.group_size", str(self.groups),
-                "--override.imports", SDPA, f'tests.helpers.ft_hooks.dump_ft={{"dir": "{self.dumps}"}}', *self.extra]
+                "--override.imports", SDPA,
+                f'tests.helpers.ft_hooks.dump_ft={{"dir": "{self.dumps}", "fail_heals": {self.fail_heals}}}',
+                *self.extra]
 
     def start(self, replica: int, attempt: int = 0) -> Group:
         ctx = mp.get_context("forkserver")
@@ -163,3 +171,30 @@ def differences(a: object, b: object, path: str = "") -> list[str]:
 
 def load_dump(path: Path) -> dict:
     return torch.load(path, weights_only=True)
+
+
+def uninterrupted(base: Path, recipe: str, extra: tuple[str, ...] = ()) -> FTRun:
+    """Two groups, start to end: the reference a faulted run is compared with."""
+    run = FTRun(base, recipe=recipe, extra=[*SETTINGS, *extra])
+    try:
+        groups = [run.start(0), run.start(1)]
+        for g in groups:
+            g.wait(400)
+    finally:
+        run.close()
+    return run
+
+
+def faulted(base: Path, recipe: str, kill_after: int, extra: tuple[str, ...] = (), fail_heals: int = 0) -> FTRun:
+    """Two groups; group 1 SIGKILLed (both ranks: a lost machine) after ``kill_after`` and restarted."""
+    run = FTRun(base, recipe=recipe, extra=[*SETTINGS, *extra], fail_heals=fail_heals)
+    try:
+        g0, g1 = run.start(0), run.start(1)
+        g1.wait_for_step(kill_after, 300)
+        g1.kill()
+        g1 = run.start(1, attempt=1)
+        g0.wait(400)
+        g1.wait(400)
+    finally:
+        run.close()
+    return run

@@ -4,7 +4,11 @@
     python scripts/update_reference_curves.py --check    # compare only; exit 1 on a deviation
     python scripts/update_reference_curves.py --recipes llama_gefen_mixed
 
-Every ``recipes/llama_gefen*.toml`` runs on CPU (gloo) at its own number of
+The torchft recipes (a ``[fault_tolerance]`` section) run as a lighthouse and
+2 replica groups of 2 ranks, uninterrupted, with the fault-tolerance tests'
+settings (``tests.helpers.ft_runs``); their files hold each group's curve,
+which ``tests/integration/test_fault_tolerance.py`` compares with. Every other
+``recipes/llama_gefen*.toml`` runs on CPU (gloo) at its own number of
 processes (``recipe.declared_world_size``: the product of its degrees, 2 for
 FSDP over all ranks) with the CI
 settings of ``gefen_titan.validation.runs`` (``CI_SETTINGS``: 7 steps, global
@@ -87,7 +91,40 @@ def run_recipe(recipe: Path, *, out: Path, cache: Path | None,
 
 
 def curve_path(recipe: Path) -> Path:
-    return CURVES / f"{recipe.stem}.json"
+    return CURVES / f"{Path(recipe).stem}.json"
+
+
+def ft_curve(recipe: str | Path) -> dict[int, dict[int, float]]:
+    """A torchft recipe's stored curve: replica group -> step -> loss (each group logs its own)."""
+    stored = json.loads(curve_path(Path(recipe)).read_text())
+    assert stored["tolerance"] == TOLERANCE, f"{recipe}: stored tolerance {stored['tolerance']} != {TOLERANCE}"
+    return {int(g): {int(s): v for s, v in losses.items()} for g, losses in stored["losses_by_group"].items()}
+
+
+def _write_ft(recipe: Path, out: Path, check: bool) -> bool:
+    """Run a torchft recipe uninterrupted (tests.helpers.ft_runs) and store or check its curve."""
+    from tests.helpers import ft_runs
+
+    run = ft_runs.uninterrupted(out / recipe.stem, recipe_name(recipe))
+    got = {g.replica: g.losses() for g in run.started}
+    if check:
+        problems = [p for g, losses in ft_curve(recipe).items() for p in compare({"losses": losses}, got[g])[1]]
+        print(f"{recipe.stem} (2 groups x 2 procs): {'; '.join(problems) or 'ok'}")
+        return bool(problems)
+    data = {
+        "recipe": recipe_name(recipe),
+        "groups": 2, "nproc_per_group": 2, "steps": ft_runs.STEPS,
+        "command": f"lighthouse + 2 x torchrun --nproc_per_node=2 train.py --job.config {recipe_name(recipe)} "
+                   f"--training.steps {ft_runs.STEPS} " + " ".join(ft_runs.SETTINGS)
+                   + " --fault_tolerance.replica_id {0,1} (tests/helpers/ft_runs.py)",
+        "tolerance": TOLERANCE,
+        "losses_by_group": {str(g): {str(s): v for s, v in sorted(losses.items())} for g, losses in got.items()},
+        "generated_with": versions(),
+    }
+    CURVES.mkdir(parents=True, exist_ok=True)
+    curve_path(recipe).write_text(json.dumps(data, indent=1) + "\n")
+    print(f"{recipe.stem}: -> {curve_path(recipe).relative_to(ROOT)}")
+    return False
 
 
 def compare(stored: dict, losses: dict[int, float]) -> tuple[float, list[str]]:
@@ -123,15 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference-cache", help="share runs with validate_reshard.py runs kept here")
     args = ap.parse_args(argv)
 
-    recipes = cpu_recipes()
+    recipes, ft = cpu_recipes(), ft_recipes()
     if args.recipes:
         wanted = {n.strip().removesuffix(".toml") for n in args.recipes.split(",")}
-        recipes = [r for r in recipes if r.stem in wanted]
-        if missing := wanted - {r.stem for r in recipes}:
+        recipes, ft = [r for r in recipes if r.stem in wanted], [r for r in ft if r.stem in wanted]
+        if missing := wanted - {r.stem for r in recipes + ft}:
             raise SystemExit(f"not CPU recipes: {sorted(missing)}")
     out = Path(args.out).resolve()
     cache = Path(args.reference_cache).resolve() if args.reference_cache else None
     failed = False
+    for recipe in ft:
+        failed |= _write_ft(recipe, out, args.check)
     for recipe in recipes:
         stored = json.loads(curve_path(recipe).read_text()) if curve_path(recipe).exists() else None
         if args.check and stored is None:
