@@ -95,7 +95,7 @@ def check_versions() -> None:
             "gefen_titan.patches were written and verified for torchtitan "
             f"{EXPECTED_TORCHTITAN} with torch {EXPECTED_TORCH[0]}.{EXPECTED_TORCH[1]}, "
             f"but found {' and '.join(problems)}. Refusing to monkeypatch a "
-            "different version; re-verify every patch in gefen_titan/patches "
+            "different version; re-verify every patch in patches/ (shipped as gefen_titan.patches) "
             "(see its README.md) and update the pins."
         )
 

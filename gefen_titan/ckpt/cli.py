@@ -21,9 +21,10 @@ from typing import Any
 from gefen_titan.checkpoint import digests
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.checkpoint.reader import CkptError
-from gefen_titan.ckpt import convert, inspection, verify
+from gefen_titan.ckpt import convert, export, inspection, verify
 
-DESCRIPTION = "Inspect, verify or convert a gefen-titan / torchtitan DCP checkpoint (one step-N folder)."
+DESCRIPTION = ("Inspect, verify, convert or export a gefen-titan / torchtitan DCP checkpoint "
+               "(one step-N folder).")
 OK, BAD, USAGE, UNCHECKED = 0, 1, 2, 3
 
 
@@ -64,6 +65,15 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
                         "optimizer.period_one_substrings)")
     p.add_argument("--deterministic", action="store_true",
                    help="--to gefen: mark the state for optimizer.deterministic = true")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _key_option(p)
+
+    p = sub.add_parser("export", help="the whole checkpoint as one torch.save file (weights_only readable)",
+                       description="What DCP's dcp_to_torch_save writes, for format v3 too (whose raw Gefen "
+                                   "entries DCP's own reader refuses): every entry, checked, in one file that "
+                                   "torch.load(path, weights_only=True) reads. OUT must not exist.")
+    p.add_argument("path", metavar="PATH", help="the checkpoint folder")
+    p.add_argument("out", metavar="OUT", help="the file to write, e.g. step-10.pt")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     _key_option(p)
 
@@ -115,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
             with digests.keyed(key):  # read checked with the key; written signed with it
                 report = convert.convert(args.path, args.out, args.to, options)
             _emit(args, report, convert.render(report))
+            return OK
+        if args.action == "export":
+            with digests.keyed(key):
+                report = export.export(args.path, args.out)
+            _emit(args, report, export.render(report))
             return OK
     except (CkptError, GefenCheckpointError) as e:  # GefenCheckpointError: an unset key variable
         return _fail(args, str(e))

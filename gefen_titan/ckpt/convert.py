@@ -7,7 +7,7 @@ moment (docs/gefen_internals.md b): per block of ``period`` elements,
 decay. So the state maps onto torch's AdamW one to one:
 
 * ``--to adamw`` (formats v2 and v3): ``exp_avg`` = the dequantized momentum
-  (``reshard.quant.dequantize``, Gefen's own arithmetic), ``exp_avg_sq`` =
+  (``checkpoint.quant.dequantize``, Gefen's own arithmetic), ``exp_avg_sq`` =
   each block's ``vmean`` broadcast over its elements, ``step`` = Gefen's
   ``step``; the hyperparameters of each record become the AdamW param group.
   AdamW's next step from this state is Gefen's next step except that it
@@ -20,8 +20,8 @@ decay. So the state maps onto torch's AdamW one to one:
   quantity Gefen then averages per block); one codebook is solved
   (``codebook_solver``) from the 4096-bin histogram of block-normalized
   ``exp_avg``, the values the codes will hold; the momentum is quantized
-  with Gefen's rule (``reshard.quant.requantize``) and ``vmean`` is the
-  block mean of ``exp_avg_sq`` (``reshard.quant.block_mean``);
+  with Gefen's rule (``checkpoint.quant.requantize``) and ``vmean`` is the
+  block mean of ``exp_avg_sq`` (``checkpoint.quant.block_mean``);
   ``step`` = ``vmean_step`` = AdamW's ``step``. The report gives the relative
   error of both moments.
 

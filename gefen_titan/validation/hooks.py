@@ -30,10 +30,11 @@ Both record the wall time of the save or load (DCP call included, the dump
 excluded). Gefen's private state is read through ``gefen_titan.optim.gefen_state``
 only.
 
-Nothing is active unless a run lists it, e.g.::
+Nothing is active unless a run lists it (torchtitan's command-line form: one
+token per target, ``target=<json>`` for its arguments), e.g.::
 
-    --override.imports '["gefen_titan.patches.sdpa_attention.sdpa_attention",
-                         ["gefen_titan.validation.hooks.dump_state", {"dir": "/tmp/d", "save_steps": [4]}]]'
+    --override.imports gefen_titan.patches.sdpa_attention.sdpa_attention \
+        'gefen_titan.validation.hooks.dump_state={"dir": "/tmp/d", "save_steps": [4]}'
 
 It reads the live objects only (copies are written, nothing is changed);
 training, saving and loading are torchtitan's and ``GefenCheckpointManager``'s,
@@ -44,8 +45,8 @@ microbatch it reads, the stream position and the global sample ids to
 ``<dir>/batches-dp<M>-rank<r>.jsonl``; a run's global batches can then be
 compared with another run's at another DP size::
 
-    --override.imports '["gefen_titan.patches.sdpa_attention.sdpa_attention",
-                         ["gefen_titan.validation.hooks.record_batches", {dir = "/tmp/b"}]]'
+    --override.imports gefen_titan.patches.sdpa_attention.sdpa_attention \
+        'gefen_titan.validation.hooks.record_batches={"dir": "/tmp/b"}'
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Save Gefen state compactly and load it at any data-parallel degree.
 
 The adapter sits behind ``GefenOptimizersContainer.state_dict()`` /
-``load_state_dict()``. Saving hands DCP the state as it is (``format.py``).
+``load_state_dict()``. Saving hands DCP the state as it is (the v1 records: ``checkpoint/schema_v1.py``).
 Loading is two-phase because Gefen's per-rank state differs in size:
 
 1. ``prepare_load`` (all ranks, before torchtitan's ``dcp.load``) reads the
