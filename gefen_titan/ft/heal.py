@@ -31,7 +31,7 @@ before the optimizer, whose param groups then carry the peer's LR exactly
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -57,7 +57,7 @@ class Heals(Protocol):
 
 @dataclass
 class HealStats:
-    """What the last heal moved and cost on this rank (logged; ``scripts/bench_heal.py``)."""
+    """What the last heal moved and cost on this rank (its log line, which ``scripts/bench_heal.py`` reads)."""
 
     heals: int = 0
     model_bytes: int = 0
@@ -65,8 +65,6 @@ class HealStats:
     params: int = 0
     load_seconds: float = 0.0
     receive_seconds: float = 0.0
-    sends: int = 0
-    history: list[dict[str, float]] = field(default_factory=list)
 
 
 def _model_tensors(model_parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
@@ -96,7 +94,6 @@ class HealState:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's live state as plain tensors and data. No collective, no copy."""
-        self.stats.sends += 1
         return {
             "model": {fqn: local(t).detach() for fqn, t in _model_tensors(self.model_parts).items()},
             "optimizer": self.optimizers.heal_state_dict(),
@@ -145,8 +142,6 @@ class HealState:
         s.params = sum(local(p).numel() for part in self.model_parts for p in part.parameters())
         s.load_seconds = time.perf_counter() - begin
         s.receive_seconds = self.transport.last_receive_seconds if self.transport is not None else 0.0
-        s.history.append({"model_bytes": s.model_bytes, "optimizer_bytes": s.optimizer_bytes,
-                          "params": s.params, "load_seconds": s.load_seconds, "receive_seconds": s.receive_seconds})
         logger.info(
             f"Healed from the live replica group at step {self.train_state.step}: model "
             f"{s.model_bytes / 2**20:.2f} MiB, optimizer {s.optimizer_bytes / 2**20:.2f} MiB "
