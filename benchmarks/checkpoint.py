@@ -74,11 +74,11 @@ PAIRED = 60  # --paired default: rounds of a save/load without and with digests 
 def method_label(method: str) -> str:
     """The method's row name; ``current`` names the format a run writes today."""
     if method in ("current", "digests"):
-        from gefen_titan.checkpoint import schema as fmt
+        from gefen_titan.checkpoint import schema
         from gefen_titan.optim.container import GefenOptimizersContainer
 
         blocking = GefenOptimizersContainer.Config().blocking
-        version = fmt.VERSION if blocking == "agreed" else fmt.V1
+        version = schema.VERSION if blocking == "agreed" else schema.V1
         return f"gefen-titan v{version} ({blocking}, current)" + (" (paired digests)" if method == "digests" else "")
     return {"v1": "gefen-titan v1 (per_rank)", "gefen-x": "gefen-x GefenDCPState", "adamw": "AdamW",
             "gefen-muon": "gefen-titan GefenMuon + Gefen (agreed)"}[method]

@@ -232,25 +232,25 @@ def muon_momentum_check(device: str, fused: bool, rows: int = 1027, cols: int = 
     check itself is tested without a GPU."""
     import torch
 
-    from gefen_titan.optim import gefen_state as gs
+    from gefen_titan.optim import gefenx as gx
 
     gen = torch.Generator().manual_seed(0)
     grads = [(torch.randn(rows, cols, generator=gen) ** 3).to(device) for _ in range(steps)]
     cut = rows // 2 + 1  # uneven, as FSDP cuts an odd row count
-    codebook = torch.sort(torch.linspace(-1, 1, gs.K) ** 3).values.to(device)
+    codebook = torch.sort(torch.linspace(-1, 1, gx.K) ** 3).values.to(device)
 
     def run(fused_kernel: bool, pieces: list[tuple[int, int]]) -> list[tuple[torch.Tensor, ...]]:
         params = [torch.nn.Parameter(torch.zeros(b - a, cols, device=device)) for a, b in pieces]
-        optim = gs.new_gefen_muon([{"params": [(f"w{i}", p) for i, p in enumerate(params)]}], fused=fused_kernel)
+        optim = gx.new_gefen_muon([{"params": [(f"w{i}", p) for i, p in enumerate(params)]}], fused=fused_kernel)
         for p in params:
-            gs.set_period(optim, p, 256)
-        gs.set_codebook(optim, codebook.clone())
+            gx.set_period(optim, p, 256)
+        gx.set_codebook(optim, codebook.clone())
         group = optim.param_groups[0]
         out = []
         for g in grads:
-            dense = [gs.muon_momentum(optim, f"w{i}", p, group, g[a:b].clone())
+            dense = [gx.muon_momentum(optim, f"w{i}", p, group, g[a:b].clone())
                      for i, (p, (a, b)) in enumerate(zip(params, pieces))]
-            states = [gs.muon_read(optim, p) for p in params]
+            states = [gx.muon_read(optim, p) for p in params]
             out.append((torch.cat(dense), torch.cat([st.codes.reshape(-1) for st in states]),
                         torch.cat([st.magnitude.reshape(-1) for st in states])))
         return out

@@ -30,8 +30,8 @@ import time
 
 import torch
 
-from gefen_titan.checkpoint import quant
-from gefen_titan.checkpoint.quant import Segment
+from gefen_titan.optim.quant import requant as quant
+from gefen_titan.optim.quant.requant import Segment
 
 # Peak HBM bandwidth, GB/s (vendor figures), by device-name substring; first match wins.
 HBM_GBPS = [("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),

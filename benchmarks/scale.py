@@ -246,11 +246,11 @@ def build(flavor: str, mesh: Mesh, max_tp: int = 8, recipe: str = RECIPE) -> Bui
 
     group = container.gefen_optimizers[0].param_groups[0]
     hyper = {k: float(group[k]) for k in HYPER}
-    from gefen_titan.optim import gefen_state as gs
+    from gefen_titan.optim import gefenx as gx
 
     ckpt_id = str(Path(config.dump_folder) / config.checkpoint.folder / f"step-{config.training.steps}")
     return Built(flavor, mesh, numel, params, ckpt_id, _adamw_template(config), hyper,
-                 gs.options(container.gefen_optimizers[0])["deterministic"])
+                 gx.options(container.gefen_optimizers[0])["deterministic"])
 
 
 # ---------------------------------------------------------------- entries
@@ -275,21 +275,21 @@ def grid(shape: tuple[int, ...], period: int) -> tuple[int, ...]:
 
 def gefen_entries(built: Built, rule: str, periods: dict[str, int] | None = None, step: int = 1) -> list[Entry]:
     """The v3 entries (``AgreedStateAdapter._save_entries``'s order and records)."""
-    from gefen_titan.checkpoint import schema as fmt
+    from gefen_titan.checkpoint import schema
 
     pre = "optimizer."
-    out = [Entry(pre + fmt.header_key(), "bytes",
-                 value=fmt.Header.for_blocking("agreed").to_json())]
+    out = [Entry(pre + schema.header_key(), "bytes",
+                 value=schema.Header.for_blocking("agreed").to_json())]
     records = []
     for p in built.params:
         period = (periods or {}).get(p.fqn) or p.period(rule)
-        records.append(fmt.ParamRecord(p.fqn, tuple(p.shape), period, step, step, dict(built.gefen_hyper)))
-        for key, (dtype, shape) in fmt.param_tensor_specs(p.fqn, tuple(p.shape), period).items():
+        records.append(schema.ParamRecord(p.fqn, tuple(p.shape), period, step, step, dict(built.gefen_hyper)))
+        for key, (dtype, shape) in schema.param_tensor_specs(p.fqn, tuple(p.shape), period).items():
             out.append(Entry(pre + key, "dtensor", dtype, shape, p, layer=p.layer))
     opt = built.params[0].fqn
-    record = fmt.OptimizerRecord(built.deterministic, step, records)
-    out.append(Entry(pre + fmt.optimizer_key(opt), "bytes", value=record.to_json()))
-    out.append(Entry(pre + fmt.codebook_key(opt), "tensor", torch.float32, (256,)))
+    record = schema.OptimizerRecord(built.deterministic, step, records)
+    out.append(Entry(pre + schema.optimizer_key(opt), "bytes", value=record.to_json()))
+    out.append(Entry(pre + schema.codebook_key(opt), "tensor", torch.float32, (256,)))
     return out
 
 
@@ -424,7 +424,7 @@ def account(entries: list[Entry], world: int, chunks: Chunks, keep_assignment: b
     is the same; ``tests/integration/test_scale.py`` checks it against DCP's own
     function.
     """
-    from gefen_titan.checkpoint import schema as fmt
+    from gefen_titan.checkpoint import schema
 
     everyone = list(range(world))
     uniques = []  # (first holder, entry position, holders, their chunk sizes, entry, offsets)
@@ -441,7 +441,7 @@ def account(entries: list[Entry], world: int, chunks: Chunks, keep_assignment: b
     sets: dict[int, set] = {}
     assignment = {}
     storage = {id(e): _storage_size(e) or 1 for e in entries}
-    raw = {id(e): fmt.is_raw_entry(e.key) for e in entries}
+    raw = {id(e): schema.is_raw_entry(e.key) for e in entries}
     for _, _, ranks, sizes, e, offsets in uniques:
         if len(ranks) == 1:
             pick, i = ranks[0], 0
@@ -513,7 +513,7 @@ def metadata_bytes(entries: list[Entry], world: int, chunks: Chunks, checkpoint_
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from gefen_titan.checkpoint import schema as fmt
+    from gefen_titan.checkpoint import schema
 
     sampled = sorted({round(i * (world - 1) / max(1, sample_ranks - 1)) for i in range(sample_ranks)})
     plan_bytes = []
@@ -562,7 +562,7 @@ def metadata_bytes(entries: list[Entry], world: int, chunks: Chunks, checkpoint_
             e = by_key[w.index.fqn]
             if w.type == WriteItemType.BYTE_IO:
                 length = saved_length(e.value)
-            elif fmt.is_raw_entry(w.index.fqn):
+            elif schema.is_raw_entry(w.index.fqn):
                 length = math.prod(w.tensor_data.chunk.sizes) * torch.empty((), dtype=e.dtype).element_size()
             else:
                 length = saved_length((e.dtype, tuple(w.tensor_data.chunk.sizes)))

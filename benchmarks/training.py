@@ -65,16 +65,16 @@ def muon_exact(optimizers) -> dict:
     """gefen-x ``sharded_mode="exact"``'s state on every rank for the GefenMuon
     matrices (arithmetic from global shapes and the run's periods), and the
     largest dense fp32 matrix an owner gathers (one at a time)."""
-    from gefen_titan.optim import gefen_state as gs
+    from gefen_titan.optim import gefenx as gx
 
     total = inflight = numel = 0
     for optim in optimizers:
-        if not gs.is_gefen_muon(optim):
+        if not gx.is_gefen_muon(optim):
             continue
         total += 256 * 4  # the codebook
         for group in optim.param_groups:
             for p in group["params"]:
-                n, period = p.numel(), gs.period(optim, p) or 1
+                n, period = p.numel(), gx.period(optim, p) or 1
                 rows = p.shape[0] * 4 if group.get("normuon") else 0
                 total += n + 4 * -(-n // period) + rows
                 inflight, numel = max(inflight, 4 * n), numel + n

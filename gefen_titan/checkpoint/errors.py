@@ -2,7 +2,8 @@
 
 A rank that raised alone would leave the others hanging in their next
 collective, so every verdict that can differ between ranks goes through
-``agree``: all ranks raise the same ``GefenCheckpointError`` together, and
+``refuse_on_any_rank``: all ranks raise the same ``GefenCheckpointError``
+together, and
 nothing has been changed when they do.
 """
 
@@ -12,7 +13,7 @@ import re
 
 from gefen_titan.distributed import raise_on_any_rank
 
-__all__ = ["GefenCheckpointError", "agree", "root_cause", "unreadable"]
+__all__ = ["GefenCheckpointError", "refuse_on_any_rank", "root_cause", "unreadable"]
 
 
 class GefenCheckpointError(RuntimeError):
@@ -35,6 +36,6 @@ def unreadable(checkpoint_id: str, error: Exception) -> GefenCheckpointError:
     )
 
 
-def agree(error: str | None, what: str) -> None:
+def refuse_on_any_rank(error: str | None, what: str) -> None:
     """Raise ``GefenCheckpointError(f"{what}: {error}")`` on every rank if any rank has an error."""
     raise_on_any_rank(error, what, GefenCheckpointError)

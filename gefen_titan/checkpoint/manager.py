@@ -42,7 +42,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import GarbageCollection
 
 from gefen_titan.checkpoint import digests
-from gefen_titan.checkpoint.errors import GefenCheckpointError, agree, unreadable
+from gefen_titan.checkpoint.errors import GefenCheckpointError, refuse_on_any_rank, unreadable
 from gefen_titan.checkpoint.storage import (
     read_checked_metadata,
     refusal,
@@ -150,7 +150,7 @@ class GefenCheckpointManager(CheckpointManager):
                 stray = [(digests.METADATA_FILE, f"cannot list the folder ({e})")]
             if stray:
                 error = digests.corrupt_message(checkpoint_id, stray[0][0], None, stray[0][1])
-        agree(error, "the checkpoint cannot be loaded")
+        refuse_on_any_rank(error, "the checkpoint cannot be loaded")
         if record is None:  # on every rank: each rank's log says what it loaded
             logger.warning(f"checkpoint {checkpoint_id} carries no {digests.FILE} (saved before gefen-titan recorded "
                            "digests, by torchtitan's own writer, or loaded with checkpoint.load_without_digests): "

@@ -15,6 +15,6 @@ through ``gefen_titan.checkpoint.storage`` (local folders and fsspec URLs):
 gefen_titan.ckpt ...``); docs/ckpt_tools.md describes the commands.
 """
 
-from gefen_titan.checkpoint.reader import Checkpoint, CkptError
+from gefen_titan.ckpt.view import Checkpoint, CkptError
 
 __all__ = ["Checkpoint", "CkptError"]

@@ -7,7 +7,7 @@ moment (docs/gefen_internals.md b): per block of ``period`` elements,
 decay. So the state maps onto torch's AdamW one to one:
 
 * ``--to adamw`` (formats v2 and v3): ``exp_avg`` = the dequantized momentum
-  (``checkpoint.quant.dequantize``, Gefen's own arithmetic), ``exp_avg_sq`` =
+  (``optim.quant.requant.dequantize``, Gefen's own arithmetic), ``exp_avg_sq`` =
   each block's ``vmean`` broadcast over its elements, ``step`` = Gefen's
   ``step``; the hyperparameters of each record become the AdamW param group.
   AdamW's next step from this state is Gefen's next step except that it
@@ -20,8 +20,8 @@ decay. So the state maps onto torch's AdamW one to one:
   quantity Gefen then averages per block); one codebook is solved
   (``codebook_solver``) from the 4096-bin histogram of block-normalized
   ``exp_avg``, the values the codes will hold; the momentum is quantized
-  with Gefen's rule (``checkpoint.quant.requantize``) and ``vmean`` is the
-  block mean of ``exp_avg_sq`` (``checkpoint.quant.block_mean``);
+  with Gefen's rule (``optim.quant.requant.requantize``) and ``vmean`` is the
+  block mean of ``exp_avg_sq`` (``optim.quant.requant.block_mean``);
   ``step`` = ``vmean_step`` = AdamW's ``step``. The report gives the relative
   error of both moments.
 
@@ -52,14 +52,14 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torchtitan.components.checkpoint import OPTIMIZER
 from torchtitan.tools import filesystem
 
 from gefen_titan.checkpoint import digests, schema, storage
 from gefen_titan.checkpoint.errors import root_cause
-from gefen_titan.checkpoint.quant import block_mean, dequantize, expand_blocks, requantize
-from gefen_titan.checkpoint.reader import OPTIMIZER, Checkpoint, CkptError, split_state_key
-from gefen_titan.checkpoint.records import codebook_summary, read_gefen
 from gefen_titan.checkpoint.schema import HYPER, grid_shape
+from gefen_titan.ckpt.saved_records import codebook_summary, read_records
+from gefen_titan.ckpt.view import Checkpoint, CkptError, split_state_key
 from gefen_titan.optim.blocking import (
     HIST_BINS,
     block_variance_sums,
@@ -69,6 +69,7 @@ from gefen_titan.optim.blocking import (
     row_unit,
 )
 from gefen_titan.optim.codebook_solver import codebook_from_counts
+from gefen_titan.optim.quant.requant import block_mean, dequantize, expand_blocks, requantize
 
 __all__ = ["ConvertOptions", "convert", "render"]
 
@@ -116,7 +117,7 @@ def _check_out(source: str, out: str) -> None:
 
 
 def _refuse_muon(ck: Checkpoint) -> None:
-    gefen = read_gefen(ck)
+    gefen = read_records(ck)
     if gefen is None or not (gefen.muon_optimizers or gefen.muon_codebooks):
         return
     fqns = [p.fqn for p in gefen.muon_params]
@@ -175,7 +176,7 @@ def _adamw_group(group: dict[str, float], implementation: str) -> dict[str, Any]
 
 
 def _to_adamw(ck: Checkpoint, options: ConvertOptions):
-    gefen = read_gefen(ck)
+    gefen = read_records(ck)
     if gefen is None:
         kinds = sorted({split_state_key(n)[1] for n in ck.optimizer if split_state_key(n)})
         raise CkptError(f"{ck.path} holds no Gefen state" + (f" (its optimizer state is {', '.join(kinds)})"

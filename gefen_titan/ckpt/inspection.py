@@ -14,9 +14,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from torchtitan.components.checkpoint import MODEL, OPTIMIZER
+
 from gefen_titan.checkpoint import digests, schema, storage
-from gefen_titan.checkpoint.reader import MODEL, OPTIMIZER, Checkpoint, Entry, split_state_key
-from gefen_titan.checkpoint.records import GefenState, codebook_summary, read_gefen
+from gefen_titan.ckpt.saved_records import SavedRecords, codebook_summary, read_records
+from gefen_titan.ckpt.view import Checkpoint, Entry, split_state_key
 
 __all__ = ["inspect_checkpoint", "render"]
 
@@ -45,7 +47,7 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     """The report ``inspect`` prints (``--json`` prints exactly this)."""
     ck = Checkpoint(path)
     opt = ck.optimizer
-    gefen = read_gefen(ck)
+    gefen = read_records(ck)
     files = [{"name": n, "bytes": _file_bytes(ck, n)} for n in ck.data_files()]
     report: dict[str, Any] = {
         "path": ck.path,
@@ -93,14 +95,14 @@ def _file_bytes(ck: Checkpoint, name: str) -> int | None:
     return storage.file_size(ck.path, name)
 
 
-def _format(gefen: GefenState | None) -> dict[str, Any] | None:
+def _format(gefen: SavedRecords | None) -> dict[str, Any] | None:
     if gefen is None:
         return None
     return {"name": schema.FORMAT, "version": gefen.version,
             "blocking": gefen.header.blocking or ("per_rank" if gefen.version == schema.V1 else None)}
 
 
-def _gefen_optimizers(ck: Checkpoint, gefen: GefenState) -> list[dict[str, Any]]:
+def _gefen_optimizers(ck: Checkpoint, gefen: SavedRecords) -> list[dict[str, Any]]:
     opt = ck.optimizer
     books = ck.load_names(OPTIMIZER, list(gefen.codebooks)) if gefen.codebooks else {}
     out = []
@@ -153,7 +155,7 @@ def _gefen_optimizers(ck: Checkpoint, gefen: GefenState) -> list[dict[str, Any]]
     return out
 
 
-def _muon_optimizers(ck: Checkpoint, gefen: GefenState) -> list[dict[str, Any]]:
+def _muon_optimizers(ck: Checkpoint, gefen: SavedRecords) -> list[dict[str, Any]]:
     """GefenMuon's records (``gefen/muon/{opt}``), as ``_gefen_optimizers`` shows Gefen's."""
     opt = ck.optimizer
     books = ck.load_names(OPTIMIZER, list(gefen.muon_codebooks)) if gefen.muon_codebooks else {}

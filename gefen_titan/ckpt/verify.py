@@ -17,7 +17,7 @@ Three passes, each problem naming the file it is in:
    every load checks), each item's digest and ``.metadata``'s are checked
    too, exactly as the load checks them, and ``.digests`` itself.
 3. **Records.** Gefen's and GefenMuon's records, codebooks and grids
-   (``records.read_gefen``: the checks of the load that need no live
+   (``records.read_records``: the checks of the load that need no live
    model), and torch optimizers' state (each parameter's
    ``exp_avg``/``exp_avg_sq`` of one shape, with a ``step``).
 
@@ -36,10 +36,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from torchtitan.components.checkpoint import OPTIMIZER
 
 from gefen_titan.checkpoint import digests, schema, storage, unpickling
-from gefen_titan.checkpoint.reader import OPTIMIZER, Checkpoint, CkptError, Entry, split_state_key
-from gefen_titan.checkpoint.records import read_gefen
+from gefen_titan.ckpt.saved_records import read_records
+from gefen_titan.ckpt.view import Checkpoint, CkptError, Entry, split_state_key
 
 __all__ = ["Problem", "verify_checkpoint", "render"]
 
@@ -252,7 +253,7 @@ class _Verifier:
             return opt[n].files[0] if n in opt and opt[n].files else None
 
         try:
-            gefen = read_gefen(ck)
+            gefen = read_records(ck)
         except CkptError as err:
             self.add(file_of(schema.header_key()), ck.optimizer_key(schema.header_key()), str(err))
             gefen = None

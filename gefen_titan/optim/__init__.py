@@ -2,7 +2,7 @@
 
 * ``container``: ``GefenOptimizersContainer``, torchtitan's optimizer
   component with Gefen registered beside AdamW/Adam, and its ``Config``;
-* ``gefen_state``: the one module that reads or writes gefen-x's private
+* ``gefenx``: the one module that reads or writes gefen-x's private
   optimizer state;
 * ``blocking``: agreed blocking, the first-step agreement that makes the
   state a function of the model (periods and one codebook for the job);

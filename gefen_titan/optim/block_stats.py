@@ -40,13 +40,13 @@ import math
 
 import torch
 
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 
 __all__ = ["HIST_BINS", "LIMBS", "FRACTION_BITS", "MAX_NUMEL", "NONFINITE", "NO_DATA", "grad_exponent",
            "block_variance_limbs", "fixed_point_limbs", "limbs_to_sums", "block_variance_sums", "histogram",
            "check_numel"]
 
-HIST_BINS = gs.K * 16  # gefen-x: num_codebooks * 16
+HIST_BINS = gx.K * 16  # gefen-x: num_codebooks * 16
 LIMB_BITS = 31
 LIMBS = 4
 FRACTION_BITS = LIMB_BITS * LIMBS

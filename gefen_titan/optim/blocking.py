@@ -20,7 +20,7 @@ does on a resume) and the state is a function of the model alone:
   adds the integers: exact in any order, so the sums are the same integers
   at every layout and world size, and a rank receives O(candidates) bytes
   whatever the world size. Every rank then applies Gefen's own scoring
-  (``gefen_state.finalize_period``) and memory-safe fallback (the whole row
+  (``gefenx.finalize_period``) and memory-safe fallback (the whole row
   unit), so all ranks get the same periods. Pipeline stages hold different
   parameters: each stage has its own segment of the all-reduced vectors
   (its ranks write there, every other rank zeros), laid out from one small
@@ -29,7 +29,7 @@ does on a resume) and the state is a function of the model alone:
   1, as Gefen gives them.
 * **Codebook.** One 4096-bin histogram of block-normalised gradients, in
   Gefen's arithmetic, summed over every parameter of every optimizer of a
-  *codebook family* (``gefen_state.codebook_family``: Gefen's, GefenMuon's;
+  *codebook family* (``gefenx.codebook_family``: Gefen's, GefenMuon's;
   all pipeline stages) with each element counted once (replicas: only the
   ranks at coordinate 0 of every ``Replicate`` mesh dim contribute),
   all-reduced as int64 (exact in any order; the families' histograms in one
@@ -69,7 +69,7 @@ from torch.optim import Optimizer
 from torchtitan.tools.logging import logger
 
 from gefen_titan.distributed import comm_device, is_distributed, local, raise_on_any_rank
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.block_stats import (
     HIST_BINS,
     LIMBS,
@@ -148,14 +148,14 @@ def period_from_sums(candidates: list[int], sums: torch.Tensor, numel: int, unit
     """Gefen's period among ``candidates`` from the global ``block_variance_sums``.
 
     Gefen's error of a candidate is sqrt(mean over blocks of the within-block
-    variance of grad²); its own scoring (``gefen_state.finalize_period``) and
+    variance of grad²); its own scoring (``gefenx.finalize_period``) and
     memory-safe fallback (the whole row unit) pick the period. Shared by the
     agreement and by ``gefen_titan.ckpt.convert`` (which scores the AdamW
     second moment instead of a gradient's square).
     """
     results = [(p, math.sqrt(float(sums[i]) / (numel // p))) for i, p in enumerate(candidates)]
-    best = gs.finalize_period(results)
-    if best == 1 and gs.fallback_enabled():
+    best = gx.finalize_period(results)
+    if best == 1 and gx.fallback_enabled():
         best = unit if unit >= 8 else 1  # gefen-x's fallback: the whole row
     return best
 
@@ -221,12 +221,12 @@ def agreement_collectives(width: int, searched: int) -> list[tuple[str, str, tor
     and ``searched`` the number of those parameters. An all-gather delivers
     ``world`` times its payload to every rank; every other collective's
     payload is the same at any world size. The histograms and codebooks are
-    those of every codebook family (``gefen_state.CODEBOOK_FAMILIES``),
+    those of every codebook family (``gefenx.CODEBOOK_FAMILIES``),
     whether or not the job has optimizers of each. Kept beside the code it
     describes: the scale plan sizes the first step from it, and a test
     records the real calls against it.
     """
-    families = gs.CODEBOOK_FAMILIES
+    families = gx.CODEBOOK_FAMILIES
     return [
         ("error check: parameters", "all_reduce", torch.int64, 1),
         ("stage layout: signature, candidates, searched parameters", "all_gather", torch.int64, 3),
@@ -235,7 +235,7 @@ def agreement_collectives(width: int, searched: int) -> list[tuple[str, str, tor
         ("error check: histogram", "all_reduce", torch.int64, 1),
         ("histograms", "all_reduce", torch.int64, families * HIST_BINS),
         ("error check: codebook", "all_reduce", torch.int64, 1),
-        ("codebooks", "broadcast", torch.float32, families * gs.K),
+        ("codebooks", "broadcast", torch.float32, families * gx.K),
     ]
 
 
@@ -273,7 +273,7 @@ class AgreedBlocking:
     # Gefen keeps period 1 for these (gefen.Gefen._resolve_automatic_period).
     @staticmethod
     def _fixed_one(optim: Optimizer, fqn: str, p: torch.Tensor) -> bool:
-        opts = gs.options(optim)
+        opts = gx.options(optim)
         if p.dim() <= 1 or p.numel() == 1:
             return True
         if opts["force_2d_period_one"] and p.dim() == 2:
@@ -283,7 +283,7 @@ class AgreedBlocking:
     def _params(self, optimizers: Iterable[Optimizer]) -> list[_Param]:
         out = []
         for optim in optimizers:
-            for fqn, p, _ in gs.named_params(optim):
+            for fqn, p, _ in gx.named_params(optim):
                 if self._fixed_one(optim, fqn, p):
                     out.append(_Param(fqn, p, optim, 0, [1]))
                 else:
@@ -327,22 +327,22 @@ class AgreedBlocking:
         periods = self._agree_periods(params, counts_here, layout)
         counts, error = None, None
         try:
-            counts = torch.zeros(gs.CODEBOOK_FAMILIES, HIST_BINS, dtype=torch.int64)
+            counts = torch.zeros(gx.CODEBOOK_FAMILIES, HIST_BINS, dtype=torch.int64)
             for q, period, here in zip(params, periods, counts_here):
                 if here:
-                    counts[gs.codebook_family(q.optim)] += histogram(local(q.param.grad), period).cpu()
+                    counts[gx.codebook_family(q.optim)] += histogram(local(q.param.grad), period).cpu()
         except (RuntimeError, ValueError) as e:
             error = f"{type(e).__name__}: {e}"
         raise_on_any_rank(error, what, BlockingError)
         codebooks = self._solve(counts)
         for q, period in zip(params, periods):
-            gs.set_period(q.optim, q.param, period)
+            gx.set_period(q.optim, q.param, period)
         for optim in optimizers:
-            codebook = codebooks[gs.codebook_family(optim)]
+            codebook = codebooks[gx.codebook_family(optim)]
             if codebook is None:
                 continue
-            device = next((local(p).device for _, p, _ in gs.named_params(optim)), torch.device("cpu"))
-            gs.set_codebook(optim, codebook.to(device).clone())
+            device = next((local(p).device for _, p, _ in gx.named_params(optim)), torch.device("cpu"))
+            gx.set_codebook(optim, codebook.to(device).clone())
         self.needed = False
         # The one line that says the agreement ran (a torchft group that joined late must not).
         logger.info(f"Agreed blocking: block periods of {sum(1 for q in params if q.unit)} parameter(s) and the "
@@ -441,7 +441,7 @@ class AgreedBlocking:
         dist.all_reduce(total)
         total = total.cpu()
         present = [bool(int(c.sum())) for c in total]
-        payload = torch.zeros(len(total), gs.K, dtype=torch.float32, device=device)
+        payload = torch.zeros(len(total), gx.K, dtype=torch.float32, device=device)
         message = None
         if dist.get_rank() == 0:
             try:

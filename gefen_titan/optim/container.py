@@ -41,7 +41,7 @@ from torchtitan.components.optimizer.utils import (
 from torchtitan.tools.logging import logger
 
 from gefen_titan.distributed import any_rank, local
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry
 from gefen_titan.optim.blocking import AgreedBlocking
 from gefen_titan.optim.hybrid import HybridOptions, RoutedGroup
@@ -315,21 +315,21 @@ class GefenOptimizersContainer(OptimizersContainer):
         super().__init__(base, model_parts=model_parts)
         for optim in self.optimizers:
             spec = registry.spec_of(optim)
-            if spec is None and gs.is_gefen_family(optim):
+            if spec is None and gx.is_gefen_family(optim):
                 raise ValueError(
                     f"{type(optim).__name__} is a subclass of Gefen that gefen-titan has no registry entry for: "
                     "its state is not Gefen's, so it can be neither agreed nor checkpointed as Gefen. Use "
                     f"optimizer name \"Gefen\", or register {type(optim).__name__} in gefen_titan.optim.registry "
                     "(a factory, a state adapter and its records)")
-            if spec is not None and spec.name == "Gefen" and gs.options(optim)["capturable"]:
+            if spec is not None and spec.name == "Gefen" and gx.options(optim)["capturable"]:
                 raise ValueError(
                     "Gefen capturable=True keeps its step counters on the device, and gefen_titan "
                     "checkpoints only host counters: remove capturable from "
                     "optimizer.optimizer_factory_kwargs_by_name")
-            if spec is not None and gs.is_gefen_muon(optim):
-                refused = gs.muon_refused(optim)
+            if spec is not None and gx.is_gefen_muon(optim):
+                refused = gx.muon_refused(optim)
                 if refused:
-                    raise ValueError("; ".join(f"GefenMuon {k} is not supported: {gs.MUON_REFUSED[k]}"
+                    raise ValueError("; ".join(f"GefenMuon {k} is not supported: {gx.MUON_REFUSED[k]}"
                                                for k in refused))
                 if config.blocking != "agreed":
                     raise ValueError(f"GefenMuon {_NEEDS_AGREED}")
@@ -391,7 +391,7 @@ class GefenOptimizersContainer(OptimizersContainer):
             # A restored codebook means the agreement is in the checkpoint;
             # one that was saved before the first step still needs it. Every
             # rank must decide alike (ranks without Gefen params included).
-            self.agreement.needed = not any_rank(any(gs.codebook(o) is not None for o in self.agreed_optimizers))
+            self.agreement.needed = not any_rank(any(gx.codebook(o) is not None for o in self.agreed_optimizers))
 
     # LoadPreparer (gefen_titan.checkpoint.manager): GefenCheckpointManager
     # calls these on every rank around torchtitan's dcp.load.
@@ -399,7 +399,7 @@ class GefenOptimizersContainer(OptimizersContainer):
         self._loading = True
         # Every live parameter's kind, the flat ones (AdamW, Adam) too; composites say what to set.
         live = {fqn: spec.name for o in self.optimizers if (spec := registry.spec_of(o)) is not None
-                and spec.state is not None for fqn, _, _ in gs.named_params(o)}
+                and spec.state is not None for fqn, _, _ in gx.named_params(o)}
         for o in self._flat_optimizers():
             live.update({fqn: type(o).__name__ for g in o.param_groups for fqn in g.get("param_names", ())})
         composites = [registry.composite(n) for n in registry.composite_names()]
@@ -460,16 +460,16 @@ class GefenOptimizersContainer(OptimizersContainer):
     @property
     def gefen_optimizers(self) -> list[Optimizer]:
         """The (plain) Gefen optimizers."""
-        return [o for o in self.optimizers if gs.is_gefen(o)]
+        return [o for o in self.optimizers if gx.is_gefen(o)]
 
     @property
     def muon_optimizers(self) -> list[Optimizer]:
         """The GefenMuon optimizers."""
-        return [o for o in self.optimizers if gs.is_gefen_muon(o)]
+        return [o for o in self.optimizers if gx.is_gefen_muon(o)]
 
     def muon_step_stats(self) -> list[MuonStepStats]:
         """Each GefenMuon optimizer's step statistics on this rank (benchmarks)."""
-        return [gs.sharded_step(o).stats for o in self.muon_optimizers]
+        return [gx.sharded_step(o).stats for o in self.muon_optimizers]
 
     @property
     def agreed_optimizers(self) -> list[Optimizer]:
@@ -483,9 +483,9 @@ class GefenOptimizersContainer(OptimizersContainer):
     def _count_empty_shards(self, container: OptimizersContainer, args: Any, kwargs: Any) -> None:
         # GefenMuon's sharded step counts its empty shards' steps itself.
         for optim in self.gefen_optimizers:
-            for _, p, _ in gs.named_params(optim):
+            for _, p, _ in gx.named_params(optim):
                 if p.grad is not None and local(p).numel() == 0:
-                    gs.count_empty_shard_step(optim, p)
+                    gx.count_empty_shard_step(optim, p)
 
     def _log_state_size_once(self, container: OptimizersContainer, args: Any, kwargs: Any) -> None:
         if self._size_logged:

@@ -44,7 +44,7 @@ import torch.nn as nn
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import ParamGroupConfig
 
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 
 __all__ = ["BACKUPS", "HybridOptions", "NAME", "OPTION_KEYS", "REFUSED", "SHARED_KEYS", "RoutedGroup", "bind",
            "check", "kind_hint", "param_groups", "route"]
@@ -87,7 +87,7 @@ REFUSED = {
     "fused": "set optimizer.implementation (torchtitan's; Gefen's fused path is CUDA-only)",
     "deterministic": "set optimizer.deterministic (it applies to every Gefen and GefenMuon group)",
     "verbose": "gefen-titan logs through torchtitan's logger",
-    **{k: v for k, v in gs.MUON_REFUSED.items() if k != "ns_schedule"},
+    **{k: v for k, v in gx.MUON_REFUSED.items() if k != "ns_schedule"},
 }
 
 
@@ -187,8 +187,8 @@ def param_groups(config: Any) -> list[ParamGroupConfig]:
     if o["backup_optimizer"] not in BACKUPS:
         raise ValueError(f"optimizer.backup_optimizer must be one of {list(BACKUPS)}, got {o['backup_optimizer']!r}")
     schedule = o["ns_schedule"]
-    if schedule not in gs.ns_schedule_names():
-        raise ValueError(f"optimizer.ns_schedule must be one of {list(gs.ns_schedule_names())}, got {schedule!r}")
+    if schedule not in gx.ns_schedule_names():
+        raise ValueError(f"optimizer.ns_schedule must be one of {list(gx.ns_schedule_names())}, got {schedule!r}")
     muon = {
         "lr": config.lr if o["muon_lr"] is None else o["muon_lr"],
         "weight_decay": config.weight_decay if o["muon_weight_decay"] is None else o["muon_weight_decay"],
@@ -196,7 +196,7 @@ def param_groups(config: Any) -> list[ParamGroupConfig]:
         "adjust_lr_fn": o["adjust_lr_fn"], "normuon": o["normuon"], "normuon_beta2": o["normuon_beta2"],
         "normuon_eps": o["normuon_eps"],
     }
-    coefficients = gs.ns_schedule_coefficients(schedule)
+    coefficients = gx.ns_schedule_coefficients(schedule)
     if coefficients is not None:  # as gefen-x: the schedule replaces the quintic, its length is the step count
         muon.update(ns_coefficients=coefficients, ns_steps=len(coefficients))
     backup_name = BACKUPS[o["backup_optimizer"]]

@@ -9,7 +9,7 @@ state verbatim (torch's ``optimizer.state``: Gefen's codes, block grids,
 periods and counters; GefenMuon's momentum and NorMuon rows; AdamW's
 moments), every param group's values (the LR the scheduler set, betas, ...),
 and for the Gefen family the job's codebook and global step
-(``gefen_state``). Copying all of it, caches included, is what makes the
+(``gefenx``). Copying all of it, caches included, is what makes the
 joiner's next step bit-identical to its peer's; a curated subset would be a
 second checkpoint format to keep in step with gefen-x.
 
@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gefen_titan.distributed import like_param, local
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 
 __all__ = ["LiveStateError", "capture", "payload_bytes", "restore"]
 
@@ -85,10 +85,10 @@ def capture(optimizers: list[Optimizer]) -> list[dict[str, Any]]:
             "state": state,
             "dtensor": dtensors,
         }
-        if gs.is_gefen_family(optim):
-            book = gs.codebook(optim)
+        if gx.is_gefen_family(optim):
+            book = gx.codebook(optim)
             entry["codebook"] = None if book is None else book.detach()
-            entry["global_step"] = gs.global_step(optim)
+            entry["global_step"] = gx.global_step(optim)
         out.append(entry)
     return out
 
@@ -135,7 +135,7 @@ def _check(optimizers: list[Optimizer], peer: Any) -> str | None:
                 if shape is not None and tuple(value.shape) != tuple(local(p).shape):
                     return (f"{fqn} {key}: the peer's shard is {tuple(value.shape)}, this rank's parameter shard "
                             f"{tuple(local(p).shape)}: the groups run on different meshes")
-        if gs.is_gefen_family(optim) and "codebook" not in entry:
+        if gx.is_gefen_family(optim) and "codebook" not in entry:
             return f"optimizer {i} ({type(optim).__name__}): the peer sent no codebook entry"
     return None
 
@@ -179,8 +179,8 @@ def restore(optimizers: list[Optimizer], peer: Any) -> None:
                 live = g.get(k)
                 g[k] = _copy(v, live.device if isinstance(live, torch.Tensor) else v.device) \
                     if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-        if gs.is_gefen_family(optim):
+        if gx.is_gefen_family(optim):
             book = entry["codebook"]
             dev = next((local(p).device for p in params), torch.device("cpu"))
-            gs.set_codebook(optim, None if book is None else book.to(dev, copy=True))
-            gs.set_global_step(optim, int(entry["global_step"]))
+            gx.set_codebook(optim, None if book is None else book.to(dev, copy=True))
+            gx.set_global_step(optim, int(entry["global_step"]))

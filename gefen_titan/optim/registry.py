@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import hybrid
 from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB, ShardedMuonStep
 from gefen_titan.optim.state import GefenState, MuonStateAdapter, StateAdapter
@@ -202,7 +202,7 @@ def build_gefen(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Op
     groups, options = _split_options(param_groups, GEFEN_OPTION_KEYS, "Gefen")
     if "period_one_substrings" in options:
         options["period_one_substrings"] = tuple(options["period_one_substrings"])
-    return gs.new_gefen(groups, **options, **factory_kwargs)
+    return gx.new_gefen(groups, **options, **factory_kwargs)
 
 
 def _gefen_group_key_hint(key: str) -> str:
@@ -227,7 +227,7 @@ def _torch_optimizer(cls: type[Optimizer]) -> OptimizerSpec:
 register(OptimizerSpec(
     name="Gefen",
     factory=build_gefen,
-    owns=gs.is_gefen,
+    owns=gx.is_gefen,
     # gefen-x's add_param_group reads lr/betas/eps/weight_decay and carries any
     # other key along unread; build_gefen turns ``fused`` into the constructor argument.
     group_keys=("lr", "betas", "eps", "weight_decay", "fused"),
@@ -247,14 +247,14 @@ def build_gefen_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any) 
 
     Its hyperparameters are group keys (``optimizer_kwargs``); what a group
     leaves out is gefen-x's default. The options that make its arithmetic
-    depend on the layout or the machine (``gefen_state.MUON_REFUSED``) are
+    depend on the layout or the machine (``gefenx.MUON_REFUSED``) are
     refused here as constructor options, and by the recipe checks as group keys.
     Its ``step()`` is the sharded step (``gefen_titan.optim.muon``), never
     gefen-x's own.
     """
-    refused = [k for k in factory_kwargs if k in gs.MUON_REFUSED]
+    refused = [k for k in factory_kwargs if k in gx.MUON_REFUSED]
     if refused:
-        raise ValueError("; ".join(f"GefenMuon option {k!r} is not supported: {gs.MUON_REFUSED[k]}" for k in refused)
+        raise ValueError("; ".join(f"GefenMuon option {k!r} is not supported: {gx.MUON_REFUSED[k]}" for k in refused)
                          + ". Remove it from optimizer.optimizer_factory_kwargs_by_name.GefenMuon")
     not_matrices = [f"{name} {tuple(p.shape)}" for g in param_groups
                     for name, p in zip(g.get("param_names", ()), g["params"]) if p.dim() != 2]
@@ -267,14 +267,14 @@ def build_gefen_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any) 
     bucket_mib = options.pop("muon_bucket_mib", DEFAULT_BUCKET_MIB)
     if not bucket_mib > 0:
         raise ValueError(f"optimizer.muon_bucket_mib must be > 0, got {bucket_mib!r}")
-    optim = gs.new_gefen_muon(groups, **options, **factory_kwargs)
-    gs.set_sharded_step(optim, ShardedMuonStep(optim, bucket_bytes=int(bucket_mib * 2**20)))
+    optim = gx.new_gefen_muon(groups, **options, **factory_kwargs)
+    gx.set_sharded_step(optim, ShardedMuonStep(optim, bucket_bytes=int(bucket_mib * 2**20)))
     return optim
 
 
 def _muon_group_key_hint(key: str) -> str:
-    if key in gs.MUON_REFUSED:
-        return f"; it is refused: {gs.MUON_REFUSED[key]}"
+    if key in gx.MUON_REFUSED:
+        return f"; it is refused: {gx.MUON_REFUSED[key]}"
     if key in MUON_OPTION_KEYS:
         return f"; it applies to the whole optimizer: set optimizer.{key}"
     if key in ("betas", "beta1", "beta2"):
@@ -287,8 +287,8 @@ register(_torch_optimizer(torch.optim.Adam))
 register(OptimizerSpec(
     name="GefenMuon",
     factory=build_gefen_muon,
-    owns=gs.is_gefen_muon,
-    group_keys=(*gs.MUON_GROUP_KEYS, "fused"),
+    owns=gx.is_gefen_muon,
+    group_keys=(*gx.MUON_GROUP_KEYS, "fused"),
     option_keys=MUON_OPTION_KEYS,
     state=lambda optimizers, options: MuonStateAdapter(optimizers),
     agreed_blocking=True,

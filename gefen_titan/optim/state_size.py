@@ -13,7 +13,7 @@ import torch
 from torch.optim import Optimizer
 
 from gefen_titan.distributed import local
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 
 __all__ = ["state_bytes"]
 
@@ -25,8 +25,8 @@ def state_bytes(optimizers: list[Optimizer]) -> tuple[int, int]:
         for group in optim.param_groups:
             for p in group["params"]:
                 numel += local(p).numel()
-        if gs.is_gefen_family(optim):
-            total += sum(local(t).nbytes for t in gs.state_tensors(optim))
+        if gx.is_gefen_family(optim):
+            total += sum(local(t).nbytes for t in gx.state_tensors(optim))
             continue
         for group in optim.param_groups:
             for p in group["params"]:

@@ -27,7 +27,7 @@ load and after the saves of chosen steps, writes the raw training state to
   optimizer's state.
 
 Both record the wall time of the save or load (DCP call included, the dump
-excluded). Gefen's private state is read through ``gefen_titan.optim.gefen_state``
+excluded). Gefen's private state is read through ``gefen_titan.optim.gefenx``
 only.
 
 Nothing is active unless a run lists it (torchtitan's command-line form: one
@@ -69,7 +69,7 @@ from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.checkpoint.schema import HYPER
 from gefen_titan.data.global_loader import GlobalOrderDataLoader
 from gefen_titan.distributed import all_gather_objects, local, rank_and_world
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry
 from gefen_titan.optim.state import AgreedStateAdapter
 from gefen_titan.optim.state.layout import param_region
@@ -89,7 +89,7 @@ def _region(fqn: str, p: torch.Tensor) -> tuple[int, int]:
 
 def _opt_id(optim: Any) -> str:
     """A Gefen optimizer's name in the checkpoint: its first parameter's FQN."""
-    return next((name for name, _, _ in gs.named_params(optim)), "")
+    return next((name for name, _, _ in gx.named_params(optim)), "")
 
 
 class DumpingCheckpointManager(GefenCheckpointManager):
@@ -194,11 +194,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _gefen_optimizers(container: Any) -> list[Any]:
-    return [] if container is None else [o for o in container.optimizers if gs.is_gefen(o)]
+    return [] if container is None else [o for o in container.optimizers if gx.is_gefen(o)]
 
 
 def _other_optimizers(container: Any) -> list[Any]:
-    return [] if container is None else [o for o in container.optimizers if not gs.is_gefen(o)]
+    return [] if container is None else [o for o in container.optimizers if not gx.is_gefen(o)]
 
 
 def _optimizer_entries(container: Any) -> dict[str, Any]:
@@ -232,16 +232,16 @@ def _live_facts(container: Any) -> dict[str, Any]:
     optimizers: dict[str, dict[str, Any]] = {}
     for optim in _gefen_optimizers(container):
         opt_id = _opt_id(optim)
-        cb = gs.codebook(optim)
+        cb = gx.codebook(optim)
         optimizers[opt_id] = {"codebook": None if cb is None else cb.detach().float().cpu().clone(),
-                              "global_step": gs.global_step(optim)}
-        for fqn, p, group in gs.named_params(optim):
-            st = gs.read(optim, p)
+                              "global_step": gx.global_step(optim)}
+        for fqn, p, group in gx.named_params(optim):
+            st = gx.read(optim, p)
             if st is not None:
                 period, step, vstep, has_state = st.period, st.step, st.vmean_step, True
             else:  # never stepped, or an empty local shard (counters kept by gefen_titan)
-                period = gs.period(optim, p) or 0
-                step, vstep = gs.empty_shard_counters(optim, p)
+                period = gx.period(optim, p) or 0
+                step, vstep = gx.empty_shard_counters(optim, p)
                 has_state = False
             params[fqn] = {"optimizer": opt_id, "period": int(period), "step": int(step), "vmean_step": int(vstep),
                            "has_state": has_state, "local_numel": local(p).numel(),
@@ -253,14 +253,14 @@ def _rank_gefen_state(container: Any) -> tuple[dict[str, dict[str, Any]], dict[s
     state, codebooks = {}, {}
     for optim in _gefen_optimizers(container):
         opt_id = _opt_id(optim)
-        cb = gs.codebook(optim)
+        cb = gx.codebook(optim)
         codebooks[opt_id] = {"codebook": None if cb is None else cb.detach().float().cpu().clone(),
-                             "global_step": gs.global_step(optim)}
-        for fqn, p, group in gs.named_params(optim):
+                             "global_step": gx.global_step(optim)}
+        for fqn, p, group in gx.named_params(optim):
             start, length = _region(fqn, p)
             rec: dict[str, Any] = {"shape": tuple(p.shape), "start": start, "length": length, "optimizer": opt_id,
                                    "hyper": {k: float(group[k]) for k in ("lr", "beta1", "beta2", "eps")}}
-            st = gs.read(optim, p)
+            st = gx.read(optim, p)
             if st is not None:
                 rec.update(
                     period=st.period, step=st.step, vmean_step=st.vmean_step,

@@ -49,7 +49,7 @@ from gefen_titan import patches
 from tests.helpers import worker_jobs
 
 patches.apply_all()  # CPU / gloo FSDP2
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.container import GefenOptimizersContainer
 from tests.helpers import small_model as sm
 
@@ -117,9 +117,9 @@ def global_state(opt: GefenOptimizersContainer) -> dict:
     sd = opt.state_dict()
     out = {k: (sm.full(v) if isinstance(v, torch.Tensor) else v) for k, v in sd.items() if k.startswith("gefen/")}
     (optim,) = opt.gefen_optimizers
-    out["periods"] = {n: gs.period(optim, p) for n, p, _ in gs.named_params(optim)}
-    out["codebook"] = gs.codebook(optim).cpu().clone()
-    out["global_step"] = gs.global_step(optim)
+    out["periods"] = {n: gx.period(optim, p) for n, p, _ in gx.named_params(optim)}
+    out["codebook"] = gx.codebook(optim).cpu().clone()
+    out["global_step"] = gx.global_step(optim)
     return out
 
 
@@ -127,10 +127,10 @@ def snapshot(opt: GefenOptimizersContainer) -> dict:
     """This rank's live Gefen state, copied (fail-closed checks)."""
     out = {}
     for optim in opt.gefen_optimizers:
-        out["codebook"] = None if gs.codebook(optim) is None else gs.codebook(optim).clone()
-        out["global_step"] = gs.global_step(optim)
-        for n, p, group in gs.named_params(optim):
-            st = gs.read(optim, p)
+        out["codebook"] = None if gx.codebook(optim) is None else gx.codebook(optim).clone()
+        out["global_step"] = gx.global_step(optim)
+        for n, p, group in gx.named_params(optim):
+            st = gx.read(optim, p)
             out[n] = None if st is None else (st.period, st.step, st.vmean_step, st.codes.clone(),
                                               st.magnitude.clone(), st.vmean.clone(), float(group["lr"]))
     return out
@@ -220,9 +220,9 @@ def job(args, rank: int, world: int) -> None:
         step(model, opt, sched, 1)
         if rank == 1:
             (optim,) = opt.gefen_optimizers
-            cb = gs.codebook(optim).clone()
+            cb = gx.codebook(optim).clone()
             cb[100] = (cb[99] + cb[100]) / 2
-            gs.set_codebook(optim, cb)
+            gx.set_codebook(optim, cb)
         ckpt = sm.checkpointer(model, opt, sched, ts, args.tamper_save, 1)
         try:
             ckpt.save(1)

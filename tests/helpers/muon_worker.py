@@ -35,7 +35,7 @@ from gefen import GefenMuon
 
 from gefen_titan.checkpoint.schema import grid_shape
 from gefen_titan.distributed import like_param, like_param_rows, local
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
 from tests.helpers import agreed_worker as aw  # applies gefen_titan's CPU patches
 from tests.helpers import small_model as sm
@@ -62,8 +62,8 @@ def schedule(opt: GefenOptimizersContainer) -> dict:
     """This rank's GefenMuon buckets ([(fqn, owner), ...] each) and its step statistics."""
     out = {"buckets": [], "stats": []}
     for optim, stats in zip(opt.muon_optimizers, opt.muon_step_stats(), strict=True):
-        names = [fqn for fqn, _, _ in gs.named_params(optim)]
-        sched = gs.sharded_step(optim).schedule
+        names = [fqn for fqn, _, _ in gx.named_params(optim)]
+        sched = gx.sharded_step(optim).schedule
         out["buckets"] += [[(names[i], o) for i, o in zip(b.matrices, b.owners)] for b in sched.buckets]
         out["stats"].append({"peak": stats.peak_inflight_bytes, "bound": stats.bound_bytes,
                              "sent": stats.bytes_sent, "received": stats.bytes_received,
@@ -79,10 +79,10 @@ def muon_state(opt: GefenOptimizersContainer) -> dict:
     """This rank's stage of the live GefenMuon state as global tensors (collective within the stage)."""
     out = {"periods": {}, "counters": {}, "tensors": {}}
     for optim in opt.muon_optimizers:
-        out["codebook"] = gs.codebook(optim).cpu().clone()
-        out["global_step"] = gs.global_step(optim)
-        for fqn, p, group in gs.named_params(optim):
-            st = gs.muon_read(optim, p)
+        out["codebook"] = gx.codebook(optim).cpu().clone()
+        out["global_step"] = gx.global_step(optim)
+        for fqn, p, group in gx.named_params(optim):
+            st = gx.muon_read(optim, p)
             shape, local_shape = tuple(p.shape), tuple(local(p).shape)
             out["periods"][fqn] = st.period
             out["counters"][fqn] = (st.step, st.rows_step, float(group["lr"]))
@@ -107,13 +107,13 @@ def snapshot(opt: GefenOptimizersContainer) -> dict:
     """This rank's live optimizer state, copied (fail-closed checks)."""
     out = aw.snapshot(opt)
     for optim in opt.muon_optimizers:
-        out["muon_codebook"] = None if gs.codebook(optim) is None else gs.codebook(optim).clone()
-        out["muon_global_step"] = gs.global_step(optim)
-        for n, p, group in gs.named_params(optim):
-            st = gs.muon_read(optim, p)
+        out["muon_codebook"] = None if gx.codebook(optim) is None else gx.codebook(optim).clone()
+        out["muon_global_step"] = gx.global_step(optim)
+        for n, p, group in gx.named_params(optim):
+            st = gx.muon_read(optim, p)
             out["muon:" + n] = None if st is None else (
                 st.period, st.step, st.rows_step, st.codes.clone(), st.magnitude.clone(),
-                None if st.rows is None else st.rows.clone(), {k: group[k] for k in gs.MUON_GROUP_KEYS})
+                None if st.rows is None else st.rows.clone(), {k: group[k] for k in gx.MUON_GROUP_KEYS})
     return out
 
 
@@ -122,11 +122,11 @@ class GefenX:
 
     def __init__(self, opt: GefenOptimizersContainer) -> None:
         init = {n: p.detach().clone() for n, p in aw.sm.build_model(aw.SIZES).named_parameters()}
-        self.run = [(optim, fqn, p, group) for optim in opt.muon_optimizers for fqn, p, group in gs.named_params(optim)]
+        self.run = [(optim, fqn, p, group) for optim in opt.muon_optimizers for fqn, p, group in gx.named_params(optim)]
         self.params = {fqn: nn.Parameter(init[fqn].clone()) for _, fqn, _, _ in self.run}
         _, _, _, group = self.run[0]
         self.optim = GefenMuon([(fqn, p) for fqn, p in self.params.items()], fused=False,
-                               **{k: group[k] for k in gs.MUON_GROUP_KEYS})
+                               **{k: group[k] for k in gx.MUON_GROUP_KEYS})
         self.differ: list[str] = []
 
     def lr(self) -> float:
@@ -136,10 +136,10 @@ class GefenX:
     def step(self, s: int, lr: float) -> None:
         self.optim.param_groups[0]["lr"] = lr
         for optim, fqn, p, _ in self.run:  # the run's periods and codebook, once
-            if gs.period(self.optim, self.params[fqn]) is None:
-                gs.set_period(self.optim, self.params[fqn], gs.period(optim, p))
-        if gs.codebook(self.optim) is None:
-            gs.set_codebook(self.optim, gs.codebook(self.run[0][0]).clone())
+            if gx.period(self.optim, self.params[fqn]) is None:
+                gx.set_period(self.optim, self.params[fqn], gx.period(optim, p))
+        if gx.codebook(self.optim) is None:
+            gx.set_codebook(self.optim, gx.codebook(self.run[0][0]).clone())
         for fqn, q in self.params.items():
             q.grad = aw.global_grad(fqn, tuple(q.shape), s)
         self.optim.step()
@@ -150,7 +150,7 @@ class GefenX:
                 self.differ.append(f"step {s} param {fqn}")
             if state is None:
                 continue
-            st = gs.muon_read(self.optim, q)
+            st = gx.muon_read(self.optim, q)
             mine = state["tensors"][fqn]
             for what, ref in (("codes", st.codes.view(q.shape)), ("magnitude", st.magnitude.view(q.shape[0], -1)),
                               ("rows", st.rows.view(-1))):

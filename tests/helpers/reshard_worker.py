@@ -38,7 +38,7 @@ from gefen_titan import patches
 from tests.helpers import worker_jobs
 
 patches.apply_all()  # CPU / gloo FSDP2
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.state.layout import param_region
 from tests.helpers import small_model as sm
 
@@ -82,16 +82,16 @@ def snapshot(opt):
     """This rank's raw Gefen state, by parameter name."""
     out = {}
     for optim in opt.gefen_optimizers:
-        cb = gs.codebook(optim)
-        for name, p, group in gs.named_params(optim):
-            st = gs.read(optim, p)
+        cb = gx.codebook(optim)
+        for name, p, group in gx.named_params(optim):
+            st = gx.read(optim, p)
             region, _ = param_region(name, p)
             rec = {"start": region.start, "length": region.length, "shape": tuple(p.shape)}
             if st is not None:
                 rec.update(
                     period=st.period, step=st.step, vmean_step=st.vmean_step,
                     codes=st.codes.clone(), magnitude=st.magnitude.clone(), vmean=st.vmean.clone(),
-                    codebook=cb.clone(), global_step=gs.global_step(optim),
+                    codebook=cb.clone(), global_step=gx.global_step(optim),
                     lr=float(group["lr"]), beta1=group["beta1"], beta2=group["beta2"],
                 )
             out[name] = rec

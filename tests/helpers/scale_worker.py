@@ -79,14 +79,15 @@ def checkpoint(step_dir: str, built) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from gefen_titan.checkpoint import schema as fmt
+    from gefen_titan.checkpoint import schema
     from gefen_titan.checkpoint.storage import read_small
 
     md = FileSystemReader(step_dir).read_metadata()
     prefix = "optimizer."
     name = next(k[len(prefix):] for k in md.state_dict_metadata if k.startswith(prefix)
-                and (key := fmt.parse_key(k[len(prefix):])) is not None and key.kind == "optimizer")
-    record = fmt.OptimizerRecord.from_json(read_small(step_dir, md, prefix, [], [name])[name], fmt.parse_key(name).name)
+                and (key := schema.parse_key(k[len(prefix):])) is not None and key.kind == "optimizer")
+    raw = read_small(step_dir, md, prefix, [], [name])[name]
+    record = schema.OptimizerRecord.from_json(raw, schema.parse_key(name).name)
     built = dataclasses.replace(built, gefen_hyper=record.params[0].group)
     periods = {p.fqn: p.period for p in record.params}
     entries = scale.gefen_entries(built, "fallback", periods=periods, step=record.global_step)
@@ -134,17 +135,17 @@ def hand(built) -> dict:
 
 def muon(built) -> dict:
     from benchmarks.meta import build_on_meta
-    from gefen_titan.optim import gefen_state as gs
+    from gefen_titan.optim import gefenx as gx
     from gefen_titan.optim.muon import build_schedule
 
     planned = scale.muon_specs(built)
     real = build_on_meta("recipes/llama_gefen_muon.toml", 2, {}).optimizers
     specs, sched = [], []
     for optim in real.muon_optimizers:
-        mine, schedule = gs.sharded_step(optim).plan()
+        mine, schedule = gx.sharded_step(optim).plan()
         specs += mine
         sched += [[list(b.matrices), list(b.owners)] for b in schedule.buckets]
-    plan_sched = build_schedule(planned, gs.sharded_step(real.muon_optimizers[0]).bucket_bytes)
+    plan_sched = build_schedule(planned, gx.sharded_step(real.muon_optimizers[0]).bucket_bytes)
     return {"planned": [dataclasses.astuple(m) for m in planned], "real": [dataclasses.astuple(m) for m in specs],
             "planned_schedule": [[list(b.matrices), list(b.owners)] for b in plan_sched.buckets],
             "real_schedule": sched, "optimizers": len(real.muon_optimizers)}

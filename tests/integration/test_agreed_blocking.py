@@ -28,9 +28,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gefen_titan.checkpoint import schema as fmt
+from gefen_titan.checkpoint import schema
 from gefen_titan.checkpoint.schema import grid_shape
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.blocking import BlockingError, candidate_periods, histogram, row_unit
 from gefen_titan.optim.container import GefenOptimizersContainer
 from tests.helpers import agreed_runs, worker_jobs
@@ -91,14 +91,14 @@ def test_single_process_agreed_step_presets_what_gefen_would_learn(monkeypatch):
     model(torch.randint(512, (4, 16))).square().mean().backward()
     opt.step()
     (optim,) = opt.gefen_optimizers
-    for name, p, _ in gs.named_params(optim):
-        st = gs.read(optim, p)
+    for name, p, _ in gx.named_params(optim):
+        st = gx.read(optim, p)
         assert st.step == 1
         if p.dim() == 1:
             assert st.period == 1
         else:
             assert p.shape[-1] % st.period == 0 and st.period >= 8, (name, st.period)
-    assert gs.codebook(optim) is not None
+    assert gx.codebook(optim) is not None
 
 
 def test_parameter_without_gradient_refused_before_any_change():
@@ -108,8 +108,8 @@ def test_parameter_without_gradient_refused_before_any_change():
     with pytest.raises(BlockingError, match="no gradient on the first step"):
         opt.step()
     (optim,) = opt.gefen_optimizers
-    assert gs.codebook(optim) is None
-    assert all(gs.period(optim, p) is None for _, p, _ in gs.named_params(optim))
+    assert gx.codebook(optim) is None
+    assert all(gx.period(optim, p) is None for _, p, _ in gx.named_params(optim))
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -132,7 +132,7 @@ def test_per_rank_blocking_keeps_gefens_own_learning():
     opt.step()
     (optim,) = opt.gefen_optimizers
     # gefen-x learned them itself, on its own step.
-    assert gs.codebook(optim) is not None and gs.period(optim, model.weight) is not None
+    assert gx.codebook(optim) is not None and gx.period(optim, model.weight) is not None
 
 
 def test_capturable_refused_at_construction():
@@ -224,7 +224,7 @@ def test_the_state_is_quantized_and_compact(agreed):
     periods = ref["periods"]
     assert all(p > 1 for n, p in periods.items() if "norm" not in n)
     # uneven rows and an empty shard were really exercised
-    assert ref[fmt.qcodes_key("gate.weight")].shape == (2, 64)
+    assert ref[schema.qcodes_key("gate.weight")].shape == (2, 64)
     state_bytes, numel = load(out, "fsdp1")[0]["ref"]["bytes"]
     assert 1.0 < state_bytes / numel < 1.6
 

@@ -35,11 +35,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import gefen_titan.train
-from gefen_titan.checkpoint import schema as fmt
-from gefen_titan.checkpoint import storage
-from gefen_titan.checkpoint.reader import Checkpoint, Entry
+from gefen_titan.checkpoint import schema, storage
 from gefen_titan.ckpt import cli
 from gefen_titan.ckpt.verify import _cover_once
+from gefen_titan.ckpt.view import Checkpoint, Entry
 from tests.helpers import processes
 from tests.helpers.bad_checkpoints import drop_entry, edited, set_entry
 
@@ -149,21 +148,21 @@ def test_inspect_gefen_checkpoint(runs, capsys):
     path = step_dir(base, "gefen", 2)
     rc, report = ckpt_json(capsys, "inspect", path)
     assert rc == 0
-    assert report["format"] == {"name": "gefen-titan", "version": fmt.VERSION, "blocking": "agreed"}
+    assert report["format"] == {"name": "gefen-titan", "version": schema.VERSION, "blocking": "agreed"}
     assert report["counters"]["train_state.step"] == 2 and report["counters"]["lr_scheduler.last_epoch"] == 2
     assert report["mesh"]["writer_ranks"] == 1 and report["mesh"]["data_parallel_ranks"] == 1
     (opt,) = report["optimizers"]
     assert opt["kind"] == "Gefen" and opt["global_step"] == 2 and opt["deterministic"] is False
     # Against the checkpoint itself, read independently with DCP.
     md = Checkpoint(str(path)).metadata.state_dict_metadata
-    rec_key = next(k for k in md if k.startswith("optimizer." + fmt.PREFIX + "optimizer/"))
+    rec_key = next(k for k in md if k.startswith("optimizer." + schema.PREFIX + "optimizer/"))
     values = {rec_key: ""}
     dcp.load(values, checkpoint_id=str(path), no_dist=True)
     record = json.loads(values[rec_key])
     assert [p["fqn"] for p in opt["params"]] == [p["fqn"] for p in record["params"]]
     for row, rec in zip(opt["params"], record["params"]):
         assert row["period"] == rec["period"] and row["step"] == rec["step"] == 2
-        packed = tuple(md["optimizer." + fmt.grid_key(row["fqn"])].size)
+        packed = tuple(md["optimizer." + schema.grid_key(row["fqn"])].size)
         grid = packed[:-1]
         assert packed[-1] == 2 and tuple(row["grid"]) == grid == tuple(rec["shape"][:-1]) + (
             rec["shape"][-1] // rec["period"],)
@@ -178,7 +177,7 @@ def test_inspect_gefen_checkpoint(runs, capsys):
         1 for k in md if not k.startswith(("optimizer.", "dataloader.", "lr_scheduler.", "train_state.")))
     rc, text = ckpt(capsys, "inspect", path)
     assert rc == 0
-    assert f"gefen-titan v{fmt.VERSION} (agreed blocking)" in text
+    assert f"gefen-titan v{schema.VERSION} (agreed blocking)" in text
     assert re.search(r"tok_embeddings\.weight\s+2048x256\s+\d+\s+2048x\d+\s+2\s", text), text
 
 
@@ -213,7 +212,7 @@ def test_verify_sound_checkpoint_through_the_command(runs, capsys, monkeypatch):
     size = sum(p.stat().st_size for p in path.glob("*.distcp"))
     assert report["checked"]["bytes"] == size  # every byte of every data file read
     # Every framed item's CRC32, every item's digest (v3's raw entries have no framing, so no CRC32).
-    raw = sum(fmt.is_raw_entry(index.fqn) for index in Checkpoint(str(path)).metadata.storage_data)
+    raw = sum(schema.is_raw_entry(index.fqn) for index in Checkpoint(str(path)).metadata.storage_data)
     assert raw == 2 * 45
     assert report["checked"]["crc_checked"] == report["checked"]["items"] - raw
     assert report["checked"]["digests_checked"] == report["checked"]["items"]
@@ -251,7 +250,7 @@ def test_verify_truncated_file(copy, capsys):
 
 def test_verify_corrupted_record_bytes(copy, capsys):
     """One flipped byte inside the stored Gefen record: the CRC32 of its torch.save archive catches it."""
-    key = "optimizer." + fmt.optimizer_key("tok_embeddings.weight")
+    key = "optimizer." + schema.optimizer_key("tok_embeddings.weight")
     info = _item(copy, key)
     with open(copy / info.relative_path, "r+b") as f:
         f.seek(info.offset + info.length // 2)
@@ -268,19 +267,19 @@ def test_verify_inconsistent_records_and_non_finite_grid(copy, tmp_path, capsys)
     """A well-formed checkpoint with wrong content: a period its grid does not match, a NaN magnitude."""
     ck = Checkpoint(str(copy))
     sd = ck.load(list(ck.entries))
-    key = "optimizer." + fmt.optimizer_key("tok_embeddings.weight")
+    key = "optimizer." + schema.optimizer_key("tok_embeddings.weight")
     record = json.loads(sd[key])
     wo = next(p for p in record["params"] if p["fqn"] == "layers.0.attention.wo.weight")
     wo["period"] = 64 if wo["period"] != 64 else 32
     sd[key] = json.dumps(record)
-    sd["optimizer." + fmt.grid_key("lm_head.weight")][3, 1, 0] = float("nan")
+    sd["optimizer." + schema.grid_key("lm_head.weight")][3, 1, 0] = float("nan")
     bad = tmp_path / "bad" / "step-4"
     dcp.save(sd, checkpoint_id=str(bad), no_dist=True)
     rc, report = ckpt_json(capsys, "verify", bad)
     assert rc == 1
     whats = [p["what"] for p in report["problems"]]
     assert any("non-finite" in w for w in whats), whats
-    assert any(fmt.grid_key("layers.0.attention.wo.weight") in w and "expected" in w for w in whats), whats
+    assert any(schema.grid_key("layers.0.attention.wo.weight") in w and "expected" in w for w in whats), whats
     assert report["first_bad_file"] == "__0_0.distcp"
 
 
@@ -345,12 +344,12 @@ def test_convert_gefen_to_adamw_resumes(runs, capsys):
     assert report["params"] == 45 and report["steps"] == {"2": 45}
     # exp_avg is codebook[code] * magnitude of its block, exp_avg_sq the block's vmean (computed here anew).
     fqn = "layers.0.feed_forward.w2.weight"
-    keys = {k: "optimizer." + f(fqn) for k, f in (("codes", fmt.qcodes_key), ("grid", fmt.grid_key))}
-    cb_key = "optimizer." + fmt.codebook_key("tok_embeddings.weight")
+    keys = {k: "optimizer." + f(fqn) for k, f in (("codes", schema.qcodes_key), ("grid", schema.grid_key))}
+    cb_key = "optimizer." + schema.codebook_key("tok_embeddings.weight")
     md = Checkpoint(str(src)).metadata.state_dict_metadata
     g = {k: torch.empty(md[k].size, dtype=md[k].properties.dtype) for k in [*keys.values(), cb_key]}
     dcp.load(g, storage_reader=storage.storage_reader(src), no_dist=True)  # raw entries: gefen-titan's reader
-    mag, vmean = fmt.unpack_blocks(fmt.VERSION, {"grid": g[keys["grid"]]})
+    mag, vmean = schema.unpack_blocks(schema.VERSION, {"grid": g[keys["grid"]]})
     a = {f"optimizer.state.{fqn}.{s}": torch.empty(md[keys["codes"]].size) for s in ("exp_avg", "exp_avg_sq")}
     a[f"optimizer.state.{fqn}.step"] = torch.empty(())
     dcp.load(a, checkpoint_id=str(out), no_dist=True)
@@ -378,7 +377,7 @@ def test_convert_adamw_to_gefen_resumes(runs, capsys):
     assert report["momentum_relative_rms_error"] < 0.02
     assert 1.0 < report["state_bytes_per_param"] < 1.2
     rc, inspected = ckpt_json(capsys, "inspect", out)
-    assert rc == 0 and inspected["format"]["version"] == fmt.VERSION
+    assert rc == 0 and inspected["format"]["version"] == schema.VERSION
     (opt,) = inspected["optimizers"]
     periods = {p["fqn"]: p["period"] for p in opt["params"]}
     assert periods["norm.weight"] == 1 and all(
@@ -409,8 +408,8 @@ def test_convert_refuses_what_it_cannot_do(runs, capsys, tmp_path):
 
 
 def test_to_gefen_refuses_adam_variants_gefen_cannot_represent():
-    from gefen_titan.checkpoint.reader import CkptError
     from gefen_titan.ckpt.convert import _gefen_group
+    from gefen_titan.ckpt.view import CkptError
 
     adamw = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
              "maximize": False, "decoupled_weight_decay": True}
@@ -440,7 +439,7 @@ def _muon_path(root: Path) -> Path:
 def test_inspect_gefen_muon_checkpoint(muon, capsys):
     path = _muon_path(muon)
     rc, report = ckpt_json(capsys, "inspect", path)
-    assert rc == 0 and report["format"]["version"] == fmt.VERSION
+    assert rc == 0 and report["format"]["version"] == schema.VERSION
     assert report["mesh"]["writer_ranks"] == 2 and report["mesh"]["data_parallel_ranks"] == 2
     gefen, gm = report["optimizers"]
     assert gefen["kind"] == "Gefen" and gm["kind"] == "GefenMuon"
@@ -454,13 +453,13 @@ def test_inspect_gefen_muon_checkpoint(muon, capsys):
     assert cb["entries"] == 256 and cb["min"] == -1 and cb["max"] == 1 and cb["sorted"]
     # Against the checkpoint itself, read independently with DCP.
     md = Checkpoint(str(path)).metadata.state_dict_metadata
-    (rec_key,) = [k for k in md if k.startswith("optimizer." + fmt.PREFIX + "muon/")]
+    (rec_key,) = [k for k in md if k.startswith("optimizer." + schema.PREFIX + "muon/")]
     values = {rec_key: ""}
     dcp.load(values, checkpoint_id=str(path), no_dist=True)
     record = json.loads(values[rec_key])
     assert record["kind"] == "GefenMuon" and [p["fqn"] for p in gm["params"]] == [p["fqn"] for p in record["params"]]
     for row, rec in zip(gm["params"], record["params"]):
-        keys = {k: "optimizer." + v for k, v in fmt.muon_tensor_keys(row["fqn"]).items()}
+        keys = {k: "optimizer." + v for k, v in schema.muon_tensor_keys(row["fqn"]).items()}
         assert row["period"] == rec["period"] > 0 and row["step"] == row["rows_step"] == 2
         grid = tuple(md[keys["magnitude"]].size)
         assert tuple(row["grid"]) == grid == tuple(rec["shape"][:-1]) + (rec["shape"][-1] // rec["period"],)
@@ -474,7 +473,7 @@ def test_inspect_gefen_muon_checkpoint(muon, capsys):
     assert 1.0 < gm["stored_bytes_per_param"] < 1.2 and 1.0 < totals["stored_bytes_per_param"] < 1.2
     rc, text = ckpt(capsys, "inspect", path)
     assert rc == 0
-    rec_name = fmt.muon_optimizer_key(record["params"][0]["fqn"])
+    rec_name = schema.muon_optimizer_key(record["params"][0]["fqn"])
     assert f"optimizer   GefenMuon (records {rec_name}): 30 parameters, global step 2" in text
     assert "momentum 0.95  nesterov True  ns_steps 5  adjust_lr_fn match_rms_adamw  normuon True" in text
     assert re.search(r"layers\.0\.attention\.wo\.weight\s+256x256\s+\d+\s+256x\d+\s+2\s+2\s+[\d,]+\s+2x1", text), text
@@ -485,10 +484,10 @@ def test_verify_gefen_muon_checkpoint(muon, capsys):
     rc, report = ckpt_json(capsys, "verify", _muon_path(muon))
     assert rc == 0 and report["ok"], report["problems"]
     assert report["gefen"]["params"] == 15
-    assert report["gefen_muon"] == {"version": fmt.VERSION, "optimizers": 1, "params": 30, "stateful_params": 30,
+    assert report["gefen_muon"] == {"version": schema.VERSION, "optimizers": 1, "params": 30, "stateful_params": 30,
                                     "codebooks": 1}
     rc, text = ckpt(capsys, "verify", _muon_path(muon))
-    assert rc == 0 and f"GefenMuon v{fmt.VERSION}: 30 parameters in 1 record(s), 1 codebook(s)" in text
+    assert rc == 0 and f"GefenMuon v{schema.VERSION}: 30 parameters in 1 record(s), 1 codebook(s)" in text
 
 
 def _bad_group(opt_id: str):
@@ -496,21 +495,21 @@ def _bad_group(opt_id: str):
         record = json.loads(raw)
         record["params"][-1]["group"]["ns_steps"] = 0
         return json.dumps(record)
-    return set_entry(fmt.muon_optimizer_key(opt_id), ns_steps_zero)
+    return set_entry(schema.muon_optimizer_key(opt_id), ns_steps_zero)
 
 
 def test_verify_damaged_gefen_muon_state(muon, tmp_path, capsys):
     """Each damage alone fails verify, with a problem naming the damaged entry."""
     fqn = "layers.1.feed_forward.w2.weight"
-    keys = fmt.muon_tensor_keys(fqn)
+    keys = schema.muon_tensor_keys(fqn)
     opt_id = next(k.name for n in Checkpoint(str(_muon_path(muon))).optimizer
-                  if (k := fmt.parse_key(n)) and k.kind == "muon")
+                  if (k := schema.parse_key(n)) and k.kind == "muon")
     cases = {
         "nan_magnitude": (set_entry(keys["magnitude"], lambda v: v.index_fill(0, torch.tensor([5]), float("nan"))),
                           "optimizer." + keys["magnitude"], "non-finite"),
         "negative_rows": (set_entry(keys["rows"], lambda v: -1 - v.abs()), "optimizer." + keys["rows"], "negative"),
         "no_rows": (drop_entry(keys["rows"]), keys["rows"], "missing"),
-        "bad_group": (_bad_group(opt_id), "optimizer." + fmt.muon_optimizer_key(opt_id), "ns_steps=0"),
+        "bad_group": (_bad_group(opt_id), "optimizer." + schema.muon_optimizer_key(opt_id), "ns_steps=0"),
     }
     for name, (edit, entry, what) in cases.items():
         root = tmp_path / name

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 from tests.helpers import muon_runs, worker_jobs
 from tests.helpers.bad_checkpoints import MUON_CASES, muon_case_key
 from tests.helpers.muon_runs import PAIRS, RUNS, target
@@ -172,7 +172,7 @@ def test_each_rank_keeps_its_share_of_the_state(muon):
     # (a Gefen and a GefenMuon one, 256 fp32 each). Measured 29,056 bytes on
     # ranks 0-1 against 28,991 by that count (+0.2%: the 2-row gate and the
     # norms cut unevenly); 1% allows that, not a replicated matrix.
-    books = 2 * gs.K * 4
+    books = 2 * gx.K * 4
     for state_bytes, _ in shares:
         assert state_bytes <= ((whole - books) / 4 + books) * 1.01, (state_bytes, whole)
 

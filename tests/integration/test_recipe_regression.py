@@ -88,7 +88,7 @@ def built_on_meta(recipe: str, world_size: int, overrides: dict) -> dict:
     device (``benchmarks.meta``; run in a fresh process: it creates a fake
     process group)."""
     from benchmarks.meta import build_on_meta
-    from gefen_titan.optim import gefen_state as gs
+    from gefen_titan.optim import gefenx as gx
 
     built = build_on_meta(recipe, world_size, overrides)
     config, optimizers = built.config, built.optimizers
@@ -99,7 +99,7 @@ def built_on_meta(recipe: str, world_size: int, overrides: dict) -> dict:
         "placements": sorted({str(tuple(p.placements)) for _, p in params}),
         "mesh_sizes": sorted({p.device_mesh.size() for _, p in params}),
         "optimizers": [type(o).__name__ for o in optimizers.optimizers],
-        "gefen_params": sum(1 for o in optimizers.gefen_optimizers for _ in gs.named_params(o)),
+        "gefen_params": sum(1 for o in optimizers.gefen_optimizers for _ in gx.named_params(o)),
         "params": len(params),
         "checkpoint": type(config.checkpoint).__qualname__,
     }

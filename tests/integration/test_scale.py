@@ -119,14 +119,14 @@ def test_plan_schedules_gefen_muon_as_the_real_step_does(worker):
 
 
 def test_state_formula_matches_real_gefen(gefen_stepped):
-    from gefen_titan.optim import gefen_state as gs
+    from gefen_titan.optim import gefenx as gx
 
     _, opt, _ = gefen_stepped
     total = 0
     for optim in opt.gefen_optimizers:
         total += scale.CODEBOOK_BYTES
-        for _, p, _ in gs.named_params(optim):
-            total += scale.gefen_param_bytes(p.numel(), gs.period(optim, p))
+        for _, p, _ in gx.named_params(optim):
+            total += scale.gefen_param_bytes(p.numel(), gx.period(optim, p))
     assert total == opt.state_bytes()[0]
 
 
@@ -180,9 +180,9 @@ def test_benchmark_arguments_are_checked():
 
 
 def test_checkpoint_targets_report_misses_with_the_figure():
-    from gefen_titan.checkpoint import schema as fmt
+    from gefen_titan.checkpoint import schema
 
-    assert f"v{fmt.VERSION}" in bench_ckpt.method_label("current")
+    assert f"v{schema.VERSION}" in bench_ckpt.method_label("current")
     rss = [{"growth": 150, "state": 100, "shard": 50}, {"growth": 10, "state": 100, "shard": 50}]
     rows = [{"method": "current", "save_s": 0.6, "loads": {1: {"load_s": 0.5, "rss": rss}}},
             {"method": "adamw", "save_s": 1.0, "loads": {1: {"load_s": 1.0, "rss": rss}}}]

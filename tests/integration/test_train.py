@@ -92,7 +92,7 @@ def test_components_in_torchtitans_own_trainer(tmp_path):
     """``examples/torchtitan_config.py`` (the README's "own trainer" example):
     torchtitan's entry point and CLI, our optimizer container and checkpoint
     manager, no recipe."""
-    from gefen_titan.checkpoint import schema as fmt
+    from gefen_titan.checkpoint import schema
     from gefen_titan.checkpoint.storage import read_metadata
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "examples")}
@@ -103,5 +103,5 @@ def test_components_in_torchtitans_own_trainer(tmp_path):
     assert proc.returncode == 0, log[-4000:]
     assert sorted(losses(log)) == [1, 2] and "bytes/param" in log  # our container's report
     keys = read_metadata(tmp_path / "checkpoint" / "step-2").state_dict_metadata
-    assert "optimizer." + fmt.header_key() in keys  # written by our adapter, format v3
-    assert any(k.startswith("optimizer." + fmt.PREFIX + "qcodes/") for k in keys)
+    assert "optimizer." + schema.header_key() in keys  # written by our adapter, format v3
+    assert any(k.startswith("optimizer." + schema.PREFIX + "qcodes/") for k in keys)

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from torchtitan.components.checkpoint import OPTIMIZER
 
 import gefen_titan.train
 from gefen_titan.checkpoint import schema
-from gefen_titan.checkpoint.reader import OPTIMIZER, Checkpoint
+from gefen_titan.ckpt.view import Checkpoint
 from tests.helpers import processes
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -208,7 +208,7 @@ def _global_dump(world=2):
     """A tiny agreed-blocking dump as ``gefen_titan.validation.hooks`` writes it."""
     import torch
 
-    from gefen_titan.checkpoint import schema as fmt
+    from gefen_titan.checkpoint import schema
 
     g = torch.Generator().manual_seed(0)
     codebook = torch.linspace(-1, 1, 256)
@@ -216,12 +216,12 @@ def _global_dump(world=2):
     record = {"blocking": "agreed", "deterministic": False, "global_step": 4,
               "params": [{"fqn": "w", "shape": [4, 8], "period": 4, "step": 4, "vmean_step": 4, "group": hyper}]}
     state = {
-        fmt.header_key(): json.dumps({"format": "gefen-titan", "version": 2, "blocking": "agreed"}),
-        fmt.optimizer_key("w"): json.dumps(record, sort_keys=True),
-        fmt.codebook_key("w"): codebook,
-        fmt.codes_key("w"): torch.randint(0, 256, (4, 8), generator=g, dtype=torch.uint8),
-        fmt.magnitude_key("w"): torch.rand(4, 2, generator=g),
-        fmt.vmean_key("w"): torch.rand(4, 2, generator=g),
+        schema.header_key(): json.dumps({"format": "gefen-titan", "version": 2, "blocking": "agreed"}),
+        schema.optimizer_key("w"): json.dumps(record, sort_keys=True),
+        schema.codebook_key("w"): codebook,
+        schema.codes_key("w"): torch.randint(0, 256, (4, 8), generator=g, dtype=torch.uint8),
+        schema.magnitude_key("w"): torch.rand(4, 2, generator=g),
+        schema.vmean_key("w"): torch.rand(4, 2, generator=g),
         "state.n.exp_avg": torch.randn(8, generator=g),
     }
     live = {"params": {"w": {"optimizer": "w", "period": 4, "step": 4, "vmean_step": 4, "has_state": True,
@@ -233,16 +233,16 @@ def _global_dump(world=2):
 
 
 def test_global_comparison_is_bit_exact_and_names_what_differs():
-    from gefen_titan.checkpoint import schema as fmt
+    from gefen_titan.checkpoint import schema
 
     ref = _global_dump()
     st = compare_global.compare_global_state([ref], [copy.deepcopy(ref)])
     assert st["exact"] and not st["problems"] and st["momentum_rel_l2"] == 0.0
 
     res = copy.deepcopy(ref)
-    res["state"][fmt.codes_key("w")][1, 2] ^= 1  # one code, one bit
+    res["state"][schema.codes_key("w")][1, 2] ^= 1  # one code, one bit
     st = compare_global.compare_global_state([ref], [res])
-    assert not st["exact"] and st["entries_differ"] == [fmt.codes_key("w")]
+    assert not st["exact"] and st["entries_differ"] == [schema.codes_key("w")]
     assert "not bit-exact" in st["problems"][0] and 0 < st["momentum_rel_l2"] < 1
 
     res = copy.deepcopy(ref)
@@ -258,9 +258,9 @@ def test_global_comparison_is_bit_exact_and_names_what_differs():
     assert "non-Gefen optimizer state differs" in compare_global.compare_global_state([ref], [res])["problems"][0]
 
     res = copy.deepcopy(ref)
-    del res["state"][fmt.vmean_key("w")]
+    del res["state"][schema.vmean_key("w")]
     st = compare_global.compare_global_state([ref], [res])
-    assert f"{fmt.vmean_key('w')} (missing)" in st["entries_differ"]
+    assert f"{schema.vmean_key('w')} (missing)" in st["entries_differ"]
     assert any("have no optimizer state" in p for p in st["problems"])
 
     res = copy.deepcopy(ref)

@@ -572,7 +572,7 @@ def test_presets_that_agreed_blocking_relies_on():
 
     With ``state[p]["automatic_period"]`` and ``_gefen_codebook`` set, Gefen must
     take the period as given and learn nothing; an empty local shard must be a
-    no-op that keeps no state (gefen_state.count_empty_shard_step advances its
+    no-op that keeps no state (gefenx.count_empty_shard_step advances its
     counters instead); the scoring helper and fallback switch must exist.
     """
     from gefen import partitioning, quantization
@@ -604,7 +604,7 @@ def test_presets_that_agreed_blocking_relies_on():
              "gefen.partitioning._finalize_period_results changed its scoring")
     contract(isinstance(partitioning.MEMORY_SAFE_FALLBACK, bool), "partitioning.MEMORY_SAFE_FALLBACK is gone")
     contract(opt.capturable is False and hasattr(opt, "_force_2d_period_one") and hasattr(opt, "_deterministic"),
-             "constructor options read by gefen_state.options() moved")
+             "constructor options read by gefenx.options() moved")
 
 
 # ---------------------------------------------------------------------------
@@ -622,55 +622,55 @@ def _muon_codebook() -> torch.Tensor:
 def test_muon_constructor_keywords_and_defaults():
     from gefen import GefenMuon
 
-    from gefen_titan.optim import gefen_state as gs
+    from gefen_titan.optim import gefenx as gx
 
     contract(issubclass(GefenMuon, Gefen) and GefenMuon is not Gefen,
-             "GefenMuon is no longer a Gefen subclass (gs.is_gefen's exact type check assumes it is one)")
+             "GefenMuon is no longer a Gefen subclass (gx.is_gefen's exact type check assumes it is one)")
     params = inspect.signature(GefenMuon.__init__).parameters
     expected = {"lr": 1e-3, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True,
                 "ns_coefficients": (3.4445, -4.775, 2.0315), "ns_steps": 5, "eps": 1e-7, "adjust_lr_fn": None,
                 "normuon": False, "normuon_beta2": 0.95, "normuon_eps": 1e-8}
-    contract(gs.muon_defaults() == expected, f"GefenMuon's group defaults changed: {gs.muon_defaults()}")
-    for key in [*gs.MUON_REFUSED, "deterministic", "fused", "verbose"]:
+    contract(gx.muon_defaults() == expected, f"GefenMuon's group defaults changed: {gx.muon_defaults()}")
+    for key in [*gx.MUON_REFUSED, "deterministic", "fused", "verbose"]:
         contract(key in params, f"GefenMuon.__init__ lost keyword {key!r} (gefen_titan refuses or forwards it)")
     w = nn.Parameter(torch.randn(6, 8))
     opt = GefenMuon([{"params": [("w", w)], "param_names": ["w"], "lr": 0.5, "momentum": 0.9}], fused=False)
     g = opt.param_groups[0]
-    contract(all(k in g for k in gs.MUON_GROUP_KEYS) and g["momentum"] == 0.9 and g["lr"] == 0.5,
+    contract(all(k in g for k in gx.MUON_GROUP_KEYS) and g["momentum"] == 0.9 and g["lr"] == 0.5,
              f"GefenMuon group keys changed: {sorted(g)}")
     contract((g["beta1"], g["beta2"]) == (0.9, 0.0), "GefenMuon no longer mirrors momentum into beta1/beta2")
     contract(all(g[k] in (False, "exact", None) for k in ("fp8_ns", "batched_ns", "cautious", "sharded_mode",
                                                           "ns_schedule") if k in g)
-             and gs.muon_refused(opt) == [], "a default GefenMuon now switches on a refused option")
+             and gx.muon_refused(opt) == [], "a default GefenMuon now switches on a refused option")
     contract(hasattr(opt, "_stochastic_round") and hasattr(opt, "_deterministic") and opt.capturable is False,
-             "constructor options read by gefen_state.muon_refused() moved")
+             "constructor options read by gefenx.muon_refused() moved")
     with pytest.raises(ValueError, match="2D"):
         GefenMuon([("b", nn.Parameter(torch.randn(4)))], fused=False)
 
 
 def test_hybrid_defaults_and_named_schedules():
     """What gefen_titan.optim.hybrid reads of gefen-x's GefenMuonHybrid: its
-    keyword defaults (gs.hybrid_defaults) and the named Newton-Schulz schedules
-    (gs.ns_schedule_coefficients), which GefenMuon takes as ns_coefficients."""
+    keyword defaults (gx.hybrid_defaults) and the named Newton-Schulz schedules
+    (gx.ns_schedule_coefficients), which GefenMuon takes as ns_coefficients."""
     from gefen import GefenMuon, GefenMuonHybrid
     from gefen.gefen_muon import NS_SCHEDULES
 
-    from gefen_titan.optim import gefen_state as gs
+    from gefen_titan.optim import gefenx as gx
 
     params = inspect.signature(GefenMuonHybrid.__init__).parameters
     contract(params["lr"].default is inspect.Parameter.empty and params["lr"].kind is inspect.Parameter.KEYWORD_ONLY,
              "GefenMuonHybrid's lr is no longer a required keyword")
-    defaults = gs.hybrid_defaults()
+    defaults = gx.hybrid_defaults()
     contract({k: defaults[k] for k in ("backup_optimizer", "ns_schedule", "adjust_lr_fn", "normuon", "weight_decay",
                                        "betas", "eps", "momentum", "nesterov", "ns_steps")}
              == {"backup_optimizer": "gefen", "ns_schedule": "tuned3", "adjust_lr_fn": "match_rms_adamw",
                  "normuon": True, "weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "momentum": 0.95,
                  "nesterov": True, "ns_steps": 5}, f"GefenMuonHybrid's defaults changed: {defaults}")
-    contract(gs.ns_schedule_names() == ("standard", "tuned3", "tuned4") and NS_SCHEDULES["standard"] is None,
+    contract(gx.ns_schedule_names() == ("standard", "tuned3", "tuned4") and NS_SCHEDULES["standard"] is None,
              f"gefen-x's named Newton-Schulz schedules changed: {sorted(NS_SCHEDULES)}")
-    tuned3 = gs.ns_schedule_coefficients("tuned3")
+    tuned3 = gx.ns_schedule_coefficients("tuned3")
     contract(tuned3 == [[5.0067, -14.4125, 10.6001], [3.7534, -6.8083, 3.384], [3.208, -4.3501, 2.033]]
-             and gs.ns_schedule_coefficients("standard") is None, f"the tuned3 schedule changed: {tuned3}")
+             and gx.ns_schedule_coefficients("standard") is None, f"the tuned3 schedule changed: {tuned3}")
     # A schedule given as ns_coefficients is what ns_schedule would have set: the same group.
     w = nn.Parameter(torch.randn(6, 8))
     named = GefenMuon([("w", w)], fused=False, ns_schedule="tuned3").param_groups[0]
@@ -720,7 +720,7 @@ def test_muon_step_pieces_on_row_shards_reproduce_its_step():
     each shard equal GefenMuon.step() bit for bit, state included."""
     from gefen import GefenMuon
 
-    from gefen_titan.optim import gefen_state as gs
+    from gefen_titan.optim import gefenx as gx
 
     torch.manual_seed(0)
     rows, cols, period, lr = 101, 64, 16, 0.02
@@ -739,31 +739,31 @@ def test_muon_step_pieces_on_row_shards_reproduce_its_step():
     opt = GefenMuon([(f"w{i}", p) for i, p in enumerate(shards)], lr=lr, fused=False, normuon=True)
     group = opt.param_groups[0]
     for p in shards:
-        gs.set_period(opt, p, period)
-    gs.set_codebook(opt, cb.clone())
+        gx.set_period(opt, p, period)
+    gx.set_codebook(opt, cb.clone())
     v, vstep = None, 0
     for g in grads:
-        dense = torch.cat([gs.muon_momentum(opt, "w", p, group, g[a:b].clone()) for p, (a, b) in zip(shards, cuts)])
-        ortho = gs.muon_orthogonalize(group, dense)
-        contract(ortho.dtype == gs.MUON_UPDATE_DTYPE, f"Newton-Schulz now returns {ortho.dtype}")
-        update, v, vstep = gs.muon_normuon(opt, group, ortho, v, vstep)
-        contract(update.dtype == gs.MUON_UPDATE_DTYPE, f"NorMuon now returns {update.dtype}")
+        dense = torch.cat([gx.muon_momentum(opt, "w", p, group, g[a:b].clone()) for p, (a, b) in zip(shards, cuts)])
+        ortho = gx.muon_orthogonalize(group, dense)
+        contract(ortho.dtype == gx.MUON_UPDATE_DTYPE, f"Newton-Schulz now returns {ortho.dtype}")
+        update, v, vstep = gx.muon_normuon(opt, group, ortho, v, vstep)
+        contract(update.dtype == gx.MUON_UPDATE_DTYPE, f"NorMuon now returns {update.dtype}")
         with torch.no_grad():  # as inside an optimizer step
             for p, (a, b) in zip(shards, cuts):
                 # the lr adjustment uses the global shape: give the shard its matrix's shape
-                gs.muon_apply(opt, group, _GlobalShape(p, (rows, cols)), update[a:b])
-        gs.advance_global_step(opt)
+                gx.muon_apply(opt, group, _GlobalShape(p, (rows, cols)), update[a:b])
+        gx.advance_global_step(opt)
     st = ref.state[w]
     contract(torch.equal(torch.cat([p.detach() for p in shards]), w.detach()),
              "momentum per row shard + whole-matrix Newton-Schulz/NorMuon + per-shard apply != GefenMuon.step()")
-    states = [gs.muon_read(opt, p) for p in shards]
+    states = [gx.muon_read(opt, p) for p in shards]
     contract(torch.equal(torch.cat([s.codes for s in states]), st["m_codebook"])
              and torch.equal(torch.cat([s.magnitude for s in states]), st["m_magnitude"])
              and all(s.step == st["step"] == 3 for s in states),
              "GefenMuon's quantized momentum is no longer per block of its row shards")
     contract(torch.equal(v, st["normuon_v"]) and vstep == st["normuon_step"] == 3
              and tuple(v.shape) == (rows, 1), "NorMuon's per-row state is no longer fp32 [rows, 1] with a counter")
-    contract(gs.global_step(opt) == ref._gefen_global_step == 3, "GefenMuon's global step is not advanced per step")
+    contract(gx.global_step(opt) == ref._gefen_global_step == 3, "GefenMuon's global step is not advanced per step")
     contract(tuple(states[3].codes.shape) == (0, period), "an empty row shard no longer keeps [0, period] codes")
 
 
@@ -785,7 +785,7 @@ def test_muon_apply_takes_a_dtensor_shards_slice(fsdp):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from gefen_titan.optim import gefen_state as gs
+    from gefen_titan.optim import gefenx as gx
 
     mesh = init_device_mesh("cpu", (1,))
     w0, update = torch.randn(24, 8), torch.randn(24, 8).bfloat16()
@@ -795,7 +795,7 @@ def test_muon_apply_takes_a_dtensor_shards_slice(fsdp):
     for p in (dw, pw):
         opt = GefenMuon([("w", p)], fused=False, lr=0.1)
         with torch.no_grad():
-            gs.muon_apply(opt, {**opt.param_groups[0], **group}, p, update)
+            gx.muon_apply(opt, {**opt.param_groups[0], **group}, p, update)
     expected = w0 * (1 - 0.1 * 0.1) - update.float() * 0.1 * math.sqrt(24 / 8)
     contract(torch.equal(dw.to_local(), pw.detach()) and torch.allclose(pw.detach(), expected, rtol=1e-6),
              "GefenMuon's apply on a DTensor shard no longer equals the plain apply with sqrt(rows/cols) lr")

@@ -19,7 +19,7 @@ from gefen_titan.checkpoint.schema_muon import (
     check_muon_counters,
     check_muon_hyper,
 )
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
 
@@ -47,11 +47,11 @@ def _config(muon_kwargs=None, **kw):
 def test_groups_get_gefen_x_defaults_and_only_lr_and_weight_decay_from_the_shorthand():
     opt = _config().build(model_parts=[Net()])
     muon, gefen = opt.optimizers
-    assert gs.is_gefen_muon(muon) and gs.is_gefen(gefen)
-    assert not gs.is_gefen(muon)  # a Gefen subclass, never taken for Gefen
+    assert gx.is_gefen_muon(muon) and gx.is_gefen(gefen)
+    assert not gx.is_gefen(muon)  # a Gefen subclass, never taken for Gefen
     (group,) = muon.param_groups
     assert group["param_names"] == ["w1.weight", "w2.weight"]
-    defaults = gs.muon_defaults()
+    defaults = gx.muon_defaults()
     for key in MUON_HYPER:
         want = {"lr": 3e-3, "weight_decay": 0.05}.get(key, defaults[key])
         assert group[key] == want, key
@@ -64,7 +64,7 @@ def test_groups_get_gefen_x_defaults_and_only_lr_and_weight_decay_from_the_short
                                         ("cautious", True), ("sharded_mode", "distributed")])
 def test_layout_dependent_options_are_refused_with_the_reason(key, value):
     config = _config({key: value})
-    with pytest.raises(ValueError, match=f"{key}.*refused: {gs.MUON_REFUSED[key][:20]}"):
+    with pytest.raises(ValueError, match=f"{key}.*refused: {gx.MUON_REFUSED[key][:20]}"):
         config.check_param_groups()
 
 
@@ -89,7 +89,7 @@ def test_gefen_x_step_cannot_be_reached():
     muon = opt.optimizers[0]
     with pytest.raises(ValueError, match="no closure"):
         muon.step(lambda: 0.0)
-    bare = gs.new_gefen_muon([{"params": [("w", nn.Parameter(torch.zeros(8, 8)))]}])
+    bare = gx.new_gefen_muon([{"params": [("w", nn.Parameter(torch.zeros(8, 8)))]}])
     with pytest.raises(RuntimeError, match="no sharded step"):
         bare.step()
 
@@ -98,8 +98,8 @@ def test_gefen_x_step_cannot_be_reached():
 def test_the_bucket_size_reaches_the_sharded_step_and_a_bad_one_is_refused():
     opt = _config(muon_bucket_mib=3).build(model_parts=[Net()])
     (muon,) = opt.muon_optimizers
-    assert gs.sharded_step(muon).bucket_bytes == 3 * 2**20
-    assert gs.sharded_step(_config().build(model_parts=[Net()]).muon_optimizers[0]).bucket_bytes == 512 * 2**20
+    assert gx.sharded_step(muon).bucket_bytes == 3 * 2**20
+    assert gx.sharded_step(_config().build(model_parts=[Net()]).muon_optimizers[0]).bucket_bytes == 512 * 2**20
     for bad in (0, -1.0):
         with pytest.raises(ValueError, match="muon_bucket_mib must be > 0"):
             _config(muon_bucket_mib=bad)
@@ -110,7 +110,7 @@ def test_the_bucket_size_reaches_the_sharded_step_and_a_bad_one_is_refused():
 
 # ------------------------------------------------------------------ records
 def _record(**group_over):
-    group = {**gs.muon_defaults(), "lr": 0.02, "weight_decay": 0.1, **group_over}
+    group = {**gx.muon_defaults(), "lr": 0.02, "weight_decay": 0.1, **group_over}
     return MuonOptimizerRecord(False, 7, [MuonParamRecord("w1.weight", (128, 64), 32, 7, 7, group),
                                           MuonParamRecord("w2.weight", (64, 128), 0, 0, 0, group)])
 
@@ -162,21 +162,21 @@ def test_single_process_step_is_gefen_x_given_the_same_periods_and_codebook():
         opt.step()
         if step == 0:  # the container's agreement ran before its first step
             for n, q in ref_params.items():
-                gs.set_period(ref, q, gs.period(muon, dict(net.named_parameters())[n]))
-            gs.set_codebook(ref, gs.codebook(muon).clone())
+                gx.set_period(ref, q, gx.period(muon, dict(net.named_parameters())[n]))
+            gx.set_codebook(ref, gx.codebook(muon).clone())
         for n, q in ref_params.items():
             q.grad = grads[n].clone()
         ref.step()
         for n, q in ref_params.items():
             assert torch.equal(q, dict(net.named_parameters())[n]), (step, n)
     for n, q in ref_params.items():
-        mine, theirs = gs.muon_read(muon, dict(net.named_parameters())[n]), gs.muon_read(ref, q)
+        mine, theirs = gx.muon_read(muon, dict(net.named_parameters())[n]), gx.muon_read(ref, q)
         assert mine.period > 1 and mine.step == theirs.step == 4
         assert torch.equal(mine.codes, theirs.codes) and torch.equal(mine.magnitude, theirs.magnitude)
         assert torch.equal(mine.rows, theirs.rows)
     # 1 byte of code per element, an fp32 magnitude per block and per NorMuon
     # row, and the optimizer's one 256-entry fp32 codebook
     params = dict(net.named_parameters())
-    want = gs.K * 4 + sum(q.numel() + 4 * q.numel() // gs.period(muon, params[n]) + 4 * q.shape[0]
+    want = gx.K * 4 + sum(q.numel() + 4 * q.numel() // gx.period(muon, params[n]) + 4 * q.shape[0]
                           for n, q in ref_params.items())
-    assert sum(t.nbytes for t in gs.state_tensors(muon)) == want
+    assert sum(t.nbytes for t in gx.state_tensors(muon)) == want

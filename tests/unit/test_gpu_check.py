@@ -72,14 +72,14 @@ def test_the_muon_momentum_check_passes_on_cpu_and_can_fail(monkeypatch):
     good = gc.muon_momentum_check("cpu", fused=False, rows=67, cols=768, steps=2)
     assert good["ok"] and good["shards_equal_whole"] and "fused_equals_torch" not in good
     # A momentum that depended on the shard would be caught.
-    from gefen_titan.optim import gefen_state as gs
+    from gefen_titan.optim import gefenx as gx
 
-    real = gs.muon_momentum
+    real = gx.muon_momentum
 
     def shard_dependent(optim, fqn, p, group, grad):
         dense = real(optim, fqn, p, group, grad)
         return dense + 1e-3 if grad.shape[0] < 67 else dense
 
-    monkeypatch.setattr(gs, "muon_momentum", shard_dependent)
+    monkeypatch.setattr(gx, "muon_momentum", shard_dependent)
     bad = gc.muon_momentum_check("cpu", fused=False, rows=67, cols=768, steps=2)
     assert bad["ok"] is False and "shards_equal_whole" in bad["why"]

@@ -19,7 +19,7 @@ from gefen.params import split_params_for_muon
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torchtitan.components.optimizer import ParamGroupConfig
 
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import hybrid, registry
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
 from gefen_titan.recipe import RecipeError, load_recipe
@@ -114,7 +114,7 @@ def test_container_builds_the_split_with_exact_name_patterns():
     model = Net()
     opt = Config(name="GefenMuonHybrid", lr=1e-3, implementation="for-loop").build(model_parts=[model])
     muon, backup = opt.optimizers
-    assert gs.is_gefen_muon(muon) and gs.is_gefen(backup)
+    assert gx.is_gefen_muon(muon) and gx.is_gefen(backup)
     assert [n for g in muon.param_groups for n in g["param_names"]] == net_split()
     assert sorted(n for g in backup.param_groups for n in g["param_names"]) == sorted(hybrid.route(model)[1])
 
@@ -157,7 +157,7 @@ def test_a_model_without_blocks_is_refused():
 def test_every_gefen_x_keyword_is_a_field_with_its_default_a_shared_key_or_refused():
     signature = inspect.signature(GefenMuonHybrid.__init__).parameters
     keywords = {k: p.default for k, p in signature.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    assert gs.hybrid_defaults() == {k: v for k, v in keywords.items() if v is not inspect.Parameter.empty}
+    assert gx.hybrid_defaults() == {k: v for k, v in keywords.items() if v is not inspect.Parameter.empty}
     assert keywords["lr"] is inspect.Parameter.empty  # gefen-x requires it: [optimizer] lr
     classes = [set(hybrid.OPTION_KEYS), set(hybrid.SHARED_KEYS), set(hybrid.REFUSED)]
     assert set().union(*classes) == set(keywords), "a gefen-x keyword is neither supported nor refused"
@@ -166,12 +166,12 @@ def test_every_gefen_x_keyword_is_a_field_with_its_default_a_shared_key_or_refus
     for key in hybrid.OPTION_KEYS:
         ours = getattr(config, key)
         assert (tuple(ours) if isinstance(ours, list) else ours) == keywords[key], key
-    assert set(hybrid.REFUSED) >= set(gs.MUON_REFUSED) - {"ns_schedule"}
+    assert set(hybrid.REFUSED) >= set(gx.MUON_REFUSED) - {"ns_schedule"}
 
 
 def test_tuned3_becomes_its_coefficient_list():
     tuned3 = [[float(x) for x in abc] for abc in NS_SCHEDULES["tuned3"]]
-    assert gs.ns_schedule_coefficients("tuned3") == tuned3 and len(tuned3) == 3
+    assert gx.ns_schedule_coefficients("tuned3") == tuned3 and len(tuned3) == 3
     (muon, *_) = Config(name="GefenMuonHybrid").resolved_param_groups()
     assert muon.optimizer_kwargs["ns_coefficients"] == tuned3 and muon.optimizer_kwargs["ns_steps"] == 3
     (muon, *_) = Config(name="GefenMuonHybrid", ns_schedule="standard", ns_steps=4).resolved_param_groups()
@@ -191,7 +191,7 @@ def test_groups_equal_gefen_xs_own_hybrid(backup):
     ours = Config(name="GefenMuonHybrid", backup_optimizer=backup, backup_lr=1e-3, implementation="for-loop",
                   **shared).build(model_parts=[model])
     ours_muon, ours_backup = ours.optimizers
-    keys = [k for k in gs.MUON_GROUP_KEYS if k != "ns_coefficients"]
+    keys = [k for k in gx.MUON_GROUP_KEYS if k != "ns_coefficients"]
     (a,), (b,) = theirs.muon.param_groups, ours_muon.param_groups
     assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
     assert [list(x) for x in a["ns_coefficients"]] == b["ns_coefficients"]
@@ -219,7 +219,7 @@ def test_weight_decay_split_and_no_decay_substrings():
 def test_adamw_backup():
     muon, backup = Config(name="GefenMuonHybrid", backup_optimizer="adamw", implementation="for-loop").build(
         model_parts=[Net()]).optimizers
-    assert gs.is_gefen_muon(muon) and type(backup) is torch.optim.AdamW
+    assert gx.is_gefen_muon(muon) and type(backup) is torch.optim.AdamW
 
 
 # ------------------------------------------------------------------ explicit groups, bad keys

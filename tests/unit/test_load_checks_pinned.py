@@ -44,7 +44,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from gefen_titan.checkpoint import digests, schema, storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
 from tests.helpers.bad_checkpoints import edited
 from tests.helpers.loader_checkpoint import Blob
@@ -144,7 +144,7 @@ def test_the_copies_load_when_unedited(saved, tmp_path):
     net2, opt2 = load(tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(net.parameters(), net2.parameters()))
     for o, o2 in zip(opt.optimizers, opt2.optimizers):
-        assert torch.equal(gs.codebook(o), gs.codebook(o2)) and gs.global_step(o) == gs.global_step(o2) == STEP
+        assert torch.equal(gx.codebook(o), gx.codebook(o2)) and gx.global_step(o) == gx.global_step(o2) == STEP
         assert [g["lr"] for g in o.param_groups] == [g["lr"] for g in o2.param_groups]
 
 
@@ -182,7 +182,7 @@ def test_a_damaged_item_that_no_plan_reads_is_refused(saved, tmp_path):
     with pytest.raises(GefenCheckpointError, match=r"entry lr_scheduler\.blob: xxh3_64 digest mismatch"):
         manager(bad, net, opt, exclude_from_loading=["lr_scheduler"]).load(step=STEP)
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))  # nothing reached the model
-    assert all(gs.codebook(o) is None for o in opt.optimizers)  # nor the optimizer
+    assert all(gx.codebook(o) is None for o in opt.optimizers)  # nor the optimizer
     # The damage is in an item the load's plan does not read: only check_unread finds it.
     model = {k: torch.empty_like(v) for k, v in Net().state_dict().items()}
     dcp.load(model, storage_reader=storage.storage_reader(step_dir(bad)), no_dist=True)
@@ -247,7 +247,7 @@ def test_a_codebook_damaged_in_the_middle_is_refused(saved, tmp_path, kind, what
 
     edited(root, tmp_path, STEP, edit)
     opt = refused(tmp_path, rf"{what} gefen/{kind}/\S+ is corrupt \(must be 256 sorted finite values from -1 to 1\)")
-    assert all(gs.codebook(o) is None for o in opt.optimizers)
+    assert all(gx.codebook(o) is None for o in opt.optimizers)
 
 
 # ------------------------------------------------------------------ Gefen's hyperparameters
@@ -263,9 +263,9 @@ def test_nan_or_negative_gefen_hyperparameters_are_refused(saved, tmp_path, key,
         rec["params"][0]["group"][key] = value
 
     edited(root, tmp_path, STEP, edit_records("optimizer", change))
-    fqn = next(gs.named_params(next(o for o in saved[2].optimizers if gs.is_gefen(o))))[0]  # params[0]
+    fqn = next(gx.named_params(next(o for o in saved[2].optimizers if gx.is_gefen(o))))[0]  # params[0]
     opt = refused(tmp_path, re.escape(f"{fqn}: hyperparameter {key}={value!r} in the checkpoint is invalid"))
-    gefen = next(o for o in opt.optimizers if gs.is_gefen(o))
+    gefen = next(o for o in opt.optimizers if gx.is_gefen(o))
     assert all(not math.isnan(g[key]) and g[key] >= 0 for g in gefen.param_groups)
 
 
@@ -333,7 +333,7 @@ def test_gefen_muon_group_keys_out_of_range_are_refused(saved, tmp_path, key, va
     root, _, _ = saved
     edited(root, tmp_path, STEP, edit_records("muon", _muon_group(key, value)))
     opt = refused(tmp_path, rf"w1\.weight: GefenMuon group key .*{re.escape(match)}")
-    (muon,) = [o for o in opt.optimizers if gs.is_gefen_muon(o)]
+    (muon,) = [o for o in opt.optimizers if gx.is_gefen_muon(o)]
     assert muon.param_groups[0]["normuon_eps"] > 0 and muon.param_groups[0]["ns_steps"] < 100
 
 
@@ -358,8 +358,8 @@ def test_raw_items_taken_in_part_read_back_bit_for_bit(saved, world):
     straight into the target);
     every shard holds exactly the values saved there (DTensor's own split of what the optimizer held)."""
     root, net, opt = saved
-    gefen = next(o for o in opt.optimizers if gs.is_gefen(o))
-    st = gs.read(gefen, net.embed.weight)
+    gefen = next(o for o in opt.optimizers if gx.is_gefen(o))
+    st = gx.read(gefen, net.embed.weight)
     grid = schema.grid_shape(tuple(net.embed.weight.shape), st.period)
     want = {"optimizer." + schema.qcodes_key("embed.weight"): st.codes.reshape(net.embed.weight.shape),
             "optimizer." + schema.grid_key("embed.weight"): schema.pack_blocks(st.magnitude.view(grid),

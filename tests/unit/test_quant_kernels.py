@@ -1,4 +1,4 @@
-"""The Triton kernels of ``gefen_titan.checkpoint.kernels`` give the reference's bits.
+"""The Triton kernels of ``gefen_titan.optim.quant.kernels`` give the reference's bits.
 
 Every check in ``CASES`` runs the same inputs through the kernels
 (``use_backend("triton")``) and the pure-torch reference
@@ -35,8 +35,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gefen_titan.checkpoint import quant
-from gefen_titan.checkpoint.quant import Segment
+from gefen_titan.optim.quant import requant as quant
+from gefen_titan.optim.quant.requant import Segment
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
@@ -346,7 +346,7 @@ def test_kernels_compile_for_sm90():
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        from gefen_titan.checkpoint import kernels as K
+        from gefen_titan.optim.quant import kernels as K
     except ImportError as e:
         pytest.skip(f"triton's compiler is unavailable: {e}")
     if K.INTERPRETED:
@@ -396,7 +396,7 @@ def test_backend_switch(monkeypatch):
     with pytest.raises(ValueError):
         quant.set_backend("cuda")
     monkeypatch.delenv(quant.ENV)
-    from gefen_titan.checkpoint import kernels
+    from gefen_titan.optim.quant import kernels
 
     with quant.use_backend("triton"):
         if kernels.INTERPRETED:

@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 from gefen_titan.checkpoint import digests, storage, unpickling
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
-from gefen_titan.checkpoint.reader import Checkpoint, CkptError
 from gefen_titan.ckpt.verify import verify_checkpoint
+from gefen_titan.ckpt.view import Checkpoint, CkptError
 from tests.helpers.loader_checkpoint import Blob
 from tests.helpers.untrusted import Payload, as_pre_digest, plant_in_metadata, rewrite_digests
 

@@ -4,8 +4,8 @@ gefen-x's GefenMuon gathers every full gradient on every rank and keeps the
 full-matrix quantized momentum everywhere (``sharded_mode="exact"``), or on
 an owner chosen by ``index % world`` on 1-D meshes only. gefen-titan never
 runs its ``step()``: ``ShardedMuonStep`` (the ``step()`` of the GefenMuon
-the registry builds, ``gefen_state.ShardedGefenMuon``) drives gefen-x's own
-pieces (``gefen_state.muon_*``) so that each rank keeps only its share of
+the registry builds, ``gefenx.ShardedGefenMuon``) drives gefen-x's own
+pieces (``gefenx.muon_*``) so that each rank keeps only its share of
 the state and the arithmetic is gefen-x's, bit for bit, at every layout.
 
 The matrices go in buckets (``schedule.build_schedule``: bounded bytes per
@@ -60,7 +60,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gefen_titan.distributed import local, rank_and_world
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.muon.exchange import Exchange
 from gefen_titan.optim.muon.layout import MuonLayoutError, Piece, as_slice, shard_groups, shard_indices
 from gefen_titan.optim.muon.schedule import MatrixSpec, Schedule, build_schedule
@@ -119,7 +119,7 @@ def _matrices(optimizers: list[Optimizer]) -> list[_Matrix]:
     rank, _ = rank_and_world()
     found = []
     for optim in optimizers:
-        for fqn, p, group in gs.named_params(optim):
+        for fqn, p, group in gx.named_params(optim):
             m = _Matrix(fqn, p, optim, group, [], 0)
             if isinstance(p, DTensor):
                 mine = next((g for g in shard_groups(p) if any(r == rank for r, _ in g)), None)
@@ -166,12 +166,12 @@ class _Bucket:
         self.inputs = Exchange(self.device)
         self.asked: dict[int, list[tuple[Piece, int, int]]] = {}  # owned matrix -> (piece, dense idx, rows idx)
         for i, m in enumerate(self.matrices):
-            dense = self._hold(gs.muon_momentum(m.optim, m.fqn, m.param, m.group, local(m.param.grad)))
+            dense = self._hold(gx.muon_momentum(m.optim, m.fqn, m.param, m.group, local(m.param.grad)))
             if not m.pieces:
                 self.dense[i] = dense
                 continue
             mine = m.pieces[m.me]
-            rows, rows_step = gs.muon_rows(m.optim, m.param)
+            rows, rows_step = gx.muon_rows(m.optim, m.param)
             has_rows = bool(m.group["normuon"]) and rows_step > 0  # alike on every member: a count of the group's steps
             if m.owner != self.rank:
                 self.inputs.send(m.owner, dense)
@@ -207,9 +207,9 @@ class _Bucket:
         if sync:
             torch.cuda.synchronize(full.device)
         t0 = time.perf_counter()
-        ortho = gs.muon_orthogonalize(m.group, full).to(gs.MUON_UPDATE_DTYPE)
+        ortho = gx.muon_orthogonalize(m.group, full).to(gx.MUON_UPDATE_DTYPE)
         if m.group["normuon"]:
-            ortho, rows, rows_step = gs.muon_normuon(m.optim, m.group, ortho, rows, rows_step)
+            ortho, rows, rows_step = gx.muon_normuon(m.optim, m.group, ortho, rows, rows_step)
         if sync:
             torch.cuda.synchronize(full.device)
         self.stats.ns_seconds += time.perf_counter() - t0
@@ -225,7 +225,7 @@ class _Bucket:
         for i, m in enumerate(self.matrices):
             if not m.pieces:
                 dense = self.dense.pop(i)
-                rows, rows_step = gs.muon_rows(m.optim, m.param)
+                rows, rows_step = gx.muon_rows(m.optim, m.param)
                 ortho, rows, rows_step = self._orthogonalize(m, dense, rows, rows_step)
                 if m.group["normuon"]:
                     self.rows[i] = (rows, rows_step)
@@ -235,7 +235,7 @@ class _Bucket:
             mine = m.pieces[m.me]
             if m.owner != self.rank:
                 normuon = bool(m.group["normuon"])
-                self.expect[i] = (self.returns.recv(m.owner, (mine.nrows, mine.ncols), gs.MUON_UPDATE_DTYPE),
+                self.expect[i] = (self.returns.recv(m.owner, (mine.nrows, mine.ncols), gx.MUON_UPDATE_DTYPE),
                                   self.returns.recv(m.owner, (mine.nrows, 1), torch.float32) if normuon else -1)
                 continue
             full, full_rows, rows_step = self.full.pop(i)
@@ -271,18 +271,18 @@ class _Bucket:
                 ui, ri = self.expect[i]
                 mine = m.pieces[m.me]
                 update = (received[m.owner][ui] if ui >= 0 else
-                          torch.empty((mine.nrows, mine.ncols), dtype=gs.MUON_UPDATE_DTYPE, device=self.device))
+                          torch.empty((mine.nrows, mine.ncols), dtype=gx.MUON_UPDATE_DTYPE, device=self.device))
                 if ri >= 0:
-                    self.rows[i] = (received[m.owner][ri].clone(), gs.muon_rows(m.optim, m.param)[1] + 1)
+                    self.rows[i] = (received[m.owner][ri].clone(), gx.muon_rows(m.optim, m.param)[1] + 1)
                 elif m.group["normuon"]:  # an empty shard: no rows travel, the counter still moves
                     self.rows[i] = (torch.empty((0, 1), dtype=torch.float32, device=self.device),
-                                    gs.muon_rows(m.optim, m.param)[1] + 1)
+                                    gx.muon_rows(m.optim, m.param)[1] + 1)
             else:
                 update = self.updates.pop(i)
                 self.inflight.sub(update.nbytes)
             if i in self.rows:
-                gs.muon_set_rows(m.optim, m.param, *self.rows.pop(i))
-            gs.muon_apply(m.optim, m.group, m.param, update)
+                gx.muon_set_rows(m.optim, m.param, *self.rows.pop(i))
+            gx.muon_apply(m.optim, m.group, m.param, update)
         self.inflight.sub(self.returns.nbytes_received)
 
 
@@ -337,6 +337,6 @@ class ShardedMuonStep:
             run.compute()
             run.finish()
         for optim in self.optimizers:
-            gs.advance_global_step(optim)
+            gx.advance_global_step(optim)
         self.stats.steps += 1
         self.stats.seconds += time.perf_counter() - t0

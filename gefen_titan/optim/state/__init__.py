@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 from torch.optim import Optimizer
 
 from gefen_titan.checkpoint import schema
-from gefen_titan.checkpoint.errors import GefenCheckpointError, agree
+from gefen_titan.checkpoint.errors import GefenCheckpointError, refuse_on_any_rank
 from gefen_titan.checkpoint.storage import read_small
 from gefen_titan.optim.state.agreed import AgreedStateAdapter
 from gefen_titan.optim.state.muon import MuonStateAdapter
@@ -93,7 +93,7 @@ def checkpoint_blocking(checkpoint_id: str, metadata: Any, prefix: str, has_gefe
             blocking = schema.Header.from_json(raw).implied_blocking
         except schema.FormatError as e:
             error = str(e)
-    agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
+    refuse_on_any_rank(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
     return blocking or "agreed"
 
 
@@ -137,7 +137,7 @@ def check_kinds(checkpoint_id: str, metadata: Any, prefix: str, live: dict[str, 
             "checkpoint.exclude_from_loading = [\"optimizer\"]" for (was, now), fqns in sorted(moved.items())) or None
     except schema.FormatError as e:
         error = str(e)
-    agree(error, f"cannot load optimizer state from {checkpoint_id}")
+    refuse_on_any_rank(error, f"cannot load optimizer state from {checkpoint_id}")
 
 
 class GefenState:
@@ -190,7 +190,7 @@ class GefenState:
                 f"v{schema.Header.for_blocking(blocking).version}) and the recipe sets \"{self.blocking}\"; "
                 f"resume with optimizer.blocking = \"{blocking}\" (or start the optimizer fresh with "
                 "checkpoint.exclude_from_loading = [\"optimizer\"])")
-        agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
+        refuse_on_any_rank(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
         adapter = AgreedStateAdapter(self.optimizers) if blocking == "agreed" else PerRankStateAdapter(self.optimizers)
         adapter.prepare_load(checkpoint_id, metadata, prefix)
         self._loading = adapter

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 from gefen_titan.checkpoint import schema
-from gefen_titan.checkpoint.errors import GefenCheckpointError, agree
+from gefen_titan.checkpoint.errors import GefenCheckpointError, refuse_on_any_rank
 from gefen_titan.checkpoint.schema import HYPER, grid_shape
 from gefen_titan.distributed import like_param, local
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.blocking import check_period_fits
 from gefen_titan.optim.state.staging import AgreedAdapter, Slot
 
@@ -52,7 +52,7 @@ class AgreedStateAdapter(AgreedAdapter):
     """Format v3 (saves; v2 and v3 loads) state of the Gefen optimizers of one rank."""
 
     kind = "Gefen"
-    owns = staticmethod(gs.is_gefen)
+    owns = staticmethod(gx.is_gefen)
     record_kind, codebook_kind = "optimizer", "codebook"
 
     @property
@@ -64,7 +64,7 @@ class AgreedStateAdapter(AgreedAdapter):
         if not self.slots:
             return {}
         sd: dict[str, Any] = {schema.header_key(): schema.Header.for_blocking("agreed").to_json()}
-        books = {id(o): gs.codebook(o) for o in self.optimizers}
+        books = {id(o): gx.codebook(o) for o in self.optimizers}
         present = [b for b in books.values() if b is not None]
         if any(not torch.equal(present[0].cpu(), b.cpu()) for b in present[1:]):
             raise GefenCheckpointError(
@@ -84,7 +84,7 @@ class AgreedStateAdapter(AgreedAdapter):
                 grid = grid_shape(shape, period)
                 local_shape = tuple(s.local.shape)
                 local_grid = grid_shape(local_shape, period) if local_shape else ()
-                st = gs.read(optim, s.param)
+                st = gx.read(optim, s.param)
                 if st is None:  # an empty local shard: Gefen keeps no tensors for it
                     dev = s.local.device
                     codes = torch.empty(local_shape, dtype=torch.uint8, device=dev)
@@ -96,7 +96,7 @@ class AgreedStateAdapter(AgreedAdapter):
                 sd[keys["codes"]] = like_param(s.param, codes, shape)
                 sd[keys["grid"]] = like_param(s.param, blocks, grid + (2,))
             opt_id = slots[0].opt_id
-            record = schema.OptimizerRecord(gs.options(optim)["deterministic"], gs.global_step(optim), params)
+            record = schema.OptimizerRecord(gx.options(optim)["deterministic"], gx.global_step(optim), params)
             sd[schema.optimizer_key(opt_id)] = record.to_json()
             cb = books[id(optim)]
             if cb is not None:
@@ -104,11 +104,11 @@ class AgreedStateAdapter(AgreedAdapter):
         return sd
 
     def _counters(self, s: Slot) -> tuple[int, int, int]:
-        st = gs.read(s.optim, s.param)
+        st = gx.read(s.optim, s.param)
         if st is not None:
             return st.period, st.step, st.vmean_step
-        period = gs.period(s.optim, s.param)
-        step, vstep = gs.empty_shard_counters(s.optim, s.param)
+        period = gx.period(s.optim, s.param)
+        step, vstep = gx.empty_shard_counters(s.optim, s.param)
         if period and step and s.local.numel() == 0:
             return period, step, vstep
         return 0, 0, 0
@@ -146,7 +146,7 @@ class AgreedStateAdapter(AgreedAdapter):
                 raise GefenCheckpointError(
                     f"{s.fqn}: checkpoint shape {rec.shape} != live shape {tuple(s.param.shape)}: "
                     "the checkpoint is for another model")
-            live_det = gs.options(s.optim)["deterministic"]
+            live_det = gx.options(s.optim)["deterministic"]
             if deterministic[src] != live_det:
                 raise GefenCheckpointError(
                     f"the checkpoint was written with optimizer.deterministic = {deterministic[src]} and "
@@ -213,27 +213,27 @@ class AgreedStateAdapter(AgreedAdapter):
                         raise GefenCheckpointError(
                             f"{s.fqn}: non-finite or negative {what} in the checkpoint (corrupt file); "
                             "resume from another step with checkpoint.load_step")
-                staged[s.fqn] = gs.ParamState(
+                staged[s.fqn] = gx.ParamState(
                     period=period, step=rec.step, vmean_step=rec.vmean_step,
                     codes=codes.reshape(-1, period), magnitude=mag.reshape(-1, 1).contiguous(),
                     vmean=vmean.reshape(-1, 1).contiguous())
         except (GefenCheckpointError, ValueError, KeyError) as e:
             error = str(e)
-        agree(error, f"cannot load Gefen optimizer state from {plan.checkpoint_id}")
+        refuse_on_any_rank(error, f"cannot load Gefen optimizer state from {plan.checkpoint_id}")
         self._staged = (plan, staged)
 
-    def _commit(self, plan: _Plan, staged: dict[str, gs.ParamState | None]) -> None:
+    def _commit(self, plan: _Plan, staged: dict[str, gx.ParamState | None]) -> None:
         for s in self.slots:
             st = staged[s.fqn]
             rec = plan.records[s.fqn]
             if st is not None and st.codes.numel() == 0:
                 # An empty local shard: Gefen keeps no tensors, only the
                 # agreed period and counters (so later saves agree).
-                gs.write(s.optim, s.param, None)
-                gs.set_period(s.optim, s.param, st.period)
-                gs.set_empty_shard_counters(s.optim, s.param, st.step, st.vmean_step)
+                gx.write(s.optim, s.param, None)
+                gx.set_period(s.optim, s.param, st.period)
+                gx.set_empty_shard_counters(s.optim, s.param, st.step, st.vmean_step)
             else:
-                gs.write(s.optim, s.param, st)
+                gx.write(s.optim, s.param, st)
             for k in HYPER:
                 s.group[k] = rec.group[k]
         for optim in self.optimizers:
@@ -241,7 +241,7 @@ class AgreedStateAdapter(AgreedAdapter):
             has_state = any(staged[s.fqn] is not None for s in self.slots if s.optim is optim)
             if has_state:
                 dev = next(s.local.device for s in self.slots if s.optim is optim)
-                gs.set_codebook(optim, plan.codebook.to(dev).clone())
+                gx.set_codebook(optim, plan.codebook.to(dev).clone())
             else:
-                gs.set_codebook(optim, None)
-            gs.set_global_step(optim, max((plan.global_steps[o] for o in sources), default=0))
+                gx.set_codebook(optim, None)
+            gx.set_global_step(optim, max((plan.global_steps[o] for o in sources), default=0))

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from gefen_titan.checkpoint import schema
-from gefen_titan.checkpoint.errors import GefenCheckpointError, agree
+from gefen_titan.checkpoint.errors import GefenCheckpointError, refuse_on_any_rank
 from gefen_titan.checkpoint.schema import grid_shape
 from gefen_titan.checkpoint.schema_muon import (
     MuonOptimizerRecord,
@@ -34,7 +34,7 @@ from gefen_titan.checkpoint.schema_muon import (
     muon_tensor_specs,
 )
 from gefen_titan.distributed import like_param, like_param_rows, local
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.blocking import check_period_fits
 from gefen_titan.optim.state.staging import AgreedAdapter
 
@@ -56,7 +56,7 @@ class MuonStateAdapter(AgreedAdapter):
     """The ``StateAdapter`` of the GefenMuon optimizers of one rank (formats v2 and v3)."""
 
     kind = "GefenMuon"
-    owns = staticmethod(gs.is_gefen_muon)
+    owns = staticmethod(gx.is_gefen_muon)
     record_kind, codebook_kind = "muon", "muon_codebook"
 
     # ------------------------------------------------------------------ save
@@ -64,7 +64,7 @@ class MuonStateAdapter(AgreedAdapter):
         if not self.slots:
             return {}
         sd: dict[str, Any] = {schema.header_key(): schema.Header.for_blocking("agreed").to_json()}
-        books = [b for b in (gs.codebook(o) for o in self.optimizers) if b is not None]
+        books = [b for b in (gx.codebook(o) for o in self.optimizers) if b is not None]
         if any(not torch.equal(books[0].cpu(), b.cpu()) for b in books[1:]):
             raise GefenCheckpointError(
                 "the GefenMuon optimizers of this rank hold different codebooks; agreed blocking gives "
@@ -74,7 +74,7 @@ class MuonStateAdapter(AgreedAdapter):
             slots = [s for s in self.slots if s.optim is optim]
             params = []
             for s in slots:
-                st = gs.muon_read(optim, s.param)
+                st = gx.muon_read(optim, s.param)
                 shape = tuple(s.param.shape)
                 if st is None:
                     params.append(MuonParamRecord(s.fqn, shape, 0, 0, 0, s.group))
@@ -88,7 +88,7 @@ class MuonStateAdapter(AgreedAdapter):
                 if st.rows is not None:
                     sd[keys["rows"]] = like_param_rows(s.param, copy(st.rows.view(-1)))
             opt_id = slots[0].opt_id
-            record = MuonOptimizerRecord(gs.muon_deterministic(optim), gs.global_step(optim), params)
+            record = MuonOptimizerRecord(gx.muon_deterministic(optim), gx.global_step(optim), params)
             sd[schema.muon_optimizer_key(opt_id)] = record.to_json()
             if books:
                 sd[schema.muon_codebook_key(opt_id)] = books[0].detach().float().cpu().clone()
@@ -123,7 +123,7 @@ class MuonStateAdapter(AgreedAdapter):
             if rec.shape != shape:
                 raise GefenCheckpointError(
                     f"{s.fqn}: checkpoint shape {rec.shape} != live shape {shape}: the checkpoint is for another model")
-            live_det = gs.muon_deterministic(s.optim)
+            live_det = gx.muon_deterministic(s.optim)
             if deterministic[src] != live_det:
                 raise GefenCheckpointError(
                     f"the checkpoint was written with optimizer.deterministic = {deterministic[src]} and the "
@@ -191,25 +191,25 @@ class MuonStateAdapter(AgreedAdapter):
                         raise GefenCheckpointError(
                             f"{s.fqn}: non-finite or negative {what} in the checkpoint (corrupt file); "
                             "resume from another step with checkpoint.load_step")
-                staged[s.fqn] = gs.MuonState(
+                staged[s.fqn] = gx.MuonState(
                     period=rec.period, step=rec.step, codes=codes.reshape(-1, rec.period),
                     magnitude=mag.reshape(-1, 1), rows=None if rows is None else rows.reshape(-1, 1),
                     rows_step=rec.rows_step)
         except (GefenCheckpointError, ValueError, KeyError) as e:
             error = str(e)
-        agree(error, f"{_WHAT} {plan.checkpoint_id}")
+        refuse_on_any_rank(error, f"{_WHAT} {plan.checkpoint_id}")
         self._staged = (plan, staged)
 
-    def _commit(self, plan: _Plan, staged: dict[str, gs.MuonState | None]) -> None:
+    def _commit(self, plan: _Plan, staged: dict[str, gx.MuonState | None]) -> None:
         for s in self.slots:
             st = staged[s.fqn]
-            gs.muon_write(s.optim, s.param, st)
-            gs.muon_restore_group(s.group, plan.records[s.fqn].group)
+            gx.muon_write(s.optim, s.param, st)
+            gx.muon_restore_group(s.group, plan.records[s.fqn].group)
         for optim in self.optimizers:
             sources = {plan.source_opt[s.fqn] for s in self.slots if s.optim is optim}
             if any(staged[s.fqn] is not None for s in self.slots if s.optim is optim):
                 dev = next(s.local.device for s in self.slots if s.optim is optim)
-                gs.set_codebook(optim, plan.codebook.to(dev).clone())
+                gx.set_codebook(optim, plan.codebook.to(dev).clone())
             else:
-                gs.set_codebook(optim, None)
-            gs.set_global_step(optim, max((plan.global_steps[o] for o in sources), default=0))
+                gx.set_codebook(optim, None)
+            gx.set_global_step(optim, max((plan.global_steps[o] for o in sources), default=0))

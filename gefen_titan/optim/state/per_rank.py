@@ -35,12 +35,12 @@ import torch
 from torch.optim import Optimizer
 
 from gefen_titan.checkpoint import schema, schema_v1
-from gefen_titan.checkpoint.errors import GefenCheckpointError, agree
-from gefen_titan.checkpoint.quant import Segment, block_mean_segments, dequantize_segments, requantize
+from gefen_titan.checkpoint.errors import GefenCheckpointError, refuse_on_any_rank
 from gefen_titan.checkpoint.schema import HYPER
 from gefen_titan.checkpoint.storage import read_small
 from gefen_titan.distributed import like_param, local
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
+from gefen_titan.optim.quant.requant import Segment, block_mean_segments, dequantize_segments, requantize
 from gefen_titan.optim.state.codebook_merge import K, merge_codebooks
 from gefen_titan.optim.state.layout import Region, UnsupportedLayout, param_region, target_period
 from gefen_titan.optim.state.staging import StagedLoad
@@ -97,7 +97,7 @@ class PerRankStateAdapter(StagedLoad):
     """Format v1: each rank's own codebook and periods (``optimizer.blocking = "per_rank"``)."""
 
     def __init__(self, optimizers: list[Optimizer]) -> None:
-        self.optimizers = [o for o in optimizers if gs.is_gefen(o)]
+        self.optimizers = [o for o in optimizers if gx.is_gefen(o)]
         self.slots: list[_Slot] = []
         # A layout we cannot checkpoint (TP shards) must not stop training
         # without checkpoints: refuse at save/load time instead.
@@ -141,7 +141,7 @@ class PerRankStateAdapter(StagedLoad):
         blocks, nblocks = [], 0
         for slot in slots:
             try:
-                st = gs.read(slot.optim, slot.param)
+                st = gx.read(slot.optim, slot.param)
             except ValueError as e:
                 raise GefenCheckpointError(f"{slot.fqn}: {e}") from e
             meta.params.append(schema_v1.V1ParamRecord(slot.fqn, tuple(slot.param.shape),
@@ -162,10 +162,10 @@ class PerRankStateAdapter(StagedLoad):
             nblocks += b.shape[0]
             out[schema.codes_key(slot.fqn)] = like_param(slot.param, codes, tuple(slot.param.shape))
         out[schema.optimizer_key(opt_id)] = meta.to_json()
-        out[schema.records_key(opt_id, label)] = schema_v1.v1_rank_table(gs.global_step(optim), rows)
+        out[schema.records_key(opt_id, label)] = schema_v1.v1_rank_table(gx.global_step(optim), rows)
         out[schema.blocks_key(opt_id, label)] = torch.cat(blocks).to(device)
-        if gs.codebook(optim) is not None:
-            out[schema.rank_codebook_key(opt_id, label)] = gs.codebook(optim).detach().float().clone()
+        if gx.codebook(optim) is not None:
+            out[schema.rank_codebook_key(opt_id, label)] = gx.codebook(optim).detach().float().clone()
         return out
 
     # ------------------------------------------------------------------ load
@@ -177,7 +177,7 @@ class PerRankStateAdapter(StagedLoad):
         keys = metadata.state_dict_metadata
         ours = {k[len(prefix):]: v for k, v in keys.items() if k.startswith(prefix)}
         error = self._unsupported or self._check_keys(ours)
-        agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
+        refuse_on_any_rank(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
 
         parsed = {k: key for k in ours if (key := schema.parse_key(k)) is not None}
         tensors = sorted(k for k, key in parsed.items() if key.kind in ("records", "rank_codebook", "codebook"))
@@ -189,7 +189,7 @@ class PerRankStateAdapter(StagedLoad):
             plan = self._plan_from_records(checkpoint_id, small, ours)
         except (GefenCheckpointError, UnsupportedLayout, ValueError, KeyError) as e:
             error = str(e)
-        agree(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
+        refuse_on_any_rank(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
         self._plan = plan
 
     def _check_keys(self, ours: dict[str, Any]) -> str | None:
@@ -331,7 +331,7 @@ class PerRankStateAdapter(StagedLoad):
             staged = self._build(plan, sd)
         except (GefenCheckpointError, ValueError, KeyError) as e:
             error = str(e)
-        agree(error, f"cannot load Gefen optimizer state from {plan.checkpoint_id}")
+        refuse_on_any_rank(error, f"cannot load Gefen optimizer state from {plan.checkpoint_id}")
         self._staged = (plan, staged)
 
     def _build(self, plan: _Plan, sd: dict[str, Any]) -> dict:
@@ -437,7 +437,7 @@ class PerRankStateAdapter(StagedLoad):
     def _commit(self, plan: _Plan, staged: dict) -> None:
         for slot in self.slots:
             new = staged["states"].get(slot.fqn)
-            gs.write(slot.optim, slot.param, None if new is None else gs.ParamState(
+            gx.write(slot.optim, slot.param, None if new is None else gx.ParamState(
                 period=new["automatic_period"], step=new["step"], vmean_step=new["vmean_step"],
                 codes=new["m_codebook"].contiguous(), magnitude=new["m_magnitude"].contiguous(),
                 vmean=new["vmean"].contiguous()))
@@ -449,5 +449,5 @@ class PerRankStateAdapter(StagedLoad):
             # the first step): back to a fresh optimizer, which learns its
             # codebook on its next step.
             cb, global_step = staged["optim"].get(id(optim), (None, 0))
-            gs.set_codebook(optim, cb)
-            gs.set_global_step(optim, global_step)
+            gx.set_codebook(optim, cb)
+            gx.set_global_step(optim, global_step)

@@ -20,10 +20,10 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gefen_titan.checkpoint import schema
-from gefen_titan.checkpoint.errors import GefenCheckpointError, agree
+from gefen_titan.checkpoint.errors import GefenCheckpointError, refuse_on_any_rank
 from gefen_titan.checkpoint.storage import read_small
 from gefen_titan.distributed import all_gather_objects, is_distributed, local
-from gefen_titan.optim import gefen_state as gs
+from gefen_titan.optim import gefenx as gx
 
 __all__ = ["AgreedAdapter", "Slot", "StagedLoad", "check_replicated"]
 
@@ -101,7 +101,7 @@ class AgreedAdapter(StagedLoad):
         self.optimizers = [o for o in optimizers if self.owns(o)]
         self.slots: list[Slot] = []
         for optim in self.optimizers:
-            named = list(gs.named_params(optim))
+            named = list(gx.named_params(optim))
             opt_id = named[0][0] if named else ""
             self.slots += [Slot(fqn, p, optim, opt_id, group) for fqn, p, group in named]
         # Set by GefenCheckpointManager for async saves, which write after
@@ -121,7 +121,7 @@ class AgreedAdapter(StagedLoad):
             sd = self._save_entries()
         except (GefenCheckpointError, ValueError) as e:
             error = str(e)
-        agree(error, f"cannot save {self.kind} optimizer state")
+        refuse_on_any_rank(error, f"cannot save {self.kind} optimizer state")
         check_replicated(sd, self.kind)
         return sd
 
@@ -144,7 +144,7 @@ class AgreedAdapter(StagedLoad):
             plan = self._plan_from(checkpoint_id, small, ours, rec_keys, books, version)
         except (GefenCheckpointError, ValueError) as e:
             error = str(e)
-        agree(error, f"cannot load {self.kind} optimizer state from {checkpoint_id}")
+        refuse_on_any_rank(error, f"cannot load {self.kind} optimizer state from {checkpoint_id}")
         self._plan = plan
 
     @abstractmethod

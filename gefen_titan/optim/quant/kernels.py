@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gefen_titan.checkpoint.segments import MEAN_CHUNK, Segment
+from gefen_titan.optim.quant.segments import MEAN_CHUNK, Segment
 
 __all__ = ["INTERPRETED", "dequantize_segments", "requantize", "block_mean_segments"]
 

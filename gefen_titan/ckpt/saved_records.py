@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torchtitan.components.checkpoint import OPTIMIZER
 
 from gefen_titan.checkpoint import schema, schema_v1
-from gefen_titan.checkpoint.reader import OPTIMIZER, Checkpoint
 from gefen_titan.checkpoint.schema_muon import (
     MuonOptimizerRecord,
     MuonParamRecord,
@@ -31,8 +31,9 @@ from gefen_titan.checkpoint.schema_muon import (
     check_muon_hyper,
     muon_tensor_specs,
 )
+from gefen_titan.ckpt.view import Checkpoint
 
-__all__ = ["GefenParam", "GefenOptimizer", "MuonOptimizer", "GefenState", "read_gefen", "codebook_summary"]
+__all__ = ["GefenParam", "GefenOptimizer", "MuonOptimizer", "SavedRecords", "read_records", "codebook_summary"]
 
 
 @dataclass
@@ -72,7 +73,7 @@ class MuonOptimizer:
 
 
 @dataclass
-class GefenState:
+class SavedRecords:
     header: schema.Header
     optimizers: list[GefenOptimizer]  # Gefen's
     codebooks: dict[str, torch.Tensor]  # entry name -> codebook (Gefen's)
@@ -110,7 +111,7 @@ def codebook_summary(cb: torch.Tensor) -> dict[str, Any]:
     }
 
 
-def read_gefen(ck: Checkpoint) -> GefenState | None:
+def read_records(ck: Checkpoint) -> SavedRecords | None:
     """The checkpoint's Gefen state records (None: it holds no Gefen state).
 
     Raises ``CkptError`` when the header is unreadable or of an unknown
@@ -146,7 +147,7 @@ def _hyper_problem(fqn: str, group: dict[str, Any]) -> str | None:
 
 
 # ------------------------------------------------------------------ v2, v3
-def _read_v2(ck: Checkpoint, header: schema.Header) -> GefenState:
+def _read_v2(ck: Checkpoint, header: schema.Header) -> SavedRecords:
     opt = ck.optimizer
     entries = _entries(ck)
     rec_names = sorted(n for n, k in entries.items() if k.kind == "optimizer")
@@ -189,7 +190,7 @@ def _read_v2(ck: Checkpoint, header: schema.Header) -> GefenState:
     for name, key in sorted(entries.items()):
         if key.kind in schema.PARAM_TENSORS[header.version] and key.name not in seen:
             problems.append((name, f"{name} belongs to no optimizer record"))
-    state = GefenState(header, optimizers, codebooks, problems)
+    state = SavedRecords(header, optimizers, codebooks, problems)
     _read_muon(opt, entries, values, seen, state)
     return state
 
@@ -216,7 +217,7 @@ _MUON_KINDS = _MUON_TENSOR_KINDS | {schema.parse_key(schema.muon_optimizer_key("
 
 
 def _read_muon(opt: dict, entries: dict[str, schema.Key], values: dict, gefen_seen: dict[str, str],
-               state: GefenState) -> None:
+               state: SavedRecords) -> None:
     """GefenMuon's records, codebooks and tensors into ``state`` (the load's checks in ``state.muon``)."""
     problems = state.problems
     seen: dict[str, str] = {}
@@ -272,7 +273,7 @@ def _check_muon_param(opt: dict, p: MuonParamRecord, global_step: int) -> list[s
 
 
 # ------------------------------------------------------------------ v1
-def _read_v1(ck: Checkpoint, header: schema.Header) -> GefenState:
+def _read_v1(ck: Checkpoint, header: schema.Header) -> SavedRecords:
     opt = ck.optimizer
     entries = _entries(ck)
     meta_names = sorted(n for n, k in entries.items() if k.kind == "optimizer")
@@ -309,7 +310,7 @@ def _read_v1(ck: Checkpoint, header: schema.Header) -> GefenState:
             p.period = periods.pop() if len(periods) == 1 else 0
     problems += [(n, f"{n}: GefenMuon state in a format v1 checkpoint (GefenMuon writes v2 or v3)")
                  for n, k in sorted(entries.items()) if k.kind in _MUON_KINDS]
-    return GefenState(header, optimizers, codebooks, problems)
+    return SavedRecords(header, optimizers, codebooks, problems)
 
 
 def _read_v1_rank(opt: dict, values: dict, o: GefenOptimizer, label: int, codebooks: dict) -> list[tuple[str, str]]:

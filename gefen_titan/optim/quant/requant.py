@@ -43,7 +43,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from gefen_titan.checkpoint.segments import MEAN_CHUNK, Segment
+from gefen_titan.optim.quant.segments import MEAN_CHUNK, Segment
 
 __all__ = [
     "Segment",
@@ -114,7 +114,7 @@ def backend_for(t: torch.Tensor) -> str:
     if not kernels.INTERPRETED:
         raise RuntimeError(
             f"{ENV}=triton on {t.device} tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
-            "before gefen_titan.checkpoint.kernels is first imported (or use CUDA tensors)"
+            "before gefen_titan.optim.quant.kernels is first imported (or use CUDA tensors)"
         )
     return "triton"
 
@@ -122,7 +122,7 @@ def backend_for(t: torch.Tensor) -> str:
 def _kernels():
     # Imported on first use: it imports Triton, and on CPU tensors Triton's
     # interpreter must be chosen (TRITON_INTERPRET=1) before that import.
-    from gefen_titan.checkpoint import kernels  # noqa: PLC0415
+    from gefen_titan.optim.quant import kernels  # noqa: PLC0415
 
     return kernels
 

@@ -18,17 +18,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, MODEL, OPTIMIZER, TRAIN_STATE
 
 from gefen_titan.checkpoint import schema, storage
 from gefen_titan.checkpoint.errors import root_cause
 from gefen_titan.checkpoint.unpickling import ForbiddenObjectError
 
-__all__ = ["CkptError", "Entry", "Checkpoint", "OPTIMIZER", "MODEL", "split_state_key"]
+__all__ = ["CkptError", "Entry", "Checkpoint", "split_state_key"]
 
-OPTIMIZER = "optimizer"  # torchtitan's component names (checkpointer.base)
-MODEL = "model"
 # Components torchtitan nests under their name; the model's entries sit at the top level.
-COMPONENTS = (OPTIMIZER, "dataloader", "lr_scheduler", "train_state")
+COMPONENTS = (OPTIMIZER, DATALOADER, LR_SCHEDULER, TRAIN_STATE)
 _WRITER_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP: __{rank}_{n}.distcp
 
 
