@@ -274,7 +274,7 @@ def grid(shape: tuple[int, ...], period: int) -> tuple[int, ...]:
 
 
 def gefen_entries(built: Built, rule: str, periods: dict[str, int] | None = None, step: int = 1) -> list[Entry]:
-    """The v3 entries (``AgreedStateAdapter._save_entries``'s order and records)."""
+    """The v3 entries (``ShardedAdapter._save_entries``'s order and records)."""
     from gefen_titan.checkpoint import schema
 
     pre = "optimizer."

@@ -7,8 +7,9 @@ entries, and every reader (loads, ``ckpt inspect`` / ``verify`` /
 ``convert``, the reshard validation) parses them, through the functions and
 record types here; nothing else formats or parses a record's JSON, slices a
 key or knows which tensors a version stores per parameter.
-``docs/checkpoint_format.md``'s key tables are generated from ``KEYS`` and
-checked by ``tests/unit/test_checkpoint_format_doc.py``.
+``docs/checkpoint_format.md``'s key tables are generated from ``schema_doc.KEYS``
+(each key kind's value and writer, beside the patterns here) and checked by
+``tests/unit/test_checkpoint_format_doc.py``.
 
 All keys sit under the optimizer's entry (torchtitan: ``optimizer.``). ``fqn``
 is a parameter's canonical name, ``opt`` the first parameter name of the
@@ -54,13 +55,14 @@ import torch
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 
 __all__ = [
-    "FORMAT", "VERSION", "V1", "V2", "VERSIONS", "AGREED_VERSIONS", "PREFIX", "K", "HYPER", "KEYS",
+    "FORMAT", "VERSION", "V1", "V2", "VERSIONS", "AGREED_VERSIONS", "PREFIX", "K", "HYPER", "PATTERNS",
     "PARAM_TENSORS", "MUON_TENSORS", "FormatError", "Key", "Header", "ParamRecord", "OptimizerRecord",
     "header_key", "optimizer_key", "codebook_key", "codes_key", "qcodes_key", "magnitude_key", "vmean_key",
     "grid_key", "records_key", "blocks_key", "rank_codebook_key", "parse_key", "is_gefen_key", "is_raw_entry",
     "is_raw_item", "param_tensor_keys", "param_tensor_specs", "pack_blocks", "unpack_blocks", "grid_shape",
-    "check_hyper", "check_codebook", "check_counters", "key_table", "loads_json", "record_fields", "muon_optimizer_key",
-    "muon_codebook_key", "muon_tensor_keys", "record_fqns",
+    "check_hyper", "check_codebook", "check_counters", "loads_json", "record_fields", "muon_optimizer_key",
+    "muon_codebook_key", "muon_tensor_keys", "record_fqns", "optimizer_id", "SMALL_KINDS", "register_kinds",
+    "entry_key",
 ]
 
 FORMAT = "gefen-titan"
@@ -77,7 +79,7 @@ K = 256  # codebook entries (gefen-x: num_codebooks=256)
 HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
 
 # The key patterns, by kind (``Key.kind``).
-_PATTERN = {
+PATTERNS = {
     "header": "gefen/format",
     "optimizer": "gefen/optimizer/{opt}",
     "codebook": "gefen/codebook/{opt}",
@@ -96,64 +98,10 @@ _PATTERN = {
     "rank_codebook": "gefen/codebook/{opt}/{r}",
 }
 
-_RECORD = ('str (json): "blocking", "deterministic", "global_step", and per parameter in order: "fqn", "shape", '
-           '"period" (0: no state yet), "step", "vmean_step", "group" (lr, beta1, beta2, eps, weight_decay)')
-_MUON_ROWS = [
-    ("muon", 'str (json): "kind" ("GefenMuon"), "blocking", "deterministic", "global_step", and per parameter in '
-     'order: "fqn", "shape", "period" (0: no state yet), "step", "rows_step" (NorMuon\'s counter, 0: no '
-     'rows), "group" (lr, weight_decay, momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn, '
-     "normuon, normuon_beta2, normuon_eps)", "every rank of the optimizer (same)"),
-    ("muon_codebook", "fp32 [256], sorted, ends -1 and +1; the GefenMuon optimizers' one codebook "
-     "for the whole job", "every rank of the optimizer (same)"),
-    ("muon_codes", "uint8, the GefenMuon parameter's shape and placements", "DTensor: each its shard"),
-    ("muon_magnitude", "fp32, the block grid with the parameter's placements", "DTensor: each its shard"),
-    ("muon_rows", "fp32 [rows]: NorMuon's per-row second moment, placed like the parameter's dim 0 (when "
-     "rows_step > 0)", "DTensor: each its shard"),
-]
-_RAW = " Stored as raw bytes (little-endian, no framing; see *Raw entries*)."
-
-# version -> [(key pattern, value, written by)]; the doc's tables are these rows.
-KEYS: dict[int, list[tuple[str, str, str]]] = {
-    3: [(_PATTERN[kind], value, by) for kind, value, by in [
-        ("header", 'str (json) {"format": "gefen-titan", "version": 3, "blocking": "agreed"}', "every rank (same)"),
-        ("optimizer", _RECORD, "every rank of the optimizer (same)"),
-        ("codebook", "fp32 [256], sorted, ends -1 and +1; one codebook for the whole job",
-         "every rank of the optimizer (same)"),
-        ("qcodes", "uint8, the parameter's shape and placements." + _RAW, "DTensor: each its shard"),
-        ("grid", "fp32, the block grid (shape[:-1] + (shape[-1] / period,)) + (2,): [..., 0] the per-block "
-         "magnitude, [..., 1] the per-block vmean, with the parameter's placements." + _RAW,
-         "DTensor: each its shard"),
-        *_MUON_ROWS,
-    ]],
-    2: [(_PATTERN[kind], value, by) for kind, value, by in [
-        ("header", 'str (json) {"format": "gefen-titan", "version": 2, "blocking": "agreed"}', "every rank (same)"),
-        ("optimizer", _RECORD, "every rank of the optimizer (same)"),
-        ("codebook", "fp32 [256], sorted, ends -1 and +1; one codebook for the whole job",
-         "every rank of the optimizer (same)"),
-        ("codes", "uint8, the parameter's shape and placements", "DTensor: each its shard"),
-        ("magnitude", "fp32, the block grid (shape[:-1] + (shape[-1] / period,)) with the parameter's placements",
-         "DTensor: each its shard"),
-        ("vmean", "fp32, the block grid with the parameter's placements", "DTensor: each its shard"),
-        *_MUON_ROWS,
-    ]],
-    1: [(_PATTERN[kind], value, by) for kind, value, by in [
-        ("header", 'str (json) {"format": "gefen-titan", "version": 1} (newer writers add '
-         '"blocking": "per_rank")', "every rank (same)"),
-        ("optimizer", "str (json): nshards, and per parameter in order: fqn, global shape, "
-         "group hyperparameters", "every rank of the optimizer (same)"),
-        ("codes", "uint8, the parameter's global shape and placements", "DTensor: each its shard"),
-        ("records", "int64 [1 + P, 7]: row 0 = global step, P; row 1 + i = parameter i's "
-         "start, length, period, step, vmean_step, first block, number of blocks", "rank r"),
-        ("blocks", "fp32 [blocks, 2]: magnitude, vmean, all parameters of the optimizer "
-         "back to back", "rank r"),
-        ("rank_codebook", "fp32 [256], sorted, ends -1 and +1", "rank r"),
-    ]],
-}
-
 # A stateful agreed parameter's tensors per version, in the order the
 # adapters and tools list them.
 PARAM_TENSORS = {VERSION: ("codes", "grid"), V2: ("codes", "magnitude", "vmean")}
-# Their key kinds (``_PATTERN``): v3's codes have a key of their own, stored raw.
+# Their key kinds (``PATTERNS``): v3's codes have a key of their own, stored raw.
 _TENSOR_KINDS = {VERSION: {"codes": "qcodes", "grid": "grid"},
                  V2: {"codes": "codes", "magnitude": "magnitude", "vmean": "vmean"}}
 # A GefenMuon parameter's tensors ("rows" only with NorMuon state), v2 and v3.
@@ -164,6 +112,44 @@ MUON_TENSORS = ("codes", "magnitude", "rows")
 # checkpoint has a framed item under one of them.
 _RAW_KINDS = ("qcodes", "grid")
 
+# The small entries a load reads before DCP reads the state (``gefen_titan.optim.state.load_context``):
+# kind -> "str" (a record's JSON) or "tensor" (a codebook, v1's rank table). Everything else is a
+# parameter's state tensor, read by DCP into the load's destinations.
+SMALL_KINDS: dict[str, str] = {"header": "str", "optimizer": "str", "muon": "str", "codebook": "tensor",
+                               "muon_codebook": "tensor", "records": "tensor", "rank_codebook": "tensor"}
+# Kinds keyed by one name (an optimizer id or a fqn): ``gefen/{kind}/{name}``.
+_NAMED_KINDS = {"optimizer", "codebook", "muon", "muon_codebook", *("codes", "magnitude", "vmean", "qcodes", "grid",
+                                                                    "muon_codes", "muon_magnitude", "muon_rows")}
+
+
+def register_kinds(kinds: dict[str, str]) -> None:
+    """The keys of another optimizer kind's state: kind -> "record" (its optimizers' JSON records,
+    ``gefen/{kind}/{opt}``), "codebook" (a codebook, ``gefen/{kind}/{opt}``) or "tensor" (a
+    parameter's state tensor, ``gefen/{kind}/{fqn}``). A kind's records and codebooks are then read
+    with every other kind's in a load's one small read; its tensors are DCP entries like Gefen's.
+    """
+    for kind, role in kinds.items():
+        if kind in PATTERNS or role not in ("record", "codebook", "tensor"):
+            raise ValueError(f"cannot register key kind {kind!r} as {role!r}: taken, or not record/codebook/tensor")
+    for kind, role in kinds.items():
+        PATTERNS[kind] = f"{PREFIX}{kind}/{{{'fqn' if role == 'tensor' else 'opt'}}}"
+        _NAMED_KINDS.add(kind)
+        if role != "tensor":
+            SMALL_KINDS[kind] = "str" if role == "record" else "tensor"
+
+
+def entry_key(kind: str, name: str) -> str:
+    """``gefen/{kind}/{name}`` of a kind keyed by one name (an optimizer id or a parameter's fqn)."""
+    if kind not in _NAMED_KINDS:
+        raise ValueError(f"{kind!r} is no key kind keyed by one name")
+    return f"{PREFIX}{kind}/{name}"
+
+
+def optimizer_id(param_names: list[str] | tuple[str, ...]) -> str:
+    """An optimizer's id in the records' keys: its first parameter's name, unique across pipeline
+    stages ("" for an optimizer without parameters, which writes no record)."""
+    return param_names[0] if param_names else ""
+
 
 class FormatError(GefenCheckpointError):
     """An entry that does not follow the format: the checkpoint is corrupt, foreign or edited."""
@@ -171,68 +157,68 @@ class FormatError(GefenCheckpointError):
 
 # ------------------------------------------------------------------ keys
 def header_key() -> str:
-    return _PATTERN["header"]
+    return PATTERNS["header"]
 
 
 def optimizer_key(opt: str) -> str:
-    return _PATTERN["optimizer"].format(opt=opt)
+    return PATTERNS["optimizer"].format(opt=opt)
 
 
 def codebook_key(opt: str) -> str:
     """v2/v3: the job's codebook, under each optimizer's id."""
-    return _PATTERN["codebook"].format(opt=opt)
+    return PATTERNS["codebook"].format(opt=opt)
 
 
 def codes_key(fqn: str) -> str:
     """v2 and v1 (v3: ``qcodes_key``)."""
-    return _PATTERN["codes"].format(fqn=fqn)
+    return PATTERNS["codes"].format(fqn=fqn)
 
 
 def qcodes_key(fqn: str) -> str:
     """v3: the codes, stored raw."""
-    return _PATTERN["qcodes"].format(fqn=fqn)
+    return PATTERNS["qcodes"].format(fqn=fqn)
 
 
 def magnitude_key(fqn: str) -> str:
     """v2 only."""
-    return _PATTERN["magnitude"].format(fqn=fqn)
+    return PATTERNS["magnitude"].format(fqn=fqn)
 
 
 def vmean_key(fqn: str) -> str:
     """v2 only."""
-    return _PATTERN["vmean"].format(fqn=fqn)
+    return PATTERNS["vmean"].format(fqn=fqn)
 
 
 def grid_key(fqn: str) -> str:
     """v3: magnitude and vmean in one entry (``pack_blocks``)."""
-    return _PATTERN["grid"].format(fqn=fqn)
+    return PATTERNS["grid"].format(fqn=fqn)
 
 
 def muon_optimizer_key(opt: str) -> str:
-    return _PATTERN["muon"].format(opt=opt)
+    return PATTERNS["muon"].format(opt=opt)
 
 
 def muon_codebook_key(opt: str) -> str:
     """The job's GefenMuon codebook, under each GefenMuon optimizer's id."""
-    return _PATTERN["muon_codebook"].format(opt=opt)
+    return PATTERNS["muon_codebook"].format(opt=opt)
 
 
 def muon_tensor_keys(fqn: str) -> dict[str, str]:
     """A GefenMuon parameter's entries by ``MUON_TENSORS`` name."""
-    return {name: _PATTERN["muon_" + name].format(fqn=fqn) for name in MUON_TENSORS}
+    return {name: PATTERNS["muon_" + name].format(fqn=fqn) for name in MUON_TENSORS}
 
 
 def records_key(opt: str, rank: int) -> str:
-    return _PATTERN["records"].format(opt=opt, r=rank)
+    return PATTERNS["records"].format(opt=opt, r=rank)
 
 
 def blocks_key(opt: str, rank: int) -> str:
-    return _PATTERN["blocks"].format(opt=opt, r=rank)
+    return PATTERNS["blocks"].format(opt=opt, r=rank)
 
 
 def rank_codebook_key(opt: str, rank: int) -> str:
     """v1: one codebook per optimizer per source rank."""
-    return _PATTERN["rank_codebook"].format(opt=opt, r=rank)
+    return PATTERNS["rank_codebook"].format(opt=opt, r=rank)
 
 
 @dataclass(frozen=True)
@@ -252,7 +238,6 @@ class Key:
     rank: int | None = None
 
 
-_PARAM_KINDS = ("codes", "magnitude", "vmean", "qcodes", "grid", "muon_codes", "muon_magnitude", "muon_rows")
 _RANK_KEY = re.compile(r"^(records|blocks|codebook)/(.+)/(\d+)$")
 
 
@@ -274,7 +259,7 @@ def parse_key(key: str) -> Key | None:
     kind, sep, name = rest.partition("/")
     if not sep or not name or "/" in name:
         return None
-    if kind in _PARAM_KINDS or kind in ("optimizer", "codebook", "muon", "muon_codebook"):
+    if kind in _NAMED_KINDS:
         return Key(kind, name)
     return None
 
@@ -297,7 +282,7 @@ def is_raw_item(flat_key: str, length: int, dtype: torch.dtype, sizes: tuple[int
 
 def param_tensor_keys(fqn: str, version: int = VERSION) -> dict[str, str]:
     """An agreed parameter's entries by ``PARAM_TENSORS[version]`` name."""
-    return {name: _PATTERN[_TENSOR_KINDS[version][name]].format(fqn=fqn) for name in PARAM_TENSORS[version]}
+    return {name: PATTERNS[_TENSOR_KINDS[version][name]].format(fqn=fqn) for name in PARAM_TENSORS[version]}
 
 
 def param_tensor_specs(fqn: str, shape: tuple[int, ...], period: int,
@@ -488,11 +473,3 @@ def check_counters(fqn: str, period: int, step: int, vmean_step: int, global_ste
     if global_step is not None and step > global_step:
         return f"{fqn}: global step {global_step} < parameter step {step}"
     return None
-
-
-# ------------------------------------------------------------------ docs
-def key_table(version: int) -> str:
-    """The markdown key table of a version, as ``docs/checkpoint_format.md`` shows it."""
-    rows = ["| key | value | written by |", "|---|---|---|"]
-    rows += [f"| `{key}` | {value} | {by} |" for key, value, by in KEYS[version]]
-    return "\n".join(rows)

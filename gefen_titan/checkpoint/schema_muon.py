@@ -1,6 +1,6 @@
 """GefenMuon's records in the Gefen checkpoint format (v2), and the checks of their values.
 
-The keys are ``schema.KEYS``'s ``gefen/muon*`` rows (built by
+The keys are ``schema_doc.KEYS``'s ``gefen/muon*`` rows (built by
 ``schema.muon_optimizer_key``, ``muon_codebook_key``, ``muon_tensor_keys``).
 A GefenMuon optimizer writes one record naming its kind and, per parameter
 in order, its period, counters and every group key gefen-titan supports

@@ -330,7 +330,7 @@ def _to_gefen(ck: Checkpoint, options: ConvertOptions):
         norm_m += float(m.double().square().sum())
         err_v += float((back_v.double() - v.reshape(-1).double()).square().sum())
         norm_v += float(v.double().square().sum())
-    opt_id = next(iter(states))
+    opt_id = schema.optimizer_id(list(states))  # the one optimizer's first parameter, as a save names it
     record = schema.OptimizerRecord(bool(options.deterministic), max(steps.values()), params)
     entries[schema.header_key()] = schema.Header.for_blocking("agreed").to_json()
     entries[schema.optimizer_key(opt_id)] = record.to_json()

@@ -135,24 +135,31 @@ def _gefen_optimizers(ck: Checkpoint, gefen: SavedRecords) -> list[dict[str, Any
             shared += [schema.records_key(o.opt, r) for r in range(o.nshards)] + \
                       [schema.blocks_key(o.opt, r) for r in range(o.nshards)]
         shared_bytes = sum(opt[n].stored_bytes for n in shared if n in opt)
-        elements = sum(_numel(p.shape) for p in o.params)
-        stored = sum(r["stored_bytes"] for r in params) + shared_bytes
-        out.append({
-            "kind": "Gefen",
-            "id": o.opt,
-            "format_version": gefen.version,
-            "global_step": o.global_step,
-            "deterministic": o.deterministic,
-            **({"source_ranks": o.nshards} if gefen.version == schema.V1 else {}),
-            "hyperparameters": _unique_groups([p.group for p in o.params]),
-            "codebooks": cbs,
-            "params": params,
-            "elements": elements,
-            "bytes": sum(r["bytes"] for r in params) + 4 * 256 * len(cbs),
-            "stored_bytes": stored,
-            "stored_bytes_per_param": stored / elements if elements else None,
-        })
+        extra = {"source_ranks": o.nshards} if gefen.version == schema.V1 else {}
+        out.append(_optimizer_row("Gefen", o, gefen.version, params, cbs, shared_bytes, extra))
     return out
+
+
+def _optimizer_row(kind: str, o: Any, version: int, params: list[dict[str, Any]], cbs: dict[str, Any],
+                   shared_bytes: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """One optimizer's row, whatever its kind: its parameters' rows and what they add up to."""
+    elements = sum(_numel(p.shape) for p in o.params)
+    stored = sum(r["stored_bytes"] for r in params) + shared_bytes
+    return {
+        "kind": kind,
+        "id": o.opt,
+        "format_version": version,
+        "global_step": o.global_step,
+        "deterministic": o.deterministic,
+        **extra,
+        "hyperparameters": _unique_groups([p.group for p in o.params]),
+        "codebooks": cbs,
+        "params": params,
+        "elements": elements,
+        "bytes": sum(r["bytes"] for r in params) + 4 * 256 * len(cbs),
+        "stored_bytes": stored,
+        "stored_bytes_per_param": stored / elements if elements else None,
+    }
 
 
 def _muon_optimizers(ck: Checkpoint, gefen: SavedRecords) -> list[dict[str, Any]]:
@@ -173,22 +180,7 @@ def _muon_optimizers(ck: Checkpoint, gefen: SavedRecords) -> list[dict[str, Any]
         cb_names = [schema.muon_codebook_key(o.opt)]
         cbs = {n: codebook_summary(books[n]) for n in cb_names if n in books}
         shared_bytes = sum(opt[n].stored_bytes for n in [schema.muon_optimizer_key(o.opt), *cb_names] if n in opt)
-        elements = sum(_numel(p.shape) for p in o.params)
-        stored = sum(r["stored_bytes"] for r in params) + shared_bytes
-        out.append({
-            "kind": "GefenMuon",
-            "id": o.opt,
-            "format_version": gefen.version,
-            "global_step": o.global_step,
-            "deterministic": o.deterministic,
-            "hyperparameters": _unique_groups([p.group for p in o.params]),
-            "codebooks": cbs,
-            "params": params,
-            "elements": elements,
-            "bytes": sum(r["bytes"] for r in params) + 4 * 256 * len(cbs),
-            "stored_bytes": stored,
-            "stored_bytes_per_param": stored / elements if elements else None,
-        })
+        out.append(_optimizer_row("GefenMuon", o, gefen.version, params, cbs, shared_bytes, {}))
     return out
 
 

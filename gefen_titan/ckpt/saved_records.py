@@ -1,7 +1,7 @@
 """Gefen's and GefenMuon's records in a checkpoint, read and checked offline (formats v3, v2 and v1).
 
-The checks are those of a load (``gefen_titan.optim.state.agreed``,
-``.per_rank`` and, for GefenMuon's ``gefen/muon*`` entries, ``.muon``) that
+The checks are those of a load (``gefen_titan.optim.state.sharded`` and ``.gefen_sharded``,
+``.gefen_per_rank`` and, for GefenMuon's ``gefen/muon*`` entries, ``.gefen_muon_sharded``) that
 do not need the live model: every record parses, counters
 add up, hyperparameters are ones Gefen can represent, periods divide the last
 dimension, every tensor the records imply is present with the shape and
@@ -218,7 +218,7 @@ _MUON_KINDS = _MUON_TENSOR_KINDS | {schema.parse_key(schema.muon_optimizer_key("
 
 def _read_muon(opt: dict, entries: dict[str, schema.Key], values: dict, gefen_seen: dict[str, str],
                state: SavedRecords) -> None:
-    """GefenMuon's records, codebooks and tensors into ``state`` (the load's checks in ``state.muon``)."""
+    """GefenMuon's records, codebooks and tensors into ``state`` (a load's checks: ``optim.state.sharded``)."""
     problems = state.problems
     seen: dict[str, str] = {}
     for name in sorted(n for n, k in entries.items() if k.kind == "muon"):

@@ -40,13 +40,13 @@ from torchtitan.components.optimizer.utils import (
 )
 from torchtitan.tools.logging import logger
 
-from gefen_titan.distributed import any_rank, local
+from gefen_titan.distributed import any_rank
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry
 from gefen_titan.optim.blocking import AgreedBlocking
 from gefen_titan.optim.hybrid import HybridOptions, RoutedGroup
 from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB, MuonStepStats
-from gefen_titan.optim.state import StateAdapter, check_kinds
+from gefen_titan.optim.state import StateAdapter, check_kinds, read_load_context
 from gefen_titan.optim.state_size import state_bytes
 
 __all__ = ["GefenOptimizersContainer", "GROUP_DEFAULTS", "ParamGroup"]
@@ -59,10 +59,6 @@ GROUP_DEFAULTS = ("name", "lr", "betas", "eps", "weight_decay")
 # The names ``[optimizer] name`` accepts (its type, so the recipe check and
 # the command line both list them): the registry's optimizers and composites.
 _REGISTERED = registry.names() + registry.composite_names()
-
-# Why GefenMuon (its sharded step) refuses per-rank blocking.
-_NEEDS_AGREED = ("needs optimizer.blocking = \"agreed\": its sharded step cuts the momentum along the "
-                 "parameter's shards, which needs blocks that no shard cut crosses and one codebook for the job")
 
 # Pinned off: FSDP2-sharded 2-D params always use the block second moment
 # (Gefen cannot factor a shard), and keeping one layout at every world size
@@ -273,8 +269,8 @@ class GefenOptimizersContainer(OptimizersContainer):
                 spec = registry.get(g.optimizer_name)
                 if spec is None:  # torchtitan's own (DistMuon): its factory checks its kwargs
                     continue
-                if spec.name == "GefenMuon" and self.blocking != "agreed":
-                    raise ValueError(f"{where}: {g.optimizer_name} {_NEEDS_AGREED}")
+                if spec.needs_agreed_blocking and self.blocking != "agreed":
+                    raise ValueError(f"{where}: {g.optimizer_name} {spec.needs_agreed_blocking}")
                 known = spec.group_keys
                 for key in g.optimizer_kwargs:
                     if key not in known:
@@ -321,18 +317,10 @@ class GefenOptimizersContainer(OptimizersContainer):
                     "its state is not Gefen's, so it can be neither agreed nor checkpointed as Gefen. Use "
                     f"optimizer name \"Gefen\", or register {type(optim).__name__} in gefen_titan.optim.registry "
                     "(a factory, a state adapter and its records)")
-            if spec is not None and spec.name == "Gefen" and gx.options(optim)["capturable"]:
-                raise ValueError(
-                    "Gefen capturable=True keeps its step counters on the device, and gefen_titan "
-                    "checkpoints only host counters: remove capturable from "
-                    "optimizer.optimizer_factory_kwargs_by_name")
-            if spec is not None and gx.is_gefen_muon(optim):
-                refused = gx.muon_refused(optim)
-                if refused:
-                    raise ValueError("; ".join(f"GefenMuon {k} is not supported: {gx.MUON_REFUSED[k]}"
-                                               for k in refused))
-                if config.blocking != "agreed":
-                    raise ValueError(f"GefenMuon {_NEEDS_AGREED}")
+            if spec is not None and spec.check_built is not None:
+                spec.check_built(optim)
+            if spec is not None and spec.needs_agreed_blocking and config.blocking != "agreed":
+                raise ValueError(f"{spec.name} {spec.needs_agreed_blocking}")
         # Report the state size once it exists (Gefen allocates on step 1).
         # A flag, not a self-removing hook: torch iterates the hook dict.
         self._size_logged = False
@@ -346,7 +334,7 @@ class GefenOptimizersContainer(OptimizersContainer):
             # must join the agreement's collectives, also a rank whose stage
             # holds no Gefen parameter.
             self.register_step_pre_hook(self._agree_before_first_step)
-            self.register_step_post_hook(self._count_empty_shards)
+            self.register_step_post_hook(self._after_agreed_step)
         # One adapter per registered kind with state of its own, built on
         # every rank (also where no optimizer of the kind lives: a pipeline
         # stage), in registry order, because their saves and loads are
@@ -398,15 +386,17 @@ class GefenOptimizersContainer(OptimizersContainer):
     def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
         self._loading = True
         # Every live parameter's kind, the flat ones (AdamW, Adam) too; composites say what to set.
+        # One small collective read of every kind's records, shared by every check below.
+        ctx = read_load_context(checkpoint_id, metadata, prefix)
         live = {fqn: spec.name for o in self.optimizers if (spec := registry.spec_of(o)) is not None
                 and spec.state is not None for fqn, _, _ in gx.named_params(o)}
         for o in self._flat_optimizers():
             live.update({fqn: type(o).__name__ for g in o.param_groups for fqn in g.get("param_names", ())})
         composites = [registry.composite(n) for n in registry.composite_names()]
-        check_kinds(checkpoint_id, metadata, prefix, live, hint=lambda was, now: "; ".join(
+        check_kinds(ctx, live, registry.record_kinds(), hint=lambda was, now: "; ".join(
             h for c in composites if (h := c.kind_hint(self.config, was, now))))
         for state in self._states:
-            state.prepare_load(checkpoint_id, metadata, prefix)
+            state.prepare_load(ctx)
 
     def abort_load(self) -> None:
         self._loading = False
@@ -480,12 +470,11 @@ class GefenOptimizersContainer(OptimizersContainer):
     def _agree_before_first_step(self, container: OptimizersContainer, args: Any, kwargs: Any) -> None:
         self.agreement.maybe_agree(self.agreed_optimizers)
 
-    def _count_empty_shards(self, container: OptimizersContainer, args: Any, kwargs: Any) -> None:
-        # GefenMuon's sharded step counts its empty shards' steps itself.
-        for optim in self.gefen_optimizers:
-            for _, p, _ in gx.named_params(optim):
-                if p.grad is not None and local(p).numel() == 0:
-                    gx.count_empty_shard_step(optim, p)
+    def _after_agreed_step(self, container: OptimizersContainer, args: Any, kwargs: Any) -> None:
+        for optim in self.optimizers:
+            spec = registry.spec_of(optim)
+            if spec is not None and spec.after_agreed_step is not None:
+                spec.after_agreed_step(optim)
 
     def _log_state_size_once(self, container: OptimizersContainer, args: Any, kwargs: Any) -> None:
         if self._size_logged:

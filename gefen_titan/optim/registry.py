@@ -23,8 +23,22 @@ variant is one ``register`` call plus its state type and records:
 * ``state``: how its state is checkpointed (a ``StateAdapter`` factory over the
   container's optimizers of this entry), None for torchtitan's flat
   per-parameter state dict;
+* ``record_kind``: the key kind (``schema.parse_key``) of the optimizer
+  records its state writes, so the load's kinds check can say which
+  optimizer saved a parameter;
 * ``agreed_blocking``: the first step's agreement pre-sets its block periods
-  and codebook (``gefen_titan.optim.blocking``).
+  and codebook (``gefen_titan.optim.blocking``);
+* ``needs_agreed_blocking``: why it cannot run under ``optimizer.blocking =
+  "per_rank"`` (None: it can); the recipe checks and the container refuse it;
+* ``check_built``: refuses (ValueError) a built optimizer whose options
+  gefen-titan cannot keep (e.g. Gefen's ``capturable``);
+* ``after_agreed_step``: what the container does for it after each step under
+  agreed blocking (Gefen: count the steps of its empty local shards, which
+  keep no state, so the records agree on every rank).
+
+The container, the recipe checks and the load know an optimizer only
+through these fields: a new kind adds an entry, its state type and its
+records, and no container code.
 
 A ``CompositeSpec`` (``register_composite``) is a name ``[optimizer] name``
 takes that is no optimizer at run time: it expands into param groups of
@@ -43,14 +57,15 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from gefen_titan.distributed import local
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import hybrid
 from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB, ShardedMuonStep
-from gefen_titan.optim.state import GefenState, MuonStateAdapter, StateAdapter
+from gefen_titan.optim.state import GefenMuonShardedAdapter, GefenPerRankAdapter, GefenShardedAdapter, StateAdapter
 
 __all__ = ["GEFEN_OPTION_KEYS", "MUON_OPTION_KEYS", "SHORTHAND_KEYS", "CompositeSpec", "OptimizerSpec", "StateOptions",
-           "build_gefen", "build_gefen_muon", "composite", "composite_names", "get", "names", "register",
-           "register_composite", "spec_of", "specs"]
+           "build_gefen", "build_gefen_muon", "composite", "composite_names", "get", "names", "record_kinds",
+           "register", "register_composite", "spec_of", "specs"]
 
 # The [optimizer] shorthand hyperparameters a group can take as defaults.
 SHORTHAND_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -71,7 +86,11 @@ class OptimizerSpec:
     group_keys: tuple[str, ...]
     option_keys: tuple[str, ...] = ()
     state: Callable[[list[Optimizer], StateOptions], StateAdapter] | None = None
+    record_kind: str | None = None
     agreed_blocking: bool = False
+    needs_agreed_blocking: str | None = None
+    check_built: Callable[[Optimizer], None] | None = None
+    after_agreed_step: Callable[[Optimizer], None] | None = None
     group_key_hint: Callable[[str], str] = lambda key: ""
     """A hint for a group key the optimizer does not read (where it goes instead)."""
     shorthand_keys: tuple[str, ...] = SHORTHAND_KEYS
@@ -139,6 +158,11 @@ def composite_names() -> tuple[str, ...]:
 def specs() -> tuple[OptimizerSpec, ...]:
     """Every entry, in registration order (the same on every rank)."""
     return tuple(_REGISTRY.values())
+
+
+def record_kinds() -> dict[str, str]:
+    """The record kind (``schema.parse_key``) of every entry with records of its own -> its name."""
+    return {s.record_kind: s.name for s in _REGISTRY.values() if s.record_kind}
 
 
 def spec_of(optim: Optimizer) -> OptimizerSpec | None:
@@ -224,6 +248,30 @@ def _torch_optimizer(cls: type[Optimizer]) -> OptimizerSpec:
     )
 
 
+def _gefen_state(optimizers: list[Optimizer], options: StateOptions) -> StateAdapter:
+    """The run's blocking picks the format it writes and the one it loads (a checkpoint
+    of the other blocking is refused: its state could not be what this run keeps)."""
+    if options.blocking == "agreed":
+        return GefenShardedAdapter(optimizers)
+    return GefenPerRankAdapter(optimizers)
+
+
+def _check_gefen(optim: Optimizer) -> None:
+    if gx.options(optim)["capturable"]:
+        raise ValueError(
+            "Gefen capturable=True keeps its step counters on the device, and gefen_titan "
+            "checkpoints only host counters: remove capturable from "
+            "optimizer.optimizer_factory_kwargs_by_name")
+
+
+def _count_empty_shards(optim: Optimizer) -> None:
+    """Gefen keeps no state for an empty local shard, so it does not count its steps:
+    the container does, for the records (which must agree on every rank)."""
+    for _, p, _ in gx.named_params(optim):
+        if p.grad is not None and local(p).numel() == 0:
+            gx.count_empty_shard_step(optim, p)
+
+
 register(OptimizerSpec(
     name="Gefen",
     factory=build_gefen,
@@ -232,8 +280,11 @@ register(OptimizerSpec(
     # other key along unread; build_gefen turns ``fused`` into the constructor argument.
     group_keys=("lr", "betas", "eps", "weight_decay", "fused"),
     option_keys=GEFEN_OPTION_KEYS,
-    state=lambda optimizers, options: GefenState(optimizers, options.blocking),
+    state=_gefen_state,
+    record_kind=GefenShardedAdapter.record_kind,
     agreed_blocking=True,
+    check_built=_check_gefen,
+    after_agreed_step=_count_empty_shards,
     group_key_hint=_gefen_group_key_hint,
 ))
 
@@ -282,6 +333,12 @@ def _muon_group_key_hint(key: str) -> str:
     return ""
 
 
+def _check_gefen_muon(optim: Optimizer) -> None:
+    refused = gx.muon_refused(optim)
+    if refused:
+        raise ValueError("; ".join(f"GefenMuon {k} is not supported: {gx.MUON_REFUSED[k]}" for k in refused))
+
+
 register(_torch_optimizer(torch.optim.AdamW))
 register(_torch_optimizer(torch.optim.Adam))
 register(OptimizerSpec(
@@ -290,8 +347,14 @@ register(OptimizerSpec(
     owns=gx.is_gefen_muon,
     group_keys=(*gx.MUON_GROUP_KEYS, "fused"),
     option_keys=MUON_OPTION_KEYS,
-    state=lambda optimizers, options: MuonStateAdapter(optimizers),
+    state=lambda optimizers, options: GefenMuonShardedAdapter(optimizers),
+    record_kind=GefenMuonShardedAdapter.record_kind,
     agreed_blocking=True,
+    # Its sharded step counts its empty shards' steps itself.
+    needs_agreed_blocking=("needs optimizer.blocking = \"agreed\": its sharded step cuts the momentum along the "
+                           "parameter's shards, which needs blocks that no shard cut crosses and one codebook for "
+                           "the job"),
+    check_built=_check_gefen_muon,
     group_key_hint=_muon_group_key_hint,
     # eps is the Newton-Schulz normalisation floor here (default 1e-7), not Adam's.
     shorthand_keys=("lr", "weight_decay"),

@@ -65,13 +65,14 @@ from torchtitan.components.optimizer.utils import get_flat_optim_state_dict
 from torchtitan.config import override
 from torchtitan.config.override import derive
 
+from gefen_titan.checkpoint import schema
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.checkpoint.schema import HYPER
 from gefen_titan.data.global_loader import GlobalOrderDataLoader
 from gefen_titan.distributed import all_gather_objects, local, rank_and_world
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry
-from gefen_titan.optim.state import AgreedStateAdapter
+from gefen_titan.optim.state import GefenShardedAdapter
 from gefen_titan.optim.state.layout import param_region
 
 __all__ = ["DumpingCheckpointManager", "RecordingGlobalOrderDataLoader", "dump_state", "record_batches", "DUMP_VERSION"]
@@ -88,8 +89,8 @@ def _region(fqn: str, p: torch.Tensor) -> tuple[int, int]:
 
 
 def _opt_id(optim: Any) -> str:
-    """A Gefen optimizer's name in the checkpoint: its first parameter's FQN."""
-    return next((name for name, _, _ in gx.named_params(optim)), "")
+    """A Gefen optimizer's name in the checkpoint (``schema.optimizer_id``)."""
+    return schema.optimizer_id([name for name, _, _ in gx.named_params(optim)])
 
 
 class DumpingCheckpointManager(GefenCheckpointManager):
@@ -221,7 +222,7 @@ def _optimizer_entries(container: Any) -> dict[str, Any]:
         if optim.state:
             sd.update(get_flat_optim_state_dict(optim))
     gefen = registry.get("Gefen")
-    sd.update(AgreedStateAdapter([o for o in container.optimizers if gefen.owns(o)]).state_dict())
+    sd.update(GefenShardedAdapter([o for o in container.optimizers if gefen.owns(o)]).state_dict())
     return sd
 
 

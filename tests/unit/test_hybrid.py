@@ -279,13 +279,11 @@ def test_kind_hints_name_the_setting():
 
 
 @pytest.mark.parametrize("saved_backup,live_backup", [("gefen", "adamw"), ("adamw", "gefen")])
-def test_kinds_check_refuses_the_other_backup_naming_backup_optimizer(monkeypatch, saved_backup, live_backup):
+def test_kinds_check_refuses_the_other_backup_naming_backup_optimizer(saved_backup, live_backup):
     """``check_kinds`` (the container's load preparation) on a hybrid
     checkpoint's keys: a Gefen backup's records, or AdamW's flat
     ``param_groups.<fqn>.lr`` entries, against the other backup live."""
     import json
-
-    from torch.distributed.checkpoint.metadata import Metadata
 
     from gefen_titan.checkpoint import schema
     from gefen_titan.checkpoint.errors import GefenCheckpointError
@@ -297,23 +295,20 @@ def test_kinds_check_refuses_the_other_backup_naming_backup_optimizer(monkeypatc
         records[schema.optimizer_key("1")] = json.dumps({"params": [{"fqn": "norm.weight"}]})
     else:
         flat = ["param_groups.norm.weight.lr", "state.norm.weight.exp_avg"]
-    metadata = Metadata(state_dict_metadata={"optimizer." + k: None for k in [*records, *flat]})
-    monkeypatch.setattr(state, "read_small", lambda cid, md, prefix, tensors, wanted: {k: records[k] for k in wanted})
+    ctx = state.LoadContext("ckpt", {k: None for k in [*records, *flat]}, records, None)
     config = Config(name="GefenMuonHybrid", backup_optimizer=live_backup)
     live = {"layers.0.w1.weight": "GefenMuon", "norm.weight": hybrid.BACKUPS[live_backup]}
     was, now = hybrid.BACKUPS[saved_backup], hybrid.BACKUPS[live_backup]
     with pytest.raises(GefenCheckpointError, match=(
             rf"1 parameter\(s\) \(norm.weight\) were saved by {was} and the recipe gives them to {now}: "
             rf'set optimizer.backup_optimizer = "{saved_backup}"')):
-        state.check_kinds("ckpt", metadata, "optimizer.", live, hint=lambda w, n: hybrid.kind_hint(config, w, n))
+        state.check_kinds(ctx, live, registry.record_kinds(), hint=lambda w, n: hybrid.kind_hint(config, w, n))
     same = {**live, "norm.weight": was}  # the backup that wrote it: nothing to refuse
-    state.check_kinds("ckpt", metadata, "optimizer.", same, hint=lambda w, n: hybrid.kind_hint(config, w, n))
+    state.check_kinds(ctx, same, registry.record_kinds(), hint=lambda w, n: hybrid.kind_hint(config, w, n))
 
 
-def test_kinds_check_refuses_a_hybrid_checkpoint_in_a_gefen_recipe(monkeypatch):
+def test_kinds_check_refuses_a_hybrid_checkpoint_in_a_gefen_recipe():
     import json
-
-    from torch.distributed.checkpoint.metadata import Metadata
 
     from gefen_titan.checkpoint import schema
     from gefen_titan.checkpoint.errors import GefenCheckpointError
@@ -321,11 +316,10 @@ def test_kinds_check_refuses_a_hybrid_checkpoint_in_a_gefen_recipe(monkeypatch):
 
     records = {schema.muon_optimizer_key("0"): json.dumps({"params": [{"fqn": "layers.0.w1.weight"}]}),
                schema.optimizer_key("1"): json.dumps({"params": [{"fqn": "norm.weight"}]})}
-    metadata = Metadata(state_dict_metadata={"optimizer." + k: None for k in records})
-    monkeypatch.setattr(state, "read_small", lambda cid, md, prefix, tensors, wanted: {k: records[k] for k in wanted})
+    ctx = state.LoadContext("ckpt", {k: None for k in records}, records, None)
     config = Config(name="Gefen")
     with pytest.raises(GefenCheckpointError, match=(
             r"\(layers.0.w1.weight\) were saved by GefenMuon and the recipe gives them to Gefen: if the run that "
             r'wrote it was \[optimizer\] name = "GefenMuonHybrid", set that')):
-        state.check_kinds("ckpt", metadata, "optimizer.", {"layers.0.w1.weight": "Gefen", "norm.weight": "Gefen"},
+        state.check_kinds(ctx, {"layers.0.w1.weight": "Gefen", "norm.weight": "Gefen"}, registry.record_kinds(),
                           hint=lambda w, n: hybrid.kind_hint(config, w, n))

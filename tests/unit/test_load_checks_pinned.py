@@ -288,7 +288,7 @@ def test_a_parameter_step_above_the_global_step_is_refused(saved, tmp_path, kind
 
 
 def test_a_v1_parameter_step_above_its_source_rank_global_step_is_refused(tmp_path):
-    """Pins ``PerRankStateAdapter``'s ``global step < parameter step`` check (format v1, per-rank
+    """Pins ``GefenPerRankAdapter``'s ``global step < parameter step`` check (format v1, per-rank
     blocking): source rank 0's record table with its global step (row 0) below the parameters' steps."""
     src = tmp_path / "src"
     save(src, blocking="per_rank", muon=False)

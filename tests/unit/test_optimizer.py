@@ -163,8 +163,8 @@ class _RecordingState:
     def commit_load(self):
         self.calls.append("commit")
 
-    def prepare_load(self, checkpoint_id, metadata, prefix):
-        self.calls.append(("prepare", checkpoint_id, prefix))
+    def prepare_load(self, ctx):
+        self.calls.append(("prepare", ctx.checkpoint_id, sorted(ctx.entries)))
 
     def abort_load(self):
         self.calls.append("abort")
@@ -198,7 +198,7 @@ def test_a_registered_variant_is_one_entry(monkeypatch):
     assert sd["variant/entry"].item() == 1 and any(k.startswith("state.") for k in sd)  # AdamW: flat
     opt.prepare_load("ckpt", Metadata(state_dict_metadata={}), "optimizer.")  # a checkpoint without Gefen state
     opt.load_state_dict(sd)
-    assert variant_state.calls[-3:] == [("prepare", "ckpt", "optimizer."), ("stage", 1), "commit"]
+    assert variant_state.calls[-3:] == [("prepare", "ckpt", []), ("stage", 1), "commit"]
     bad = _config(param_groups=[ParamGroup(pattern=".*", optimizer_name="GefenVariant",
                                            optimizer_kwargs={"momentum": 0.9})])
     with pytest.raises(ValueError, match="GefenVariant does not read 'momentum'"):

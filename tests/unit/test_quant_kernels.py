@@ -255,9 +255,8 @@ def block_mean_segments_cases(device):
 
 def _build_slot(device, region, sources, g):
     """The adapter's own slot rebuild on synthetic records."""
+    from gefen_titan.optim.state.gefen_per_rank import GefenPerRankAdapter, _Source
     from gefen_titan.optim.state.layout import Region
-    from gefen_titan.optim.state.per_rank import PerRankStateAdapter as GefenStateAdapter
-    from gefen_titan.optim.state.per_rank import _Source
 
     srcs, codebooks, blocks_of = [], {}, {}
     for label, (start, length, period) in enumerate(sources):
@@ -272,7 +271,7 @@ def _build_slot(device, region, sources, g):
     slot = SimpleNamespace(fqn="w", region=r)
     codes = torch.randint(0, 256, (r.length,), generator=g, dtype=torch.uint8).to(device)
     cb = _codebook(g, device)
-    return lambda: GefenStateAdapter._build_slot(None, plan, slot, codes, blocks_of, cb, None)
+    return lambda: GefenPerRankAdapter._build_slot(None, plan, slot, codes, blocks_of, cb, None)
 
 
 @case

@@ -4,9 +4,9 @@ The adapter sits behind ``GefenOptimizersContainer.state_dict()`` /
 ``load_state_dict()``. Saving hands DCP the state as it is (the v1 records: ``checkpoint/schema_v1.py``).
 Loading is two-phase because Gefen's per-rank state differs in size:
 
-1. ``prepare_load`` (all ranks, before torchtitan's ``dcp.load``) reads the
+1. ``prepare_load`` (all ranks, before torchtitan's ``dcp.load``) takes the
    checkpoint's small records (formats, layouts, codebooks; a few KB per
-   rank) and checks them against the live model. Everyone reads the same
+   rank, read once for every kind: ``LoadContext``) and checks them against the live model. Everyone reads the same
    bytes, so every rank reaches the same verdict and raises the same error.
    It then plans this rank's target state: which source ranks overlap its
    shard, and for each parameter whether the source blocks can be adopted.
@@ -35,17 +35,18 @@ import torch
 from torch.optim import Optimizer
 
 from gefen_titan.checkpoint import schema, schema_v1
-from gefen_titan.checkpoint.errors import GefenCheckpointError, refuse_on_any_rank
+from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.checkpoint.schema import HYPER
-from gefen_titan.checkpoint.storage import read_small
 from gefen_titan.distributed import like_param, local
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.quant.requant import Segment, block_mean_segments, dequantize_segments, requantize
+from gefen_titan.optim.state.adapter import StagedLoad, blocking_refusal
 from gefen_titan.optim.state.codebook_merge import K, merge_codebooks
 from gefen_titan.optim.state.layout import Region, UnsupportedLayout, param_region, target_period
-from gefen_titan.optim.state.staging import StagedLoad
+from gefen_titan.optim.state.load_context import LoadContext
 
-__all__ = ["PerRankStateAdapter"]
+__all__ = ["GefenPerRankAdapter"]
+
 
 @dataclass
 class _Slot:
@@ -84,7 +85,6 @@ class _Source:
 
 @dataclass
 class _Plan:
-    checkpoint_id: str
     params: dict[str, dict]  # fqn -> checkpoint param record
     sources: dict[str, list[_Source]]  # fqn -> source records, by start
     codebooks: dict[tuple[str, int], torch.Tensor]
@@ -93,8 +93,11 @@ class _Plan:
     needed: dict[str, list[_Source]] = field(default_factory=dict)  # fqn -> overlapping
 
 
-class PerRankStateAdapter(StagedLoad):
+class GefenPerRankAdapter(StagedLoad):
     """Format v1: each rank's own codebook and periods (``optimizer.blocking = "per_rank"``)."""
+
+    kind = "Gefen"
+    formats = (schema.V1,)
 
     def __init__(self, optimizers: list[Optimizer]) -> None:
         self.optimizers = [o for o in optimizers if gx.is_gefen(o)]
@@ -103,25 +106,18 @@ class PerRankStateAdapter(StagedLoad):
         # without checkpoints: refuse at save/load time instead.
         self._unsupported: str | None = None
         for optim in self.optimizers:
-            opt_id = None
+            opt_id = schema.optimizer_id([n for g in optim.param_groups for n in g["param_names"]])
             for group in optim.param_groups:
                 for name, p in zip(group["param_names"], group["params"], strict=True):
-                    opt_id = opt_id or name
                     try:
                         region, local_shape = param_region(name, p)
                     except UnsupportedLayout as e:
                         self._unsupported = self._unsupported or str(e)
                         region, local_shape = Region(0, 1, 0, p.numel()), tuple(p.shape)
-                    self.slots.append(_Slot(name, p, optim, "", group, region, local_shape))
-            for slot in self.slots:
-                if slot.optim is optim:
-                    slot.opt_id = opt_id  # the first parameter's name
-        self._plan: _Plan | None = None
+                    self.slots.append(_Slot(name, p, optim, opt_id, group, region, local_shape))
 
     # ------------------------------------------------------------------ save
-    def state_dict(self) -> dict[str, Any]:
-        if self._plan is not None:
-            return self._load_destinations()
+    def _save(self) -> dict[str, Any]:
         if not self.slots:
             return {}
         if self._unsupported:
@@ -169,28 +165,14 @@ class PerRankStateAdapter(StagedLoad):
         return out
 
     # ------------------------------------------------------------------ load
-    def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
-        """Read and check the small records; plan this rank's load.
+    def _format_refusal(self, header: schema.Header) -> str:
+        return blocking_refusal(header, "per_rank")
 
-        Collective: every rank calls it (it runs one small ``dcp.load``).
-        """
-        keys = metadata.state_dict_metadata
-        ours = {k[len(prefix):]: v for k, v in keys.items() if k.startswith(prefix)}
-        error = self._unsupported or self._check_keys(ours)
-        refuse_on_any_rank(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
-
-        parsed = {k: key for k in ours if (key := schema.parse_key(k)) is not None}
-        tensors = sorted(k for k, key in parsed.items() if key.kind in ("records", "rank_codebook", "codebook"))
-        strings = sorted(k for k, key in parsed.items() if key.kind in ("optimizer", "header"))
-        small = read_small(checkpoint_id, metadata, prefix, tensors, strings)
-
-        plan, error = None, None
-        try:
-            plan = self._plan_from_records(checkpoint_id, small, ours)
-        except (GefenCheckpointError, UnsupportedLayout, ValueError, KeyError) as e:
-            error = str(e)
-        refuse_on_any_rank(error, f"cannot load Gefen optimizer state from {checkpoint_id}")
-        self._plan = plan
+    def _plan_from(self, ctx: LoadContext) -> _Plan:
+        why = self._unsupported or self._check_keys(ctx.entries)
+        if why:
+            raise GefenCheckpointError(why)
+        return self._plan_from_records(ctx.small, ctx.entries)  # (UnsupportedLayout is a ValueError)
 
     def _check_keys(self, ours: dict[str, Any]) -> str | None:
         if not self.slots:
@@ -227,13 +209,7 @@ class PerRankStateAdapter(StagedLoad):
                 )
         return None
 
-    def _plan_from_records(self, checkpoint_id: str, small: dict[str, Any], ours: dict[str, Any]) -> _Plan:
-        header = schema.Header.from_json(small[schema.header_key()])
-        if header.version != schema.V1:
-            raise GefenCheckpointError(
-                f"checkpoint format v{header.version} is not {schema.FORMAT} v{schema.V1}; it was written by "
-                "another gefen-titan version. Load it with that version or exclude the optimizer"
-            )
+    def _plan_from_records(self, small: dict[str, Any], ours: dict[str, Any]) -> _Plan:
         # Every saved parameter: which optimizer, its index there, its record.
         where: dict[str, tuple[str, int, schema_v1.V1ParamRecord, int, int]] = {}
         for key, value in small.items():
@@ -291,7 +267,7 @@ class PerRankStateAdapter(StagedLoad):
             if len(steps) > 1:
                 raise GefenCheckpointError(f"{slot.fqn}: source ranks disagree on the step count {sorted(steps)}")
             sources[slot.fqn] = srcs
-        plan = _Plan(checkpoint_id, params, sources, codebooks, global_steps, block_rows)
+        plan = _Plan(params, sources, codebooks, global_steps, block_rows)
         for slot in self.slots:
             r = slot.region
             plan.needed[slot.fqn] = [
@@ -300,9 +276,7 @@ class PerRankStateAdapter(StagedLoad):
             ]
         return plan
 
-    def _load_destinations(self) -> dict[str, Any]:
-        plan = self._plan
-        assert plan is not None
+    def _load_destinations(self, plan: _Plan) -> dict[str, Any]:
         sd: dict[str, Any] = {}
         for slot in self.slots:
             if not plan.needed[slot.fqn]:
@@ -316,23 +290,8 @@ class PerRankStateAdapter(StagedLoad):
                     sd[key] = torch.empty(rows, 2, dtype=torch.float32, device=slot.device)
         return sd
 
-    def stage_load(self, sd: dict[str, Any]) -> None:
-        plan = self._plan
-        if plan is None and not self.slots:
-            return
-        if plan is None:
-            raise GefenCheckpointError(
-                "Gefen state can only be loaded through GefenCheckpointManager (which reads the "
-                "checkpoint's layout first); set the recipe's [checkpoint] as usual"
-            )
-        self._plan = None
-        staged, error = None, None
-        try:
-            staged = self._build(plan, sd)
-        except (GefenCheckpointError, ValueError, KeyError) as e:
-            error = str(e)
-        refuse_on_any_rank(error, f"cannot load Gefen optimizer state from {plan.checkpoint_id}")
-        self._staged = (plan, staged)
+    def _stage(self, plan: _Plan, sd: dict[str, Any]) -> dict:
+        return self._build(plan, sd)
 
     def _build(self, plan: _Plan, sd: dict[str, Any]) -> dict:
         """New per-param states and per-optimizer codebooks, nothing committed."""

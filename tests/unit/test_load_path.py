@@ -1,0 +1,171 @@
+"""The optimizer's load path: one small collective read of the records per load, and a third
+optimizer kind added as one registry entry, one state type and its records (no container code).
+
+Both save a real checkpoint with gefen-titan's writer and load it through the
+container's ``prepare_load`` / ``state_dict`` / ``load_state_dict``, as
+``GefenCheckpointManager`` drives them, in one process.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from gefen import Gefen
+
+from gefen_titan.checkpoint import schema, storage
+from gefen_titan.optim import gefenx as gx
+from gefen_titan.optim import registry
+from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
+from gefen_titan.optim.state import GefenShardedAdapter
+
+
+class Net(nn.Module):
+    def __init__(self, dim=64):
+        super().__init__()
+        self.attn = nn.Linear(dim, dim, bias=False)
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, 32, bias=False)
+
+    def forward(self, x):
+        return self.out(self.norm(self.attn(x)))
+
+
+def _train(opt, model, steps=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        model(torch.randn(16, 64, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _save(opt, path):
+    dcp.save({"optimizer": opt.state_dict()}, storage_writer=storage.storage_writer(path))
+
+
+def _load(opt, path, monkeypatch):
+    """The manager's three steps; returns how many DCP reads ``prepare_load`` made."""
+    reads = []
+    real = dcp.load
+    monkeypatch.setattr(dcp, "load", lambda *a, **kw: (reads.append(sorted(a[0])), real(*a, **kw))[1])
+    metadata = storage.read_metadata(path)
+    opt.prepare_load(str(path), metadata, "optimizer.")
+    monkeypatch.setattr(dcp, "load", real)
+    sd = {"optimizer": opt.state_dict()}
+    dcp.load(sd, storage_reader=storage.storage_reader(path, metadata=metadata))
+    opt.load_state_dict(sd["optimizer"])
+    return reads
+
+
+def _same_state(a, b, read=gx.read):
+    for (fqn, pa, _), (_, pb, _) in zip(gx.named_params(a), gx.named_params(b), strict=True):
+        sa, sb = read(a, pa), read(b, pb)
+        assert (sa is None) == (sb is None), fqn
+        if sa is not None:
+            assert sa.period == sb.period and sa.step == sb.step, fqn
+            for name in ("codes", "magnitude", "vmean"):
+                assert torch.equal(getattr(sa, name), getattr(sb, name)), (fqn, name)
+    assert torch.equal(gx.codebook(a), gx.codebook(b))
+
+
+def test_a_load_reads_every_kinds_records_in_one_collective_read(tmp_path, monkeypatch):
+    """Gefen and GefenMuon in one container: the load's planning (the kinds check, the
+    format check, both adapters' plans) makes one small DCP read (it made four)."""
+    config = GefenOptimizersContainer.Config(param_groups=[
+        ParamGroup(pattern=r"attn|out", optimizer_name="GefenMuon", optimizer_kwargs={"lr": 0.02}),
+        ParamGroup(pattern=r".*", optimizer_name="Gefen", optimizer_kwargs={"lr": 1e-3})])
+    model = Net()
+    opt = config.build(model_parts=[model])
+    _train(opt, model)
+    _save(opt, tmp_path / "ckpt")
+    fresh = config.build(model_parts=[Net()])
+    reads = _load(fresh, tmp_path / "ckpt", monkeypatch)
+    assert len(reads) == 1, reads
+    (small,) = reads
+    kinds = {schema.parse_key(k.partition(".")[2]).kind for k in small}
+    assert kinds == {"header", "optimizer", "codebook", "muon", "muon_codebook"}
+    gefen_live, gefen_loaded = opt.gefen_optimizers[0], fresh.gefen_optimizers[0]
+    _same_state(gefen_live, gefen_loaded)
+    muon_live, muon_loaded = opt.muon_optimizers[0], fresh.muon_optimizers[0]
+    for (fqn, pa, _), (_, pb, _) in zip(gx.named_params(muon_live), gx.named_params(muon_loaded), strict=True):
+        sa, sb = gx.muon_read(muon_live, pa), gx.muon_read(muon_loaded, pb)
+        assert torch.equal(sa.codes, sb.codes) and torch.equal(sa.magnitude, sb.magnitude), fqn
+
+
+# ------------------------------------------------------------------ a third kind
+class _Variant(Gefen):
+    """A Gefen variant with state of Gefen's shape and records of its own."""
+
+
+class _VariantRecord(schema.OptimizerRecord):
+    """Its records: Gefen's, with a kind (so neither kind's reader takes the other's)."""
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": "Variant", **json.loads(super().to_json())}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, raw, opt):
+        data = schema.loads_json(raw, f"variant record {opt}")
+        if data.pop("kind", None) != "Variant":
+            raise schema.FormatError(f"variant record {opt} is not a Variant record")
+        rec = schema.OptimizerRecord.from_json(json.dumps(data), opt)
+        return cls(rec.deterministic, rec.global_step, rec.params)
+
+
+class _VariantState(GefenShardedAdapter):
+    """Its state type: Gefen's hooks under its own name, owner and record kinds."""
+
+    kind = "Variant"
+    owns = staticmethod(lambda o: type(o) is _Variant)
+    record_kind, codebook_kind, codebook_what = "variant", "variant_codebook", "Variant codebook"
+    record_type = _VariantRecord
+
+    def _optimizer_record(self, optim, params):
+        return _VariantRecord(gx.options(optim)["deterministic"], gx.global_step(optim), params)
+
+
+def _variant(groups, **kw):
+    # No factored second moment (gefen-titan's rule), and blocks inside rows without the first
+    # step's agreement (it knows Gefen's and GefenMuon's codebooks only): per-element state.
+    return _Variant([{"params": list(zip(g["param_names"], g["params"])), "lr": g["lr"]} for g in groups],
+                    factored_v_2d=False, period_one_substrings=("attn",))
+
+
+@pytest.fixture
+def variant_registered(monkeypatch):
+    """The three things a kind adds: its records' keys (schema), its registry entry, its state type."""
+    monkeypatch.setattr(schema, "PATTERNS", dict(schema.PATTERNS))
+    monkeypatch.setattr(schema, "SMALL_KINDS", dict(schema.SMALL_KINDS))
+    monkeypatch.setattr(schema, "_NAMED_KINDS", set(schema._NAMED_KINDS))
+    schema.register_kinds({"variant": "record", "variant_codebook": "codebook"})
+    monkeypatch.setitem(registry._REGISTRY, "Variant", registry.OptimizerSpec(
+        name="Variant", factory=_variant, owns=_VariantState.owns, group_keys=("lr",),
+        state=lambda optimizers, options: _VariantState(optimizers), record_kind="variant"))
+
+
+def test_a_third_kind_is_one_entry_one_state_type_and_its_records(tmp_path, monkeypatch, variant_registered):
+    config = GefenOptimizersContainer.Config(param_groups=[
+        ParamGroup(pattern=r"attn", optimizer_name="Variant", optimizer_kwargs={"lr": 1e-3}),
+        ParamGroup(pattern=r".*", optimizer_name="Gefen", optimizer_kwargs={"lr": 1e-3})])
+    model = Net()
+    opt = config.build(model_parts=[model])
+    _train(opt, model)
+    _save(opt, tmp_path / "ckpt")
+    keys = storage.read_metadata(tmp_path / "ckpt").state_dict_metadata
+    variant = next(o for o in opt.optimizers if type(o) is _Variant)
+    assert "optimizer.gefen/variant/attn.weight" in keys and "optimizer.gefen/variant_codebook/attn.weight" in keys
+    assert gx.read(variant, next(gx.named_params(variant))[1]) is not None  # it stepped
+
+    fresh = config.build(model_parts=[Net()])
+    reads = _load(fresh, tmp_path / "ckpt", monkeypatch)
+    assert len(reads) == 1
+    _same_state(variant, next(o for o in fresh.optimizers if type(o) is _Variant))
+    _same_state(opt.gefen_optimizers[0], fresh.gefen_optimizers[0])
+
+    # The kinds check knows it by its entry: its parameter given to Gefen is refused, naming both.
+    moved = GefenOptimizersContainer.Config(name="Gefen").build(model_parts=[Net()])
+    with pytest.raises(Exception, match=r"\(attn.weight\) were saved by Variant and the recipe gives them to Gefen"):
+        _load(moved, tmp_path / "ckpt", monkeypatch)
