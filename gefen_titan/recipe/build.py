@@ -17,7 +17,7 @@ overrides its fields section by section, with torchtitan's own names::
 
     [optimizer]                          # GefenOptimizersContainer.Config
     name = "Gefen"                       # with [[optimizer.param_groups]]:
-    lr = 3e-3                            #   the defaults of every group
+    lr = 3e-3                            #   for every group that sets none
 
     [training]                           # any Trainer.Config section, its
     steps = 20                           # fields by their dataclass names
@@ -102,35 +102,6 @@ class Recipe:
     set_by: dict[str, str] = dataclasses.field(default_factory=dict)
     """Where some values were set ("optimizer.lr" -> "x.toml: [optimizer] lr"),
     for the errors about them: the ``GROUP_DEFAULTS`` and hf_assets_path."""
-
-
-def _as_gefen_optimizer_config(opt: Any) -> GefenOptimizersContainer.Config:
-    """Lift a base function's ``OptimizersContainer.Config`` into ours.
-
-    A single catch-all group (what ``default_adamw`` builds) becomes the
-    shorthand fields, so ``[optimizer] name = "Gefen"`` replaces it instead of
-    being shadowed by it; several groups are kept as they are.
-    """
-    if isinstance(opt, GefenOptimizersContainer.Config):
-        return opt
-    new = GefenOptimizersContainer.Config(
-        implementation=opt.implementation,
-        optimizer_factory_kwargs_by_name=dict(opt.optimizer_factory_kwargs_by_name),
-    )
-    groups = list(opt.param_groups)
-    if len(groups) == 1 and groups[0].pattern in (".*", r".*"):
-        g = groups[0]
-        kw = dict(g.optimizer_kwargs)
-        new.name = g.optimizer_name
-        new.lr = float(kw.pop("lr", new.lr))
-        new.betas = tuple(kw.pop("betas", new.betas))
-        new.eps = float(kw.pop("eps", new.eps))
-        new.weight_decay = float(kw.pop("weight_decay", new.weight_decay))
-        if kw:  # kwargs the shorthand has no field for: keep the group as is
-            new.param_groups = groups
-    else:
-        new.param_groups = groups
-    return new
 
 
 def _as_gefen_checkpoint_config(ckpt: Any) -> Any:
@@ -282,7 +253,7 @@ def build_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] |
     if model:
         _rebuild_model_spec(config, module, model.get("flavor"), model.get("attn_backend"), f"{path}: [model]")
 
-    config.optimizer = _as_gefen_optimizer_config(config.optimizer)
+    config.optimizer = GefenOptimizersContainer.Config.from_torchtitan(config.optimizer)
     _refuse_composite_keys(data.get("optimizer"), path)
     config.checkpoint = _as_gefen_checkpoint_config(config.checkpoint)
     if fault_tolerance.SECTION in data:

@@ -107,8 +107,9 @@ def check_global_order_batch(config: Any, path: str, world_size: int | None) -> 
 def check_optimizer(opt: GefenOptimizersContainer.Config, path: str, set_by: dict[str, str]) -> None:
     """No [optimizer] key set without effect, no group key its optimizer ignores.
 
-    ``set_by`` says where the ``GROUP_DEFAULTS`` were set (``Recipe.set_by``):
-    only a default someone set is reported, at the place it was set.
+    ``set_by`` says where the recipe or the command line set the
+    ``GROUP_DEFAULTS`` (``Recipe.set_by``): only those are reported, at the
+    place they were set, not a value lifted from the base config function.
     """
     try:
         opt.check_param_groups()
@@ -116,11 +117,11 @@ def check_optimizer(opt: GefenOptimizersContainer.Config, path: str, set_by: dic
         raise RecipeError(f"{path}: [optimizer] {e}") from None
     for key in opt.unused_defaults():
         where = set_by.get(f"optimizer.{key}")
-        if where is None:  # a default nobody set: nothing to report
+        if where is None:  # the base config's, not the recipe's: nothing the recipe can drop
             continue
         group_key = "optimizer_name" if key == "name" else f"optimizer_kwargs.{key}"
         raise RecipeError(
             f"{where}: has no effect: every [[optimizer.param_groups]] sets its own {group_key}. "
-            f"[optimizer] {key} is the default of the groups that leave it out: leave it out of the "
+            f"[optimizer] {key}, once set, stands for the groups that leave it out: leave it out of the "
             f"groups that should use it, or do not set [optimizer] {key}"
         )
