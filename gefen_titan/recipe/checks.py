@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gefen_titan.data.global_loader import GlobalOrderDataLoader
+from gefen_titan.data.registry import dp_invariant_names, is_dp_invariant
 from gefen_titan.optim.container import GefenOptimizersContainer
 from gefen_titan.recipe.errors import RecipeError
 from gefen_titan.recipe.fault_tolerance import replica_groups
@@ -66,14 +66,15 @@ def validate_mesh(config: Any, path: str, world_size: int | None = None) -> None
 
 
 def check_global_order_batch(config: Any, path: str, world_size: int | None) -> None:
-    """A global-order recipe must fix the global batch, divisible at this DP size.
+    """A recipe whose loader is DP-invariant (``data.registry.is_dp_invariant``:
+    the global-order loader) must fix the global batch, divisible at this DP size.
 
     The loader's batches are the same samples at every DP size only if a step
     is the same number of samples at every DP size (the trainer otherwise
     makes it local_batch_size x dp degree). torchtitan also asserts the
     divisibility, but only once the process group exists.
     """
-    if not isinstance(config.dataloader, GlobalOrderDataLoader.Config):
+    if not is_dp_invariant(config.dataloader):
         return
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -88,7 +89,7 @@ def check_global_order_batch(config: Any, path: str, world_size: int | None) -> 
     local, gbs = t.local_batch_size, t.global_batch_size
     if gbs <= 0:
         raise RecipeError(
-            f"{path}: [training] global_batch_size: [dataloader] loader = \"global_order\" needs a fixed "
+            f"{path}: [training] global_batch_size: [dataloader] loader = {dp_invariant_names()} needs a fixed "
             "global batch (samples per optimizer step), so that a resume at another data-parallel size "
             f"reads the same batches; set it, e.g. global_batch_size = {local * dp} (local_batch_size "
             f"{local} x dp degree {dp}; a multiple of it for gradient accumulation)"
