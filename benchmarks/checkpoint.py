@@ -135,7 +135,9 @@ def _worker(args) -> None:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = GefenOptimizersContainer.Config(
-        name="AdamW" if args.method == "adamw" else "Gefen", lr=1e-3, implementation="for-loop",
+        # Set, not left to the catch-all: with param_groups only set keys reach the groups.
+        name="AdamW" if args.method == "adamw" else "Gefen", lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+        implementation="for-loop",
         blocking=_blocking(args.method),
         param_groups=[ParamGroup(pattern=MUON_PATTERN, optimizer_name="GefenMuon", optimizer_kwargs=MUON_KWARGS),
                       ParamGroup(pattern=".*")] if args.method == "gefen-muon" else [],

@@ -29,7 +29,7 @@ Scheduling saves, async modes, ``load_step``, ``exclude_from_loading``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -91,6 +91,17 @@ class GefenCheckpointManager(CheckpointManager):
         load_without_digests: bool = False
         """Load a checkpoint whose ``.digests`` was deleted (its ``.metadata`` says the save wrote
         one), unchecked. Off: such a checkpoint is refused. Has no effect when a key is set."""
+
+        @classmethod
+        def from_torchtitan(cls, stock: Any) -> Any:
+            """torchtitan's ``CheckpointManager.Config`` (a base config function's), or one of
+            ours of another class (the plain one for the fault-tolerant variant), as this class
+            with the same values, so ``checkpoint.enable = true`` loads through this manager.
+            Any other class is returned as it is: a component someone chose, not ours to replace."""
+            if isinstance(stock, cls) or not (type(stock) is CheckpointManager.Config
+                                              or isinstance(stock, GefenCheckpointManager.Config)):
+                return stock
+            return cls(**{f.name: getattr(stock, f.name) for f in fields(stock) if f.init})
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         # Resolved first: a named but unset variable stops the job before anything is built.

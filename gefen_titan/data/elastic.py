@@ -47,7 +47,7 @@ import copy
 import itertools
 import pickle
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -98,6 +98,16 @@ class ElasticTextDataLoader(HuggingFaceTextDataLoader):
         naming this key. "restart": start the data stream from the beginning
         (already-seen documents are seen again), with a warning. "error":
         refuse to resume. The same layout always resumes exactly."""
+
+        @classmethod
+        def from_torchtitan(cls, stock: Any) -> Any:
+            """torchtitan's ``HuggingFaceTextDataLoader.Config`` (what its base config
+            functions build) as this class with the same values, so a recipe that
+            names no loader still resumes at another data-parallel size. Any other
+            config (another loader's, or ours) is returned as it is."""
+            if type(stock) is not HuggingFaceTextDataLoader.Config:
+                return stock
+            return cls(**{f.name: getattr(stock, f.name) for f in fields(stock) if f.init})
 
         def __post_init__(self) -> None:
             if self.on_dp_change not in ("continue", "restart", "error"):

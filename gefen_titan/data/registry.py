@@ -14,7 +14,10 @@ as the fields of that class. The built-in loaders:
 
 A new loader is one module with its component plus one
 ``register_loader(name, MyLoader.Config)`` call, made before the recipe is
-read. The built-ins are registered here, when this module is imported (the
+read; ``dp_invariant=True`` says its batches are the same samples at every
+data-parallel size (``is_dp_invariant``: the recipe checks then require a
+fixed global batch, and fault tolerance requires such a loader), so the
+recipe layer names no loader itself. The built-ins are registered here, when this module is imported (the
 recipe layer imports it), not by importing ``gefen_titan``: the registry is
 this module's dict, and nothing outside the package changes.
 
@@ -29,7 +32,6 @@ import dataclasses
 from typing import Any
 
 from torchtitan.components.dataloader import BaseDataLoader
-from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
 from gefen_titan.data.elastic import ElasticTextDataLoader
 from gefen_titan.data.global_loader import GlobalOrderDataLoader
@@ -37,6 +39,8 @@ from gefen_titan.data.global_loader import GlobalOrderDataLoader
 __all__ = [
     "DEFAULT_LOADER",
     "UnknownLoaderError",
+    "dp_invariant_names",
+    "is_dp_invariant",
     "lift_dataloader_config",
     "loader_config_class",
     "loader_names",
@@ -47,14 +51,20 @@ DEFAULT_LOADER = "elastic"
 """The loader of a recipe that names none (what ``lift_dataloader_config`` makes)."""
 
 _LOADERS: dict[str, type[BaseDataLoader.Config]] = {}
+_DP_INVARIANT: set[str] = set()  # names registered with dp_invariant=True
 
 
 class UnknownLoaderError(ValueError):
     """A loader name nobody registered; the message lists the known ones."""
 
 
-def register_loader(name: str, config_cls: type[BaseDataLoader.Config]) -> None:
+def register_loader(name: str, config_cls: type[BaseDataLoader.Config], *, dp_invariant: bool = False) -> None:
     """Make ``[dataloader] loader = name`` build ``config_cls``'s component.
+
+    ``dp_invariant``: its global batches are the same samples at every
+    data-parallel size and its one position means the same batches in every
+    replica group; that holds only with a fixed global batch, which the
+    recipe checks then require (``is_dp_invariant``).
 
     ``config_cls`` must be a ``BaseDataLoader.Config`` dataclass (what
     ``Trainer.Config.dataloader`` holds) whose fields all have defaults: the
@@ -72,6 +82,18 @@ def register_loader(name: str, config_cls: type[BaseDataLoader.Config]) -> None:
             f"choose another name for {config_cls.__qualname__}"
         )
     _LOADERS[name] = config_cls
+    if dp_invariant:
+        _DP_INVARIANT.add(name)
+
+
+def is_dp_invariant(cfg: Any) -> bool:
+    """Whether ``cfg`` is the config of a loader registered with ``dp_invariant=True``."""
+    return any(isinstance(cfg, _LOADERS[name]) for name in _DP_INVARIANT)
+
+
+def dp_invariant_names() -> str:
+    """Those loaders as a recipe names them, for messages (``"global_order"``)."""
+    return " or ".join(f'"{name}"' for name in _LOADERS if name in _DP_INVARIANT)
 
 
 def loader_names() -> list[str]:
@@ -92,13 +114,12 @@ def loader_config_class(name: Any) -> type[BaseDataLoader.Config]:
 
 
 def lift_dataloader_config(cfg: Any) -> Any:
-    """``HuggingFaceTextDataLoader.Config`` -> ``ElasticTextDataLoader.Config``
-    (same field values); any other config, including ours, is returned as is."""
-    if type(cfg) is not HuggingFaceTextDataLoader.Config:
-        return cfg
-    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
-    return ElasticTextDataLoader.Config(**values)
+    """A base config function's data-loader config as the default loader's
+    (``ElasticTextDataLoader.Config.from_torchtitan``: torchtitan's
+    ``HuggingFaceTextDataLoader.Config``, same field values); any other
+    config, including ours, is returned as is."""
+    return ElasticTextDataLoader.Config.from_torchtitan(cfg)
 
 
 register_loader(DEFAULT_LOADER, ElasticTextDataLoader.Config)  # torchtitan's text loader + on_dp_change
-register_loader("global_order", GlobalOrderDataLoader.Config)  # DP-invariant global batches
+register_loader("global_order", GlobalOrderDataLoader.Config, dp_invariant=True)  # same batches at any DP size

@@ -11,9 +11,14 @@ exactly as for AdamW.
 
 Its ``Config`` adds a shorthand that older torchtitan TOML users know
 (``[optimizer] name = "Gefen"``, ``lr = ...``): with no explicit
-``param_groups`` the shorthand becomes one catch-all group; with them, it is
-the default of every group (a group states only what differs), so no key of
-the section goes unused without ``check_param_groups`` saying so.
+``param_groups`` the shorthand becomes one catch-all group (a key left unset
+takes ``SHORTHAND_DEFAULTS``). With them, a group is what torchtitan makes of
+it (``ParamGroupConfig``: "no implicit defaults"): a key its
+``optimizer_kwargs`` leave out is its optimizer's own default (torch's for
+AdamW and Adam, gefen-x's for Gefen and GefenMuon), unless the shorthand key
+was *set* (not None), which then stands for every group that leaves it out.
+So a torchtitan config moved to this container trains the same, and a set
+key that no group takes is reported (``unused_defaults``).
 
 Checkpointing: each registered optimizer kind with state of its own shape
 (Gefen) is saved and loaded through its ``StateAdapter``
@@ -49,12 +54,18 @@ from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB, MuonStepStats
 from gefen_titan.optim.state import StateAdapter, check_kinds, read_load_context
 from gefen_titan.optim.state_size import state_bytes
 
-__all__ = ["GefenOptimizersContainer", "GROUP_DEFAULTS", "ParamGroup"]
+__all__ = ["GefenOptimizersContainer", "GROUP_DEFAULTS", "SHORTHAND_DEFAULTS", "ParamGroup"]
 
-# [optimizer] keys that are the defaults of every param group: ``name`` for a
-# group without ``optimizer_name``, the others for a group of a registered
-# optimizer whose ``optimizer_kwargs`` leave them out.
+# [optimizer] keys that can stand for a param group's own: ``name`` for a
+# group without ``optimizer_name``, the others (once set) for a group of a
+# registered optimizer whose ``optimizer_kwargs`` leave them out.
 GROUP_DEFAULTS = ("name", "lr", "betas", "eps", "weight_decay")
+
+# The catch-all group's values of the shorthand keys left unset (None). Only
+# that group takes them: it is the shorthand's own group, while a group of
+# explicit param_groups is torchtitan's, whose unset keys are its optimizer's
+# defaults (AdamW: weight_decay 0.01; Adam: coupled L2, default 0).
+SHORTHAND_DEFAULTS: dict[str, Any] = {"lr": 8e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 # The names ``[optimizer] name`` accepts (its type, so the recipe check and
 # the command line both list them): the registry's optimizers and composites.
@@ -68,16 +79,17 @@ FACTORED_V_2D = False
 
 @dataclass(kw_only=True, slots=True)
 class ParamGroup(ParamGroupConfig):
-    """torchtitan's ``ParamGroupConfig`` whose unset keys come from [optimizer]."""
+    """torchtitan's ``ParamGroupConfig`` whose optimizer may come from [optimizer] name."""
 
     optimizer_name: str | None = None
     """Optimizer type for this group (None: [optimizer] name)."""
 
     optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of this group's optimizer. Of lr, betas, eps and
-    weight_decay, those the optimizer takes from the shorthand (Gefen, AdamW,
-    Adam: all four; GefenMuon: lr and weight_decay) come from [optimizer]
-    where left out."""
+    """Keyword arguments of this group's optimizer. A key left out is the
+    optimizer's own default, except that of lr, betas, eps and weight_decay,
+    those the optimizer takes from the shorthand (Gefen, AdamW, Adam: all
+    four; GefenMuon: lr and weight_decay) come from [optimizer] where it
+    sets them."""
 
 
 class GefenOptimizersContainer(OptimizersContainer):
@@ -88,23 +100,29 @@ class GefenOptimizersContainer(OptimizersContainer):
         param_groups: list[ParamGroup] = field(default_factory=list)
         """Per-parameter-group optimizers, first matching pattern wins (as in
         torchtitan). Empty: one catch-all group of ``name`` with ``lr``,
-        ``betas``, ``eps``, ``weight_decay``; otherwise those are the
-        defaults of each group (see ``resolved_param_groups``)."""
+        ``betas``, ``eps``, ``weight_decay``; otherwise each of those that is
+        set stands for the groups that leave it out, and an unset one leaves
+        them their optimizer's default (see ``resolved_param_groups``)."""
 
         name: Literal[_REGISTERED] = "Gefen"
         """Optimizer of the catch-all group (no param_groups), else of each
         group without an optimizer_name: a name of ``gefen_titan.optim.registry``."""
 
-        lr: float = 8e-4
-        """Learning rate (peak; the LR scheduler scales it); with param_groups,
-        of each group that sets none."""
+        lr: float | None = None
+        """Learning rate (peak; the LR scheduler scales it). Unset (None): 8e-4
+        in the catch-all group; with param_groups, a set lr is that of each
+        group that sets none, an unset one leaves those groups their
+        optimizer's default (torch: 1e-3)."""
 
-        betas: tuple[float, float] = (0.9, 0.95)
-        """(Likewise the default of each group.)"""
-        eps: float = 1e-8
-        """(Likewise the default of each group.)"""
-        weight_decay: float = 0.1
-        """Decoupled (AdamW-style) weight decay (likewise a group default)."""
+        betas: tuple[float, float] | None = None
+        """Adam betas, set or unset as lr (catch-all: (0.9, 0.95); torch's
+        default: (0.9, 0.999))."""
+        eps: float | None = None
+        """Adam eps, set or unset as lr (catch-all: 1e-8)."""
+        weight_decay: float | None = None
+        """Weight decay as the group's optimizer applies it (decoupled for
+        Gefen and AdamW, coupled L2 for Adam), set or unset as lr (catch-all:
+        0.1; torch's default: AdamW 0.01, Adam 0)."""
 
         force_1d_period_one: bool = True
         """Gefen: 1-D params (norm weights, biases) keep per-element state.
@@ -178,13 +196,56 @@ class GefenOptimizersContainer(OptimizersContainer):
                     "shard cuts, which agreed blocking cannot align; keep it true, or set "
                     "optimizer.blocking = \"per_rank\"")
 
+        @classmethod
+        def from_torchtitan(cls, stock: OptimizersContainer.Config) -> GefenOptimizersContainer.Config:
+            """torchtitan's optimizer config (a base config function's) as this class.
+
+            A single catch-all group of a registered optimizer that sets exactly
+            lr, betas, eps and weight_decay (what torchtitan's ``default_adamw``
+            builds) becomes ``name`` and the shorthand, set, so that
+            ``[optimizer] name = "Gefen"`` replaces it instead of being shadowed
+            by it, and trains with the same values. Any other groups are kept as
+            they are, so each keeps its optimizer's defaults for the keys it
+            leaves out, as in torchtitan. A config of ours (of another class,
+            e.g. the plain one for the fault-tolerant variant) keeps its values.
+            """
+            if isinstance(stock, cls):
+                return stock
+            if isinstance(stock, GefenOptimizersContainer.Config):
+                return cls(**{f.name: getattr(stock, f.name) for f in dataclasses.fields(stock) if f.init})
+            values: dict[str, Any] = {
+                "implementation": stock.implementation,
+                "optimizer_factory_kwargs_by_name": dict(stock.optimizer_factory_kwargs_by_name),
+            }
+            groups = list(stock.param_groups)
+            if (len(groups) == 1 and groups[0].pattern == ".*" and registry.get(groups[0].optimizer_name) is not None
+                    and set(groups[0].optimizer_kwargs) == set(registry.SHORTHAND_KEYS)):
+                kw = groups[0].optimizer_kwargs
+                values.update(name=groups[0].optimizer_name, lr=float(kw["lr"]), betas=tuple(kw["betas"]),
+                              eps=float(kw["eps"]), weight_decay=float(kw["weight_decay"]))
+            else:
+                values["param_groups"] = groups
+            return cls(**values)
+
+        def shorthand(self) -> dict[str, Any]:
+            """lr, betas, eps and weight_decay as the catch-all group (and a
+            composite's groups) take them: the values set, else ``SHORTHAND_DEFAULTS``."""
+            values = {k: getattr(self, k) for k in SHORTHAND_DEFAULTS}
+            values = {k: SHORTHAND_DEFAULTS[k] if v is None else v for k, v in values.items()}
+            return {**values, "betas": tuple(values["betas"])}
+
+        def shorthand_set(self) -> dict[str, Any]:
+            """The shorthand keys set (not None), which stand for a group's own."""
+            return {k: tuple(v) if k == "betas" else v for k in SHORTHAND_DEFAULTS
+                    if (v := getattr(self, k)) is not None}
+
         def hyperparameters(self, name: str | None = None) -> dict[str, Any]:
-            """The shorthand's group defaults that optimizer ``name`` (default: ``name``)
-            takes (its registry entry's ``shorthand_keys``; optimizer-wide options
-            are added by the container)."""
+            """The catch-all group's hyperparameters, those optimizer ``name``
+            (default: ``name``) takes (its registry entry's ``shorthand_keys``;
+            optimizer-wide options are added by the container)."""
             spec = registry.get(name or self.name)
             keys = spec.shorthand_keys if spec is not None else registry.SHORTHAND_KEYS
-            values = {"lr": self.lr, "betas": tuple(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}
+            values = self.shorthand()
             return {k: values[k] for k in keys}
 
         def optimizer_options(self) -> dict[str, Any]:
@@ -200,14 +261,17 @@ class GefenOptimizersContainer(OptimizersContainer):
             }
 
         def resolved_param_groups(self) -> list[ParamGroupConfig]:
-            """The groups the container builds, every key filled in.
+            """The groups the container builds, each with its optimizer and kwargs.
 
-            A group without ``optimizer_name`` is of ``name``; a group of a
-            registered optimizer takes its ``shorthand_keys`` of ``lr``,
-            ``betas``, ``eps`` and ``weight_decay`` from this section where its
-            ``optimizer_kwargs`` leave them out (GefenMuon: lr and
-            weight_decay). Other optimizers' groups (a base config's, e.g.
-            DistMuon) are kept as they are.
+            Without param_groups: one catch-all group (``hyperparameters``), or
+            a composite name's groups. With them, a group without
+            ``optimizer_name`` is of ``name``; a group of a registered
+            optimizer takes those of its ``shorthand_keys`` (lr, betas, eps,
+            weight_decay; GefenMuon: lr and weight_decay) that this section
+            sets and its ``optimizer_kwargs`` leave out. Every other key it
+            leaves out is not filled in, so the optimizer's own default
+            applies, as in torchtitan. Other optimizers' groups (a base
+            config's, e.g. DistMuon) are kept as they are.
             """
             composite = registry.composite(self.name)
             if composite is not None and not self.param_groups:
@@ -229,19 +293,21 @@ class GefenOptimizersContainer(OptimizersContainer):
                         f"\"{name}\" without [[optimizer.param_groups]] expands into its groups; with them, "
                         f"give each group its optimizer_name ({', '.join(registry.names())})")
                 kwargs = dict(g.optimizer_kwargs)
-                if registry.get(name) is not None:
-                    kwargs = {**self.hyperparameters(name), **kwargs}
+                if (spec := registry.get(name)) is not None:
+                    set_keys = self.shorthand_set()
+                    kwargs = {**{k: set_keys[k] for k in spec.shorthand_keys if k in set_keys}, **kwargs}
                 groups.append(ParamGroupConfig(pattern=g.pattern, optimizer_name=name, optimizer_kwargs=kwargs))
             return groups
 
         def unused_defaults(self) -> list[str]:
-            """The ``GROUP_DEFAULTS`` keys that no param group takes."""
+            """The ``GROUP_DEFAULTS`` keys that no param group takes (of lr,
+            betas, eps and weight_decay: those set)."""
             if not self.param_groups:
                 return []
             unused = []
             if all(g.optimizer_name for g in self.param_groups):
                 unused.append("name")
-            for key in GROUP_DEFAULTS[1:]:
+            for key in self.shorthand_set():
                 if not any((spec := registry.get(g.optimizer_name or self.name)) is not None
                            and key in spec.shorthand_keys and key not in g.optimizer_kwargs
                            for g in self.param_groups):

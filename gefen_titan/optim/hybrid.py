@@ -183,15 +183,15 @@ def param_groups(config: Any) -> list[ParamGroupConfig]:
     """The hybrid's groups for an ``[optimizer]`` config (``GefenOptimizersContainer.Config``),
     patterns unbound: GefenMuon's, then the backup's (no-decay first when
     ``no_decay_substrings`` is set)."""
-    o = _options(config)
+    o, shorthand = _options(config), config.shorthand()
     if o["backup_optimizer"] not in BACKUPS:
         raise ValueError(f"optimizer.backup_optimizer must be one of {list(BACKUPS)}, got {o['backup_optimizer']!r}")
     schedule = o["ns_schedule"]
     if schedule not in gx.ns_schedule_names():
         raise ValueError(f"optimizer.ns_schedule must be one of {list(gx.ns_schedule_names())}, got {schedule!r}")
     muon = {
-        "lr": config.lr if o["muon_lr"] is None else o["muon_lr"],
-        "weight_decay": config.weight_decay if o["muon_weight_decay"] is None else o["muon_weight_decay"],
+        "lr": shorthand["lr"] if o["muon_lr"] is None else o["muon_lr"],
+        "weight_decay": shorthand["weight_decay"] if o["muon_weight_decay"] is None else o["muon_weight_decay"],
         "momentum": o["momentum"], "nesterov": o["nesterov"], "ns_steps": o["ns_steps"],
         "adjust_lr_fn": o["adjust_lr_fn"], "normuon": o["normuon"], "normuon_beta2": o["normuon_beta2"],
         "normuon_eps": o["normuon_eps"],
@@ -201,9 +201,9 @@ def param_groups(config: Any) -> list[ParamGroupConfig]:
         muon.update(ns_coefficients=coefficients, ns_steps=len(coefficients))
     backup_name = BACKUPS[o["backup_optimizer"]]
     backup = {
-        "lr": config.lr if o["backup_lr"] is None else o["backup_lr"],
-        "betas": tuple(config.betas), "eps": config.eps,
-        "weight_decay": config.weight_decay if o["backup_weight_decay"] is None else o["backup_weight_decay"],
+        "lr": shorthand["lr"] if o["backup_lr"] is None else o["backup_lr"],
+        "betas": shorthand["betas"], "eps": shorthand["eps"],
+        "weight_decay": shorthand["weight_decay"] if o["backup_weight_decay"] is None else o["backup_weight_decay"],
     }
     groups = [RoutedGroup(pattern="", optimizer_name="GefenMuon", optimizer_kwargs=muon, route="muon")]
     if o["no_decay_substrings"]:

@@ -17,7 +17,7 @@ overrides its fields section by section, with torchtitan's own names::
 
     [optimizer]                          # GefenOptimizersContainer.Config
     name = "Gefen"                       # with [[optimizer.param_groups]]:
-    lr = 3e-3                            #   the defaults of every group
+    lr = 3e-3                            #   for every group that sets none
 
     [training]                           # any Trainer.Config section, its
     steps = 20                           # fields by their dataclass names
@@ -36,13 +36,14 @@ that would have no effect (``finish_recipe``). ``load_recipe`` is
 ``build_recipe`` then ``finish_recipe``; ``gefen_titan.recipe.cli`` parses
 torchtitan's command line over the built config in between.
 
-This module builds the torchtitan config: the base config function, the
-lifting of its optimizer, checkpoint and data-loader configs into
-gefen-titan's, the model rebuilt from ``[model]`` (with ``flavors``), and
-the ``builtin://`` assets. The rest of the recipe layer, below it:
-``files`` (TOML, ``extends``, override tables), ``coerce`` (the generic
-TOML -> dataclass engine), ``checks`` (what ``finish_recipe`` refuses),
-and the loader names come from ``gefen_titan.data.registry``.
+This module builds the torchtitan config: the base config function, its
+optimizer, checkpoint and data-loader configs lifted into gefen-titan's
+(each component's ``Config.from_torchtitan``; the loader's through
+``gefen_titan.data.registry``, which also owns the loader names, so this
+layer names no component kind), the model rebuilt from ``[model]`` (with
+``flavors``), and the ``builtin://`` assets. The rest of the recipe layer,
+below it: ``files`` (TOML, ``extends``, override tables), ``coerce`` (the
+generic TOML -> dataclass engine), ``checks`` (what ``finish_recipe`` refuses).
 """
 
 from __future__ import annotations
@@ -51,8 +52,6 @@ import dataclasses
 import importlib
 import os
 from typing import Any
-
-from torchtitan.components.checkpoint import CheckpointManager
 
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.data.corpus import DEFAULT_TOKENIZER_PATH
@@ -102,44 +101,6 @@ class Recipe:
     set_by: dict[str, str] = dataclasses.field(default_factory=dict)
     """Where some values were set ("optimizer.lr" -> "x.toml: [optimizer] lr"),
     for the errors about them: the ``GROUP_DEFAULTS`` and hf_assets_path."""
-
-
-def _as_gefen_optimizer_config(opt: Any) -> GefenOptimizersContainer.Config:
-    """Lift a base function's ``OptimizersContainer.Config`` into ours.
-
-    A single catch-all group (what ``default_adamw`` builds) becomes the
-    shorthand fields, so ``[optimizer] name = "Gefen"`` replaces it instead of
-    being shadowed by it; several groups are kept as they are.
-    """
-    if isinstance(opt, GefenOptimizersContainer.Config):
-        return opt
-    new = GefenOptimizersContainer.Config(
-        implementation=opt.implementation,
-        optimizer_factory_kwargs_by_name=dict(opt.optimizer_factory_kwargs_by_name),
-    )
-    groups = list(opt.param_groups)
-    if len(groups) == 1 and groups[0].pattern in (".*", r".*"):
-        g = groups[0]
-        kw = dict(g.optimizer_kwargs)
-        new.name = g.optimizer_name
-        new.lr = float(kw.pop("lr", new.lr))
-        new.betas = tuple(kw.pop("betas", new.betas))
-        new.eps = float(kw.pop("eps", new.eps))
-        new.weight_decay = float(kw.pop("weight_decay", new.weight_decay))
-        if kw:  # kwargs the shorthand has no field for: keep the group as is
-            new.param_groups = groups
-    else:
-        new.param_groups = groups
-    return new
-
-
-def _as_gefen_checkpoint_config(ckpt: Any) -> Any:
-    """Lift torchtitan's CheckpointManager.Config into ours (same fields), so
-    checkpoint.enable = true routes Gefen state through the resharding loader."""
-    if isinstance(ckpt, GefenCheckpointManager.Config) or type(ckpt) is not CheckpointManager.Config:
-        return ckpt
-    values = {f.name: getattr(ckpt, f.name) for f in dataclasses.fields(ckpt) if f.init}
-    return GefenCheckpointManager.Config(**values)
 
 
 def _choose_dataloader(current: Any, kind: Any, where: str) -> Any:
@@ -282,9 +243,9 @@ def build_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] |
     if model:
         _rebuild_model_spec(config, module, model.get("flavor"), model.get("attn_backend"), f"{path}: [model]")
 
-    config.optimizer = _as_gefen_optimizer_config(config.optimizer)
+    config.optimizer = GefenOptimizersContainer.Config.from_torchtitan(config.optimizer)
     _refuse_composite_keys(data.get("optimizer"), path)
-    config.checkpoint = _as_gefen_checkpoint_config(config.checkpoint)
+    config.checkpoint = GefenCheckpointManager.Config.from_torchtitan(config.checkpoint)
     if fault_tolerance.SECTION in data:
         fault_tolerance.lift_components(config)
     config.dataloader = lift_dataloader_config(config.dataloader)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gefen_titan.data.global_loader import GlobalOrderDataLoader
+from gefen_titan.data.registry import dp_invariant_names, is_dp_invariant
 from gefen_titan.optim.container import GefenOptimizersContainer
 from gefen_titan.recipe.errors import RecipeError
 from gefen_titan.recipe.fault_tolerance import replica_groups
@@ -66,14 +66,15 @@ def validate_mesh(config: Any, path: str, world_size: int | None = None) -> None
 
 
 def check_global_order_batch(config: Any, path: str, world_size: int | None) -> None:
-    """A global-order recipe must fix the global batch, divisible at this DP size.
+    """A recipe whose loader is DP-invariant (``data.registry.is_dp_invariant``:
+    the global-order loader) must fix the global batch, divisible at this DP size.
 
     The loader's batches are the same samples at every DP size only if a step
     is the same number of samples at every DP size (the trainer otherwise
     makes it local_batch_size x dp degree). torchtitan also asserts the
     divisibility, but only once the process group exists.
     """
-    if not isinstance(config.dataloader, GlobalOrderDataLoader.Config):
+    if not is_dp_invariant(config.dataloader):
         return
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -88,7 +89,7 @@ def check_global_order_batch(config: Any, path: str, world_size: int | None) -> 
     local, gbs = t.local_batch_size, t.global_batch_size
     if gbs <= 0:
         raise RecipeError(
-            f"{path}: [training] global_batch_size: [dataloader] loader = \"global_order\" needs a fixed "
+            f"{path}: [training] global_batch_size: [dataloader] loader = {dp_invariant_names()} needs a fixed "
             "global batch (samples per optimizer step), so that a resume at another data-parallel size "
             f"reads the same batches; set it, e.g. global_batch_size = {local * dp} (local_batch_size "
             f"{local} x dp degree {dp}; a multiple of it for gradient accumulation)"
@@ -107,8 +108,9 @@ def check_global_order_batch(config: Any, path: str, world_size: int | None) -> 
 def check_optimizer(opt: GefenOptimizersContainer.Config, path: str, set_by: dict[str, str]) -> None:
     """No [optimizer] key set without effect, no group key its optimizer ignores.
 
-    ``set_by`` says where the ``GROUP_DEFAULTS`` were set (``Recipe.set_by``):
-    only a default someone set is reported, at the place it was set.
+    ``set_by`` says where the recipe or the command line set the
+    ``GROUP_DEFAULTS`` (``Recipe.set_by``): only those are reported, at the
+    place they were set, not a value lifted from the base config function.
     """
     try:
         opt.check_param_groups()
@@ -116,11 +118,11 @@ def check_optimizer(opt: GefenOptimizersContainer.Config, path: str, set_by: dic
         raise RecipeError(f"{path}: [optimizer] {e}") from None
     for key in opt.unused_defaults():
         where = set_by.get(f"optimizer.{key}")
-        if where is None:  # a default nobody set: nothing to report
+        if where is None:  # the base config's, not the recipe's: nothing the recipe can drop
             continue
         group_key = "optimizer_name" if key == "name" else f"optimizer_kwargs.{key}"
         raise RecipeError(
             f"{where}: has no effect: every [[optimizer.param_groups]] sets its own {group_key}. "
-            f"[optimizer] {key} is the default of the groups that leave it out: leave it out of the "
+            f"[optimizer] {key}, once set, stands for the groups that leave it out: leave it out of the "
             f"groups that should use it, or do not set [optimizer] {key}"
         )

@@ -62,6 +62,8 @@ def coerce_value(value: Any, tp: Any, where: str, current: Any = None) -> Any:
         members = [a for a in args if a is not type(None)]
         if isinstance(value, str) and value.lower() == "none" and len(members) < len(args):
             return None
+        if len(members) == 1:  # ``X | None``: X's own error says what the value should be
+            return coerce_value(value, members[0], where, current)
         errors = []
         for member in members:
             try:

@@ -20,16 +20,12 @@ import dataclasses
 import importlib.util
 from typing import Any
 
-from gefen_titan.data.global_loader import GlobalOrderDataLoader
+from gefen_titan.data.registry import dp_invariant_names, is_dp_invariant
 from gefen_titan.recipe.errors import RecipeError
 
 __all__ = ["SECTION", "as_fault_tolerant", "check_fault_tolerance", "ft_enabled", "lift_components", "replica_groups"]
 
 SECTION = "fault_tolerance"
-
-
-def _copy_into(cls: type, value: Any) -> Any:
-    return cls(**{f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init})
 
 
 def as_fault_tolerant(config: Any) -> Any:
@@ -44,14 +40,13 @@ def as_fault_tolerant(config: Any) -> Any:
 
 
 def lift_components(config: Any) -> None:
-    """Optimizer and checkpoint configs (already gefen-titan's) as their FT variants."""
+    """Optimizer and checkpoint configs (torchtitan's or already gefen-titan's) as their
+    FT variants, each lifted by its own ``Config.from_torchtitan``."""
     from gefen_titan.ft.checkpoint import GefenFTCheckpointManager  # noqa: PLC0415
     from gefen_titan.ft.optimizer import GefenFTOptimizersContainer  # noqa: PLC0415
 
-    if not isinstance(config.optimizer, GefenFTOptimizersContainer.Config):
-        config.optimizer = _copy_into(GefenFTOptimizersContainer.Config, config.optimizer)
-    if not isinstance(config.checkpoint, GefenFTCheckpointManager.Config):
-        config.checkpoint = _copy_into(GefenFTCheckpointManager.Config, config.checkpoint)
+    config.optimizer = GefenFTOptimizersContainer.Config.from_torchtitan(config.optimizer)
+    config.checkpoint = GefenFTCheckpointManager.Config.from_torchtitan(config.checkpoint)
 
 
 def ft_enabled(config: Any) -> bool:
@@ -83,7 +78,7 @@ def check_fault_tolerance(config: Any, path: str) -> None:
     if config.parallelism.data_parallel_replicate_degree != 1:
         raise RecipeError(f"{where}: [parallelism] data_parallel_replicate_degree must be 1: the replica groups "
                           "are the replicate dimension")
-    if not isinstance(config.dataloader, GlobalOrderDataLoader.Config):
+    if not is_dp_invariant(config.dataloader):
         raise RecipeError(
-            f"{where}: needs [dataloader] loader = \"global_order\": a heal carries the data position, which "
-            "must mean the same batches in every replica group (the global-order loader's one global position)")
+            f"{where}: needs [dataloader] loader = {dp_invariant_names()}: a heal carries the data position, which "
+            "must mean the same batches in every replica group (a DP-invariant loader's one global position)")

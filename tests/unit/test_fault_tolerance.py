@@ -207,6 +207,24 @@ def test_an_ft_recipe_builds_the_fault_tolerant_trainer_with_gefen_parts():
 
 
 @needs_torchft
+def test_ft_components_lift_ours_keeping_their_values():
+    from gefen_titan.checkpoint.manager import GefenCheckpointManager
+    from gefen_titan.ft.checkpoint import GefenFTCheckpointManager
+    from gefen_titan.ft.optimizer import GefenFTOptimizersContainer
+    from gefen_titan.optim.container import GefenOptimizersContainer
+
+    ckpt = GefenFTCheckpointManager.Config.from_torchtitan(
+        GefenCheckpointManager.Config(enable=True, interval=3, digest_key_env="KEY"))
+    assert type(ckpt) is GefenFTCheckpointManager.Config
+    assert (ckpt.enable, ckpt.interval, ckpt.digest_key_env) == (True, 3, "KEY")
+    opt = GefenFTOptimizersContainer.Config.from_torchtitan(
+        GefenOptimizersContainer.Config(name="AdamW", lr=1e-3, max_tensor_parallel_degree=2))
+    assert type(opt) is GefenFTOptimizersContainer.Config
+    assert (opt.name, opt.lr, opt.betas, opt.max_tensor_parallel_degree) == ("AdamW", 1e-3, None, 2)
+    assert GefenFTOptimizersContainer.Config.from_torchtitan(opt) is opt
+
+
+@needs_torchft
 @pytest.mark.parametrize(("overrides", "match"), [
     ({"fault_tolerance": {"semi_sync_method": "diloco"}}, "DiLoCo"),
     ({"fault_tolerance": {"replica_id": 2}}, "replica_id 2"),

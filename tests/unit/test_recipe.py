@@ -183,3 +183,56 @@ def test_a_registered_loader_is_a_recipe_choice(monkeypatch):
         registry.register_loader("sharded", ElasticTextDataLoader.Config)
     with pytest.raises(TypeError, match="not a BaseDataLoader.Config dataclass"):
         registry.register_loader("plain", dict)
+
+
+def test_a_dp_invariant_loader_gets_the_global_batch_check(monkeypatch):
+    """The recipe checks ask the registry whether a loader is DP-invariant, not
+    for a class: a new loader registered so needs a fixed global batch too."""
+    from dataclasses import dataclass
+
+    from torchtitan.components.dataloader import BaseDataLoader
+
+    from gefen_titan.data import registry
+
+    monkeypatch.setattr(registry, "_LOADERS", dict(registry._LOADERS))  # this test's registrations only
+    monkeypatch.setattr(registry, "_DP_INVARIANT", set(registry._DP_INVARIANT))
+
+    @dataclass(kw_only=True, slots=True)
+    class OrderedConfig(BaseDataLoader.Config):
+        pass
+
+    registry.register_loader("ordered", OrderedConfig, dp_invariant=True)
+    assert registry.is_dp_invariant(OrderedConfig()) and registry.dp_invariant_names() == '"global_order" or "ordered"'
+    with pytest.raises(RecipeError, match=r'global_batch_size: \[dataloader\] loader = "global_order" or "ordered" '
+                                          "needs a fixed global batch"):
+        load_recipe(DEBUG, {"dataloader": {"loader": "ordered"}}, world_size=2)
+    load_recipe(DEBUG, {"dataloader": {"loader": "ordered"}, "training": {"global_batch_size": 8}}, world_size=2)
+
+
+def test_components_lift_torchtitans_stock_configs_themselves():
+    from dataclasses import dataclass
+
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+
+    from gefen_titan.checkpoint.manager import GefenCheckpointManager
+    from gefen_titan.data.elastic import ElasticTextDataLoader
+
+    stock = CheckpointManager.Config(enable=True, folder="ck", interval=7)
+    ours = GefenCheckpointManager.Config.from_torchtitan(stock)
+    assert type(ours) is GefenCheckpointManager.Config
+    assert (ours.enable, ours.folder, ours.interval, ours.digest_key_env) == (True, "ck", 7, "")
+    assert GefenCheckpointManager.Config.from_torchtitan(ours) is ours
+
+    @dataclass(kw_only=True, slots=True)
+    class OtherConfig(CheckpointManager.Config):  # someone's own manager: not ours to replace
+        pass
+
+    other = OtherConfig()
+    assert GefenCheckpointManager.Config.from_torchtitan(other) is other
+
+    loader = HuggingFaceTextDataLoader.Config(dataset="gefen_tiny", num_workers=0)
+    lifted = ElasticTextDataLoader.Config.from_torchtitan(loader)
+    assert type(lifted) is ElasticTextDataLoader.Config and lifted.dataset == "gefen_tiny"
+    assert lifted.on_dp_change == "continue"
+    assert ElasticTextDataLoader.Config.from_torchtitan(lifted) is lifted

@@ -81,7 +81,7 @@ def test_help_lists_the_recipes_sections_keys_types_and_values(capsys):
         "--dump-folder STR Folder to dump job outputs (default: ./outputs/llama_gefen)",
         "--hf-assets-path STR",
         "How many train steps to run (default: 20)",  # the recipe's value, not the flag's
-        "--optimizer.lr FLOAT",
+        "--optimizer.lr {None}|FLOAT",  # None: unset (catch-all 8e-4; groups keep their optimizer's)
         "(default: 0.002)",
         "--optimizer.blocking {agreed,per_rank}",
         "--parallelism.data-parallel-shard-degree INT",
