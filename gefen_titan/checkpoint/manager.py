@@ -3,19 +3,26 @@
 Components whose state depends on how the checkpoint was written (Gefen's
 records, the elastic data loader's per-rank entries) must see the checkpoint
 metadata before DCP asks them for load destinations. This subclass does one
-thing: before torchtitan's ``dcp.load`` it reads the metadata and hands it to
-every component that is a ``LoadPreparer`` (the optimizer container, the
-elastic data loader), and after the load (or its failure) calls their
+thing: before torchtitan's ``dcp.load`` it hands the metadata to every
+component that is a ``LoadPreparer`` (the optimizer container, the elastic
+data loader), and after the load (or its failure) calls their
 ``abort_load``. It also tells every component that saves views of live
 tensors (``SnapshotsOnSave``) whether saves are asynchronous.
 
+``dcp.load`` is called as torchtitan calls it (``state_dict``,
+``checkpoint_id=``), plus one checking reader per load
+(``storage.load_reader``), so whatever wraps ``dcp.load`` sees torchtitan's
+call. That reader reads and checks ``.metadata`` once: for the
+``LoadPreparer``s before ``dcp.load`` (their verdict agreed on every rank),
+and DCP's own ``read_metadata`` gets the same object; with no
+``LoadPreparer`` the first read is DCP's, inside ``dcp.load``.
+
 Integrity: every DCP save (synchronous or async) goes through
-``storage.storage_writer``, which also writes ``.digests``; every load reads
-``.metadata`` checked against it (agreed on every rank) and loads through
-``storage.storage_reader``, which checks every stored item, on every rank,
-before the first byte reaches a live tensor (``checkpoint.reading``), and
-refuses data files with bytes no item covers or that ``.metadata`` does not
-list (``storage.stray_bytes``). A checkpoint whose ``.metadata`` says its
+``storage.storage_writer``, which also writes ``.digests``; every load's
+reader checks ``.metadata`` against it, checks every stored item, on every
+rank, before the first byte reaches a live tensor (``checkpoint.reading``),
+and refuses data files with bytes no item covers or that ``.metadata`` does
+not list (``storage.stray_bytes``). A checkpoint whose ``.metadata`` says its
 save wrote ``.digests`` (``digests.expects_digests``) is refused without
 one unless ``checkpoint.load_without_digests``; one from before digests
 (formats v1, v2) loads unchecked, with a warning on every rank. With
@@ -33,23 +40,15 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
-from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import GarbageCollection
 
 from gefen_titan.checkpoint import digests
-from gefen_titan.checkpoint.errors import GefenCheckpointError, refuse_on_any_rank, unreadable
-from gefen_titan.checkpoint.storage import (
-    read_checked_metadata,
-    refusal,
-    storage_reader,
-    storage_writer,
-    stray_bytes,
-)
+from gefen_titan.checkpoint.errors import GefenCheckpointError, refuse_on_any_rank
+from gefen_titan.checkpoint.storage import load_reader, refusal, storage_writer
 
 __all__ = ["GefenCheckpointManager", "LoadPreparer", "SnapshotsOnSave"]
 
@@ -141,31 +140,9 @@ class GefenCheckpointManager(CheckpointManager):
             self._checked_load(state_dict, checkpoint_id)
 
     def _checked_load(self, state_dict: dict[str, Any], checkpoint_id: str) -> None:
-        # The same file on every rank gives the same verdict; agreed all the
-        # same, so a rank that could not read it does not leave the others waiting.
-        error, metadata, record = None, None, None
-        try:
-            metadata, record = read_checked_metadata(checkpoint_id)
-        except GefenCheckpointError as e:
-            error = str(e)
-        except Exception as e:  # OSError, a foreign file
-            error = str(unreadable(checkpoint_id, e))
-        if error is None and record is None and digests.expects_digests(metadata) and not self._load_without_digests:
-            error = digests.corrupt_message(
-                checkpoint_id, digests.FILE, None, "missing, and its .metadata says the save wrote one (deleted "
-                "or lost since); to load it unchecked anyway, set checkpoint.load_without_digests = true")
-        if error is None and record is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-            try:  # one rank lists the folder (the same files for all); the verdict is agreed below
-                stray = stray_bytes(checkpoint_id, metadata)
-            except OSError as e:
-                stray = [(digests.METADATA_FILE, f"cannot list the folder ({e})")]
-            if stray:
-                error = digests.corrupt_message(checkpoint_id, stray[0][0], None, stray[0][1])
-        refuse_on_any_rank(error, "the checkpoint cannot be loaded")
-        if record is None:  # on every rank: each rank's log says what it loaded
-            logger.warning(f"checkpoint {checkpoint_id} carries no {digests.FILE} (saved before gefen-titan recorded "
-                           "digests, by torchtitan's own writer, or loaded with checkpoint.load_without_digests): "
-                           "loading it UNCHECKED; `gefen-titan ckpt verify` checks its records' CRC32s")
+        # One reader for the whole load: it reads and checks .metadata once,
+        # for the components that plan from it and for DCP alike.
+        reader = load_reader(checkpoint_id, load_without_digests=self._load_without_digests)
         # Every rank holds the same components in the same order, so every
         # rank prepares them in the same order (their reads are collective).
         prepared = [
@@ -173,7 +150,17 @@ class GefenCheckpointManager(CheckpointManager):
             for key, component in self.states.items()
             if key in state_dict and isinstance(component, LoadPreparer)
         ]
-        reader = storage_reader(checkpoint_id, metadata=metadata, digests=record, check_unread=True)
+        metadata = None
+        if prepared:  # they need it before dcp.load; without them DCP's own read_metadata reads it
+            error = None
+            try:
+                metadata = reader.checked_metadata()
+            except GefenCheckpointError as e:
+                error = str(e)
+            # The same file on every rank gives the same verdict (rank 0 alone
+            # lists the folder); agreed all the same, so a rank that could not
+            # read it does not leave the others waiting.
+            refuse_on_any_rank(error, "the checkpoint cannot be loaded")
         # The model's entries (torchtitan flattens them into state_dict) are
         # its live parameters: DCP would read into them in place. They are
         # read into fresh tensors instead and applied only once dcp.load has
@@ -186,7 +173,8 @@ class GefenCheckpointManager(CheckpointManager):
         try:
             for component, key in prepared:
                 component.prepare_load(checkpoint_id, metadata, prefix=f"{key}.")
-            dcp.load(targets, storage_reader=reader)
+            # Called as torchtitan calls it (checkpoint_id=...), plus the checking reader.
+            dcp.load(targets, checkpoint_id=checkpoint_id, storage_reader=reader)
             if MODEL in self.states:
                 self.states[MODEL].load_state_dict(targets)
             # A raw tensor in `states` (torchtitan's own tests pass one) is
@@ -196,7 +184,7 @@ class GefenCheckpointManager(CheckpointManager):
                 if key != MODEL and isinstance(component, torch.Tensor) and key in targets:
                     state_dict[key].copy_(targets[key])
         except (CheckpointException, OSError) as e:
-            # A read failure or a damaged byte: DCP raises the same CheckpointException on every rank.
+            # A refusal or a read failure: DCP raises the same CheckpointException on every rank.
             raise refusal(checkpoint_id, e) from e
         finally:
             for component, _ in prepared:

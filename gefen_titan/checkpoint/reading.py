@@ -1,7 +1,12 @@
 """DCP storage readers that check ``.digests`` before anything is used, and read v3's raw entries.
 
 **Metadata.** ``read_metadata`` checks ``.metadata``'s bytes before
-unpickling them (a flipped byte never reaches ``pickle``).
+unpickling them (a flipped byte never reaches ``pickle``). A checkpoint
+manager's load makes one reader (``LoadChecks``): it reads and checks
+``.metadata`` once, also refusing a checkpoint whose ``.digests`` is missing
+or whose folder holds bytes no item covers, and every later use (the
+manager's components planning their load, DCP's own ``read_metadata``)
+gets that same checked metadata, or that same refusal.
 
 **Items.** ``read_data`` reads every item this rank's plan needs, checks
 each digest, and only then deserializes them into the planner's targets. A
@@ -36,9 +41,11 @@ from __future__ import annotations
 
 import dataclasses
 import io
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -47,12 +54,13 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.futures import Future
+from torchtitan.tools.logging import logger
 
 from gefen_titan.checkpoint import digests as dg
 from gefen_titan.checkpoint import schema, unpickling
-from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause
+from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause, unreadable
 
-__all__ = ["CheckedFileSystemReader", "CheckedFsspecReader", "load_metadata"]
+__all__ = ["CheckedFileSystemReader", "CheckedFsspecReader", "LoadChecks", "load_metadata"]
 
 _UNSET: Any = object()
 
@@ -89,6 +97,21 @@ def load_metadata(fs: Any, path: Any, checkpoint_id: str) -> tuple[Metadata, dg.
 
 
 @dataclasses.dataclass(frozen=True)
+class LoadChecks:
+    """What a checkpoint manager's load checks of the checkpoint as a whole, on top of every byte.
+
+    ``load_without_digests``: load a checkpoint whose ``.metadata`` says its
+    save wrote ``.digests`` (``digests.expects_digests``) without one, unchecked
+    (off: refused). ``stray_bytes``: ``storage.stray_bytes`` of the checkpoint,
+    (file, what) for each byte no item covers; run on rank 0 only (the same
+    files for every rank), and only for a checkpoint with ``.digests``.
+    """
+
+    load_without_digests: bool = False
+    stray_bytes: Callable[[Metadata], list[tuple[str, str]]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class _Found:
     """A rank's local plan's note to the coordinator: whether it found ``.digests``."""
 
@@ -99,16 +122,19 @@ class _CheckedReading:
     """Mixin over DCP's file system readers: checks ``.digests`` before anything is used (module docstring).
 
     ``metadata``/``digests``: already read (and checked) by the caller;
-    ``check_unread``: also check the items no rank reads. The targets
-    handed to the load must not be live state (module docstring).
+    ``check_unread``: also check the items no rank reads; ``load_checks``:
+    a whole load's reader (``checked_metadata``). The targets handed to the
+    load must not be live state (module docstring).
     """
 
     def __init__(self, path: Any, *args: Any, metadata: Metadata | None = None, digests: Any = _UNSET,
-                 check_unread: bool = False, **kwargs: Any) -> None:
+                 check_unread: bool = False, load_checks: LoadChecks | None = None, **kwargs: Any) -> None:
         super().__init__(path, *args, **kwargs)
         self._metadata = metadata
         self._digests = digests
         self._check_unread = check_unread
+        self._load_checks = load_checks
+        self._verdict: Any = _UNSET  # checked_metadata's: None once passed, else the refusal (str)
         self._set_up: Metadata | None = None  # set_up_storage_reader's: the raw items' chunk records
         self._layouts: dict[Any, Any] = {}  # _raw_layout's, per storage index
         self._chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
@@ -128,20 +154,87 @@ class _CheckedReading:
                     self._digests = dg.read(lambda: self.fs.create_stream(p, "rb"), self._id())
         return self._digests
 
+    def reset(self, checkpoint_id: Any = None) -> None:
+        # dcp.load(checkpoint_id=...) resets the reader it is handed: the same
+        # checkpoint keeps what was read of it, another one starts afresh.
+        path = self.path
+        super().reset(checkpoint_id)
+        if str(self.path) != str(path):
+            self._metadata, self._digests, self._verdict = None, _UNSET, _UNSET
+
+    def _read(self) -> Metadata:
+        if self._metadata is None:
+            self._metadata, record = load_metadata(self.fs, self.path, self._id())
+            if self._digests is _UNSET:  # digests handed in by the caller stay theirs
+                self._digests = record
+        return self._metadata
+
+    def checked_metadata(self) -> Metadata:
+        """A whole load's ``.metadata``, read and checked once (``load_checks``), then the same object
+        on every call; a refusal is raised the same on every call, as ``GefenCheckpointError``.
+
+        Besides ``load_metadata``'s checks: ``.digests`` missing though the save
+        wrote one, and (rank 0) stray bytes in the folder. Only rank 0 may
+        refuse for those, so a caller outside ``dcp.load`` agrees on the verdict
+        (``errors.refuse_on_any_rank``); inside it, DCP's gather does.
+        """
+        if self._load_checks is None:
+            raise TypeError("checked_metadata is a whole load's: make the reader with load_checks")
+        if self._verdict is _UNSET:
+            self._verdict = self._check_whole()
+            if self._verdict is None and self._digests is None:  # on every rank: each rank's log says what it loaded
+                logger.warning(
+                    f"checkpoint {self._id()} carries no {dg.FILE} (saved before gefen-titan recorded digests, by "
+                    "torchtitan's own writer, or loaded with checkpoint.load_without_digests): loading it UNCHECKED; "
+                    "`gefen-titan ckpt verify` checks its records' CRC32s")
+        if self._verdict is not None:
+            raise GefenCheckpointError(self._verdict)
+        return self._metadata
+
+    def _check_whole(self) -> str | None:
+        """``checked_metadata``'s verdict: None, or why the checkpoint is refused."""
+        checks = self._load_checks
+        try:
+            metadata, record = self._read(), self.digests()
+        except GefenCheckpointError as e:
+            return str(e)
+        except Exception as e:  # OSError, a foreign file
+            return str(unreadable(self._id(), e))
+        if record is None and dg.expects_digests(metadata) and not checks.load_without_digests:
+            return dg.corrupt_message(
+                self._id(), dg.FILE, None, "missing, and its .metadata says the save wrote one (deleted "
+                "or lost since); to load it unchecked anyway, set checkpoint.load_without_digests = true")
+        if record is not None and checks.stray_bytes is not None and (
+                not dist.is_initialized() or dist.get_rank() == 0):
+            try:  # one rank lists the folder (the same files for all)
+                stray = checks.stray_bytes(metadata)
+            except OSError as e:
+                stray = [(dg.METADATA_FILE, f"cannot list the folder ({e})")]
+            if stray:
+                return dg.corrupt_message(self._id(), stray[0][0], None, stray[0][1])
+        return None
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
             # DCP's fallback when .metadata cannot be read: a per-rank file it
             # would unpickle unrestricted. Never taken: the load fails instead.
             raise GefenCheckpointError(f"{self._id()}: per-rank metadata files are not read (only a checked "
                                        f"{dg.METADATA_FILE})")
-        if self._metadata is None:
-            self._metadata, record = load_metadata(self.fs, self.path, self._id())
-            if self._digests is _UNSET:  # digests handed in by the caller stay theirs
-                self._digests = record
-        if getattr(self._metadata, "storage_meta", None) is None:
-            self._metadata.storage_meta = StorageMeta()
-        self._metadata.storage_meta.load_id = self.load_id
-        return self._metadata
+        if self._load_checks is None:
+            metadata = self._read()
+        else:
+            try:
+                metadata = self.checked_metadata()
+            except GefenCheckpointError:
+                # DCP swallows read_metadata's errors (it logs them and tries per-rank
+                # files, then raises its own). Its planner does not look at this
+                # stand-in; set_up_storage_reader, next, raises the refusal, and DCP
+                # raises that as it is on every rank (tests/unit/test_checkpoint_manager.py).
+                return Metadata(state_dict_metadata={})
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         # Each rank's .digests is read here, in the planning round DCP makes
@@ -250,6 +343,8 @@ class _CheckedReading:
         return layout
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._load_checks is not None and self._verdict not in (None, _UNSET):  # read_metadata's refusal
+            raise GefenCheckpointError(f"the checkpoint cannot be loaded: {self._verdict}")
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._set_up = metadata
         self._layouts.clear()

@@ -2,10 +2,10 @@
 
 torchtitan 0.3.0 writes checkpoints to local paths or to fsspec URLs
 (``s3://``, ``gs://``, ``file://``, ...; ``torchtitan.tools.filesystem``) and
-DCP picks its storage from the checkpoint id. Every read gefen-titan makes
-outside torchtitan's own ``dcp.load`` (the metadata before a load, the small
-header and record reads, the ``ckpt`` tools) goes through here, so it sees
-the same storage torchtitan wrote to. The ``ckpt`` tools also read a
+DCP picks its storage from the checkpoint id. Every reader gefen-titan makes
+(the checkpoint manager's one reader per load, ``load_reader``, which its
+``dcp.load`` is handed; the small header and record reads; the ``ckpt``
+tools) comes from here, so it sees the same storage torchtitan wrote to. The ``ckpt`` tools also read a
 checkpoint's files byte for byte (``list_files``, ``file_size``,
 ``open_file``) and write converted checkpoints (``storage_writer``).
 
@@ -17,6 +17,7 @@ it and every item before it is used; reads raw entries).
 
 from __future__ import annotations
 
+import functools
 import os
 import posixpath
 from typing import Any, BinaryIO
@@ -33,10 +34,10 @@ from torchtitan.tools import filesystem
 from gefen_titan.checkpoint import digests
 from gefen_titan.checkpoint.digests import Digests
 from gefen_titan.checkpoint.errors import GefenCheckpointError, unreadable
-from gefen_titan.checkpoint.reading import CheckedFileSystemReader, CheckedFsspecReader
+from gefen_titan.checkpoint.reading import CheckedFileSystemReader, CheckedFsspecReader, LoadChecks
 from gefen_titan.checkpoint.writing import DigestingFileSystemWriter, DigestingFsspecWriter
 
-__all__ = ["is_remote", "load_all", "stray_bytes",
+__all__ = ["is_remote", "load_all", "load_reader", "stray_bytes",
            "read_metadata", "read_checked_metadata", "read_digests", "read_small",
            "storage_reader", "storage_writer", "list_files", "file_size", "open_file", "join", "refusal"]
 
@@ -49,7 +50,7 @@ def is_remote(checkpoint_id: str | os.PathLike) -> bool:
 def storage_reader(checkpoint_id: str | os.PathLike, **checks: Any) -> CheckedFileSystemReader:
     """A checking DCP reader for a checkpoint folder: fsspec for URLs, the file system otherwise.
 
-    ``checks`` (``metadata``, ``digests``, ``check_unread``): see
+    ``checks`` (``metadata``, ``digests``, ``check_unread``, ``load_checks``): see
     ``reading._CheckedReading``. The load's targets must not be live state:
     a rank writes its targets before it learns of another rank's refusal.
     """
@@ -57,6 +58,16 @@ def storage_reader(checkpoint_id: str | os.PathLike, **checks: Any) -> CheckedFi
     if is_remote(checkpoint_id):
         return CheckedFsspecReader(checkpoint_id, **checks)
     return CheckedFileSystemReader(checkpoint_id, **checks)
+
+
+def load_reader(checkpoint_id: str | os.PathLike, *, load_without_digests: bool = False) -> CheckedFileSystemReader:
+    """The one reader of a checkpoint manager's load, handed to ``dcp.load``: it reads and checks
+    ``.metadata`` once (``reading.LoadChecks``: also a missing ``.digests``, stray bytes) for
+    the components that plan from it and for DCP alike, and checks every stored item."""
+    checkpoint_id = os.fspath(checkpoint_id)
+    checks = LoadChecks(load_without_digests=load_without_digests,
+                        stray_bytes=functools.partial(stray_bytes, checkpoint_id))
+    return storage_reader(checkpoint_id, check_unread=True, load_checks=checks)
 
 
 def read_metadata(checkpoint_id: str | os.PathLike) -> Metadata:
