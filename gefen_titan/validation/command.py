@@ -73,8 +73,9 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -82,7 +83,7 @@ from gefen_titan.validation.bands import LOG_RESOLUTION, LOSS_FLOOR, LOSS_K, los
 from gefen_titan.validation.compare_rank import TOL_MOMENTUM, TOL_UPDATE, TOL_VMEAN
 from gefen_titan.validation.dumps import dumps_params
 from gefen_titan.validation.recipes import resolve_recipe
-from gefen_titan.validation.report import TOLERANCES, compare_batches, evaluate, plot, table
+from gefen_titan.validation.report import TOLERANCES, PairResult, compare_batches, evaluate, plot, table
 from gefen_titan.validation.runs import Run, Settings, global_order_batch, reference_run, resume_run
 
 __all__ = ["DESCRIPTION", "add_arguments", "choose_backend", "parse_pairs", "parse_sets", "validate"]
@@ -128,22 +129,21 @@ def choose_backend(requested: str, max_ranks: int) -> tuple[str, str]:
     return "nccl", f"NCCL, one GPU per rank ({gpus} visible)"
 
 
-def validate(*, recipe: str, pairs: str | None = None, source: int | None = None,
-             target: int | None = None, steps_before: int = 4, steps_after: int = 3, global_batch: int = 16,
-             local_batch: int | None = None, sets: list[str] | None = None,
-             out: str = "outputs/validate_reshard", plot_path: str | None = None, backend: str = "auto",
-             reference_cache: str | None = None, blocking: str | None = None,
-             inject_fault: str | None = None) -> int:
-    """The whole validation (``gefen-titan validate`` and
-    ``scripts/validate_reshard.py`` pass their options).
+@dataclass
+class _Runs:
+    """The validation's runs: the uninterrupted references by size, the
+    same-size rerun (global order only) and the resumes by pair."""
 
-    ``recipe`` is a path from the current directory (SystemExit naming it
-    when there is no such file).
+    references: dict[int, Run]
+    rerun: Run | None
+    resumed: dict[tuple[int, int], Run]
 
-    Returns 0 when every pair is within tolerance, 1 naming each pair and
-    figure that is not (or each resume that failed), 2 when a reference run
-    failed (nothing to validate against).
-    """
+
+def _settings(*, recipe: str, pairs: str | None, source: int | None, target: int | None, steps_before: int,
+              steps_after: int, global_batch: int, local_batch: int | None, sets: list[str] | None,
+              backend: str, blocking: str | None) -> tuple[Settings, list[tuple[int, int]], str]:
+    """The options checked (SystemExit naming the bad one) and turned into
+    the runs' settings, the pairs and the backend's description."""
     try:
         resolve_recipe(recipe)
     except FileNotFoundError as e:
@@ -157,25 +157,22 @@ def validate(*, recipe: str, pairs: str | None = None, source: int | None = None
     settings = Settings(recipe=recipe, steps_before=steps_before, steps_after=steps_after,
                         global_batch=global_batch or None, local_batch=local_batch, extra=parse_sets(sets or []),
                         backend=chosen, blocking=blocking)
-    out_dir = Path(out).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    cache = Path(reference_cache).resolve() if reference_cache else None
-    png = Path(plot_path).resolve() if plot_path else out_dir / "loss_curves.png"
-    print(f"validate_reshard: {recipe}, pairs {', '.join(f'{a}->{b}' for a, b in pair_list)}, "
-          f"S={settings.steps_before}, K={settings.steps_after}, global batch {settings.global_batch or 'recipe'}, "
-          f"blocking {blocking or 'of the recipe'}; backend: {backend_note}", flush=True)
+    return settings, pair_list, backend_note
 
-    begin = time.monotonic()
+
+def _run(settings: Settings, pair_list: list[tuple[int, int]], out_dir: Path, cache: Path | None,
+         fault: str | None, global_batch: int | None) -> _Runs | int:
+    """Every run of the validation, or the exit code of the first that failed
+    (2: a reference, nothing to validate against; 1: a resume, that pair fails)."""
     references: dict[int, Run] = {}
     # References at every size of the pairs: the sources are what the resumes
     # are compared with; all of them together measure the loss band.
     for n in sorted({n for pair in pair_list for n in pair}):
         try:
             references[n] = reference_run(settings, n, out=out_dir, cache=cache)
-        except RuntimeError as e:  # nothing to validate against
+        except RuntimeError as e:
             print(f"\nERROR: the reference run at {n} rank(s) failed: {e}", file=sys.stderr)
             return 2
-    global_batch = global_order_batch(settings)
     rerun = None
     if global_batch:
         # The same-size rerun whose run-to-run noise sets the N->N tolerance.
@@ -187,37 +184,119 @@ def validate(*, recipe: str, pairs: str | None = None, source: int | None = None
     resumed, crashed = {}, []
     for a, b in pair_list:
         try:
-            resumed[(a, b)] = resume_run(settings, references[a], b, out_dir / f"{a}-to-{b}", fault=inject_fault)
-        except RuntimeError as e:  # the resume itself failed: that pair fails
+            resumed[(a, b)] = resume_run(settings, references[a], b, out_dir / f"{a}-to-{b}", fault=fault)
+        except RuntimeError as e:
             crashed.append(f"{a}->{b}: the resumed run failed: {e}")
     if crashed:
         print("\nFAILED:", file=sys.stderr)
         for line in crashed:
             print(f"  {line}", file=sys.stderr)
         return 1
+    return _Runs(references, rerun, resumed)
 
-    band = order_band(references, rerun, settings) if global_batch else loss_band(references, settings)
-    results = [evaluate(settings, references[a], resumed[(a, b)], pair_loss_band(a, b, band), global_batch)
+
+def _judge(settings: Settings, pair_list: list[tuple[int, int]], runs: _Runs,
+           global_batch: int | None) -> tuple[list[PairResult], dict[str, Any]]:
+    """Each pair's verdict against its reference, and the loss band they used."""
+    refs = runs.references
+    band = order_band(refs, runs.rerun, settings) if global_batch else loss_band(refs, settings)
+    results = [evaluate(settings, refs[a], runs.resumed[(a, b)], pair_loss_band(a, b, band), global_batch)
                for a, b in pair_list]
     if global_batch:
         # The DP-invariance the comparison rests on: every uninterrupted run
         # read the same global batches.
-        first, *others = sorted(references)
+        first, *others = sorted(refs)
         for n in others:
-            problems = compare_batches(references[first], references[n], global_batch,
-                                       range(1, settings.total_steps + 1))
+            problems = compare_batches(refs[first], refs[n], global_batch, range(1, settings.total_steps + 1))
             results[0].failures += [f"references at {first} and {n} rank(s): {p}" for p in problems]
-    n_params = dumps_params(next(iter(references.values())).dumps("save", settings.steps_before))
-    plot(results, settings, png, references)
+    return results, band
+
+
+def _tolerances(used: list[str], global_batch: int | None) -> dict[str, Any]:
+    loss = (f"N->N max({LOG_RESOLUTION}, {LOSS_K} * rerun deviation); N->M max({LOG_RESOLUTION}, "
+            f"{LOSS_K} * max(rerun, reduction-order deviation))" if global_batch
+            else f"max({LOSS_FLOOR}, {LOSS_K} * sigma)")
+    return {**{b: TOLERANCES[b] for b in used if b in TOLERANCES}, "loss": loss}
+
+
+def _summary(results: list[PairResult], band: dict[str, Any], used: list[str], references: dict[int, Run],
+             global_batch: int | None, backend_note: str) -> list[str]:
+    """The lines under the table: the backend, the data order, how the loss
+    tolerance was measured, and what the state comparison promised."""
+    refs = ", ".join(str(n) for n in sorted(references))
+    lines = [f"\nbackend: {backend_note}"]
+    if global_batch:
+        lines.append(f"data order: global (the same {global_batch} samples in global batch b at every size); "
+                     "every resumed run read the uninterrupted run's batches" if all(r.batches_equal for r in results)
+                     else f"data order: global ({global_batch} samples a step); BATCHES DIFFER (see below)")
+        lines.append("loss deviation per step, |resumed - uninterrupted at the source size|:")
+        lines += [f"  {r.pair}: " + ", ".join(f"step {t} {d:.1e}" for t, d in sorted(r.step_deviations.items()))
+                  + f"  (tolerance {r.loss_band:.1e})" for r in results]
+        lines.append(f"tolerance: N->N {band['band_same_size']:.1e} = max({LOG_RESOLUTION:g}, {LOSS_K:g} x the "
+                     f"same-size rerun's deviation {band['rerun_deviation']:.1e} at {band['rerun_size']} rank(s)); "
+                     f"N->M {band['band']:.1e} = max({LOG_RESOLUTION:g}, {LOSS_K:g} x max(that, the references at "
+                     f"{refs} ranks' deviation {band['reduction_order_deviation']:.1e}: same batches, other "
+                     "gradient reduction order))")
+    else:
+        lines.append(f"loss band (N->M): {band['band']:.4f} = max({LOSS_FLOOR}, {LOSS_K:g} x sigma), "
+                     f"sigma {band['sigma']:.4f} = max("
+                     f"RMS difference between the references at {refs} ranks {band['sigma_between_references']:.4f}, "
+                     f"their second-difference noise {band['sigma_second_difference']:.4f}); N->N: exact")
+    for b in used:
+        if b == "agreed":
+            lines.append("state after load (agreed blocking, checkpoint format v3): bit-exact for every pair: every "
+                         "checkpoint entry and parameter gathered to global tensors, and every rank's periods, "
+                         "codebook, counters and hyperparameters, equal to the save's")
+        elif b == "per_rank":
+            lines.append(f"state after load (per-rank blocking, format v1; relative L2 where not bit-exact): "
+                         f"momentum <= {TOL_MOMENTUM:g}, vmean <= {TOL_VMEAN:g}, first update <= {TOL_UPDATE:g}; "
+                         "parameters and step counters exact")
+    return lines
+
+
+def validate(*, recipe: str, pairs: str | None = None, source: int | None = None,
+             target: int | None = None, steps_before: int = 4, steps_after: int = 3, global_batch: int = 16,
+             local_batch: int | None = None, sets: list[str] | None = None,
+             out: str = "outputs/validate_reshard", plot_path: str | None = None, backend: str = "auto",
+             reference_cache: str | None = None, blocking: str | None = None,
+             inject_fault: str | None = None) -> int:
+    """The whole validation (``gefen-titan validate`` and
+    ``scripts/validate_reshard.py`` pass their options): the options
+    checked, the runs, each pair judged, the report written and printed.
+
+    ``recipe`` is a path from the current directory (SystemExit naming it
+    when there is no such file).
+
+    Returns 0 when every pair is within tolerance, 1 naming each pair and
+    figure that is not (or each resume that failed), 2 when a reference run
+    failed (nothing to validate against).
+    """
+    settings, pair_list, backend_note = _settings(
+        recipe=recipe, pairs=pairs, source=source, target=target, steps_before=steps_before,
+        steps_after=steps_after, global_batch=global_batch, local_batch=local_batch, sets=sets,
+        backend=backend, blocking=blocking)
+    out_dir = Path(out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cache = Path(reference_cache).resolve() if reference_cache else None
+    png = Path(plot_path).resolve() if plot_path else out_dir / "loss_curves.png"
+    print(f"validate_reshard: {recipe}, pairs {', '.join(f'{a}->{b}' for a, b in pair_list)}, "
+          f"S={settings.steps_before}, K={settings.steps_after}, global batch {settings.global_batch or 'recipe'}, "
+          f"blocking {blocking or 'of the recipe'}; backend: {backend_note}", flush=True)
+
+    begin = time.monotonic()
+    order_batch = global_order_batch(settings)
+    runs = _run(settings, pair_list, out_dir, cache, inject_fault, order_batch)
+    if isinstance(runs, int):
+        return runs
+    results, band = _judge(settings, pair_list, runs, order_batch)
+    n_params = dumps_params(next(iter(runs.references.values())).dumps("save", settings.steps_before))
+    plot(results, settings, png, runs.references)
     used = sorted({r.state.get("blocking") or "?" for r in results})
     report = {
-        "recipe": recipe, "backend": chosen, "backend_note": backend_note, "blocking": used,
+        "recipe": recipe, "backend": settings.backend, "backend_note": backend_note, "blocking": used,
         "settings": asdict(settings), "loss_band": band,
-        "data_order": "global" if global_batch else "per_dp_size",
-        "tolerances": {**{b: TOLERANCES[b] for b in used if b in TOLERANCES},
-                       "loss": (f"N->N max({LOG_RESOLUTION}, {LOSS_K} * rerun deviation); N->M max({LOG_RESOLUTION}, "
-                                f"{LOSS_K} * max(rerun, reduction-order deviation))" if global_batch
-                                else f"max({LOSS_FLOOR}, {LOSS_K} * sigma)")},
+        "data_order": "global" if order_batch else "per_dp_size",
+        "tolerances": _tolerances(used, order_batch),
         "parameters": n_params, "plot": str(png), "fault": inject_fault,
         "pairs": [asdict(r) for r in results],
         "seconds": time.monotonic() - begin,
@@ -226,34 +305,7 @@ def validate(*, recipe: str, pairs: str | None = None, source: int | None = None
 
     print()
     print(table(results, n_params))
-    refs = ", ".join(str(n) for n in sorted(references))
-    print(f"\nbackend: {backend_note}")
-    if global_batch:
-        print(f"data order: global (the same {global_batch} samples in global batch b at every size); "
-              "every resumed run read the uninterrupted run's batches" if all(r.batches_equal for r in results)
-              else f"data order: global ({global_batch} samples a step); BATCHES DIFFER (see below)")
-        print("loss deviation per step, |resumed - uninterrupted at the source size|:")
-        for r in results:
-            print(f"  {r.pair}: " + ", ".join(f"step {t} {d:.1e}" for t, d in sorted(r.step_deviations.items()))
-                  + f"  (tolerance {r.loss_band:.1e})")
-        print(f"tolerance: N->N {band['band_same_size']:.1e} = max({LOG_RESOLUTION:g}, {LOSS_K:g} x the same-size "
-              f"rerun's deviation {band['rerun_deviation']:.1e} at {band['rerun_size']} rank(s)); N->M "
-              f"{band['band']:.1e} = max({LOG_RESOLUTION:g}, {LOSS_K:g} x max(that, the references at {refs} ranks' "
-              f"deviation {band['reduction_order_deviation']:.1e}: same batches, other gradient reduction order))")
-    else:
-        print(f"loss band (N->M): {band['band']:.4f} = max({LOSS_FLOOR}, {LOSS_K:g} x sigma), "
-              f"sigma {band['sigma']:.4f} = max("
-              f"RMS difference between the references at {refs} ranks {band['sigma_between_references']:.4f}, "
-              f"their second-difference noise {band['sigma_second_difference']:.4f}); N->N: exact")
-    for b in used:
-        if b == "agreed":
-            print("state after load (agreed blocking, checkpoint format v3): bit-exact for every pair: every "
-                  "checkpoint entry and parameter gathered to global tensors, and every rank's periods, "
-                  "codebook, counters and hyperparameters, equal to the save's")
-        elif b == "per_rank":
-            print(f"state after load (per-rank blocking, format v1; relative L2 where not bit-exact): "
-                  f"momentum <= {TOL_MOMENTUM:g}, vmean <= {TOL_VMEAN:g}, first update <= {TOL_UPDATE:g}; "
-                  "parameters and step counters exact")
+    print("\n".join(_summary(results, band, used, runs.references, order_batch, backend_note)))
     print(f"plot: {png}\nreport: {out_dir / 'report.json'}  ({time.monotonic() - begin:.0f} s)")
     failures = [f for r in results for f in r.failures]
     if failures:

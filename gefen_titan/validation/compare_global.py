@@ -78,34 +78,15 @@ def _dense(state: dict[str, Any], fqn: str, period: int, codebook):
     return m.reshape(-1), v.reshape(-1)
 
 
-def compare_global_state(ref_dumps: list[dict], res_dumps: list[dict]) -> dict[str, Any]:
-    """Agreed blocking (format v3): the global state right after the load
-    against the global state at the save. Everything must be bit-exact.
+def _param_differences(ref: dict[str, Any], res: dict[str, Any]) -> list[str]:
+    """The parameters (gathered) not equal in dtype and value, and the extra ones."""
+    differ = [fqn for fqn, t in ref["params"].items() if not _same(t, res["params"].get(fqn))]
+    return differ + [fqn for fqn in res["params"] if fqn not in ref["params"]]
 
-    * every parameter (gathered) equal in dtype and value;
-    * every entry of the optimizer container's ``state_dict()`` (Gefen codes,
-      magnitudes, ``vmean``, records and codebook; other optimizers' flat
-      state), gathered, equal; none missing, none extra;
-    * on every rank of the resumed run, the live facts equal the saved job's:
-      each Gefen parameter's period, step, ``vmean_step`` and
-      hyperparameters, each Gefen optimizer's codebook (on every rank that
-      holds state) and global step.
 
-    The momentum, ``vmean`` and first-update errors are computed as for
-    per-rank blocking (and are 0 when the state is exact).
-    """
-    ref, res = merge_global(ref_dumps), merge_global(res_dumps)
-    problems: list[str] = []
-    if not ref["complete"] or not res["complete"]:
-        problems.append("the global dumps do not cover every rank")
-
-    param_mismatch = [fqn for fqn, t in ref["params"].items() if not _same(t, res["params"].get(fqn))]
-    param_mismatch += [fqn for fqn in res["params"] if fqn not in ref["params"]]
-    if param_mismatch:
-        problems.append(f"parameters differ after load ({len(param_mismatch)}: {', '.join(param_mismatch[:3])})")
-
-    # Every checkpoint entry.
-    rs, ss = ref["state"], res["state"]
+def _entry_differences(rs: dict[str, Any], ss: dict[str, Any]) -> list[str]:
+    """Every checkpoint entry not equal after the load, missing or extra; a
+    record names its first differing field."""
     differ: list[str] = []
     for key, value in rs.items():
         if key not in ss:
@@ -116,21 +97,22 @@ def compare_global_state(ref_dumps: list[dict], res_dumps: list[dict]) -> dict[s
                 differ.append(f"{key} ({_record_difference(value, ss[key], parsed.name)})")
             else:
                 differ.append(key)
-    differ += [f"{key} (extra)" for key in ss if key not in rs]
-    gefen_differ = [d for d in differ if schema.is_gefen_key(d)]
-    other_differ = [d for d in differ if not schema.is_gefen_key(d)]
+    return differ + [f"{key} (extra)" for key in ss if key not in rs]
 
-    # Live facts on every rank against the saved job's.
+
+def _live_problems(ref_live: list[dict], res_live: list[dict]) -> list[str]:
+    """The live facts on every rank of the resumed run against the saved
+    job's: periods and counters, hyperparameters, codebooks, global steps."""
     saved_params: dict[str, dict] = {}
     saved_opts: dict[str, dict] = {}
-    for live in ref["live"]:
+    for live in ref_live:
         for fqn, rec in live["params"].items():
             saved_params.setdefault(fqn, rec)
         for opt_id, rec in live["optimizers"].items():
             if opt_id not in saved_opts or saved_opts[opt_id]["codebook"] is None:
                 saved_opts[opt_id] = rec
     counters, lrs, books, gsteps = [], [], [], []
-    for rank, live in enumerate(res["live"]):
+    for rank, live in enumerate(res_live):
         for fqn, rec in live["params"].items():
             want = saved_params.get(fqn)
             if want is None:
@@ -152,6 +134,7 @@ def compare_global_state(ref_dumps: list[dict], res_dumps: list[dict]) -> dict[s
                 books.append(f"{opt_id} on rank {rank}")
             if rec["global_step"] != want["global_step"]:
                 gsteps.append(f"{opt_id} on rank {rank}: {rec['global_step']} != saved {want['global_step']}")
+    problems = []
     if counters:
         problems.append(f"step counters (period, step, vmean_step) differ after the load in {len(counters)} "
                         f"(parameter, rank) pairs, e.g. {counters[0]}")
@@ -162,18 +145,21 @@ def compare_global_state(ref_dumps: list[dict], res_dumps: list[dict]) -> dict[s
         problems.append(f"the live codebook differs from the saved one ({len(books)}: {', '.join(books[:3])})")
     if gsteps:
         problems.append(f"global step differs after the load ({len(gsteps)}, e.g. {gsteps[0]})")
+    return problems
 
-    # Dense figures (0 where exact), over the saved Gefen parameters with state.
-    records = _records(rs)
+
+def _dense_errors(rs: dict[str, Any], ss: dict[str, Any]) -> dict[str, Any]:
+    """Momentum, ``vmean`` and first-update relative L2 errors over the saved
+    Gefen parameters with state (0 where exact), and how many elements have
+    no state after the load."""
     num = {"m": 0.0, "v": 0.0, "u": 0.0}
     den = {"m": 0.0, "v": 0.0, "u": 0.0}
     worst_update, total, missing = 0.0, 0, 0
-    for fqn, (opt_id, rec) in records.items():
+    for fqn, (opt_id, rec) in _records(rs).items():
         period = rec.period
         if not period:
             continue
-        cb_ref = rs.get(schema.codebook_key(opt_id))
-        saved = _dense(rs, fqn, period, cb_ref)
+        saved = _dense(rs, fqn, period, rs.get(schema.codebook_key(opt_id)))
         if saved is None:
             continue
         m_ref, v_ref = saved
@@ -191,28 +177,57 @@ def compare_global_state(ref_dumps: list[dict], res_dumps: list[dict]) -> dict[s
             num[key] += float((a - b).double().square().sum())
             den[key] += float(b.double().square().sum())
         worst_update = max(worst_update, rel_l2(u_res, u_ref))
-    if missing:
-        problems.append(f"{missing} of {total} Gefen elements have no optimizer state after the load")
+    rel = {k: math.sqrt(num[k] / den[k]) if den[k] > 0 else 0.0 for k in num}
+    return {"rel": rel, "worst_update": worst_update, "total": total, "missing": missing}
+
+
+def compare_global_state(ref_dumps: list[dict], res_dumps: list[dict]) -> dict[str, Any]:
+    """Agreed blocking (format v3): the global state right after the load
+    against the global state at the save. Everything must be bit-exact.
+
+    * every parameter (gathered) equal in dtype and value;
+    * every entry of the optimizer container's ``state_dict()`` (Gefen codes,
+      magnitudes, ``vmean``, records and codebook; other optimizers' flat
+      state), gathered, equal; none missing, none extra;
+    * on every rank of the resumed run, the live facts equal the saved job's:
+      each Gefen parameter's period, step, ``vmean_step`` and
+      hyperparameters, each Gefen optimizer's codebook (on every rank that
+      holds state) and global step.
+
+    The momentum, ``vmean`` and first-update errors are computed as for
+    per-rank blocking (and are 0 when the state is exact).
+    """
+    ref, res = merge_global(ref_dumps), merge_global(res_dumps)
+    problems: list[str] = []
+    if not ref["complete"] or not res["complete"]:
+        problems.append("the global dumps do not cover every rank")
+    param_mismatch = _param_differences(ref, res)
+    if param_mismatch:
+        problems.append(f"parameters differ after load ({len(param_mismatch)}: {', '.join(param_mismatch[:3])})")
+    rs, ss = ref["state"], res["state"]
+    differ = _entry_differences(rs, ss)
+    gefen_differ = [d for d in differ if schema.is_gefen_key(d)]
+    other_differ = [d for d in differ if not schema.is_gefen_key(d)]
+    problems += _live_problems(ref["live"], res["live"])
+    dense = _dense_errors(rs, ss)
+    if dense["missing"]:
+        problems.append(f"{dense['missing']} of {dense['total']} Gefen elements have no optimizer state after the load")
     if gefen_differ:
         problems.append(f"Gefen state after the load is not bit-exact (format v3 promises it): {len(gefen_differ)} "
                         f"of {sum(schema.is_gefen_key(k) for k in rs)} checkpoint entries differ, e.g. "
                         f"{', '.join(gefen_differ[:3])}")
     if other_differ:
         problems.append(f"non-Gefen optimizer state differs after load ({', '.join(other_differ[:3])})")
-
-    rel = {k: math.sqrt(num[k] / den[k]) if den[k] > 0 else 0.0 for k in num}
-    exact = not problems
     return {
         "blocking": "agreed",
-        "exact": exact,
+        "exact": not problems,
         "params_exact": not param_mismatch,
-        "momentum_rel_l2": rel["m"],
-        "vmean_rel_l2": rel["v"],
-        "first_update_rel_l2": rel["u"],
-        "first_update_worst_param": worst_update,
+        "momentum_rel_l2": dense["rel"]["m"],
+        "vmean_rel_l2": dense["rel"]["v"],
+        "first_update_rel_l2": dense["rel"]["u"],
+        "first_update_worst_param": dense["worst_update"],
         "entries": len(rs),
         "entries_differ": differ,
-        "gefen_elements": total,
+        "gefen_elements": dense["total"],
         "problems": problems,
     }
-
