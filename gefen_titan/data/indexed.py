@@ -51,7 +51,6 @@ __all__ = [
     "IndexHeader",
     "IndexedDataError",
     "IndexedDataset",
-    "is_indexed_dataset",
     "token_dtype",
     "tokenizer_identity",
 ]
@@ -154,11 +153,6 @@ class IndexHeader:
         if itemsize not in _DTYPES:
             raise IndexedDataError(f"{where}: token width {itemsize} bytes is not 2 or 4: the index is corrupt")
         return cls(version, itemsize, ndocs, ntoks, vocab, bos, eos, tsha.hex(), osha.hex(), ksha.hex())
-
-
-def is_indexed_dataset(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a directory holding a finished token dataset."""
-    return os.path.isfile(os.path.join(path, INDEX_FILE))
 
 
 def offsets_sha256(offsets: np.ndarray) -> str:

@@ -47,6 +47,7 @@ from gefen_titan.data.elastic import ON_DP_CHANGE_KEY, ElasticTextDataLoader
 from gefen_titan.data.elastic_dataset import PASS_KEY, DataLoaderReshardError
 from gefen_titan.data.elastic_passes import block_pass, decode_pass, encode_pass, plan_reshard
 from gefen_titan.data.registry import lift_dataloader_config
+from tests.helpers import processes
 from tests.helpers.loader_checkpoint import manager as _manager
 
 SEQ, BATCH, K, J = 32, 2, 6, 5  # seq_len, local batch, steps before save, steps compared after
@@ -199,17 +200,16 @@ def _phase_resume(rank, world, root, corpus):
         dist.destroy_process_group()
 
 
+# What the fork server imports once (a fresh import costs ~3 s per rank).
+PRELOAD = ["gefen_titan", "gefen_titan.data.elastic", "gefen_titan.checkpoint.manager", "torch.distributed.checkpoint"]
+# A launch takes well under a minute here; a hung one fails (its ranks killed)
+# instead of waiting for pytest-timeout.
+LAUNCH_TIMEOUT_S = 600
+
+
 def _start(fn, args, nprocs):
-    """Real processes, forked from a forkserver that imported torch,
-    torchtitan and gefen_titan once (a fresh import costs ~3 s per rank)."""
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
-    multiprocessing.set_forkserver_preload(
-        ["gefen_titan", "gefen_titan.data.elastic", "gefen_titan.checkpoint.manager", "torch.distributed.checkpoint"]
-    )
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+    """Real processes, forked from a fork server; killed if the wait ends early."""
+    processes.spawn(fn, args, nprocs, timeout=LAUNCH_TIMEOUT_S, preload=PRELOAD)
 
 
 @pytest.fixture(scope="module")

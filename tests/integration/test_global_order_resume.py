@@ -31,6 +31,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.data import corpus as data
 from gefen_titan.data.global_loader import GlobalOrderDataLoader
+from tests.helpers import processes
 
 SEQ, G, K, J = 32, 12, 3, 4  # seq_len, global batch, steps before the save, steps after
 LOCAL = {1: 3, 2: 3, 3: 2, 4: 3}  # microbatches a step: 4, 2, 2, 1
@@ -124,17 +125,17 @@ def _resume(rank, world, root, sources):
         dist.destroy_process_group()
 
 
+# What the fork server imports once (a fresh import costs ~3 s per rank).
+PRELOAD = ["gefen_titan", "gefen_titan.data.global_loader", "gefen_titan.checkpoint.manager",
+           "torch.distributed.checkpoint"]
+# A launch takes well under a minute here; a hung one fails (its ranks killed)
+# instead of waiting for pytest-timeout.
+LAUNCH_TIMEOUT_S = 600
+
+
 def _start(fn, args, nprocs):
-    """Real processes, forked from a forkserver that imported the stack once."""
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
-    multiprocessing.set_forkserver_preload(
-        ["gefen_titan", "gefen_titan.data.global_loader", "gefen_titan.checkpoint.manager",
-         "torch.distributed.checkpoint"]
-    )
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+    """Real processes, forked from a fork server; killed if the wait ends early."""
+    processes.spawn(fn, args, nprocs, timeout=LAUNCH_TIMEOUT_S, preload=PRELOAD)
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,7 @@ from gefen_titan.data.elastic import ElasticTextDataLoader
 from gefen_titan.data.elastic_dataset import STREAM_KEY, DataLoaderReshardError
 from gefen_titan.data.loader_state import read_saved_loader
 from gefen_titan.data.stream_reshard import advance_filters, as_worker, unit_shares
+from tests.helpers import processes
 from tests.helpers.loader_checkpoint import manager as _manager
 
 # Rank processes import this module, not conftest: what train.py does first.
@@ -253,17 +254,16 @@ def _phase(rank, world, root, jobs):
         dist.destroy_process_group()
 
 
+# What the fork server imports once (a fresh import costs ~3 s per rank).
+PRELOAD = ["gefen_titan", "gefen_titan.data.elastic", "gefen_titan.checkpoint.manager", "torch.distributed.checkpoint"]
+# A launch takes well under a minute here; a hung one fails (its ranks killed)
+# instead of waiting for pytest-timeout.
+LAUNCH_TIMEOUT_S = 600
+
+
 def _start(jobs, nprocs, root):
-    """Real processes, forked from a forkserver that imported torch,
-    torchtitan and gefen_titan once (a fresh import costs ~3 s per rank)."""
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
-    multiprocessing.set_forkserver_preload(
-        ["gefen_titan", "gefen_titan.data.elastic", "gefen_titan.checkpoint.manager", "torch.distributed.checkpoint"]
-    )
-    mp.start_processes(_phase, args=(nprocs, root, jobs), nprocs=nprocs, join=True, start_method="forkserver")
+    """Real processes, forked from a fork server; killed if the wait ends early."""
+    processes.spawn(_phase, (nprocs, root, jobs), nprocs, timeout=LAUNCH_TIMEOUT_S, preload=PRELOAD)
 
 
 @pytest.fixture(scope="module")

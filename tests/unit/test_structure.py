@@ -52,3 +52,26 @@ def test_no_module_imports_another_modules_private_names():
 def test_the_private_import_check_catches_what_it_is_for():
     bad = "from gefen_titan.optim.blocking import _all_gather, row_unit\nfrom . import x\nimport os\n"
     assert _private_imports(bad, "m") == ["m:1 gefen_titan.optim.blocking._all_gather", "m:2 relative import"]
+
+
+# What starts ranks. Only tests/helpers/processes may call these: its
+# launchers kill every rank when the wait ends early (a timeout, an
+# interrupt); a test module's own launcher would leave them behind.
+RANK_LAUNCHERS = ("start_processes", "mp.spawn", "multiprocessing.Process", "torch.distributed.run")
+
+
+def _launches_ranks(source: str) -> list[str]:
+    return [name for name in RANK_LAUNCHERS if name in source]
+
+
+def test_only_the_process_helpers_start_ranks():
+    tests = ROOT / "tests"
+    own = {str(p.relative_to(ROOT)): found for p in sorted(tests.rglob("test_*.py"))
+           if p != Path(__file__).resolve() and (found := _launches_ranks(p.read_text()))}
+    assert not own, f"test modules with their own rank launcher (use tests/helpers/processes): {own}"
+
+
+def test_the_launcher_check_catches_what_it_is_for():
+    assert _launches_ranks("mp.start_processes(fn, args=(), nprocs=2, join=True)") == ["start_processes"]
+    assert _launches_ranks('cmd = [sys.executable, "-m", "torch.distributed.run"]') == ["torch.distributed.run"]
+    assert _launches_ranks("processes.spawn(fn, (), 2, timeout=60)") == []
