@@ -99,3 +99,30 @@ def test_the_safe_reader_never_calls_the_planners_load_bytes(tmp_path, monkeypat
     out = {"a": {"n": 0, "s": ""}, "t": torch.zeros(2)}
     dcp.load(out, storage_reader=storage.storage_reader(tmp_path / "c"), no_dist=True)
     assert out["a"] == {"n": 3, "s": "x"} and torch.equal(out["t"], torch.ones(2))
+
+
+def test_a_stock_reader_has_no_registry_of_ours_to_join(tmp_path):
+    """What docs/ckpt_tools.md says of DCP's storage extensions: the reader
+    ``dcp.load(checkpoint_id=...)`` builds has a registry of its own with
+    only zstd in it, v3 names no extension on its items, so the stock reader
+    fails on a raw entry; the checked reader handed as ``storage_reader=``
+    (the doc's Python path) reads it."""
+    from torch.distributed.checkpoint._storage_utils import _storage_setup
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    want = state()
+    path = tmp_path / "c"
+    dcp.save(want, storage_writer=storage.storage_writer(path), no_dist=True)
+    stock = _storage_setup(None, str(path), reader=True)
+    assert type(stock) is FileSystemReader
+    assert sorted(stock.transforms.extension_registry.extensions) == ["stream.zstd"]
+    assert not any(info.transform_descriptors for info in storage.read_metadata(path).storage_data.values())
+
+    grid = "optimizer." + schema.grid_key("w")
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException, match="torch.load"):  # raw bytes are no torch.save frame
+        dcp.load({grid: torch.zeros_like(want[grid])}, checkpoint_id=str(path), no_dist=True)
+    out = {grid: torch.zeros_like(want[grid])}
+    dcp.load(out, checkpoint_id=str(path), storage_reader=storage.storage_reader(path), no_dist=True)
+    assert torch.equal(out[grid], want[grid])
