@@ -173,7 +173,9 @@ class GefenCheckpointManager(CheckpointManager):
         try:
             for component, key in prepared:
                 component.prepare_load(checkpoint_id, metadata, prefix=f"{key}.")
-            # Called as torchtitan calls it (checkpoint_id=...), plus the checking reader.
+            # Called as torchtitan calls it (checkpoint_id=...), plus the checking
+            # reader: without storage_reader= DCP builds a stock FileSystemReader,
+            # which cannot read v3's raw entries and unpickles unrestricted.
             dcp.load(targets, checkpoint_id=checkpoint_id, storage_reader=reader)
             if MODEL in self.states:
                 self.states[MODEL].load_state_dict(targets)
