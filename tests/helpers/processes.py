@@ -15,8 +15,8 @@ torchrun, or torchrun's process group, leaves the workers running. So:
 * :func:`torchrun` is ``python -m torch.distributed.run --standalone`` through
   :func:`run` (``--standalone``: a free rendezvous port, so runs of the suite
   in several checkouts of one machine do not collide on a fixed one);
-* :func:`spawn` is ``torch.multiprocessing`` spawn (or forkserver, with
-  ``preload``) whose ranks are killed when the wait ends early;
+* :func:`spawn` is ``torch.multiprocessing`` spawn (or the fork server's,
+  ``fork_server=True``) whose ranks are killed when the wait ends early;
 * :func:`run_ranks` runs a function on N ranks as torchrun would (the same
   environment), forked from a fork server that has done the heavy imports
   once per session where that is safe: a launch's start-up drops from ~7 s
@@ -26,7 +26,6 @@ torchrun, or torchrun's process group, leaves the workers running. So:
 from __future__ import annotations
 
 import importlib
-import multiprocessing
 import multiprocessing.connection as mp_connection
 import os
 import signal
@@ -124,19 +123,19 @@ def torchrun(nproc: int, *args: str, timeout: float = 600, **kw) -> subprocess.C
     return run(cmd, timeout=timeout, **kw)
 
 
-def spawn(fn: Callable, args: tuple, nprocs: int, *, timeout: float, preload: Sequence[str] | None = None) -> None:
+def spawn(fn: Callable, args: tuple, nprocs: int, *, timeout: float, fork_server: bool = False) -> None:
     """``torch.multiprocessing.spawn(fn, args, nprocs)``, its ranks killed if
     the wait ends early (a timeout raises ``TimeoutError``; a rank's error
     is raised as spawn raises it).
 
-    ``preload``: modules to import once in a fork server that forks the
-    ranks (``start_method="forkserver"``) instead of each rank importing
-    torch and torchtitan afresh (~3 s a rank). The fork server lives for the
-    session and keeps the first preload it was given.
+    ``fork_server``: fork the ranks from the session's fork server, which
+    imports :data:`PRELOAD` once (the one :func:`run_ranks` uses), instead of
+    each rank importing torch and torchtitan afresh (~3 s a rank). Only
+    where :func:`can_fork`; elsewhere spawned.
     """
     start_method = "spawn"
-    if preload is not None:
-        multiprocessing.set_forkserver_preload(list(preload))
+    if fork_server and can_fork():
+        mp.get_context("forkserver").set_forkserver_preload(PRELOAD)  # read when the server starts
         start_method = "forkserver"
     context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method=start_method)
     deadline = time.monotonic() + timeout

@@ -254,16 +254,13 @@ def _phase(rank, world, root, jobs):
         dist.destroy_process_group()
 
 
-# What the fork server imports once (a fresh import costs ~3 s per rank).
-PRELOAD = ["gefen_titan", "gefen_titan.data.elastic", "gefen_titan.checkpoint.manager", "torch.distributed.checkpoint"]
-# A launch takes well under a minute here; a hung one fails (its ranks killed)
-# instead of waiting for pytest-timeout.
+# A launch takes well under a minute here; a hung one fails, its ranks killed.
 LAUNCH_TIMEOUT_S = 600
 
 
 def _start(jobs, nprocs, root):
-    """Real processes, forked from a fork server; killed if the wait ends early."""
-    processes.spawn(_phase, (nprocs, root, jobs), nprocs, timeout=LAUNCH_TIMEOUT_S, preload=PRELOAD)
+    """Real processes, forked from the session's fork server; killed if the wait ends early."""
+    processes.spawn(_phase, (nprocs, root, jobs), nprocs, timeout=LAUNCH_TIMEOUT_S, fork_server=True)
 
 
 @pytest.fixture(scope="module")

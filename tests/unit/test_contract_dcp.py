@@ -108,6 +108,7 @@ def test_a_stock_reader_has_no_registry_of_ours_to_join(tmp_path):
     fails on a raw entry; the checked reader handed as ``storage_reader=``
     (the doc's Python path) reads it."""
     from torch.distributed.checkpoint._storage_utils import _storage_setup
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     want = state()
@@ -119,8 +120,6 @@ def test_a_stock_reader_has_no_registry_of_ours_to_join(tmp_path):
     assert not any(info.transform_descriptors for info in storage.read_metadata(path).storage_data.values())
 
     grid = "optimizer." + schema.grid_key("w")
-    from torch.distributed.checkpoint.api import CheckpointException
-
     with pytest.raises(CheckpointException, match="torch.load"):  # raw bytes are no torch.save frame
         dcp.load({grid: torch.zeros_like(want[grid])}, checkpoint_id=str(path), no_dist=True)
     out = {grid: torch.zeros_like(want[grid])}
