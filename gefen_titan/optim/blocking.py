@@ -44,8 +44,10 @@ unit), which also keeps its blocks inside rows, where its sharded step
 The hook is one collective sequence for the whole container (not one per
 optimizer): ranks can hold different numbers of Gefen optimizers (pipeline
 stages, AdamW-only stages), and every rank must make the same calls. Every
-failure (a parameter without a gradient, a layout it cannot align) is
-agreed before any state changes and raised on every rank.
+failure (a parameter without a gradient, a layout it cannot align, a
+shard DCP would write at other offsets than FSDP2 holds it:
+``distributed.layout.dcp_disagreement``) is agreed before any state
+changes and raised on every rank.
 
 Traffic received per rank on the first step (``agreement_collectives``;
 an all-reduce counted as its payload): 24 B times the world size for the
@@ -64,11 +66,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.optim import Optimizer
 from torchtitan.tools.logging import logger
 
 from gefen_titan.distributed import comm_device, is_distributed, local, raise_on_any_rank
+from gefen_titan.distributed.layout import dcp_disagreement, holds_first_copy, last_dim_cuts
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.block_stats import (
     HIST_BINS,
@@ -92,18 +94,6 @@ class BlockingError(RuntimeError):
 
 
 # ----------------------------------------------------------------- layout
-def _last_dim_cuts(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements, dims: list[int]) -> list[int]:
-    """Offsets and lengths of the last-dim slices over mesh dims ``dims``."""
-    out: list[int] = []
-    coords = [[0] * len(mesh_shape)]
-    for d in dims:
-        coords = [c[:d] + [i] + c[d + 1:] for c in coords for i in range(mesh_shape[d])]
-    for coord in coords:
-        local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, coord, placements)
-        out += [local[-1], offset[-1]]
-    return out
-
-
 def row_unit(fqn: str, param: torch.Tensor, max_tp_degree: int = 1) -> int:
     """The largest block that no last-dim cut of any allowed layout crosses.
 
@@ -126,10 +116,10 @@ def row_unit(fqn: str, param: torch.Tensor, max_tp_degree: int = 1) -> int:
                 dims.append(i)
         if dims:
             mesh_shape = tuple(param.device_mesh.shape)
-            unit = math.gcd(unit, *_last_dim_cuts(shape, mesh_shape, placements, dims))
+            unit = math.gcd(unit, *last_dim_cuts(shape, mesh_shape, placements, dims))
     for t in range(2, max_tp_degree + 1):
         if max_tp_degree % t == 0:
-            unit = math.gcd(unit, *_last_dim_cuts(shape, (t,), (Shard(len(shape) - 1),), [0]))
+            unit = math.gcd(unit, *last_dim_cuts(shape, (t,), (Shard(len(shape) - 1),), [0]))
     return unit
 
 
@@ -179,20 +169,6 @@ def check_period_fits(fqn: str, param: torch.Tensor, period: int) -> str | None:
             "last-dim cuts are multiples of the period"
         )
     return None
-
-
-def _contributes(param: torch.Tensor) -> bool:
-    """True on exactly one holder of each element of a DTensor (replicas count once).
-
-    A DTensor on a sub-mesh (FSDP's dp mesh under FSDP x TP for a parameter
-    TP leaves whole) is replicated over the other mesh dims too; the holders
-    of the same shard then have the same signature group, and only the first
-    of them counts it (``AgreedBlocking._dtensor_first``).
-    """
-    coord = param.device_mesh.get_coordinate()
-    if coord is None:
-        return False
-    return all(c == 0 for c, pl in zip(coord, param.placements) if pl.is_replicate())
 
 
 # -------------------------------------------------------------- agreement
@@ -309,7 +285,10 @@ class AgreedBlocking:
             params = self._params(optimizers)
             missing = [q.fqn for q in params if q.param.grad is None]
             too_big = [m for q in params if q.unit and (m := check_numel(q.fqn, q.param.numel()))]
-            if too_big:
+            misplaced = [m for q in params if (m := dcp_disagreement(q.fqn, q.param))]
+            if misplaced:
+                error = misplaced[0]
+            elif too_big:
                 error = too_big[0]
             elif missing:
                 error = (
@@ -393,7 +372,8 @@ class AgreedBlocking:
         if not isinstance(q.param, DTensor):
             return rank == group[0]
         mesh = q.param.device_mesh
-        if not _contributes(q.param):
+        # Replicas (HSDP's, a sub-mesh's copies) count once: coordinate 0 of every Replicate dim.
+        if not holds_first_copy(q.param):
             return False
         return group[0] in mesh.mesh.flatten().tolist() if is_distributed() else True
 

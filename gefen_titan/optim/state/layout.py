@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from gefen_titan.distributed.layout import local_box
 
 __all__ = ["Region", "param_region", "target_period", "UnsupportedLayout"]
 
@@ -58,17 +59,15 @@ def param_region(fqn: str, param: torch.Tensor) -> tuple[Region, tuple[int, ...]
     if len(shard_dims) > 1:
         raise UnsupportedLayout(
             f"{fqn}: parameter is sharded on {len(shard_dims)} mesh dims; only one Shard(0) dim is supported")
-    local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    row = math.prod(param.shape[1:]) if param.dim() > 1 else 1
-    local_numel = math.prod(local_shape)
+    box = local_box(param)  # where the shard lies: the layout module's, checked against the local tensor
     if not shard_dims:
-        return Region(0, 1, 0, numel), tuple(local_shape)
+        return Region(0, 1, 0, numel), box.sizes
     dim = shard_dims[0]
     coord = param.device_mesh.get_coordinate()
     label = coord[dim] if coord is not None else 0
     nshards = param.device_mesh.size(dim)
-    start = offset[0] * row if local_numel else 0
-    return Region(label, nshards, start, local_numel), tuple(local_shape)
+    start, length = box.flat_run(tuple(param.shape))  # Shard(0) alone: whole rows, one run
+    return Region(label, nshards, start, length), box.sizes
 
 
 def target_period(start: int, length: int, pieces: list[tuple[int, int]], min_period: int = 256) -> tuple[int, bool]:

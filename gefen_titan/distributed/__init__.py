@@ -10,6 +10,9 @@
 * ``comm_device``: where a collective's tensors must live (the current CUDA
   device under NCCL, the CPU under gloo).
 
+Where a shard lies (placements -> the global box a rank holds) is
+``gefen_titan.distributed.layout``'s, the one module that computes it.
+
 Every function also works without a process group (one process), where the
 agreement is the rank's own verdict.
 """
@@ -21,8 +24,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor
+
+from gefen_titan.distributed.layout import leading_placements, placements_from_front
 
 __all__ = [
     "all_gather_objects",
@@ -73,34 +77,27 @@ def like_param(param: torch.Tensor, local_tensor: torch.Tensor, shape: tuple[int
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
     placements = tuple(param.placements)
     if len(shape) != param.dim():  # trailing dims (v3's packed grid): a dim counted from the end moves
-        placements = tuple(_from_front(pl, param.dim()) for pl in placements)
+        placements = placements_from_front(param)
     return DTensor.from_local(local_tensor, param.device_mesh, placements, run_check=False, shape=shape,
                               stride=stride)
 
 
-def _from_front(pl: Any, ndim: int) -> Any:
-    if type(pl) is Shard and pl.dim < 0:
-        return Shard(pl.dim + ndim)
-    if type(pl) is _StridedShard and pl.dim < 0:
-        return _StridedShard(pl.dim + ndim, split_factor=pl.split_factor)
-    return pl
-
-
 def like_param_rows(param: torch.Tensor, local_rows: torch.Tensor) -> torch.Tensor:
-    """``local_rows`` (one value per local row of ``param``) as the shard of a
-    ``[rows]`` vector placed like ``param``'s dim 0.
+    """``local_rows`` (one value per local row of ``param``) as the shard of a tensor of
+    ``param``'s leading dims (``[rows]`` for a matrix, ``[experts, rows]`` for a 3-D
+    grouped weight), placed like those dims of ``param``.
 
-    Shards of dim 0 (FSDP's, TP's row cut, strided or not) stay; every other
-    mesh dim replicates it (the ranks that split a row between them hold the
-    same values for it). A plain parameter's rows are returned as they are.
+    Shards of those dims stay (FSDP's, TP's row cut, EP's expert cut, strided
+    or not); every other mesh dim replicates it (the ranks that split a row
+    between them hold the same values for it). A plain parameter's rows are
+    returned as they are.
     """
     if not isinstance(param, DTensor):
         return local_rows
-    # _StridedShard (FSDP over TP's row cut) is no Shard subclass and is_shard() is False for it.
-    placements = [pl if type(pl) in (Shard, _StridedShard) and pl.dim % param.dim() == 0 else Replicate()
-                  for pl in param.placements]
-    return DTensor.from_local(local_rows, param.device_mesh, placements, run_check=False, shape=(param.shape[0],),
-                              stride=(1,))
+    shape = tuple(param.shape[:-1])
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(local_rows, param.device_mesh, leading_placements(param, len(shape)),
+                              run_check=False, shape=shape, stride=stride)
 
 
 def any_rank(flag: bool) -> bool:
