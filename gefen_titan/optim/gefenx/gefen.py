@@ -1,0 +1,240 @@
+"""Gefen's private state in gefen-x 0.5.0: its per-parameter and per-optimizer attributes.
+
+Part of ``gefen_titan.optim.gefenx`` (the package doc says why it exists):
+per parameter ``automatic_period``, ``step``, ``vmean_step``, ``m_codebook``
+(uint8 ``[blocks, period]``), ``m_magnitude`` and ``vmean`` (fp32
+``[blocks, 1]``) in ``optim.state[p]``, and per optimizer ``_gefen_codebook``
+(fp32 ``[256]``), its per-device caches and ``_gefen_global_step`` as
+attributes; the period search's scoring; the codebook families.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from gefen import Gefen, GefenMuon, partitioning
+from torch.optim import Optimizer
+
+from gefen_titan.checkpoint import schema
+
+__all__ = [
+    "K", "ParamState", "is_gefen", "is_gefen_family", "new_gefen", "named_params", "options", "read", "write",
+    "clear", "has_state", "period", "set_period", "codebook", "set_codebook", "global_step", "set_global_step",
+    "count_empty_shard_step", "empty_shard_counters", "set_empty_shard_counters", "finalize_period",
+    "fallback_enabled", "state_tensors", "CODEBOOK_FAMILIES", "codebook_family",
+]
+
+K = schema.K  # codebook entries (gefen-x: num_codebooks=256)
+
+# Keys of a stepped parameter's state that gefen_titan owns on load (everything
+# but the name Gefen set at construction and its checkpoint-transport
+# placeholders, which live state must keep; see docs/gefen_internals.md e).
+_OWNED = ("automatic_period", "step", "vmean_step", "m_codebook", "m_magnitude", "vmean",
+          "stepsize", "_h_buf", "v_row", "v_col", "factored_step")
+
+
+@dataclass
+class ParamState:
+    """One parameter's Gefen state on this rank (tensors are the live ones)."""
+
+    period: int
+    step: int
+    vmean_step: int
+    codes: torch.Tensor  # uint8 [blocks, period]
+    magnitude: torch.Tensor  # fp32 [blocks, 1]
+    vmean: torch.Tensor  # fp32 [blocks, 1]
+
+
+def new_gefen(param_groups: list[dict[str, Any]], **options: Any) -> Optimizer:
+    """``gefen.Gefen(param_groups, **options)``: the one place gefen-titan constructs it."""
+    return Gefen(param_groups, **options)
+
+
+def is_gefen(optim: Optimizer) -> bool:
+    """Plain Gefen, exactly: its subclasses (gefen-x's GefenMuon, GefenMuonHybrid)
+    keep other state, which nothing here reads or writes."""
+    return type(optim) is Gefen
+
+
+def is_gefen_family(optim: Optimizer) -> bool:
+    """Gefen or any subclass of it."""
+    return isinstance(optim, Gefen)
+
+
+def named_params(optim: Optimizer) -> Iterator[tuple[str, torch.Tensor, dict]]:
+    """(canonical name, param, group) in Gefen's param-group order.
+
+    ``param_names`` is the container's list of FQNs (Gefen itself lowercases
+    the names it stores, so we never use those).
+    """
+    for group in optim.param_groups:
+        for name, p in zip(group["param_names"], group["params"], strict=True):
+            yield name, p, group
+
+
+def options(optim: Optimizer) -> dict[str, Any]:
+    """The constructor options that change Gefen's arithmetic or layout."""
+    return {
+        "deterministic": bool(optim._deterministic),
+        "factored_v_2d": bool(optim._factored_v_2d),
+        "force_1d_period_one": bool(optim._force_1d_period_one),
+        "force_2d_period_one": bool(optim._force_2d_period_one),
+        "period_one_substrings": tuple(optim._period_one_substrings or ()),
+        "codebook_refresh_every": int(optim._codebook_refresh_every or 0),
+        "capturable": bool(optim.capturable),
+    }
+
+
+def has_state(optim: Optimizer, p: torch.Tensor) -> bool:
+    return "m_codebook" in optim.state.get(p, {})
+
+
+def read(optim: Optimizer, p: torch.Tensor) -> ParamState | None:
+    """The parameter's quantized state, or None before its first step."""
+    st = optim.state.get(p, {})
+    if "m_codebook" not in st:
+        return None
+    if "v_row" in st or "factored_step" in st:
+        raise ValueError("factored second moment (factored_v_2d) state is not supported by gefen_titan")
+    return ParamState(
+        period=int(st["automatic_period"]),
+        step=int(st["step"]),
+        vmean_step=int(st.get("vmean_step", st["step"])),
+        codes=st["m_codebook"],
+        magnitude=st["m_magnitude"],
+        vmean=st["vmean"],
+    )
+
+
+def clear(optim: Optimizer, p: torch.Tensor) -> None:
+    """Back to a never-stepped parameter (the name Gefen gave it stays)."""
+    st = optim.state[p]
+    for key in _OWNED:
+        st.pop(key, None)
+
+
+def write(optim: Optimizer, p: torch.Tensor, state: ParamState | None) -> None:
+    """Replace the parameter's state (None: never stepped).
+
+    Gefen reads ``m_codebook`` as ``[blocks, period]`` and the per-block
+    tensors as ``[blocks, 1]`` and updates all three in place, so they must be
+    contiguous tensors of exactly those shapes and dtypes.
+    """
+    clear(optim, p)
+    if state is None:
+        return
+    blocks = state.codes.shape[0]
+    expect = {"codes": (torch.uint8, (blocks, state.period)), "magnitude": (torch.float32, (blocks, 1)),
+              "vmean": (torch.float32, (blocks, 1))}
+    for what, (dtype, shape) in expect.items():
+        t = getattr(state, what)
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"{what}: expected contiguous {dtype} {shape}, got {t.dtype} {tuple(t.shape)}")
+    st = optim.state[p]
+    st["automatic_period"] = int(state.period)
+    st["step"] = int(state.step)
+    st["vmean_step"] = int(state.vmean_step)
+    st["m_codebook"] = state.codes
+    st["m_magnitude"] = state.magnitude
+    st["vmean"] = state.vmean
+
+
+def period(optim: Optimizer, p: torch.Tensor) -> int | None:
+    value = optim.state.get(p, {}).get("automatic_period")
+    return None if value is None else int(value)
+
+
+def set_period(optim: Optimizer, p: torch.Tensor, value: int) -> None:
+    """Pre-set the block period; Gefen then skips its own search for ``p``."""
+    optim.state[p]["automatic_period"] = int(value)
+
+
+def codebook(optim: Optimizer) -> torch.Tensor | None:
+    return optim._gefen_codebook
+
+
+def set_codebook(optim: Optimizer, value: torch.Tensor | None) -> None:
+    """Set the optimizer's codebook; with one set, Gefen learns none."""
+    optim._gefen_codebook = value
+    # Stale per-device copies would otherwise outlive the change.
+    optim._gefen_codebook_by_device.clear()
+    optim._gefen_codebook_lut_by_device.clear()
+
+
+def global_step(optim: Optimizer) -> int:
+    return int(optim._gefen_global_step)
+
+
+def set_global_step(optim: Optimizer, value: int) -> None:
+    optim._gefen_global_step = int(value)
+
+
+def count_empty_shard_step(optim: Optimizer, p: torch.Tensor) -> None:
+    """Advance the counters of a parameter whose local shard is empty.
+
+    Gefen returns before touching the state of an empty local shard (an
+    uneven FSDP split), so its ``step``/``vmean_step`` would stay behind the
+    other ranks'. Agreed blocking keeps them equal on every rank, so a
+    checkpoint's counters do not depend on which rank DCP keeps them from.
+    Gefen never reads them for an empty shard.
+    """
+    step, vstep = empty_shard_counters(optim, p)
+    set_empty_shard_counters(optim, p, step + 1, vstep + 1)
+
+
+def empty_shard_counters(optim: Optimizer, p: torch.Tensor) -> tuple[int, int]:
+    st = optim.state.get(p, {})
+    return int(st.get("step", 0)), int(st.get("vmean_step", 0))
+
+
+def set_empty_shard_counters(optim: Optimizer, p: torch.Tensor, step: int, vmean_step: int) -> None:
+    st = optim.state[p]
+    st["step"] = int(step)
+    st["vmean_step"] = int(vmean_step)
+
+
+def state_tensors(optim: Optimizer) -> Iterator[torch.Tensor]:
+    """Every tensor the optimizer holds as state (for size accounting)."""
+    for group in optim.param_groups:
+        for p in group["params"]:
+            for value in optim.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor):
+                    yield value
+    cb = optim._gefen_codebook
+    if isinstance(cb, torch.Tensor):
+        yield cb
+
+
+# ------------------------------------------------------------ period search
+def finalize_period(results: list[tuple[int, float]]) -> int:
+    """Gefen's own scoring of (period, error) candidates, ascending periods.
+
+    The score of a candidate is the increase of its error over the previous
+    candidate's; the smallest score wins (ties: the smaller period); a winner
+    below 8 becomes 1 (``gefen.partitioning._finalize_period_results``).
+    """
+    return int(partitioning._finalize_period_results(results, print_results=False))
+
+
+def fallback_enabled() -> bool:
+    """gefen-x replaces a period-1 result by a coarse block (its memory-safe fallback)."""
+    return bool(partitioning.MEMORY_SAFE_FALLBACK)
+
+
+# ------------------------------------------------------------ codebook families
+# Each gefen-x optimizer class learns its codebook from its own gradients:
+# Gefen's from Gefen's, GefenMuon's from GefenMuon's. The agreement keeps one
+# codebook per family for the whole job (index: ``codebook_family``).
+CODEBOOK_FAMILIES = 2
+
+
+def codebook_family(optim: Optimizer) -> int:
+    """0 for Gefen, 1 for GefenMuon (exact types; anything else raises)."""
+    if type(optim) is Gefen:
+        return 0
+    if isinstance(optim, GefenMuon):
+        return 1
+    raise TypeError(f"{type(optim).__name__} has no agreed codebook family")
