@@ -24,7 +24,8 @@ _MUON_ROWS = [
     ("muon_codes", "uint8, the GefenMuon parameter's shape and placements", "DTensor: each its shard"),
     ("muon_magnitude", "fp32, the block grid with the parameter's placements", "DTensor: each its shard"),
     ("muon_rows", "fp32 [rows]: NorMuon's per-row second moment, placed like the parameter's dim 0 (when "
-     "rows_step > 0)", "DTensor: each its shard"),
+     "rows_step > 0); [experts, rows] for a grouped experts' weight (E, out, in), placed like its dims 0 and 1",
+     "DTensor: each its shard"),
 ]
 _RAW = " Stored as raw bytes (little-endian, no framing; see *Raw entries*)."
 

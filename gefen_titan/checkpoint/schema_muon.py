@@ -7,9 +7,10 @@ in order, its period, counters and every group key gefen-titan supports
 (``MUON_HYPER``): the load checks them against the live model and restores
 them, as torch optimizers restore their groups. Its tensors are the codes
 (the parameter's shape), the block magnitudes (the block grid) and, once
-NorMuon has stepped, NorMuon's rows (``[rows]``, placed like the
-parameter's dim 0), all DTensors with the parameter's placements, so DCP
-reshards them as it does Gefen's.
+NorMuon has stepped, NorMuon's rows (one per row of every matrix: ``[rows]``
+placed like the parameter's dim 0, ``[experts, rows]`` for a grouped experts'
+weight ``(E, out, in)``, placed like its first two dims), all DTensors with
+the parameter's placements, so DCP reshards them as it does Gefen's.
 
 As in ``schema``, the JSON is part of the format: ranks compare the bytes of
 the records they write, so ``to_json`` is canonical (sorted keys, group
@@ -112,7 +113,7 @@ def muon_tensor_specs(fqn: str, shape: tuple[int, ...], period: int, rows: bool
     keys = muon_tensor_keys(fqn)
     out = {keys["codes"]: (torch.uint8, tuple(shape)), keys["magnitude"]: (torch.float32, grid_shape(shape, period))}
     if rows:
-        out[keys["rows"]] = (torch.float32, (shape[0],))
+        out[keys["rows"]] = (torch.float32, tuple(shape[:-1]))  # [rows]; [experts, rows] for grouped experts
     return out
 
 

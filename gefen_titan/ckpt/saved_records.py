@@ -265,9 +265,10 @@ def _check_muon_param(opt: dict, p: MuonParamRecord, global_step: int) -> list[s
         return out
     if len(p.shape) < 2 or p.shape[-1] % p.period:
         return out + [f"{p.fqn}: period {p.period} does not fit the GefenMuon matrix of shape {p.shape}"]
+    rows_key = schema.muon_tensor_keys(p.fqn)["rows"]
     for key, (dtype, shape) in muon_tensor_specs(p.fqn, p.shape, p.period, p.rows_step > 0).items():
         why = (f"the shape of {p.fqn}" if dtype == torch.uint8 else
-               f"rows_step {p.rows_step} of {p.fqn}" if len(shape) == 1 else f"period {p.period} of {p.fqn}")
+               f"rows_step {p.rows_step} of {p.fqn}" if key == rows_key else f"period {p.period} of {p.fqn}")
         out.append(_check_tensor(opt, key, shape, dtype, why))
     return out
 

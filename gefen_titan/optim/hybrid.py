@@ -15,13 +15,22 @@ Why routing is by module (``route``), not by name: gefen-x's heuristics match
 name substrings (``embed``, ``lm_head``, ...), which send a head or an
 embedding named otherwise (torchtitan's ``output``) to Muon, where
 Newton-Schulz would orthogonalize a vocabulary projection. Here a parameter
-goes to GefenMuon when it is the 2-D weight of an ``nn.Linear`` inside the
-model's transformer blocks (its ``layers`` child, torchtitan's decoders'
-block container): attention projections (a fused ``wqkv`` included), the
-MLP's matrices, an MoE router. Everything else goes to the backup:
+goes to GefenMuon when it is, inside the model's transformer blocks (its
+``layers`` child, torchtitan's decoders' block container), the 2-D weight
+of an ``nn.Linear`` (attention projections, a fused ``wqkv`` included, the
+MLP's matrices, an MoE's shared experts) or a 3-D weight of an MoE's
+routed experts (torchtitan's ``GroupedExperts``: ``w1_EFD``, ``w2_EDF``,
+``w3_EFD``, ``(E, out, in)``, one Muon matrix per expert; in an MoE model
+nearly all the parameters). Everything else goes to the backup:
 embeddings (``nn.Embedding``, wherever they are), the output head and any
-other module outside the blocks, norms, biases, 1-D and 3-D parameters (MoE
-experts' grouped weights). The decision reads module types and the tree,
+other module outside the blocks, norms, biases (the experts' too), other
+1-D and 3-D parameters, and the MoE router's gate (the ``nn.Linear`` of a
+``TokenChoiceTopKRouter``). The gate, because torchtitan's own MoE
+param-group config (``qwen3_debugmodel_moe_param_groups``) gives it a group
+of its own with Adam, no weight decay and a lower lr: it scores experts (a
+small E x dim classifier, like the output head that Muon setups leave to
+Adam), and orthogonalizing it would flatten the spread of the routing
+logits that load balancing relies on. The decision reads module types and the tree,
 so FSDP2 / TP wrappers (subclasses of ``nn.Linear``, DTensor parameters) and
 pipeline stages (a stage keeps the blocks' original keys) route alike, and
 FQNs are canonical (activation checkpointing's and torch.compile's wrapper
@@ -43,6 +52,7 @@ from typing import Any, Literal
 import torch.nn as nn
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import ParamGroupConfig
+from torchtitan.models.common.moe import GroupedExperts, TokenChoiceTopKRouter
 
 from gefen_titan.optim import gefenx as gx
 
@@ -159,9 +169,12 @@ def _hidden_matrices(model: nn.Module) -> set[int]:
         return set()
     embeddings = {id(p) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
                   for p in m.parameters()}
-    return {id(m.weight) for m in blocks.modules()
-            if isinstance(m, nn.Linear) and m.weight is not None and m.weight.dim() == 2
-            and id(m.weight) not in embeddings}
+    routers = {id(p) for m in blocks.modules() if isinstance(m, TokenChoiceTopKRouter) for p in m.parameters()}
+    linears = {id(m.weight) for m in blocks.modules()
+               if isinstance(m, nn.Linear) and m.weight is not None and m.weight.dim() == 2}
+    experts = {id(p) for m in blocks.modules() if isinstance(m, GroupedExperts)
+               for p in m.parameters(recurse=False) if p.dim() == 3}
+    return (linears | experts) - embeddings - routers
 
 
 def route(model: nn.Module) -> tuple[list[str], list[str]]:

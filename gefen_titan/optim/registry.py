@@ -186,8 +186,10 @@ def _split_options(param_groups: list[dict[str, Any]], option_keys: tuple[str, .
                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(groups, constructor options) from torchtitan-style param groups.
 
-    Groups carry ``param_names`` (canonical FQNs); gefen-x stores them as the
-    per-parameter state name, which is how checkpoints identify parameters.
+    Groups carry ``param_names`` (canonical FQNs); gefen-x stores them,
+    lowercased, as the per-parameter state name, so they are also kept as
+    they are under ``gefenx.FQNS_KEY``, which is how checkpoints identify
+    parameters (``gefenx.named_params``).
 
     Optimizer-wide options (``fused``, ``deterministic``, ...) are constructor
     arguments, not group options: they are taken from the first group (the
@@ -213,6 +215,7 @@ def _split_options(param_groups: list[dict[str, Any]], option_keys: tuple[str, .
             # gefen-x takes names only as (name, tensor) pairs; a bare
             # "param_names" key would be ignored in favour of positional names.
             group["params"] = list(zip(names_, group["params"], strict=True))
+            group[gx.FQNS_KEY] = list(names_)  # gefen-x lowercases its own copy (gefenx.named_params)
         groups.append(group)
     options.pop("foreach", None)
     # gefen-x's fused path is CUDA-only and downgrades itself with a warning per
@@ -307,12 +310,15 @@ def build_gefen_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any) 
     if refused:
         raise ValueError("; ".join(f"GefenMuon option {k!r} is not supported: {gx.MUON_REFUSED[k]}" for k in refused)
                          + ". Remove it from optimizer.optimizer_factory_kwargs_by_name.GefenMuon")
+    # A 3-D parameter is a grouped experts' weight (E, out, in): one Muon matrix per expert (optim.muon.layout).
     not_matrices = [f"{name} {tuple(p.shape)}" for g in param_groups
-                    for name, p in zip(g.get("param_names", ()), g["params"]) if p.dim() != 2]
+                    for name, p in zip(g.get("param_names", ()), g["params"]) if p.dim() not in (2, 3)]
     if not_matrices:
         raise ValueError(
-            f"GefenMuon steps matrices only, and its param group matches {len(not_matrices)} other parameter(s) "
-            f"({', '.join(not_matrices[:3])}{' ...' if len(not_matrices) > 3 else ''}): narrow the GefenMuon "
+            f"GefenMuon steps matrices only (a grouped experts' weight (E, out, in) as a matrix per expert), "
+            f"and its param group matches "
+            f"{len(not_matrices)} other parameter(s) ({', '.join(not_matrices[:3])}"
+            f"{' ...' if len(not_matrices) > 3 else ''}): narrow the GefenMuon "
             "pattern in [[optimizer.param_groups]], or match those parameters in an earlier group for Gefen")
     groups, options = _split_options(param_groups, MUON_OPTION_KEYS, "GefenMuon")
     bucket_mib = options.pop("muon_bucket_mib", DEFAULT_BUCKET_MIB)

@@ -41,7 +41,7 @@ from tests.helpers import processes
 THEN = "--then"
 # The workers a launch can mix, by the name that starts each of their jobs.
 WORKERS = {"agreed": "tests.helpers.agreed_worker", "reshard": "tests.helpers.reshard_worker",
-           "muon": "tests.helpers.muon_worker"}
+           "muon": "tests.helpers.muon_worker", "moe": "tests.helpers.moe_worker"}
 LAUNCH_TIMEOUT_S = 600
 
 _owned: list[dist.ProcessGroup] = []

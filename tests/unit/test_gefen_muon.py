@@ -180,3 +180,69 @@ def test_single_process_step_is_gefen_x_given_the_same_periods_and_codebook():
     want = gx.K * 4 + sum(q.numel() + 4 * q.numel() // gx.period(muon, params[n]) + 4 * q.shape[0]
                           for n, q in ref_params.items())
     assert sum(t.nbytes for t in gx.state_tensors(muon)) == want
+
+
+class MoENet(nn.Module):
+    """An embedding, a grouped experts' weight (E, out, in) as torchtitan's GroupedExperts keeps it, a matrix."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 64)
+        self.experts = nn.Parameter(torch.randn(4, 48, 64) / 8)
+        self.w1 = nn.Linear(64, 96, bias=False)
+
+
+@pytest.mark.parametrize("normuon, adjust", [(True, "match_rms_adamw"), (False, "original"), (True, None)])
+def test_grouped_experts_step_as_one_gefen_x_matrix_per_expert(normuon, adjust):
+    """A (E, out, in) weight under GefenMuon is E Muon matrices: parameters and state after every
+    step equal gefen-x's GefenMuon over E separate (out, in) parameters, given the same period and
+    codebook (the lr adjusted from an expert's shape, NorMuon per expert, weight decay per element)."""
+    torch.manual_seed(0)
+    net = MoENet()
+    groups = [ParamGroup(pattern=r"^(experts|w1\.weight)$", optimizer_name="GefenMuon",
+                         optimizer_kwargs={"lr": 0.02, "normuon": normuon, "adjust_lr_fn": adjust}),
+              ParamGroup(pattern=".*")]
+    opt = GefenOptimizersContainer.Config(name="Gefen", lr=3e-3, weight_decay=0.05, param_groups=groups
+                                          ).build(model_parts=[net])
+    muon = opt.optimizers[0]
+    assert [n for n, _, _ in gx.named_params(muon)] == ["experts", "w1.weight"]
+    experts = [nn.Parameter(net.experts.detach()[e].clone()) for e in range(4)]
+    w1 = nn.Parameter(net.w1.weight.detach().clone())
+    ref = GefenMuon([(f"e{e}", q) for e, q in enumerate(experts)] + [("w1", w1)], fused=False,
+                    **{k: muon.param_groups[0][k] for k in MUON_HYPER})
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        grads = {n: torch.randn(p.shape, generator=gen) ** 3 for n, p in net.named_parameters()}
+        for n, p in net.named_parameters():
+            p.grad = grads[n].clone()
+        opt.step()
+        if step == 0:  # the agreement set one period for the whole grouped weight
+            period = gx.period(muon, net.experts)
+            assert period > 1 and 64 % period == 0
+            for q in experts:
+                gx.set_period(ref, q, period)
+            gx.set_period(ref, w1, gx.period(muon, net.w1.weight))
+            gx.set_codebook(ref, gx.codebook(muon).clone())
+        for e, q in enumerate(experts):
+            q.grad = grads["experts"][e].clone()
+        w1.grad = grads["w1.weight"].clone()
+        ref.step()
+        assert torch.equal(torch.stack([q.detach() for q in experts]), net.experts.detach()), step
+        assert torch.equal(w1, net.w1.weight), step
+    mine = gx.muon_read(muon, net.experts)
+    theirs = [gx.muon_read(ref, q) for q in experts]
+    assert mine.step == 3 and all(t.step == 3 for t in theirs)
+    assert torch.equal(mine.codes, torch.cat([t.codes for t in theirs]))
+    assert torch.equal(mine.magnitude, torch.cat([t.magnitude for t in theirs]))
+    if normuon:
+        assert mine.rows_step == 3 and torch.equal(mine.rows, torch.cat([t.rows for t in theirs]))
+    else:
+        assert mine.rows is None
+
+
+def test_a_grouped_weight_is_registered_as_itself():
+    w = nn.Parameter(torch.zeros(2, 6, 8))
+    optim = gx.new_gefen_muon([{"params": [("experts", w), ("m", nn.Parameter(torch.zeros(6, 8)))]}])
+    assert optim.param_groups[0]["params"][0] is w and "name" in optim.state[w]
+    with pytest.raises(ValueError, match="only supports 2D"):  # gefen-x's own check still guards other shapes
+        gx.new_gefen_muon([{"params": [nn.Parameter(torch.zeros(2, 2, 2, 2))]}])

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from gefen_titan.optim.gefenx.gefen import (
     CODEBOOK_FAMILIES,
+    FQNS_KEY,
     K,
     ParamState,
     clear,
@@ -80,7 +81,8 @@ from gefen_titan.optim.gefenx.muon import (
 )
 
 __all__ = [
-    "K", "ParamState", "is_gefen", "is_gefen_family", "new_gefen", "named_params", "options", "read", "write",
+    "FQNS_KEY", "K", "ParamState", "is_gefen", "is_gefen_family", "new_gefen", "named_params", "options", "read",
+    "write",
     "clear", "has_state", "period", "set_period", "codebook", "set_codebook", "global_step", "set_global_step",
     "count_empty_shard_step", "empty_shard_counters", "set_empty_shard_counters", "finalize_period",
     "fallback_enabled", "state_tensors", "CODEBOOK_FAMILIES", "codebook_family", "MUON_GROUP_KEYS", "MUON_REFUSED",

@@ -21,7 +21,8 @@ from torch.optim import Optimizer
 from gefen_titan.checkpoint import schema
 
 __all__ = [
-    "K", "ParamState", "is_gefen", "is_gefen_family", "new_gefen", "named_params", "options", "read", "write",
+    "FQNS_KEY", "K", "ParamState", "is_gefen", "is_gefen_family", "new_gefen", "named_params", "options", "read",
+    "write",
     "clear", "has_state", "period", "set_period", "codebook", "set_codebook", "global_step", "set_global_step",
     "count_empty_shard_step", "empty_shard_counters", "set_empty_shard_counters", "finalize_period",
     "fallback_enabled", "state_tensors", "CODEBOOK_FAMILIES", "codebook_family",
@@ -64,14 +65,22 @@ def is_gefen_family(optim: Optimizer) -> bool:
     return isinstance(optim, Gefen)
 
 
+# The group key that keeps the container's FQNs: gefen-x replaces a group's
+# ``param_names`` with its own lowercased names (torchtitan's MoE weights are
+# ``w1_EFD``, ``expert_bias_E``, ...), so the registry's factories put the
+# FQNs here too, and gefen-x carries the key along as it carries any other.
+FQNS_KEY = "gefen_titan_fqns"
+
+
 def named_params(optim: Optimizer) -> Iterator[tuple[str, torch.Tensor, dict]]:
     """(canonical name, param, group) in Gefen's param-group order.
 
-    ``param_names`` is the container's list of FQNs (Gefen itself lowercases
-    the names it stores, so we never use those).
+    The names are the container's FQNs, as the model names its parameters
+    (``FQNS_KEY``; a group built without it, outside the registry: gefen-x's
+    ``param_names``, lowercased).
     """
     for group in optim.param_groups:
-        for name, p in zip(group["param_names"], group["params"], strict=True):
+        for name, p in zip(group.get(FQNS_KEY, group["param_names"]), group["params"], strict=True):
             yield name, p, group
 
 

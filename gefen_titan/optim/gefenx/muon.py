@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gefen import GefenMuon, GefenMuonHybrid
-from gefen.gefen_muon import NS_SCHEDULES, _zeropower_via_newtonschulz
+from gefen import Gefen, GefenMuon, GefenMuonHybrid
+from gefen.gefen_muon import NS_SCHEDULES, _adjust_lr, _zeropower_via_newtonschulz
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -79,7 +79,20 @@ class MuonState:
     rows_step: int
 
 
-class ShardedGefenMuon(GefenMuon):
+class _Registration(Gefen):
+    """Sits between GefenMuon and Gefen in ``ShardedGefenMuon``'s MRO: it puts grouped
+    experts' weights back in place of their stand-ins before Gefen registers a group."""
+
+    def add_param_group(self, param_group):
+        stand_ins = getattr(self, "_grouped_stand_ins", {})
+        if stand_ins:
+            param_group = dict(param_group, params=[
+                (item[0], stand_ins.get(id(item[1]), item[1])) if isinstance(item, tuple)
+                else stand_ins.get(id(item), item) for item in param_group["params"]])
+        return super().add_param_group(param_group)
+
+
+class ShardedGefenMuon(GefenMuon, _Registration):
     """gefen-x's GefenMuon whose ``step()`` is gefen-titan's sharded step.
 
     A subclass, not a container-level driver, so that every caller of
@@ -87,9 +100,39 @@ class ShardedGefenMuon(GefenMuon):
     tracking, the optimizer's own hooks) gets the sharded step and none can
     reach gefen-x's, which would gather full gradients and replace the
     sharded state.
+
+    It also takes grouped experts' weights ``(E, out, in)`` (torchtitan's
+    MoE), which the sharded step runs as E matrices (``muon.layout``).
+    gefen-x's GefenMuon refuses any parameter that is not 2-D because its own
+    ``step()`` is per matrix; that step never runs here, and everything
+    gefen-titan calls of it (the momentum, per block; Newton-Schulz and
+    NorMuon, on each expert's 2-D slice; the apply, ``muon_apply``) is
+    dimension-free or given a matrix. So GefenMuon validates and completes
+    a group's keys with a 2-D stand-in for each 3-D weight
+    (``add_param_group``), and ``_Registration``, next in the MRO before
+    Gefen, registers the weight itself.
     """
 
     sharded_step: Any = None  # set by the factory (``set_sharded_step``)
+
+    def add_param_group(self, param_group):
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            return super().add_param_group(param_group)
+        items = [param_group["params"]] if isinstance(param_group["params"], torch.Tensor) \
+            else list(param_group["params"])
+        stand_ins, shown = {}, []
+        for item in items:
+            name, p = item if isinstance(item, tuple) else (None, item)
+            if isinstance(p, torch.Tensor) and p.ndim == 3:
+                stand_in = torch.empty(p.shape[0] * p.shape[1], p.shape[2], device="meta", dtype=p.dtype)
+                stand_ins[id(stand_in)] = p
+                p = stand_in
+            shown.append((name, p) if isinstance(item, tuple) else p)
+        self._grouped_stand_ins = stand_ins
+        try:
+            return super().add_param_group(dict(param_group, params=shown))
+        finally:
+            self._grouped_stand_ins = {}
 
     def step(self, closure: Any = None) -> None:
         if closure is not None:
@@ -230,10 +273,24 @@ def muon_apply(optim: Optimizer, group: dict, p: torch.Tensor, update: torch.Ten
     """Decoupled weight decay, then ``p -= adjusted_lr * update`` on this rank's shard.
 
     ``update`` is the shard's slice of the orthogonalized update; the lr
-    adjustment comes from the parameter's global shape (gefen-x's
-    ``_apply_muon_update`` with a pre-sliced update).
+    adjustment comes from the global shape of the matrix (gefen-x's
+    ``_apply_muon_update`` with a pre-sliced update). For a grouped experts'
+    weight ``(E, out, in)`` the matrix is one expert's ``(out, in)``: gefen-x
+    would take ``(E, out)``, so its non-capturable path (the only one
+    gefen-titan runs: ``capturable`` is refused) is written out here with
+    the expert's shape, the same operations in the same order
+    (``tests/unit/test_gefen_muon.py`` pins it: a grouped weight steps as gefen-x's
+    GefenMuon over one 2-D parameter per expert, bit for bit).
     """
-    optim._apply_muon_update(group, p, update, isinstance(p, DTensor), True)
+    if p.dim() != 3:
+        optim._apply_muon_update(group, p, update, isinstance(p, DTensor), True)
+        return
+    adjusted_lr = _adjust_lr(optim._lr_scalar(group), group["adjust_lr_fn"], p.shape[1:])
+    shard = p.to_local() if isinstance(p, DTensor) else p
+    if group["weight_decay"] > 0.0:
+        shard.mul_(1 - group["lr"] * group["weight_decay"])
+    if shard.numel() > 0:
+        shard.add_(update, alpha=-adjusted_lr)
 
 
 def muon_restore_group(group: dict, values: dict[str, Any]) -> None:

@@ -22,12 +22,14 @@ reduction order with the batch's make-up, which here depends on the mesh).
   ``s^3``, two FLOPs a multiply-add. Balancing by numel would put a square
   matrix and a long thin one of equal size on a par; their costs differ by
   the ratio of their smaller dims squared.
-* **Owners** (``lpt``): within a bucket, per shard group, matrices by cost,
-  largest first (ties: FQN), each to the member with the least cost in this
-  bucket, then the least carried over from earlier buckets, then the earlier
-  member. Balancing the bucket first is what makes owners compute at once
-  (the bucket's time is its busiest owner's); the carried loads spread the
-  bucket-sized remainders over the whole step.
+* **Owners** (``lpt``): within a bucket, a matrix only one member holds
+  (a whole expert under expert parallelism) is that member's; then the
+  others by cost, largest first (ties: FQN), each to the member of its
+  shard group with the least cost in this bucket (over every matrix, dense
+  and expert, whatever its group), then the least carried over from earlier
+  buckets, then the earlier member. Balancing the bucket first is what
+  makes owners compute at once (the bucket's time is its busiest owner's);
+  the carried loads spread the bucket-sized remainders over the whole step.
 * **Buckets** (``build_schedule``): consecutive runs of the matrices in step
   order, as long as the bytes each rank holds for the bucket (``rank_bytes``:
   the dense fp32 momentum and NorMuon rows it sends, plus the whole
@@ -35,8 +37,10 @@ reduction order with the batch's make-up, which here depends on the mesh).
   within the limit: ``bucket_bytes``, raised to twice the largest matrix so
   that an owner can always take one whole matrix beside its shares (a
   smaller limit would put one matrix in a bucket and run the owners one
-  after another again). A bucket is the longest run that fits (found by
-  bisection), at least one matrix.
+  after another again), and to one whole parameter's bytes. A bucket is the
+  longest run that fits (found by bisection), at least one parameter, and it
+  ends only between parameters: a grouped experts' weight (``param``: its
+  matrices share it) gets its momentum computed once, for all its experts.
 """
 
 from __future__ import annotations
@@ -76,6 +80,11 @@ class MatrixSpec:
     members: tuple[int, ...]  # global ranks of this rank's shard group; () when every rank holds it whole
     shard_numel: tuple[int, ...]  # the numel each member holds, aligned with members
     shard_rows: tuple[int, ...] = ()  # the rows each member holds (NorMuon's rows travel with the momentum)
+    param: str = ""  # the parameter it is part of, where that is not the matrix itself (an expert's weight)
+
+    @property
+    def param_key(self) -> str:
+        return self.param or self.fqn
 
     @property
     def cost(self) -> int:
@@ -117,22 +126,37 @@ def lpt(specs: Sequence[MatrixSpec], items: Sequence[int], carried: dict[tuple[i
     """
     owners: dict[int, int] = {}
     after = {g: list(v) for g, v in carried.items()}
-    by_group: dict[tuple[int, ...], list[int]] = {}
+    load: dict[int, int] = {}  # this bucket's cost per rank, over every group
+    shared = []
     for i in items:
-        if specs[i].members:
-            by_group.setdefault(specs[i].members, []).append(i)
-        else:
+        members = specs[i].members
+        if not members:
             owners[i] = -1
-    for group, mine in by_group.items():
+        elif len(members) == 1:  # only one member holds it: no choice, but its cost counts
+            owners[i] = members[0]
+            load[members[0]] = load.get(members[0], 0) + specs[i].cost
+            after.setdefault(members, [0])[0] += specs[i].cost
+        else:
+            shared.append(i)
+    heaps: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}
+    for i in sorted(shared, key=lambda i: (-specs[i].cost, specs[i].fqn)):
+        group = specs[i].members
         cum = after.setdefault(group, [0] * len(group))
-        heap = [(0, cum[j], j) for j in range(len(group))]
-        heapq.heapify(heap)
-        for i in sorted(mine, key=lambda i: (-specs[i].cost, specs[i].fqn)):
-            bucket_load, _, j = heapq.heappop(heap)
-            cost = specs[i].cost
-            owners[i] = group[j]
-            cum[j] += cost
-            heapq.heappush(heap, (bucket_load + cost, cum[j], j))
+        heap = heaps.get(group)
+        if heap is None:
+            heap = heaps[group] = [(load.get(r, 0), cum[j], j) for j, r in enumerate(group)]
+            heapq.heapify(heap)
+        while True:  # loads only grow: an entry another group's choice made stale is pushed again, updated
+            key = heapq.heappop(heap)
+            j = key[2]
+            now = (load.get(group[j], 0), cum[j], j)
+            if key == now:
+                break
+            heapq.heappush(heap, now)
+        owners[i] = group[j]
+        cum[j] += specs[i].cost
+        load[group[j]] = load.get(group[j], 0) + specs[i].cost
+        heapq.heappush(heap, (load[group[j]], cum[j], j))
     return owners, after
 
 
@@ -155,18 +179,24 @@ def build_schedule(specs: Sequence[MatrixSpec], bucket_bytes: int) -> Schedule:
     """The buckets and owners of ``specs`` (in step order) under ``bucket_bytes`` (see the module doc)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    limit = max([int(bucket_bytes)] + [2 * m.nbytes for m in specs])
+    n = len(specs)
+    # A bucket may end only where a parameter ends (ends[k]: the end after the k-th parameter).
+    ends = [i + 1 for i in range(n) if i + 1 == n or specs[i].param_key != specs[i + 1].param_key]
+    starts = [0] + ends[:-1]
+    whole_param = [max(rank_bytes(specs, lpt(specs, range(a, b), {})[0]).values(), default=0)
+                   for a, b in zip(starts, ends)]
+    limit = max([int(bucket_bytes)] + [2 * m.nbytes for m in specs] + whole_param)
     carried: dict[tuple[int, ...], list[int]] = {}
     buckets = []
-    start, n = 0, len(specs)
+    k = 0  # the first parameter of the next bucket
 
-    def fits(end: int):
-        owners, after = lpt(specs, range(start, end), carried)
+    def fits(last: int):
+        owners, after = lpt(specs, range(starts[k], ends[last]), carried)
         return max(rank_bytes(specs, owners).values(), default=0) <= limit, owners, after
 
-    while start < n:
-        ok, owners, after = fits(start + 1)  # one matrix always makes a bucket
-        lo, hi = start + 1, n
+    while k < len(ends):
+        ok, owners, after = fits(k)  # one parameter always makes a bucket
+        lo, hi = k, len(ends) - 1
         best = (owners, after)
         step = 1
         while lo < hi:  # exponential search for an end that does not fit, then bisection
@@ -179,8 +209,9 @@ def build_schedule(specs: Sequence[MatrixSpec], bucket_bytes: int) -> Schedule:
                 hi = probe - 1
                 step = 1
         owners, carried = best
-        buckets.append(Bucket(tuple(range(start, lo)), tuple(owners[i] for i in range(start, lo))))
-        start = lo
+        first, end = starts[k], ends[lo]
+        buckets.append(Bucket(tuple(range(first, end)), tuple(owners[i] for i in range(first, end))))
+        k = lo + 1
     return Schedule(tuple(buckets), limit)
 
 

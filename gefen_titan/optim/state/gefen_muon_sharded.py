@@ -3,7 +3,8 @@
 The sharded step (``gefen_titan.optim.muon``) keeps each rank's momentum on
 its shard of the parameter: the codes are the shard's elements, the
 magnitudes its block grid, NorMuon's rows its rows (``[rows]``, placed like
-the parameter's dim 0). The records carry every group key gefen-titan
+the parameter's dim 0; a grouped experts' weight ``(E, out, in)`` keeps
+``[E, out]``, placed like its first two dims). The records carry every group key gefen-titan
 supports (``schema_muon.MUON_HYPER``), restored on load.
 """
 
@@ -66,7 +67,7 @@ class GefenMuonShardedAdapter(ShardedAdapter):
         entries = {keys["codes"]: self._copy(st.codes.view(local_shape)),
                    keys["magnitude"]: self._copy(st.magnitude.view(grid_shape(local_shape, st.period)))}
         if st.rows is not None:
-            entries[keys["rows"]] = self._copy(st.rows.view(-1))
+            entries[keys["rows"]] = self._copy(st.rows.view(local_shape[:-1]))
         return MuonParamRecord(s.fqn, shape, st.period, st.step, st.rows_step, s.group), entries
 
     def _optimizer_record(self, optim: Optimizer, params: list[MuonParamRecord]) -> MuonOptimizerRecord:

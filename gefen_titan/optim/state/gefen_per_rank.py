@@ -106,15 +106,14 @@ class GefenPerRankAdapter(StagedLoad):
         # without checkpoints: refuse at save/load time instead.
         self._unsupported: str | None = None
         for optim in self.optimizers:
-            opt_id = schema.optimizer_id([n for g in optim.param_groups for n in g["param_names"]])
-            for group in optim.param_groups:
-                for name, p in zip(group["param_names"], group["params"], strict=True):
-                    try:
-                        region, local_shape = param_region(name, p)
-                    except UnsupportedLayout as e:
-                        self._unsupported = self._unsupported or str(e)
-                        region, local_shape = Region(0, 1, 0, p.numel()), tuple(p.shape)
-                    self.slots.append(_Slot(name, p, optim, opt_id, group, region, local_shape))
+            opt_id = schema.optimizer_id([n for n, _, _ in gx.named_params(optim)])
+            for name, p, group in gx.named_params(optim):
+                try:
+                    region, local_shape = param_region(name, p)
+                except UnsupportedLayout as e:
+                    self._unsupported = self._unsupported or str(e)
+                    region, local_shape = Region(0, 1, 0, p.numel()), tuple(p.shape)
+                self.slots.append(_Slot(name, p, optim, opt_id, group, region, local_shape))
 
     # ------------------------------------------------------------------ save
     def _save(self) -> dict[str, Any]:
