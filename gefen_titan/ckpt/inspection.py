@@ -19,6 +19,7 @@ from torchtitan.components.checkpoint import MODEL, OPTIMIZER
 from gefen_titan.checkpoint import digests, schema, storage
 from gefen_titan.ckpt.saved_records import SavedRecords, codebook_summary, read_records
 from gefen_titan.ckpt.view import Checkpoint, Entry, split_state_key
+from gefen_titan.optim.muon.layout import is_grouped
 
 __all__ = ["inspect_checkpoint", "render"]
 
@@ -173,6 +174,9 @@ def _muon_optimizers(ck: Checkpoint, gefen: SavedRecords) -> list[dict[str, Any]
             entries = [opt[n] for n in schema.muon_tensor_keys(p.fqn).values() if n in opt]
             params.append({"fqn": p.fqn, "shape": list(p.shape), "period": p.period,
                            "grid": list(p.grid) if p.period and p.shape and not p.shape[-1] % p.period else None,
+                           # Muon matrices: one, or one per expert of a grouped experts' weight (E, out, in)
+                           "matrices": p.shape[0] if is_grouped(tuple(p.shape)) else 1,
+                           "matrix_shape": list(p.shape[-2:]),
                            "step": p.step, "rows_step": p.rows_step, "group": p.group,
                            "bytes": sum(e.payload_bytes for e in entries if e.is_tensor),
                            "stored_bytes": sum(e.stored_bytes for e in entries),
@@ -381,15 +385,22 @@ def render(report: dict[str, Any]) -> str:
                      str(p["step"]), _n(p["bytes"]), "x".join(map(str, p["cuts"])) or "1"] for p in o["params"]]
             lines += _table(head, rows)
         elif o["kind"] == "GefenMuon":
+            grouped = [p for p in o["params"] if len(p["shape"]) == 3]
+            matrices, expert = sum(p["matrices"] for p in o["params"]), sum(p["matrices"] for p in grouped)
+            experts = f" ({matrices} Muon matrices, {expert} of them experts of {len(grouped)} grouped weights)" \
+                if grouped else ""
             lines.append(f"optimizer   GefenMuon (records {schema.muon_optimizer_key(o['id'])}): {len(o['params'])} "
-                         f"parameters, global step {o['global_step']}, deterministic {str(o['deterministic']).lower()}")
+                         f"parameters{experts}, global step {o['global_step']}, "
+                         f"deterministic {str(o['deterministic']).lower()}")
             for g in o["hyperparameters"]:
                 lines.append("  " + "  ".join(f"{k} {_value(g.get(k))}" for k in _MUON_SHOWN))
             lines += [_codebook_line(name, cb) for name, cb in o["codebooks"].items()]
             rows = [[p["fqn"], _shape(p["shape"]), str(p["period"]), _shape(p["grid"]) if p["grid"] else "-",
                      str(p["step"]), str(p["rows_step"]), _n(p["bytes"]), "x".join(map(str, p["cuts"])) or "1"]
+                    + ([f"{p['matrices']} x {_shape(p['matrix_shape'])}"] if grouped else [])
                     for p in o["params"]]
-            lines += _table(["parameter", "shape", "period", "grid", "step", "rows_step", "bytes", "chunks"], rows)
+            lines += _table(["parameter", "shape", "period", "grid", "step", "rows_step", "bytes", "chunks"]
+                            + (["Muon matrices"] if grouped else []), rows)
         else:
             steps = ", ".join(f"{s:g}" for s in o["steps"]) or "-"
             lines.append(f"optimizer   {o['kind']} (torch state): {len(o['params'])} parameters, step {steps}")

@@ -53,6 +53,7 @@ import torch.nn as nn
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import ParamGroupConfig
 from torchtitan.models.common.moe import GroupedExperts, TokenChoiceTopKRouter
+from torchtitan.tools.logging import logger
 
 from gefen_titan.optim import gefenx as gx
 
@@ -256,6 +257,7 @@ def bind(groups: list[ParamGroupConfig], model_parts: list[nn.Module]) -> list[P
     model parts. Raises when no model part has a hidden matrix."""
     muon: list[str] = []
     no_decay: list[str] = []
+    grouped = expert_matrices = others = 0
     substrings = tuple(s.lower() for g in groups if isinstance(g, RoutedGroup) for s in g.substrings)
     for part in model_parts:
         hidden = _hidden_matrices(part)
@@ -264,13 +266,20 @@ def bind(groups: list[ParamGroupConfig], model_parts: list[nn.Module]) -> list[P
                 continue
             if id(p) in hidden:
                 muon.append(name)
-            elif substrings and any(s in canonical_fqn(name).lower() for s in substrings):
-                no_decay.append(name)
+                if p.dim() == 3:
+                    grouped, expert_matrices = grouped + 1, expert_matrices + p.shape[0]
+            else:
+                others += 1
+                if substrings and any(s in canonical_fqn(name).lower() for s in substrings):
+                    no_decay.append(name)
     if not muon:
         raise ValueError(
             f"optimizer.name = {NAME!r}: no hidden matrix to give GefenMuon (it takes the 2-D weights of the "
             f"nn.Linear modules inside the model's {BLOCKS!r} blocks, and this model has none); use "
             "[[optimizer.param_groups]] to choose its parameters")
+    experts = (f", {grouped} of them MoE experts' grouped weights ({expert_matrices} expert matrices)"
+               if grouped else "")
+    logger.info(f"{NAME}: GefenMuon takes {len(muon)} parameters{experts}; the backup the other {others}")
     patterns = {"muon": _exact(muon), "no_decay": _exact(no_decay) if no_decay else None, "backup": ".*"}
     bound = []
     for g in groups:

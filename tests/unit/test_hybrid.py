@@ -323,3 +323,27 @@ def test_kinds_check_refuses_a_hybrid_checkpoint_in_a_gefen_recipe():
             r'wrote it was \[optimizer\] name = "GefenMuonHybrid", set that')):
         state.check_kinds(ctx, {"layers.0.w1.weight": "Gefen", "norm.weight": "Gefen"}, registry.record_kinds(),
                           hint=lambda w, n: hybrid.kind_hint(config, w, n))
+
+
+@pytest.mark.parametrize("module, flavor", [("deepseek_v3", "debugmodel"), ("qwen3", "debugmodel_moe")])
+def test_routes_torchtitans_moe_experts_to_gefen_muon_and_the_router_to_the_backup(module, flavor):
+    """The routed experts' grouped weights (one Muon matrix per expert) and the shared experts' and
+    attention's matrices go to GefenMuon; the router's gate goes to the backup, as torchtitan's own
+    MoE param groups give it Adam; the experts' load-balancing bias is a buffer, no parameter."""
+    import importlib
+
+    registry_of = importlib.import_module(f"torchtitan.models.{module}").model_registry
+    with torch.device("meta"):
+        model = registry_of(flavor).model.build()
+    muon, backup = hybrid.route(model)
+    experts = [n for n, p in model.named_parameters() if ".moe.routed_experts." in n]
+    assert experts and all(p.dim() == 3 for n, p in model.named_parameters() if n in experts)
+    assert set(experts) <= set(muon)
+    gates = [n for n in backup if ".moe.router.gate." in n]
+    assert gates and not any(".router." in n for n in muon)
+    params = dict(model.named_parameters())
+    assert all(params[n].dim() in (2, 3) for n in muon)
+    assert not any("tok_embeddings" in n or "lm_head" in n or "norm" in n for n in muon)
+    assert sorted(muon + backup) == sorted(params)
+    shared = [n for n in muon if ".moe.shared_experts." in n]
+    assert (module == "deepseek_v3") == bool(shared)
