@@ -76,7 +76,7 @@ class CpuGroupedExperts(GroupedExperts):
     class Config(GroupedExperts.Config):
         pass
 
-    def _grouped_mm(self, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: N803
+    def _grouped_mm(self, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         if A.device.type != "cpu":
             return super()._grouped_mm(A=A, B_t=B_t, offs=offs)
         return torch._grouped_mm(A.float(), B_t.float(), offs=offs).to(A.dtype)

@@ -64,8 +64,8 @@ from gefen_titan.recipe.coerce import coerce_value, type_hints
 from gefen_titan.recipe.errors import RecipeError
 from gefen_titan.recipe.files import merge_tables, read_recipe_tables
 
-__all__ = ["BUILTIN_PREFIX", "EXTRA_FLAVORS", "JOB_KEYS", "MODEL_KEYS", "Recipe", "build_recipe", "composite_refusal", "finish_recipe",
-           "load_recipe"]
+__all__ = ["BUILTIN_PREFIX", "EXTRA_FLAVORS", "JOB_KEYS", "MODEL_KEYS", "Recipe", "build_recipe", "composite_refusal",
+           "finish_recipe", "load_recipe"]
 
 JOB_KEYS = ("module", "base_config", "extends", "description", "dump_folder", "hf_assets_path")
 MODEL_KEYS = ("flavor", "attn_backend")
