@@ -1,36 +1,46 @@
-"""Small Qwen3 mixture-of-experts flavors, registered with torchtitan's ``qwen3`` registry.
+"""Small mixture-of-experts flavors of torchtitan's ``qwen3`` and ``deepseek_v3`` (docs/moe.md).
 
-Why: torchtitan 0.3.0's smallest Qwen3 MoE, ``debugmodel_moe`` (8 layers, 64
-experts of hidden 768, top-8, 315.8M parameters, 96% of them in the routed
-experts), takes ~105 s a step on 2 CPU ranks here, so no CI run can train it.
-These flavors keep its shape of model (Qwen3 blocks, every block an MoE of
-grouped ``w1_EFD``/``w2_EDF``/``w3_EFD`` experts, a softmax top-k router with
-``route_norm``, torchtitan's load-balancing ``expert_bias_E``) at a size a
-CPU trains in about a second a step:
+Why: torchtitan 0.3.0's debug MoE models are too big for CPU runs. Qwen3's
+``debugmodel_moe`` (8 layers, 64 experts of hidden 768, top-8, 315.8M
+parameters, 96% in the routed experts) takes ~105 s a step on 2 CPU ranks
+here; DeepSeek-V3's ``debugmodel`` (33.0M parameters, 21M of them MLA
+attention) took 15 s a step at the recipe regression's settings. These
+flavors keep each model's shape (blocks, grouped ``w1_EFD``/``w2_EDF``/
+``w3_EFD`` experts, router, shared experts and dense first layer where the
+model has them, torchtitan's load-balancing ``expert_bias_E``) at a size a
+CPU trains in a few seconds a step:
 
-* ``debugmodel_moe_8e``: the default of ``recipes/qwen3_moe_gefen.toml``.
+* qwen3 ``debugmodel_moe_8e``, the default of ``recipes/qwen3_moe_gefen.toml``:
   dim 256, 4 layers, 4 heads of 64 with 2 KV heads, vocab 2048, 8 experts of
-  hidden 256, top-2: 8.07M parameters, 6.29M (78%) of them routed experts.
+  hidden 256, top-2: 8,137,472 parameters, 6,291,456 (77%) routed experts.
   8 experts give every expert-parallel degree up to 8 whole experts per rank.
-* ``debugmodel_moe_2e``: the same with 2 experts, top-1 (2.61M parameters).
-  With so few experts torchtitan's FSDP cuts the experts along their hidden
-  dimension instead: ``Shard(1)`` whenever efsdp x ep > num_experts
-  (``torchtitan/distributed/fsdp.py``), e.g. EP 1 x FSDP 4 or EP 2 x efsdp 2
-  at 4 ranks, so tests of that placement can train a model that has it.
-  Top-1 so that routing still chooses (top-2 of 2 would send every token to
-  both experts and the load-balancing bias would never move).
+* qwen3 ``debugmodel_moe_2e``: the same with 2 experts, top-1 (3,412,736
+  parameters). With fewer experts than efsdp x ep ranks torchtitan's FSDP
+  cuts the experts along their hidden dimension instead (``Shard(1)``,
+  ``torchtitan/distributed/fsdp.py``): EP 1 x FSDP 4 or EP 2 x efsdp 2 at 4
+  ranks, so tests of that placement can train a model that has it. Top-1 so
+  that routing still chooses (top-2 of 2 sends every token to both experts
+  and the load-balancing bias never moves).
+* deepseek_v3 ``debugmodel_small``, the default of ``recipes/dsv3_gefen.toml``:
+  ``debugmodel`` with 4 layers (1 dense, 3 MoE), 4 heads, kv_lora_rank 128,
+  qk head 64 + 32 (rope), v head 64, dense hidden 512; the same 8 routed
+  experts of hidden 256 (top-3, softmax), 2 shared experts and YaRN RoPE:
+  8,430,336 parameters, 4,718,592 (56%) routed experts.
 
-Both are built from torchtitan's own Qwen3 builders
-(``_build_qwen3_moe_layers``, ``_qwen3_norm``, ``_EMBEDDING_INIT``,
-``_LINEAR_INIT``, private in torchtitan 0.3.0 on purpose: they are what make
-a flavor a shipped one in all but size), so names, sharding, routing and
-initialisation are those of ``debugmodel_moe``. ``register_flavors()`` (run by
-the recipe layer before it resolves a qwen3 flavor) adds them to
-``torchtitan.models.qwen3.qwen3_configs``, so ``[model] flavor =
-"debugmodel_moe_8e"`` and ``model_registry("debugmodel_moe_8e")`` work like
-any torchtitan flavor. Importing this module imports
-``torchtitan.models.qwen3`` (seconds): the recipe layer imports it only for
-qwen3 recipes.
+They are built from torchtitan's own builders (qwen3's
+``_build_qwen3_moe_layers``, ``_qwen3_norm``, ``_EMBEDDING_INIT``,
+``_LINEAR_INIT``; deepseek_v3's ``_build_dsv3_layers``, ``_build_mtp_layers``,
+``_EMBEDDING_INIT``, ``_NORM_INIT``, ``_output_linear_init``: private in
+torchtitan 0.3.0, used on purpose, as they are what make a flavor a shipped
+one in all but size), so names, sharding, routing and initialisation are
+torchtitan's. ``qwen3_moe(...)`` builds a Qwen3 MoE config of any size the
+same way (tests use a tiny one). ``register_flavors()`` (run by the recipe
+layer before it resolves a qwen3 or deepseek_v3 flavor: ``build.EXTRA_FLAVORS``)
+adds the flavors to torchtitan's registries (``qwen3_configs``,
+``deepseekv3_configs``), so ``[model] flavor = "debugmodel_moe_8e"`` and
+``model_registry("debugmodel_moe_8e")`` work like any torchtitan flavor.
+Importing this module imports both model packages (seconds): the recipe
+layer imports it only for their recipes.
 """
 
 from __future__ import annotations
