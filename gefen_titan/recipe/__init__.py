@@ -3,7 +3,8 @@
 ``build`` turns a recipe into torchtitan's ``Trainer.Config`` (on ``files``,
 which reads the TOML, and ``coerce``, which checks tables into dataclasses);
 ``checks`` refuses what no run can use; ``cli`` parses torchtitan's command
-line over the recipe; ``flavors`` adds Llama 3 flavors to torchtitan.
+line over the recipe; ``flavors`` adds Llama 3 flavors to torchtitan, ``moe_flavors``
+small DeepSeek-V3 and Qwen3 mixture-of-experts ones (``build.EXTRA_FLAVORS``).
 """
 
 from gefen_titan.recipe.build import Recipe, build_recipe, finish_recipe, load_recipe
