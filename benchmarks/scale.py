@@ -717,9 +717,8 @@ def metadata_estimate(entries: list[Entry], world: int, chunks: Chunks, checkpoi
         extra_digits = sum(len(str(layer)) - len(str(k[1])) for layer in k[2:])
         digit = {"metadata": 0, "gathered": 0}
         if extra_digits:
-            wider = int("1" + str(k[0]))  # one more digit (0 -> 10, 3 -> 13)
-            if wider in firsts:
-                raise ValueError(f"layer {k[0]} renamed to {wider} meets another kind's first layer")
+            digits = len(str(k[0])) + 1  # one more digit (0 -> 10, 3 -> 13), no other kind's first layer
+            wider = next(n for n in range(10 ** (digits - 1) + k[0], 10 ** digits) if n not in firsts)
             wide = metadata_bytes(_subset(entries, firsts, rename=(k[0], wider)), world, chunks, checkpoint_id)
             digit = {what: wide[what] - one[what] for what in digit}
         for what in ("metadata", "gathered"):

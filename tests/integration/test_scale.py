@@ -213,6 +213,27 @@ def test_moe_plan_arguments():
     assert "expert_parallel_degree" not in scale.mesh_for("fsdp", 8).parallelism()  # dense builds as before
 
 
+def test_moe_plan_recipes_load_with_their_flavors():
+    from gefen_titan.recipe.build import load_recipe
+
+    for name, (recipe, flavor) in scale.MOE_FLAVORS.items():
+        config = load_recipe(str(ROOT / recipe), {"model": {"flavor": flavor}}, world_size=64).config
+        assert config.parallelism.expert_parallel_degree == 8 and config.training.disable_cuda_graphs, name
+        assert config.model_spec.flavor == flavor and config.optimizer.name == "Gefen", name
+
+
+def test_distmuon_does_not_apply_to_a_matrix_cut_over_two_mesh_dims():
+    from torch.distributed.tensor import Shard
+
+    from benchmarks import scale_moe
+
+    # FSDP 2 x TP 2: DistMuon's owned transport moves a matrix along one mesh dim only.
+    p = scale.Param("w", (8, 8), None, (Shard(0), Shard(1)), (2, 2), [(0, 0), (0, 1), (1, 0), (1, 1)], 8, [8])
+    built = scale.Built("x", scale.mesh_for("fsdp_tp", 4, tp=2), 64, [p], "", [], {}, True, muon_fqns=frozenset({"w"}))
+    got = scale_moe.distmuon_plan(built, [])
+    assert not got["applies"] and "2 mesh dims" in got["why"]
+
+
 def test_state_formula_matches_real_gefen(gefen_stepped):
     from gefen_titan.optim import gefenx as gx
 
