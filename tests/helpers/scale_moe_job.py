@@ -40,7 +40,7 @@ OPTIMIZERS = {"gefen": {}, "hybrid": {"name": "GefenMuonHybrid"}}
 
 
 def build(experts: int, world: int, optimizer: str):
-    model = moe_worker.build_model(experts)
+    model = moe_worker.build_model(LAYOUT, world, experts)
     moe_worker.shard(model, LAYOUT, world)
     return model, sm.optimizer(model, max_tensor_parallel_degree=2, **OPTIMIZERS[optimizer])
 

@@ -21,7 +21,7 @@ saved at 2 gloo ranks (the CPU half of ``scripts/gpu_check.sh``).
    the schedules made from each.
 
 With MOE_DIR (``tests/helpers/scale_moe_job.py``'s output: real state and
-format-v3 checkpoints of ``moe_worker``'s decoder at EP 2 x efsdp 2, 4 ranks):
+format-v3 checkpoints of ``moe_worker``'s model (torchtitan's Qwen3 MoE) at EP 2 x efsdp 2, 4 ranks):
 
 6. moe_checkpoint: per experts count (whole experts on efsdp, and rows cut
    by ``Shard(1)``), the plan of that model and layout on a fake process
