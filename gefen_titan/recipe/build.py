@@ -41,7 +41,7 @@ optimizer, checkpoint and data-loader configs lifted into gefen-titan's
 (each component's ``Config.from_torchtitan``; the loader's through
 ``gefen_titan.data.registry``, which also owns the loader names, so this
 layer names no component kind), the model rebuilt from ``[model]`` (with
-``flavors``), and the ``builtin://`` assets. The rest of the recipe layer,
+``flavors``, ``moe_flavors``), and the ``builtin://`` assets. The rest of the recipe layer,
 below it: ``files`` (TOML, ``extends``, override tables), ``coerce`` (the
 generic TOML -> dataclass engine), ``checks`` (what ``finish_recipe`` refuses).
 """
@@ -64,11 +64,16 @@ from gefen_titan.recipe.coerce import coerce_value, type_hints
 from gefen_titan.recipe.errors import RecipeError
 from gefen_titan.recipe.files import merge_tables, read_recipe_tables
 
-__all__ = ["BUILTIN_PREFIX", "JOB_KEYS", "MODEL_KEYS", "Recipe", "build_recipe", "composite_refusal", "finish_recipe",
-           "load_recipe"]
+__all__ = ["BUILTIN_PREFIX", "EXTRA_FLAVORS", "JOB_KEYS", "MODEL_KEYS", "Recipe", "build_recipe", "composite_refusal",
+           "finish_recipe", "load_recipe"]
 
 JOB_KEYS = ("module", "base_config", "extends", "description", "dump_folder", "hf_assets_path")
 MODEL_KEYS = ("flavor", "attn_backend")
+# torchtitan model packages gefen-titan adds flavors to -> the module whose
+# register_flavors() does it: llama3's "150M", the small MoE flavors
+# (qwen3's "debugmodel_moe_8e", "debugmodel_moe_2e", deepseek_v3's "debugmodel_small").
+EXTRA_FLAVORS = {"llama3": "gefen_titan.recipe.flavors", "qwen3": "gefen_titan.recipe.moe_flavors",
+                 "deepseek_v3": "gefen_titan.recipe.moe_flavors"}
 # Top-level Trainer.Config scalars that recipes set from [job].
 _TOP_LEVEL_FROM_JOB = ("dump_folder", "hf_assets_path")
 
@@ -122,12 +127,11 @@ def _rebuild_model_spec(
     if flavor is None:
         raise RecipeError(f"{where} flavor: the base config has no model; set a flavor")
     mod = importlib.import_module(f"torchtitan.models.{module}")
-    if module == "llama3":
-        # Not at the top: flavors imports torchtitan.models.llama3 (seconds), which
-        # `import gefen_titan` must not pay for (it is loaded by now).
-        from gefen_titan.recipe.flavors import register_flavors  # noqa: PLC0415
-
-        register_flavors()  # [model] flavor = "150M"
+    if module in EXTRA_FLAVORS:
+        # Imported here, not at the top: each flavors module imports its
+        # torchtitan model package (seconds), which `import gefen_titan` must
+        # not pay for (this recipe's is loaded by now).
+        importlib.import_module(EXTRA_FLAVORS[module]).register_flavors()
     registry = getattr(mod, "model_registry", None)
     if registry is None:
         raise RecipeError(f"{where}: torchtitan.models.{module} has no model_registry")
@@ -137,7 +141,9 @@ def _rebuild_model_spec(
     try:
         config.model_spec = registry(flavor, **kwargs)
     except KeyError:
-        flavors = sorted(getattr(mod, f"{module}_configs", {}) or [])
+        # The registry dict is <module>_configs, but deepseek_v3's is deepseekv3_configs.
+        flavors = sorted(getattr(mod, f"{module}_configs", None) or getattr(mod, f"{module.replace('_', '')}_configs",
+                                                                               None) or [])
         raise RecipeError(
             f"{where} flavor: unknown flavor {flavor!r} for {module}"
             + (f" (known: {', '.join(flavors)})" if flavors else "")

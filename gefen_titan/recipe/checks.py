@@ -3,7 +3,8 @@
 Each refuses, with a ``RecipeError`` that names the recipe keys, a config no
 run can use, before any process group exists (torchtitan would assert the
 same later, on some ranks, or not at all): a mesh whose degrees do not
-multiply to the world size (``validate_mesh``), a global-order loader
+multiply to the world size or whose expert-parallel degree cannot split
+the ranks or the experts (``validate_mesh``), a global-order loader
 without a global batch that splits into equal rank slices
 (``check_global_order_batch``), and an ``[optimizer]`` key that has no effect
 or a group key its optimizer ignores (``check_optimizer``). They need the
@@ -24,7 +25,8 @@ __all__ = ["check_global_order_batch", "check_optimizer", "validate_mesh"]
 
 
 def validate_mesh(config: Any, path: str, world_size: int | None = None) -> None:
-    """Degrees must multiply to the world size (``dp_shard = -1`` fills in).
+    """Degrees must multiply to the world size (``dp_shard = -1`` fills in),
+    and the expert-parallel degree must split the ranks it borrows and the experts.
 
     Mirrors ``ParallelDims._validate`` but runs before any process group work
     and names the recipe keys instead of asserting.
@@ -53,6 +55,7 @@ def validate_mesh(config: Any, path: str, world_size: int | None = None) -> None
                 f"divide the world size {world_size}; data_parallel_shard_degree = -1 "
                 "cannot fill the rest. Change the degrees or the number of processes."
             )
+        _check_expert_parallel(config, path, world_size // others)
         return
     if shard < 1:
         raise RecipeError(f"{path}: [parallelism] data_parallel_shard_degree must be -1 or >= 1, got {shard}")
@@ -63,6 +66,49 @@ def validate_mesh(config: Any, path: str, world_size: int | None = None) -> None
             "data_parallel_shard_degree = -1 to use all ranks, or launch "
             f"{shard * others} processes."
         )
+    _check_expert_parallel(config, path, shard)
+
+
+def _check_expert_parallel(config: Any, path: str, shard: int) -> None:
+    """``expert_parallel_degree``: what torchtitan 0.3.0 fails on late or obscurely.
+
+    EP borrows its ranks from dp_shard * cp * tp (the experts' FSDP, "efsdp",
+    runs over the rest); a degree that does not divide them fails in the mesh
+    build with ``ValueError: The product of mesh_sizes=(1, 1, 0, 4) is 0 ...``.
+    Every EP rank holds the same number of whole experts; experts that do not
+    split evenly build, then crash the first forward on every rank
+    (``RuntimeError: shape '[3, -1]' is invalid for input of size 8``). A model
+    without MoE layers ignores the degree: a flag with no effect.
+    """
+    p = config.parallelism
+    ep = p.expert_parallel_degree
+    if ep < 1:
+        raise RecipeError(f"{path}: [parallelism] expert_parallel_degree must be >= 1, got {ep}")
+    if ep == 1:
+        return
+    borrowed = shard * p.context_parallel_degree * p.tensor_parallel_degree
+    if borrowed % ep:
+        raise RecipeError(
+            f"{path}: [parallelism] expert_parallel_degree ({ep}) must divide data_parallel_shard_degree({shard}) * "
+            f"context_parallel_degree({p.context_parallel_degree}) * tensor_parallel_degree"
+            f"({p.tensor_parallel_degree}) = {borrowed}: expert parallelism borrows its ranks from those (the "
+            "experts' FSDP runs over the rest). Use a degree that divides it, or more processes.")
+    # Not at the top: torchtitan's model code takes seconds to import (loaded by now: the recipe built a model).
+    from torchtitan.models.common.moe import MoE  # noqa: PLC0415
+
+    spec = config.model_spec
+    if spec is None:  # no model to check against (torchtitan's own check runs at build)
+        return
+    experts = sorted({cfg.num_experts for _, cfg, _, _ in spec.model.traverse(MoE.Config)})
+    if not experts:
+        raise RecipeError(
+            f"{path}: [parallelism] expert_parallel_degree = {ep}, but {spec.name} {spec.flavor} has no "
+            "mixture-of-experts layers: the degree would have no effect. Set it to 1.")
+    if uneven := [e for e in experts if e % ep]:
+        raise RecipeError(
+            f"{path}: [parallelism] expert_parallel_degree ({ep}) does not divide the {uneven[0]} experts of "
+            f"{spec.name} {spec.flavor}'s MoE layers: every EP rank holds the same number of whole experts. Use "
+            f"a degree that divides {uneven[0]}.")
 
 
 def check_global_order_batch(config: Any, path: str, world_size: int | None) -> None:

@@ -8,7 +8,8 @@ The torchft recipes (a ``[fault_tolerance]`` section) run as a lighthouse and
 2 replica groups of 2 ranks, uninterrupted, with the fault-tolerance tests'
 settings (``tests.helpers.ft_runs``); their files hold each group's curve,
 which ``tests/integration/test_fault_tolerance.py`` compares with. Every other
-``recipes/llama_gefen*.toml`` runs on CPU (gloo) at its own number of
+CPU recipe (``CPU_GLOBS``: ``recipes/llama_gefen*.toml`` and the
+mixture-of-experts ``dsv3_gefen*.toml``, ``qwen3_moe_gefen*.toml``) runs on CPU (gloo) at its own number of
 processes (``recipe.declared_world_size``: the product of its degrees, 2 for
 FSDP over all ranks) with the CI
 settings of ``gefen_titan.validation.runs`` (``CI_SETTINGS``: 7 steps, global
@@ -56,15 +57,24 @@ def _fault_tolerant(recipe: Path) -> bool:
     return "fault_tolerance" in read_recipe_tables(str(recipe))
 
 
+# The CPU recipe families: the Llama 3 ones and the mixture-of-experts ones
+# (DeepSeek-V3 debug model, the small Qwen3 MoE: docs/moe.md).
+CPU_GLOBS = ("llama_gefen*.toml", "dsv3_gefen*.toml", "qwen3_moe_gefen*.toml")
+
+
+def _shipped_cpu() -> list[Path]:
+    return sorted({r for pattern in CPU_GLOBS for r in (ROOT / "recipes").glob(pattern)})
+
+
 def cpu_recipes() -> list[Path]:
     """The CPU recipes one torchrun trains (not the torchft ones: ``ft_recipes``)."""
-    return [r for r in sorted((ROOT / "recipes").glob("llama_gefen*.toml")) if not _fault_tolerant(r)]
+    return [r for r in _shipped_cpu() if not _fault_tolerant(r)]
 
 
 def ft_recipes() -> list[Path]:
     """The recipes with a [fault_tolerance] section: a lighthouse and replica groups run them
     (``tests/integration/test_fault_tolerance.py``, against their own uninterrupted run)."""
-    return [r for r in sorted((ROOT / "recipes").glob("llama_gefen*.toml")) if _fault_tolerant(r)]
+    return [r for r in _shipped_cpu() if _fault_tolerant(r)]
 
 
 def nproc_of(recipe: Path) -> int:
@@ -154,7 +164,7 @@ def versions() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--recipes", help="comma-separated recipe names (default: all recipes/llama_gefen*.toml)")
+    ap.add_argument("--recipes", help="comma-separated recipe names (default: every CPU recipe, CPU_GLOBS)")
     ap.add_argument("--check", action="store_true", help="compare with the stored curves; write nothing")
     ap.add_argument("--out", default="outputs/reference_curves", help="folder for the runs")
     ap.add_argument("--reference-cache", help="share runs with validate_reshard.py runs kept here")

@@ -1,6 +1,7 @@
 """Recipe regression: every shipped recipe keeps working.
 
-* CPU recipes (``recipes/llama_gefen*.toml``): trained for 7 steps on gloo at
+* CPU recipes (``recipes/llama_gefen*.toml`` and the mixture-of-experts
+  ``dsv3_gefen*.toml``, ``qwen3_moe_gefen*.toml``: ``CPU_GLOBS``): trained for 7 steps on gloo at
   their own number of processes with the CI settings and compared, step by
   step, with the curve stored in ``tests/reference_curves/<recipe>.json``
   within ``TOLERANCE`` of ``tests/helpers/reference_curves.py`` (runs are

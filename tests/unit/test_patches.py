@@ -463,6 +463,87 @@ def test_sdpa_override_keeps_the_tp_local_map():
     ]
 
 
+# ------------------------------------------------------- cpu_grouped_mm override
+
+
+def test_cpu_grouped_mm_override_swaps_exactly_the_grouped_experts_on_cpu():
+    import importlib
+
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+    from torchtitan.models.common.moe import GroupedExperts
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    gmm = importlib.import_module(f"{PKG}.cpu_grouped_mm")
+    cfg = qwen3_moe_debug()
+    before = [c for _, c, _, _ in cfg.model_spec.model.traverse(GroupedExperts.Config)]
+    assert len(before) == 8 and all(type(c) is GroupedExperts.Config for c in before)
+    apply_overrides(OverrideConfig(imports=[f"{PKG}.cpu_grouped_mm.cpu_grouped_mm"]), cfg)
+    after = [c for _, c, _, _ in cfg.model_spec.model.traverse(GroupedExperts.Config)]
+    assert all(type(c) is gmm.CpuGroupedExperts.Config for c in after)
+    for a, b in zip(after, before, strict=True):  # every field carried over (sizes, init, sharding)
+        fields = [f for f in b.__dataclass_fields__ if f != "_owner"]  # the class the config builds
+        assert {f: getattr(a, f) for f in fields} == {f: getattr(b, f) for f in fields}
+    # Python helper form; subclasses (already swapped) are left alone.
+    assert gmm.use_cpu_grouped_mm(cfg.model_spec) == 0
+    assert gmm.use_cpu_grouped_mm(qwen3_moe_debug().model_spec) == 8
+
+
+def test_cpu_grouped_mm_keeps_torchtitans_kernel_where_there_is_an_accelerator(monkeypatch):
+    import importlib
+
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    gmm = importlib.import_module(f"{PKG}.cpu_grouped_mm")
+    monkeypatch.setattr(gmm, "_no_accelerator", lambda: False)
+    spec = qwen3_moe_debug().model_spec
+    (_, experts, _, _), *_ = spec.model.traverse(gmm.GroupedExperts.Config)
+    assert gmm.cpu_grouped_mm(experts) is experts
+    assert gmm.use_cpu_grouped_mm(spec) == 0
+    assert type(gmm.cpu_grouped_mm(experts, cpu_only=False)) is gmm.CpuGroupedExperts.Config
+
+
+def test_cpu_grouped_mm_is_torchtitans_math_through_the_fp32_kernel(monkeypatch):
+    """The same bf16 operands and bf16 result as torchtitan's experts, the
+    sums in another order: measured 0.008% of outputs one bf16 ulp apart."""
+    import importlib
+
+    from torchtitan.models.common.moe import GroupedExperts
+
+    gmm = importlib.import_module(f"{PKG}.cpu_grouped_mm")
+    config = GroupedExperts.Config(dim=64, hidden_dim=96, num_experts=4)
+    theirs, ours = config.build(), gmm.derive(config, gmm.CpuGroupedExperts.Config).build()
+    assert type(ours) is gmm.CpuGroupedExperts
+    torch.manual_seed(0)
+    for name, p in theirs.named_parameters():
+        torch.nn.init.normal_(p, std=0.05)
+        getattr(ours, name).data.copy_(p.data)
+    counts = torch.tensor([5, 0, 11, 16])  # an expert without tokens too
+    x = torch.randn(int(counts.sum()), 64)
+    kernels = []
+    real = torch._grouped_mm
+
+    def recording(a, b, *args, **kw):
+        kernels.append(a.dtype)
+        return real(a, b, *args, **kw)
+
+    monkeypatch.setattr(torch, "_grouped_mm", recording)
+    results = []
+    for module in (theirs, ours):
+        xi = x.clone().requires_grad_()
+        out = module(xi, counts)
+        out.square().sum().backward()
+        results.append((out, xi.grad, [p.grad for p in module.parameters()]))
+    assert kernels[:3] == [torch.bfloat16] * 3 and kernels[3:] == [torch.float32] * 3
+    (out_t, gx_t, gw_t), (out_o, gx_o, gw_o) = results
+    assert out_o.dtype == out_t.dtype == torch.float32
+    # bf16 results: equal but where an fp32 sum rounded the other way (one bf16 ulp, 2**-8 relative)
+    assert (out_o == out_t).float().mean() > 0.99
+    torch.testing.assert_close(out_o, out_t, rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(gx_o, gx_t, rtol=2**-6, atol=1e-4)
+    for a, b in zip(gw_o, gw_t, strict=True):
+        torch.testing.assert_close(a, b, rtol=2**-6, atol=1e-4)
+
+
 # -------------------------------------------------------- pp_presplit_step
 
 
