@@ -17,22 +17,23 @@ parallelism and resume under another (``2@ep2:2`` is EP 2 -> EP 1 on 2
 ranks, ``2:2@tp2`` FSDP 2 -> TP 2), which a ``--set`` (every run alike)
 cannot say.
 
-Everything checkable without a process group is checked here, before any run
+What the degrees alone decide is checked here, before any run
 (``LayoutError`` naming the side): the syntax, degrees that do not divide N,
 EP that does not divide the ranks it borrows (torchtitan: efsdp = fsdp * cp
-* tp / ep); with the side's built config (``config_problems``), what the
-model cannot take (EP on a model without experts or not dividing them, TP
-not dividing the attention heads, more pipeline stages than layers).
+* tp / ep). With the side's built config, the recipe layer checks the mesh
+and EP against the model (``recipe.checks.validate_mesh``: experts that EP
+does not split, EP on a model without experts) and ``config_problems`` what
+else the model cannot take (TP not dividing the attention heads, more
+pipeline stages than layers); ``preflight`` runs both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
 from typing import Any
-
-from torchtitan.models.common.moe import MoE
 
 __all__ = ["DEGREES", "LayoutError", "Side", "as_side", "config_problems", "cuda_graph_flags", "degree_flags",
            "degree_keys", "parse_pairs", "parse_side", "recipe_degrees", "strip_degree_flags"]
@@ -249,27 +250,34 @@ def cuda_graph_flags(degrees: dict[str, int], disabled: bool) -> list[str]:
     return ["--training.disable_cuda_graphs", "true"]
 
 
+def _configs(config: Any) -> list[Any]:
+    """Every dataclass in a model config's tree (lists of layers included)."""
+    out, todo, seen = [], [config], set()
+    while todo:
+        c = todo.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        if isinstance(c, (list, tuple)):
+            todo.extend(c)
+        elif dataclasses.is_dataclass(c) and not isinstance(c, type):
+            out.append(c)
+            todo.extend(getattr(c, f.name) for f in dataclasses.fields(c))
+    return out
+
+
 def config_problems(config: Any, degrees: dict[str, int]) -> list[str]:
     """What the model of a built config cannot take at these degrees
-    (torchtitan would fail on some ranks at the model's parallelization)."""
+    (torchtitan would fail on some ranks at the model's parallelization).
+    EP against the experts is the recipe layer's (``validate_mesh``)."""
     model = config.model_spec.model if config.model_spec is not None else None
     if model is None:
         return []
     problems = []
-    ep, tp, pp = degrees["ep"], degrees["tp"], degrees["pp"]
-    experts = sorted({c.num_experts for _, c, _, _ in model.traverse(MoE.Config)})
-    if ep > 1 and not experts:
-        problems.append(f"ep {ep}: the model has no experts (expert parallelism would change nothing)")
-    for n in experts:
-        if n % ep:
-            problems.append(f"ep {ep} does not divide the model's {n} experts")
+    tp, pp = degrees["tp"], degrees["pp"]
     if tp > 1:
-        heads = set()
-        for _, c, _, _ in model.traverse(object, recurse=True):
-            for name in ("n_heads", "n_kv_heads"):
-                value = getattr(c, name, None)
-                if isinstance(value, int) and value > 0:
-                    heads.add((name, value))
+        heads = {(name, value) for c in _configs(model) for name in ("n_heads", "n_kv_heads")
+                 if isinstance(value := getattr(c, name, None), int) and value > 0}
         for name, value in sorted(heads):
             if value % tp:
                 problems.append(f"tp {tp} does not divide the model's {name} = {value}")

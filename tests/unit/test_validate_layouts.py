@@ -23,6 +23,7 @@ CI = runs.CI_SETTINGS
 DEBUG = "recipes/llama_gefen.toml"
 GLOBAL = "recipes/llama_gefen_global_order.toml"
 TP2 = "recipes/llama_gefen_tp2.toml"
+DSV3 = "recipes/dsv3_gefen.toml"
 ROOT = Path(__file__).resolve().parents[2]
 PP2 = "recipes/llama_gefen_pp2.toml"
 
@@ -154,7 +155,14 @@ def test_the_cache_key_holds_the_layout_not_its_spelling():
 
 # ----------------------------------------------------------------- preflight
 @pytest.mark.parametrize("recipe,pairs,message", [
-    (GLOBAL, "2:2@ep2", "pair 2:2@ep2, target side 2@ep2 (2 processes): ep 2: the model has no experts"),
+    (GLOBAL, "2:2@ep2", "pair 2:2@ep2, target side 2@ep2 (2 processes): "  # the recipe layer's check
+                        f"{ROOT / GLOBAL}: [parallelism] expert_parallel_degree = 2, but llama3 debugmodel has no "
+                        "mixture-of-experts layers"),
+    (DSV3, "2:3@ep3", "target side 3@ep3 (3 processes): "
+                      f"{ROOT / DSV3}: [parallelism] expert_parallel_degree (3) does not divide the 8 experts"),
+    (GLOBAL, "2:32@tp32", "target side 32@tp32 (32 processes): tp 32 does not divide the model's n_heads = 16"),
+    ("recipes/qwen3_moe_gefen.toml", "2:4@tp4", "tp 4 does not divide the model's n_kv_heads = 2"),
+    (GLOBAL, "2:8@pp8", "target side 8@pp8 (8 processes): pp 8: the model has 6 layers, fewer than the stages"),
     (GLOBAL, "3:1", "pair 3:1, source side 3 (3 processes): "  # the recipe layer's own check at that size
                     f"{ROOT / GLOBAL}: [training] global_batch_size 8 is not a multiple of local_batch_size 2 x "
                     "data-parallel degree 3"),
@@ -170,14 +178,15 @@ def test_sides_no_run_can_take_fail_before_any_run(recipe, pairs, message):
 
 
 def test_sides_the_recipe_takes_pass_the_preflight():
-    preflight.check_pairs(runs.Settings(recipe=GLOBAL, **CI), parse_pairs("2:1,2:2@tp2,4@tp2:2,2:4@tp2"))
+    preflight.check_pairs(runs.Settings(recipe=GLOBAL, **CI), parse_pairs("2:1,2:2@tp2,4@tp2:2,2:4@tp2,4:4@pp2"))
     preflight.check_pairs(runs.Settings(recipe=TP2, **CI), parse_pairs("2:4,2:2@fsdp2"))
+    preflight.check_pairs(runs.Settings(recipe=DSV3, **CI), parse_pairs("2@ep2:2,2@ep2:1,2:4@ep4xtp2"))
 
 
 def test_the_command_refuses_before_any_run(tmp_path):
     with pytest.raises(SystemExit) as e:
         command.validate(recipe=GLOBAL, pairs="2:2@ep2", out=str(tmp_path), backend="gloo", **CI)
-    assert "the model has no experts" in str(e.value)
+    assert "has no mixture-of-experts layers" in str(e.value)
     with pytest.raises(SystemExit) as e:  # a --set degree would override every side's layout
         command.validate(recipe=GLOBAL, pairs="2:2@tp2", sets=["parallelism.tensor_parallel_degree=1"],
                          out=str(tmp_path), backend="gloo", **CI)
