@@ -26,6 +26,7 @@ EXAMPLES = {
     "gefen_titan.checkpoint.errors.GefenCheckpointError": lambda m: m.GefenCheckpointError("refused: x"),
     "gefen_titan.checkpoint.digests.CorruptCheckpointError":
         lambda m: m.CorruptCheckpointError("corrupt: x", file="__0_0.distcp", entry="model.w", what="digest"),
+    "gefen_titan.checkpoint.load_checks.StepMismatchError": lambda m: m.StepMismatchError("step 3, folder step-4"),
     "gefen_titan.checkpoint.schema.FormatError": lambda m: m.FormatError("bad record"),
     "gefen_titan.checkpoint.unpickling.ForbiddenObjectError":
         lambda m: m.ForbiddenObjectError("entry train_state.step", "builtins.eval", "/ckpt/step-4"),

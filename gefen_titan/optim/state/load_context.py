@@ -2,8 +2,10 @@
 
 ``read_load_context`` makes the load's one small collective read: the
 header, every optimizer record and every codebook of every kind (and v1's
-rank tables), parsed into a ``LoadContext`` that the container's kinds
-check (``check_kinds``) and every ``StateAdapter.prepare_load`` plan from.
+rank tables), checked by the records stage of ``checkpoint.load_checks``
+(what ``ckpt verify`` runs: the checks that need no live model) and parsed
+into a ``LoadContext`` that the container's kinds check (``check_kinds``)
+and every ``StateAdapter.prepare_load`` plan from.
 Reading them once keeps a load's planning to one round of DCP's collectives
 however many optimizer kinds the run holds; which entries count as small is
 the format's to say (``schema.SMALL_KINDS``).
@@ -15,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint import load_checks, schema
 from gefen_titan.checkpoint.errors import refuse_on_any_rank
 from gefen_titan.checkpoint.storage import read_small
 
@@ -55,13 +57,11 @@ def read_load_context(checkpoint_id: str, metadata: Any, prefix: str) -> LoadCon
     small = read_small(checkpoint_id, metadata, prefix,
                        sorted(k for k, kind in kinds.items() if schema.SMALL_KINDS[kind] == "tensor"),
                        sorted(k for k, kind in kinds.items() if schema.SMALL_KINDS[kind] == "str"))
-    header, error = None, None
-    if schema.header_key() in small:
-        try:
-            header = schema.Header.from_json(small[schema.header_key()])
-        except schema.FormatError as e:
-            error = str(e)
-    refuse_on_any_rank(error, f"cannot load optimizer state from {checkpoint_id}")
+    # The records stage of load_checks (the header parses among them): the same function ckpt verify runs.
+    problems = load_checks.record_problems(entries, small, prefix)
+    refuse_on_any_rank(load_checks.refusal(checkpoint_id, problems) if problems else None,
+                       f"cannot load optimizer state from {checkpoint_id}")
+    header = schema.Header.from_json(small[schema.header_key()]) if schema.header_key() in small else None
     return LoadContext(checkpoint_id, entries, small, header)
 
 
