@@ -47,3 +47,24 @@ def plant_in_metadata(step: Path, sentinel: Path, key: bytes | None = None):
     md.planner_data["__payload__"] = Payload(sentinel)  # unrestricted unpickling hands back a real Metadata
     (step / ".metadata").write_bytes(pickle.dumps(md))
     return clean
+
+
+def replace_item(step: Path, key: str, data: bytes, key_bytes: bytes | None = None) -> None:
+    """Entry ``key``'s stored item replaced by ``data`` (of any length), as a writer without the save's
+    key can: its data file rewritten with the items after it moved, ``.metadata`` pointing at them, and
+    ``.digests`` rewritten to match (no byte left outside an item, so only the item's content tells)."""
+    md = storage.read_metadata(step)
+    (index,) = [i for i in md.storage_data if i.fqn == key]
+    name = md.storage_data[index].relative_path
+    old = (step / name).read_bytes()
+    items = sorted((i for i, info in md.storage_data.items() if info.relative_path == name),
+                   key=lambda i: md.storage_data[i].offset)
+    out = bytearray()
+    for i in items:
+        info = md.storage_data[i]
+        piece = data if i == index else old[info.offset:info.offset + info.length]
+        info.offset, info.length = len(out), len(piece)
+        out += piece
+    (step / name).write_bytes(bytes(out))
+    (step / ".metadata").write_bytes(pickle.dumps(md))
+    rewrite_digests(step, md, key_bytes)
