@@ -195,15 +195,16 @@ def metadata_problems(metadata: Metadata, size_of: Callable[[str], int | None]) 
             add(Problem("items inside files", file, items[0][2], f"file missing ({len(items)} items are stored "
                                                                  "in it)"))
             continue
-        end = 0
+        end, last = 0, None
         for offset, length, key in sorted(items):
             past = item_past_end(file, key, offset, length, size)
             if past:
                 add(past)
             elif offset < end and length:
-                add(Problem("items inside files", file, key, f"item at byte {offset:,} overlaps the previous one "
-                                                             f"(which ends at {end:,})"))
-            end = max(end, offset + length)
+                add(Problem("items inside files", file, key, f"item at byte {offset:,} overlaps {last}'s, which "
+                                                             f"ends at {end:,}"))
+            if offset + length > end:
+                end, last = offset + length, key
     for key, md in entries.items():
         items = stored.get(key, {})
         if isinstance(md, BytesStorageMetadata):

@@ -305,11 +305,19 @@ class _CheckedReading:
                 continue
             if not uses[req.storage_index]:
                 del staged[req.storage_index]  # hold each item only until its last use
-            if req.type == LoadItemType.BYTE_IO:  # the entry stage of load_checks, then DCP's own use
-                _load_bytes(planner, req, load_checks.read_byte_entry(
-                    io.BytesIO(self._stream(req, data).read(-1)), req.storage_index.fqn, self._id()))
-                continue
-            tensor = narrow_tensor_by_index(self._tensor(req, data), req.storage_offsets, req.lengths)
+            try:  # an item that does not decode is refused naming its file and entry
+                if req.type == LoadItemType.BYTE_IO:  # the entry stage of load_checks, then DCP's own use
+                    _load_bytes(planner, req, load_checks.read_byte_entry(
+                        io.BytesIO(self._stream(req, data).read(-1)), req.storage_index.fqn, self._id()))
+                    continue
+                stored = self._tensor(req, data)
+            except GefenCheckpointError:
+                raise
+            except Exception as e:
+                raise dg.CorruptCheckpointError(dg.corrupt_message(
+                    self._id(), self.storage_data[req.storage_index].relative_path, req.storage_index.fqn,
+                    f"does not load ({root_cause(e)})")) from e
+            tensor = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
                 raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")

@@ -151,20 +151,30 @@ def load_all(checkpoint_id: str | os.PathLike) -> dict[str, Any]:
 
 def stray_bytes(checkpoint_id: str | os.PathLike, metadata: Metadata) -> list[tuple[str, str]]:
     """(file, what) for every byte of the folder's data files that no item covers: a data file longer
-    than its items reach, or a ``.distcp`` file ``.metadata`` does not list.
+    than its items reach, bytes between two items, or a ``.distcp`` file ``.metadata`` does not list.
 
     A checkpoint with ``.digests`` has every byte of its data files in one
     item (``digests`` module docstring), so anything else was put there
     after the save. One listing and one size per data file.
     """
-    ends: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), int(info.offset) + int(info.length))
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in metadata.storage_data.items():
+        spans.setdefault(info.relative_path, []).append((int(info.offset), int(info.offset) + int(info.length),
+                                                         index.fqn))
     found = []
     for name in list_files(checkpoint_id):
-        if name.endswith(".distcp") and name not in ends:
+        if name.endswith(".distcp") and name not in spans:
             found.append((name, "a data file .metadata does not list (added after the save?)"))
-    for name, end in sorted(ends.items()):
+    for name, items in sorted(spans.items()):
+        end, last = 0, None
+        for start, stop, key in sorted(items):
+            if start > end:  # a save writes its items back to back: a gap is an item cut short since
+                where = f"the end of entry {last}'s item, shortened" if last else "before its first item, moved"
+                found.append((name, f"{start - end:,} bytes at byte {end:,} lie in no item ({where} after the "
+                                    "save?)"))
+                break
+            if stop >= end:  # ties: the later item (one cut to 0 bytes is named)
+                end, last = stop, key
         size = file_size(checkpoint_id, name)
         if size is not None and size > end:
             found.append((name, f"{size - end:,} bytes after its last item (appended after the save?)"))

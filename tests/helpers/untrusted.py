@@ -20,15 +20,23 @@ class Payload:
 def rewrite_digests(step: Path, md, key: bytes | None = None) -> None:
     """A consistent ``.digests`` for the folder's current bytes (``md``: its metadata, as written), as a
     writer without the save's key makes it."""
+    (step / digests.FILE).write_bytes(digests.Digests(*digest_rows(step, md, key), key=key).to_bytes())
+
+
+def digest_rows(step: Path, md, key: bytes | None = None) -> tuple[int, str, dict[str, dict[int, tuple[int, str]]]]:
+    """What ``.digests`` records of the folder's current bytes: ``.metadata``'s size and digest, and
+    ``rows[file][offset] = (length, digest)`` of each item of ``md``."""
     items: dict[str, dict[int, tuple[int, str]]] = {}
     for info in md.storage_data.values():
-        data = (step / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+        path = step / str(info.relative_path)
+        if info.relative_path in (".metadata", digests.FILE) or not path.is_file() or path.parent != step:
+            continue  # no data file of the folder (a fuzzed name): nothing to sign
+        data = path.read_bytes()[max(info.offset, 0):max(info.offset + info.length, 0)]
         if info.length:
             rows = items.setdefault(info.relative_path, {})
             rows[int(info.offset)] = (int(info.length), digests.hexdigest(data, key))
     raw = (step / ".metadata").read_bytes()
-    record = digests.Digests(len(raw), digests.hexdigest(raw, key), items, key=key)
-    (step / digests.FILE).write_bytes(record.to_bytes())
+    return len(raw), digests.hexdigest(raw, key), items
 
 
 def as_pre_digest(step: Path) -> None:

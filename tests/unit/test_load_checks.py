@@ -27,116 +27,27 @@ loads.
 from __future__ import annotations
 
 import json
-import pickle
 import re
 import shutil
-import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gefen_titan.checkpoint import load_checks, schema, storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError
-from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.ckpt.inspection import inspect_checkpoint
 from gefen_titan.ckpt.verify import verify_checkpoint
 from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim.container import GefenOptimizersContainer
 from tests.helpers.bad_checkpoints import edited
-from tests.helpers.untrusted import Payload, rewrite_digests
+from tests.helpers.tiny_checkpoint import STEP, Loader, build, edit_metadata, manager, resume, save
+from tests.helpers.untrusted import Payload
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
 
-STEP = 1
 WEIGHT = "0.weight"  # the model's (torchtitan flattens it to the top): a framed float32 tensor of (16, 16)
-
-
-class Loader:
-    """A data loader as torchtitan's saves it: one pickled state per DP rank inside a byte entry."""
-
-    def __init__(self, state=None) -> None:
-        self.state = {"epoch": 0, "offset": 12} if state is None else state
-
-    def state_dict(self):
-        return {"dp_rank_0": pickle.dumps(self.state)}
-
-    def load_state_dict(self, sd):
-        self.state = pickle.loads(sd["dp_rank_0"])  # only after the load's checks passed
-
-
-class Extra:
-    def __init__(self, note=None) -> None:
-        self.note = {"seen": 3} if note is None else note
-
-    def state_dict(self):
-        return {"note": self.note}
-
-    def load_state_dict(self, sd):
-        self.note = sd["note"]
-
-
-class TrainState:
-    """torchtitan's: plain ints, saved as byte entries (``train_state.step``)."""
-
-    def __init__(self, step: int = 0) -> None:
-        self.step = step
-
-    def state_dict(self):
-        return {"step": self.step, "ntokens_seen": 64 * self.step}
-
-    def load_state_dict(self, sd):
-        self.step = sd["step"]
-
-
-class Sched:
-    def state_dict(self):
-        return {"last_epoch": torch.tensor(STEP)}
-
-    def load_state_dict(self, sd):
-        pass
-
-
-def _build(seed: int) -> tuple[nn.Module, GefenOptimizersContainer]:
-    torch.manual_seed(seed)
-    net = nn.Sequential(nn.Linear(16, 16, bias=False), nn.LayerNorm(16))
-    return net, GefenOptimizersContainer.Config(name="Gefen", lr=1e-2).build(model_parts=[net])
-
-
-def _manager(root: Path, net, opt, loader=None, note=None) -> GefenCheckpointManager:
-    cfg = GefenCheckpointManager.Config(enable=True, folder=str(root / "ckpt"), interval=1, keep_latest_k=0,
-                                        last_save_model_only=False)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*initial_load.*")
-        return cfg.build(dataloader=loader or Loader(), model_parts=[net], optimizers=opt, lr_schedulers=Sched(),
-                         states={"extra": Extra(note), "train_state": TrainState(STEP)}, sd_adapter=None,
-                         base_folder="")
-
-
-def _save(root: Path, loader=None, note=None) -> Path:
-    net, opt = _build(0)
-    net(torch.randn(4, 16)).square().mean().backward()
-    opt.step()
-    _manager(root, net, opt, loader, note).save(curr_step=STEP)
-    return root / "ckpt" / f"step-{STEP}"
-
-
-def _resume(root: Path, step: int = STEP) -> tuple[nn.Module, GefenOptimizersContainer]:
-    net, opt = _build(5)
-    assert _manager(root, net, opt).load(step=step)
-    return net, opt
-
-
-def _edit_metadata(step: Path, change: Callable) -> None:
-    """``.metadata`` passed through ``change(metadata)``, ``.digests`` rewritten to match (no key needed)."""
-    md = storage.read_metadata(step)
-    change(md)
-    (step / ".metadata").write_bytes(pickle.dumps(md))
-    rewrite_digests(step, md)
 
 
 def _item(md, key: str):
@@ -235,7 +146,7 @@ CASES: dict[str, tuple[str, object, str]] = {
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
-    return _save(tmp_path_factory.mktemp("saved")).parents[1]
+    return save(tmp_path_factory.mktemp("saved")).parents[1]
 
 
 def _plant(saved: Path, tmp_path: Path, check: str) -> tuple[Path, int, Path]:
@@ -247,7 +158,7 @@ def _plant(saved: Path, tmp_path: Path, check: str) -> tuple[Path, int, Path]:
         kw = {k: Payload(sentinel) for k in what}
         if "loader" in kw:
             kw["loader"] = Loader(kw["loader"])
-        return root, STEP, _save(root, **kw)
+        return root, STEP, save(root, **kw)
     if how == "records":
         edited(saved, root, STEP, what)
         return root, STEP, root / "ckpt" / f"step-{STEP}"
@@ -256,7 +167,7 @@ def _plant(saved: Path, tmp_path: Path, check: str) -> tuple[Path, int, Path]:
     if how == "copy":
         what(step)
     elif how == "metadata":
-        _edit_metadata(step, what)
+        edit_metadata(step, what)
     return root, STEP + (how == "step"), step
 
 
@@ -269,7 +180,7 @@ def test_the_unedited_copy_passes_verify_and_resumes(saved, tmp_path):
     shutil.copytree(saved / "ckpt" / f"step-{STEP}", step)
     report = verify_checkpoint(str(step))
     assert report["ok"] and report["verdict"] == "verified", report["problems"]
-    net, opt = _resume(tmp_path / "case")
+    net, opt = resume(tmp_path / "case")
     assert torch.equal(net[0].weight, storage.load_all(step)[WEIGHT])
     assert all(gx.global_step(o) == STEP for o in opt.optimizers)
 
@@ -280,11 +191,11 @@ def test_verify_and_the_resume_agree(saved, tmp_path, check):
     report = verify_checkpoint(str(step))
     checks = {p.get("check") for p in report["problems"]}
     assert not report["ok"] and check in checks, report["problems"]
-    net, opt = _build(5)
+    net, opt = build(5)
     before = [p.detach().clone() for p in net.parameters()]
     note = "" if CASES[check][1] == {"note": "payload"} else None  # the saved entry's layout (DCP flattens it)
     with pytest.raises(GefenCheckpointError) as refused:
-        _manager(root, net, opt, note=note).load(step=resume_step)
+        manager(root, net, opt, note=note).load(step=resume_step)
     assert CASES[check][2] in str(refused.value), str(refused.value)
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))  # nothing reached the model
     assert all(gx.codebook(o) is None for o in opt.optimizers)  # nor the optimizer
@@ -306,3 +217,26 @@ def test_a_reader_checks_each_item_against_its_file_before_allocating(saved, tmp
     target = {WEIGHT: torch.empty(16, 16)}
     with pytest.raises(BaseException, match=re.escape("lies past the end of its file") + ".*items inside files"):
         dcp.load(target, storage_reader=storage.storage_reader(step), no_dist=True)
+
+
+@pytest.mark.parametrize("era", ["digests", "unchecked"])
+def test_an_item_cut_short_is_refused_naming_its_entry(saved, tmp_path, era):
+    """An item's length cut by one byte in ``.metadata``. With ``.digests`` (rewritten to match) the byte
+    left between two items is stray (``storage.stray_bytes``: a save writes items back to back); without,
+    (``.digests`` deleted, loaded with ``load_without_digests``) the item does not decode and the reader
+    names its file and entry (not a bare ``RuntimeError``)."""
+    step = tmp_path / "case" / "ckpt" / f"step-{STEP}"
+    shutil.copytree(saved / "ckpt" / f"step-{STEP}", step)
+
+    def cut(md):
+        md.storage_data[_item(md, "lr_scheduler.last_epoch")].length -= 1
+    edit_metadata(step, cut)
+    if era == "unchecked":
+        (step / ".digests").unlink()
+    text = ("lie in no item (the end of entry lr_scheduler.last_epoch's item" if era == "digests" else
+            "entry lr_scheduler.last_epoch: does not load")
+    with pytest.raises(GefenCheckpointError, match=re.escape(text)):
+        resume(tmp_path / "case", load_without_digests=(era == "unchecked"))
+    report = verify_checkpoint(str(step))
+    assert not report["ok"] and any(p["entry"] == "lr_scheduler.last_epoch" or "lr_scheduler.last_epoch" in p["what"]
+                                    for p in report["problems"]), report["problems"]
