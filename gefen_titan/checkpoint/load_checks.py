@@ -192,8 +192,8 @@ def metadata_problems(metadata: Metadata, size_of: Callable[[str], int | None]) 
     for file, items in sorted(by_file.items()):
         size = size_of(file)
         if size is None:
-            add(Problem("items inside files", file, items[0][2], f"file missing ({len(items)} items are stored "
-                                                                 "in it)"))
+            add(Problem("items inside files", file, items[0][2], f"cannot read it: file missing ({len(items)} items "
+                                                                 "are stored in it)"))
             continue
         end, last = 0, None
         for offset, length, key in sorted(items):
@@ -228,8 +228,8 @@ def item_past_end(file: str, entry: str, offset: int, length: int, size: int) ->
     buffer (the file may have changed since)."""
     if offset + length <= size:
         return None
-    return Problem("items inside files", file, entry, f"item [{offset:,}, {offset + length:,}) lies past the end "
-                                                      f"of its file ({size:,} bytes)")
+    return Problem("items inside files", file, entry, f"cannot read item [{offset:,}, {offset + length:,}): it lies "
+                                                      f"past the end of its file ({size:,} bytes; truncated?)")
 
 
 def _tensor_problems(key: str, md: TensorStorageMetadata, items: dict[Any, Any]) -> list[Problem]:
