@@ -72,13 +72,14 @@ def build(seed: int) -> tuple[nn.Module, GefenOptimizersContainer]:
     return net, GefenOptimizersContainer.Config(name="Gefen", lr=1e-2).build(model_parts=[net])
 
 
-def manager(root: Path, net, opt, loader=None, note=None, **config) -> GefenCheckpointManager:
-    cfg = GefenCheckpointManager.Config(enable=True, folder=str(root / "ckpt"), interval=1, keep_latest_k=0,
-                                        last_save_model_only=False, **config)
+def manager(root: Path, net, opt, loader=None, note=None, step: int = STEP, **config) -> GefenCheckpointManager:
+    """The manager of a run at ``step`` (its train state's) saving under ``root/ckpt``."""
+    config = {"interval": 1, "keep_latest_k": 0, "last_save_model_only": False, **config}
+    cfg = GefenCheckpointManager.Config(enable=True, folder=str(root / "ckpt"), **config)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*initial_load.*")
         return cfg.build(dataloader=loader or Loader(), model_parts=[net], optimizers=opt, lr_schedulers=Sched(),
-                         states={"extra": Extra(note), "train_state": TrainState(STEP)}, sd_adapter=None,
+                         states={"extra": Extra(note), "train_state": TrainState(step)}, sd_adapter=None,
                          base_folder="")
 
 
