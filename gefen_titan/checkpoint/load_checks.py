@@ -136,8 +136,9 @@ def _itemsize(dtype: Any) -> int | None:
 
 
 def _count(v: Any) -> bool:
-    """A non-negative Python int (a crafted pickle may hold anything where DCP writes one)."""
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    """A non-negative Python int (a crafted pickle may hold anything where DCP writes one; ``type`` is:
+    no bool, and the restricted unpickling builds no other int subclass)."""
+    return type(v) is int and v >= 0
 
 
 def _ints(values: Any) -> tuple[int, ...] | None:
@@ -145,7 +146,10 @@ def _ints(values: Any) -> tuple[int, ...] | None:
         out = tuple(values)
     except TypeError:
         return None
-    return out if all(_count(v) for v in out) else None
+    for v in out:
+        if type(v) is not int or v < 0:
+            return None
+    return out
 
 
 def allocation(metadata: Metadata) -> int:
@@ -239,6 +243,7 @@ def _tensor_problems(key: str, md: TensorStorageMetadata, items: dict[Any, Any])
         return [Problem("chunks inside tensors", None, key, f"size {tuple(md.size)!r} of dtype "
                                                             f"{md.properties.dtype!r}: not a tensor's")]
     chunks = []
+    may_be_raw = schema.is_raw_entry(key)
     for c in md.chunks:
         offsets, sizes = _ints(c.offsets), _ints(c.sizes)
         if (offsets is None or sizes is None or len(offsets) != len(shape) or len(sizes) != len(shape)
@@ -252,7 +257,7 @@ def _tensor_problems(key: str, md: TensorStorageMetadata, items: dict[Any, Any])
             out.append(Problem("chunks stored", None, key, f"no stored item for its chunk at {offsets}"))
             continue
         nbytes = math.prod(sizes) * itemsize
-        raw = schema.is_raw_entry(key) and info.length == nbytes
+        raw = may_be_raw and info.length == nbytes
         if not raw and info.length < nbytes:  # a torch.saved chunk holds its bytes and a frame around them
             out.append(Problem("item sizes", info.relative_path, key, f"its item at {offsets} has {info.length:,} "
                                                                       f"bytes, and {sizes} of {md.properties.dtype} "
@@ -270,6 +275,9 @@ def _tensor_problems(key: str, md: TensorStorageMetadata, items: dict[Any, Any])
     return out
 
 
+_PAIRWISE = 64  # chunks per tensor up to which overlaps are found pair by pair (else on a grid of cells)
+
+
 def _cover_once(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
     """None if the chunks cover every element of the tensor exactly once."""
     if not shape:
@@ -279,6 +287,15 @@ def _cover_once(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tupl
     if held != numel:
         return f"its chunks hold {held:,} elements of its {numel:,}"
     if numel == 0:
+        return None
+    boxes = [(o, s) for o, s in chunks if all(s)]  # an empty chunk holds nothing
+    if len(boxes) <= _PAIRWISE:
+        # Inside the tensor (checked before), pairwise disjoint and holding all its elements: they
+        # tile it. One pair at a 2-rank save: what a load pays for this check.
+        for i, (a, sa) in enumerate(boxes):
+            for b, sb in boxes[i + 1:]:
+                if all(x < y + t and y < x + u for x, u, y, t in zip(a, sa, b, sb)):
+                    return "its chunks overlap"
         return None
     cuts = [sorted({0, n} | {o[d] for o, _ in chunks} | {o[d] + s[d] for o, s in chunks}) for d, n in enumerate(shape)]
     if math.prod(len(c) - 1 for c in cuts) > 1 << 24:  # too many cells to count: sorted disjoint boxes suffice

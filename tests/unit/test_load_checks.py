@@ -243,3 +243,27 @@ def test_an_item_cut_short_is_refused_naming_its_entry(saved, tmp_path, era):
     report = verify_checkpoint(str(step))
     assert not report["ok"] and any(p["entry"] == "lr_scheduler.last_epoch" or "lr_scheduler.last_epoch" in p["what"]
                                     for p in report["problems"]), report["problems"]
+
+
+@pytest.mark.parametrize("chunks, why", [
+    ([((0, 0), (2, 6)), ((2, 0), (2, 3)), ((2, 3), (2, 3))], None),
+    ([((0, 0), (2, 6)), ((2, 0), (2, 3))], "its chunks hold 18 elements of its 24"),
+    ([((0, 0), (2, 6)), ((1, 0), (2, 6))], "its chunks overlap"),  # as many elements as the tensor: row 3 uncovered
+    ([((0, 0), (2, 6)), ((2, 0), (2, 6)), ((4, 0), (0, 6))], None),  # an empty chunk holds nothing
+])
+def test_chunks_tile_their_tensor(chunks, why):
+    """The "chunks tile" check on a (4, 6) tensor (its chunks stored in a file that holds them)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+    )
+
+    cs = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks]
+    entry = TensorStorageMetadata(TensorProperties(dtype=torch.uint8), torch.Size([4, 6]), cs)
+    md = Metadata({"t": entry}, storage_data={
+        MetadataIndex("t", torch.Size(o)): _StorageInfo("f", 100 * i, 50) for i, (o, _) in enumerate(chunks)})
+    problems = load_checks.metadata_problems(md, lambda name: 1000)
+    assert [p.what for p in problems if p.check == "chunks tile"] == ([why] if why else []), problems
