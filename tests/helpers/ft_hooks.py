@@ -13,7 +13,9 @@ for a subclass which writes, with ``torch.save``, into ``dir``:
 
 ``<step>`` is the trainer step the payload carries. ``fail_heals`` makes a
 live rank's first heals (after step 1) fail, to test that a heal that fails
-midway is retried. Comparing ``healed``
+midway is retried; ``tamper_heals`` changes them on the wire after the
+transport signed them, to test that a keyed joiner refuses them and heals
+again. Comparing ``healed``
 with the matching ``sent`` checks that a heal leaves the joiner exactly at
 its peer; comparing the ``end`` files of two groups (and of two runs) checks
 lockstep and the uninterrupted run. Used as::
@@ -34,7 +36,7 @@ import torch.distributed as dist
 from torchtitan.config import override
 from torchtitan.config.override import derive
 
-from gefen_titan.ft.checkpoint import GefenFTCheckpointManager
+from gefen_titan.ft.checkpoint import HEAL_KEY, GefenFTCheckpointManager
 
 
 def _cpu(value: Any) -> Any:
@@ -54,11 +56,17 @@ class DumpingFTCheckpointManager(GefenFTCheckpointManager):
         fail_heals: int = 0
         """The first this many heals this rank serves after step 1 raise instead (a peer that fails
         during a heal: torchft reports it, no group commits the step, the next quorum heals again)."""
+        tamper_heals: int = 0
+        """The first this many heals this rank serves after step 1 are changed after the transport
+        signed them (one model element + 1, on the wire): with a key the joiner must refuse them."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         self._dump_dir = config.dump_dir
         self._fail_heals = config.fail_heals
+        self._tamper_heals = config.tamper_heals
         super().__init__(config, **kwargs)
+        if config.tamper_heals:
+            self._tamper(kwargs["ft_manager"].transport)
         os.makedirs(self._dump_dir, exist_ok=True)
         replica = kwargs["ft_manager"].replica_id
         self._tag = f"g{replica}-r{dist.get_rank()}"
@@ -83,6 +91,28 @@ class DumpingFTCheckpointManager(GefenFTCheckpointManager):
         ft._user_state_dicts[key] = sent
         ft._load_state_dict_fns[key] = loaded
 
+    def _tamper(self, transport: Any) -> None:
+        """Once the transport has signed and staged a heal, and before it serves it, swap in a copy with
+        one model element changed (torchft's HTTPTransport stages ``_state_dict`` and then serves it
+        from ``allow_checkpoint`` on; the live tensors stay as they are)."""
+        allow = transport.allow_checkpoint
+
+        def tampered(step: int) -> None:
+            if step > 1 and self._tamper_heals > 0:
+                self._tamper_heals -= 1
+                served = transport._state_dict
+                heal = dict(served["user"][HEAL_KEY])
+                model = dict(heal["model"])
+                name = sorted(model)[0]
+                model[name] = model[name].clone()
+                model[name].view(-1)[0] += 1
+                heal["model"] = model
+                transport._state_dict = {**served, "user": {**served["user"], HEAL_KEY: heal}}
+                print(f"injected: heal for step {step} changed after it was signed", flush=True)
+            allow(step)
+
+        transport.allow_checkpoint = tampered
+
     def _write(self, name: str, payload: dict[str, Any]) -> None:
         torch.save(_cpu(payload), os.path.join(self._dump_dir, name))
 
@@ -97,5 +127,6 @@ class DumpingFTCheckpointManager(GefenFTCheckpointManager):
 
 @override(target=GefenFTCheckpointManager.Config, exact=True,
           description="tests: dump heal payloads and end states")
-def dump_ft(cfg: GefenFTCheckpointManager.Config, *, dir: str, fail_heals: int = 0):
-    return derive(cfg, DumpingFTCheckpointManager.Config, dump_dir=dir, fail_heals=fail_heals)
+def dump_ft(cfg: GefenFTCheckpointManager.Config, *, dir: str, fail_heals: int = 0, tamper_heals: int = 0):
+    return derive(cfg, DumpingFTCheckpointManager.Config, dump_dir=dir, fail_heals=fail_heals,
+                  tamper_heals=tamper_heals)

@@ -105,6 +105,8 @@ class FTRun:
     recipe: str = RECIPE
     extra: list[str] = field(default_factory=list)
     fail_heals: int = 0  # ft_hooks: the live ranks' first heals after step 1 fail
+    tamper_heals: int = 0  # ft_hooks: the live ranks' first heals after step 1 are changed after signing
+    env: dict[str, str] = field(default_factory=dict)  # more environment for every rank (a key)
     started: list[Group] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -125,7 +127,8 @@ class FTRun:
                 "--training.steps", str(self.steps), "--fault_tolerance.replica_id", str(replica),
                 "--fault_tolerance.group_size", str(self.groups),
                 "--override.imports", SDPA,
-                f'tests.helpers.ft_hooks.dump_ft={{"dir": "{self.dumps}", "fail_heals": {self.fail_heals}}}',
+                f'tests.helpers.ft_hooks.dump_ft={{"dir": "{self.dumps}", "fail_heals": {self.fail_heals}, '
+                f'"tamper_heals": {self.tamper_heals}}}',
                 *self.extra]
 
     def start(self, replica: int, attempt: int = 0) -> Group:
@@ -133,7 +136,7 @@ class FTRun:
         ctx.set_forkserver_preload(PRELOAD)
         port = free_port()
         env = {"TORCHFT_LIGHTHOUSE": self.lighthouse.address(), "GEFEN_TITAN_CACHE": str(self.base / "cache"),
-               "TORCHFT_QUORUM_TIMEOUT_SEC": "120"}
+               "TORCHFT_QUORUM_TIMEOUT_SEC": "120", **self.env}
         logs = [self.base / f"g{replica}-a{attempt}-rank{r}.log" for r in range(2)]
         procs = [ctx.Process(target=_group_rank, args=(r, 2, port, str(logs[r]), env, self.argv(replica)))
                  for r in range(2)]
@@ -185,9 +188,11 @@ def uninterrupted(base: Path, recipe: str, extra: tuple[str, ...] = ()) -> FTRun
     return run
 
 
-def faulted(base: Path, recipe: str, kill_after: int, extra: tuple[str, ...] = (), fail_heals: int = 0) -> FTRun:
+def faulted(base: Path, recipe: str, kill_after: int, extra: tuple[str, ...] = (), fail_heals: int = 0,
+            tamper_heals: int = 0, env: dict[str, str] | None = None) -> FTRun:
     """Two groups; group 1 SIGKILLed (both ranks: a lost machine) after ``kill_after`` and restarted."""
-    run = FTRun(base, recipe=recipe, extra=[*SETTINGS, *extra], fail_heals=fail_heals)
+    run = FTRun(base, recipe=recipe, extra=[*SETTINGS, *extra], fail_heals=fail_heals, tamper_heals=tamper_heals,
+                env=env or {})
     try:
         g0, g1 = run.start(0), run.start(1)
         g1.wait_for_step(kill_after, 300)

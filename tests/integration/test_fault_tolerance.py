@@ -9,7 +9,9 @@ and loaded and every rank's state at the end:
 
 * Gefen and GefenMuon: an uninterrupted run, and a run whose group 1 is
   SIGKILLed after step 3 and restarted, and whose first heal then fails on
-  the live side (the step is retried and the next quorum heals). The
+  the live side (Gefen) or, with ``checkpoint.digest_key_env`` set, is
+  changed on the wire after it was signed and refused by the joiner
+  (GefenMuon); the step is retried and the next quorum heals. The
   restarted group's state right after its heal equals what its peer sent,
   bit for bit; at step 8 both
   groups hold the same parameters and optimizer state, and both equal the
@@ -40,6 +42,7 @@ MUON_RECIPE = "recipes/llama_gefen_muon_ft.toml"
 KILL_AFTER = 3
 HEALED = re.compile(r"Healed from the live replica group at step (\d+)")
 AGREED = "Agreed blocking: block periods"
+HEAL_KEY_ENV = "GEFEN_TEST_HEAL_KEY"
 
 
 @pytest.fixture(scope="module", params=["gefen", "muon"])
@@ -49,9 +52,14 @@ def runs(request, tmp_path_factory):
     recipe = MUON_RECIPE if request.param == "muon" else GEFEN_RECIPE
     base = tmp_path_factory.mktemp(f"ft_{request.param}")
     ref = uninterrupted(base / "a", recipe) if request.param == "gefen" else None
-    # The live group's first heal fails midway (raised in its state callback): no group commits
-    # that step, and the next quorum heals again. timeout_s 5: the joiner's wait for the bytes
-    # that never come is torchft's timeout.
+    # Gefen: the live group's first heal fails midway (raised in its state callback): no group
+    # commits that step, and the next quorum heals again. timeout_s 5: the joiner's wait for the
+    # bytes that never come is torchft's timeout. GefenMuon: heals are keyed (issue 38) and the
+    # first one is changed on the wire after it was signed: the joiner refuses it, the next heals.
+    if request.param == "muon":
+        return request.param, ref, faulted(base / "b", recipe, KILL_AFTER, (
+            "--fault_tolerance.timeout_s", "5", "--checkpoint.digest_key_env", HEAL_KEY_ENV), tamper_heals=1,
+            env={HEAL_KEY_ENV: "a key both groups hold"})
     return request.param, ref, faulted(base / "b", recipe, KILL_AFTER, ("--fault_tolerance.timeout_s", "5"),
                                        fail_heals=1)
 
@@ -100,8 +108,15 @@ def test_a_killed_group_heals_to_its_peer_and_training_matches_the_uninterrupted
         assert urc.compare({"losses": ref0}, g0.losses())[1] == []
         assert urc.compare({"losses": {s: v for s, v in ref1.items() if s >= step}}, healed_on)[1] == []
     assert "not committed by torchft" in g0.text()  # the lost step was retried, not skipped
-    # The first heal failed on the live side; both groups retried and the second one healed.
-    assert "injected: the live peer failed while serving a heal" in g0.text()
+    # The first heal failed on the live side (Gefen), or was changed on the wire after it was signed
+    # and refused by the keyed joiner before anything was applied (GefenMuon); both groups retried
+    # and the second one healed.
+    if kind == "muon":
+        assert "injected: heal for step" in g0.text()
+        assert re.search(r"got exception in recovery: heal payload for step \d+ from replica rank \d+ its MAC does "
+                         r"not match", text), text[-4000:]
+    else:
+        assert "injected: the live peer failed while serving a heal" in g0.text()
     assert "got exception in recovery" in text and len(heals) == 1
     # Persistent checkpoints: written by the first group only, for committed steps.
     assert sorted(p.name for p in (run.base / "out" / "checkpoint").iterdir()) == ["step-6", "step-8"]

@@ -43,6 +43,7 @@ EXAMPLES = {
     "gefen_titan.optim.state.layout.UnsupportedLayout": lambda m: m.UnsupportedLayout("no"),
     "gefen_titan.recipe.errors.RecipeError": lambda m: m.RecipeError("no"),
     "gefen_titan.validation.layouts.LayoutError": lambda m: m.LayoutError("no"),
+    "gefen_titan.ft.transport.HealRefused": lambda m: m.HealRefused("heal payload for step 5: its MAC does not match"),
     "gefen_titan.patches._util.PatchTargetChanged": lambda m: m.PatchTargetChanged("moved"),
 }
 
