@@ -161,8 +161,8 @@ def allocation(metadata: Metadata) -> int:
             size = _ints(md.size)
             total += (math.prod(size) if size is not None else 0) * (_itemsize(md.properties.dtype) or 0)
     byte_keys = {k for k, md in metadata.state_dict_metadata.items() if isinstance(md, BytesStorageMetadata)}
-    total += sum(int(info.length) for index, info in metadata.storage_data.items() if index.fqn in byte_keys
-                 and _count(info.length))
+    total += sum(info.length for index, info in metadata.storage_data.items() if index.fqn in byte_keys
+                 and _count(getattr(info, "length", None)))
     return total
 
 
@@ -178,8 +178,9 @@ def metadata_problems(metadata: Metadata, size_of: Callable[[str], int | None]) 
     stored: dict[str, dict[Any, Any]] = {}
     by_file: dict[str, list[tuple[int, int, str]]] = {}
     for index, info in metadata.storage_data.items():
-        file, key = info.relative_path, index.fqn
-        offset, length = info.offset, info.length
+        # getattr: DCP's _StorageInfo pickles without its None fields, so a crafted one may lack any
+        file, key = getattr(info, "relative_path", None), index.fqn
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not isinstance(file, str) or not _DATA_FILE.fullmatch(file) or file in (".metadata", ".digests"):
             add(Problem("items inside files", None, key, f"its item names {file!r}, which is no data file of the "
                                                          "folder"))

@@ -159,8 +159,9 @@ def stray_bytes(checkpoint_id: str | os.PathLike, metadata: Metadata) -> list[tu
     """
     spans: dict[str, list[tuple[int, int, str]]] = {}
     for index, info in metadata.storage_data.items():
-        spans.setdefault(info.relative_path, []).append((int(info.offset), int(info.offset) + int(info.length),
-                                                         index.fqn))
+        if type(getattr(info, "offset", None)) is not int or type(getattr(info, "length", None)) is not int:
+            continue  # not a place in a file: the metadata stage's to name (load_checks)
+        spans.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length, index.fqn))
     found = []
     for name in list_files(checkpoint_id):
         if name.endswith(".distcp") and name not in spans:

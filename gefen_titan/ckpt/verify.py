@@ -117,7 +117,7 @@ class _Verifier:
     def every_byte(self, ck: Checkpoint, unsafe: set[tuple[str | None, str | None]]) -> None:
         by_file: dict[str, list] = {}
         for index, info in ck.metadata.storage_data.items():
-            if (info.relative_path, index.fqn) in unsafe or (None, index.fqn) in unsafe:
+            if (getattr(info, "relative_path", None), index.fqn) in unsafe or (None, index.fqn) in unsafe:
                 continue  # outside its file, or of a length its chunk does not allow: never read
             by_file.setdefault(info.relative_path, []).append((int(info.offset), int(info.length), index, info))
         try:

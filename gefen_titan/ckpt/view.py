@@ -120,7 +120,8 @@ class Checkpoint:
                 self.entries[key] = Entry(key, path, tuple(md.size), md.properties.dtype, chunks)
         for index, info in self.metadata.storage_data.items():
             entry = self.entries.get(index.fqn)
-            if entry is None or not isinstance(info.length, int):  # a malformed item: in self.problems
+            if entry is None or type(getattr(info, "length", None)) is not int or not isinstance(
+                    getattr(info, "relative_path", None), str):  # a malformed item: in self.problems
                 continue
             entry.stored_bytes += int(info.length)
             if info.relative_path not in entry.files:
@@ -158,13 +159,14 @@ class Checkpoint:
         """Ranks that wrote data files (DCP names them ``__{rank}_{n}.distcp``)."""
         ranks = set()
         for info in self.metadata.storage_data.values():
-            m = _WRITER_FILE.match(info.relative_path)
+            m = _WRITER_FILE.match(str(getattr(info, "relative_path", "")))
             if m:
                 ranks.add(int(m.group(1)))
         return sorted(ranks)
 
     def data_files(self) -> list[str]:
-        return sorted({info.relative_path for info in self.metadata.storage_data.values()})
+        return sorted({p for info in self.metadata.storage_data.values()
+                       if isinstance(p := getattr(info, "relative_path", None), str)})
 
     # ---------------------------------------------------------------- reads
     def load(self, keys: list[str]) -> dict[str, Any]:

@@ -29,8 +29,9 @@ def digest_rows(step: Path, md, key: bytes | None = None) -> tuple[int, str, dic
     items: dict[str, dict[int, tuple[int, str]]] = {}
     for info in md.storage_data.values():
         path = step / str(info.relative_path)
-        if info.relative_path in (".metadata", digests.FILE) or not path.is_file() or path.parent != step:
-            continue  # no data file of the folder (a fuzzed name): nothing to sign
+        if (info.relative_path in (".metadata", digests.FILE) or not path.is_file() or path.parent != step
+                or type(info.offset) is not int or type(info.length) is not int):
+            continue  # no data file of the folder, or no place in it (fuzzed): nothing to sign
         data = path.read_bytes()[max(info.offset, 0):max(info.offset + info.length, 0)]
         if info.length:
             rows = items.setdefault(info.relative_path, {})

@@ -4,7 +4,7 @@ The tiny checkpoint of ``tests.helpers.tiny_checkpoint`` (Gefen state with
 raw entries, framed model tensors, byte entries) is saved once. Each case
 changes one field of its ``.metadata`` (a tensor's declared size, a chunk's
 offsets or sizes, a chunk added or dropped, a dtype, an item's offset,
-length or file), chosen by a seeded generator, and rewrites ``.digests`` to
+length (or another type of value there) or file), chosen by a seeded generator, and rewrites ``.digests`` to
 match, as a writer without the key would. Then, in one process:
 
 * the resume either refuses, with a message naming the entry changed and a
@@ -132,6 +132,12 @@ def _item_length(md, rng) -> str:
     return key
 
 
+def _item_type(md, rng) -> str:  # what a crafted pickle may hold where DCP writes an int
+    key, info = _item(md, rng)
+    setattr(info, rng.choice(["offset", "length"]), rng.choice([None, "0", 1.5, True, [0]]))
+    return key
+
+
 def _item_file(md, rng) -> str:
     key, info = _item(md, rng)
     info.relative_path = rng.choice(["__1_0.distcp", "../__0_0.distcp", ".digests", ".metadata", ""])
@@ -139,7 +145,7 @@ def _item_file(md, rng) -> str:
 
 
 MUTATIONS = {f.__name__.strip("_"): f for f in (_size, _chunk_offsets, _chunk_sizes, _extra_chunk, _missing_chunk,
-                                                _dtype, _item_offset, _item_length, _item_file)}
+                                                _dtype, _item_offset, _item_length, _item_type, _item_file)}
 
 
 # .digests, rewritten whole after the change, consistent with itself (its index and sections are the
