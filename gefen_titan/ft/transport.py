@@ -23,6 +23,10 @@ then). Cost, with a key only: one keyed pass over the payload on each side
 (~1 GB/s a core). Without a key a heal is trusted as it comes from whoever
 answers on the replica group's port (``docs/fault_tolerance.md``).
 
+A peer that dies mid-transfer ends the stream early: the joiner's read
+raises (``_Exact``), torchft reports it, nothing is applied, and the next
+quorum heals again.
+
 ``_load_from_address`` and ``_streaming_load`` are torchft internals
 (pinned: ``torchft==0.2.0``, ``tests/unit/test_contract_torchft.py``).
 """
@@ -85,6 +89,31 @@ def _feed(h: Any, v: Any) -> None:
         raise TypeError(f"a heal payload holds a {type(v).__name__}, which cannot be signed")
 
 
+class _Exact:
+    """A heal's HTTP stream that raises when it ends early. torchft's server streams without a
+    length, so a peer that dies mid-transfer looks like an early end: every read must return what
+    it asked for (the records' lengths come first), else the heal is dropped with a message
+    that says so, not an EOFError or a buffer error from deep inside the decoder."""
+
+    def __init__(self, f: Any, address: str) -> None:
+        self._f, self._address, self._got = f, address, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self._got += len(data)
+        if n is not None and n > 0 and len(data) < n:
+            raise ConnectionError(
+                f"heal from {self._address}: the peer's stream ended after {self._got:,} bytes, {n - len(data):,} "
+                "short (the serving peer died mid-transfer?): nothing of it was applied; torchft retries the heal "
+                "at the next quorum")
+        return data
+
+    def readline(self, *args: Any) -> bytes:
+        line = self._f.readline(*args)
+        self._got += len(line)
+        return line
+
+
 class SafeHTTPTransport(HTTPTransport):
     """``HTTPTransport`` whose receiving side unpickles with ``weights_only=True``."""
 
@@ -98,7 +127,7 @@ class SafeHTTPTransport(HTTPTransport):
     @classmethod
     def _load_from_address(cls, address: str, timeout: timedelta) -> object:
         with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
-            return _streaming_load(f, weights_only=True)
+            return _streaming_load(_Exact(f, address), weights_only=True)
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
         self.last_sent_bytes = payload_bytes(state_dict)

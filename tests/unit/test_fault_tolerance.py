@@ -237,6 +237,37 @@ def test_with_a_key_a_heal_is_signed_and_checked(monkeypatch):
 
 
 @needs_torchft
+@pytest.mark.parametrize("cut", [100, 300_000, 1_049_000])  # in the records' index, a tensor, the last tensor
+def test_a_serving_peer_killed_mid_transfer_yields_no_payload(cut):
+    """Issue 38, item 7, at the transport: the serving process is SIGKILLed after ``cut`` bytes of a
+    1 MiB heal. The joiner's read raises one clear ConnectionError and returns nothing, whatever
+    record the stream ended in; torchft then reports the step's error and applies nothing, and the
+    next quorum heals again (the path the keyed-heal refusal takes in
+    tests/integration/test_fault_tolerance.py). An intact transfer reads back as before
+    (test_the_transport_reads_a_heal_without_running_its_code)."""
+    import multiprocessing as mp
+
+    from gefen_titan.ft.transport import SafeHTTPTransport
+    from tests.helpers.dying_heal_server import serve_and_die
+
+    t = timedelta(seconds=30)
+    ctx = mp.get_context("fork")  # this process's imports, no second interpreter (the suite's time)
+    conn, child_conn = ctx.Pipe()
+    server = ctx.Process(target=serve_and_die, args=(cut, child_conn))
+    server.start()
+    receiver = SafeHTTPTransport(t)
+    try:
+        address = conn.recv()
+        with pytest.raises(ConnectionError, match=r"the peer's stream ended after [\d,]+ bytes.*died mid-transfer"):
+            receiver.recv_checkpoint(0, address, step=5, timeout=t)
+        server.join(30)
+        assert server.exitcode == -9  # it died, killed, in the middle of the transfer
+    finally:
+        server.kill()
+        receiver.shutdown()
+
+
+@needs_torchft
 def test_an_ft_recipe_builds_the_fault_tolerant_trainer_with_gefen_parts():
     from gefen_titan.ft.checkpoint import GefenFTCheckpointManager
     from gefen_titan.ft.manager import GefenTorchFTManager
