@@ -31,14 +31,17 @@ Stages, in the order a load meets them:
   its plan and on the byte items no rank reads (``check_unread``).
 * ``records`` (``checkpoint.record_checks``): the optimizer's records and
   codebooks, on the load's one small read of them
-  (``optim.state.load_context``) and on the tools' (``ckpt.saved_records``).
-  The per-kind functions live with the format today; a kind's own description
-  can supply them later without moving this list.
+  (``optim.state.load_context``; refused after the model-aware checks, so a
+  checkpoint of another model is named as such first) and on the tools'
+  (``ckpt.saved_records``). The per-kind functions live with the format
+  today; a kind's own description can supply them later without moving
+  this list.
 
 Cost: the metadata stage is one pass over ``.metadata``'s entries and items
-and one size per data file (rank 0, once per load); the entry stage adds a
-dictionary lookup per item and, for the few byte entries, what their
-unpickling costs (they are KBs).
+and one size per data file (rank 0, once per load): 4.6 ms for a 150M
+Llama's 2-rank save (336 entries, 669 items; 2026-12-05, this VM), against
+a ~70 ms load. The entry stage adds a dictionary lookup per item and, for
+the few byte entries, what their unpickling costs (they are KBs).
 """
 
 from __future__ import annotations
