@@ -34,10 +34,10 @@ A full disk: a save that fails part-way with ``ENOSPC`` (synchronous, or
 an async save's writer, raised when the next save or the close waits for
 it) is reported in one message (``GefenCheckpointError``: the folder, what
 to do). The folder it leaves has no ``.metadata`` (DCP renames it into
-place last), so a resume never takes it as the latest, and
-``keep_latest_k`` here counts complete checkpoints only: torchtitan's
-counted every ``step-N`` folder, so with ``keep_latest_k = 1`` an async save
-in flight (or a failed one) purged the last complete checkpoint.
+place last), so a resume never takes it as the latest, and the purge of
+``keep_latest_k`` never deletes the newest complete checkpoint: torchtitan's
+counts every ``step-N`` folder, so failed saves (or an async save in
+flight) among the k newest pushed out every checkpoint a resume can load.
 
 Scheduling saves, async modes, ``load_step``, ``exclude_from_loading``,
 ``initial_load_path`` and HF checkpoints are torchtitan's own.
@@ -148,23 +148,21 @@ class GefenCheckpointManager(CheckpointManager):
             raise full from e
 
     def _purge_stale_checkpoints(self) -> None:
-        """Keep the ``keep_latest_k`` newest *complete* checkpoints (with ``.metadata``). A folder
-        without one is a save in flight (async) or one that failed: never counted as one of the k,
-        kept while it is newer than every complete one (it may still finish), purged once older."""
+        """torchtitan's purge (all but the ``keep_latest_k`` newest ``step-N`` folders), except that it
+        never deletes the newest *complete* checkpoint (one with ``.metadata``): folders of saves that
+        failed part-way, or of an async save still in flight, count among torchtitan's k and would
+        otherwise push out every checkpoint a resume can load."""
         if not self._should_purge():
             return
         found = []
         for name in filesystem.listdir(self.folder):
-            m = re.fullmatch(r"step-(\d+)", name)
+            m = re.search(r"step-(\d+)", name)  # torchtitan's pattern
             if m:
-                path = filesystem.join(self.folder, name)
-                found.append((int(m.group(1)), path, filesystem.isfile(filesystem.join(path, ".metadata"))))
+                found.append((int(m.group(1)), filesystem.join(self.folder, name)))
         found.sort()
-        complete = [(step, path) for step, path, done in found if done]
-        keep = {path for _, path in complete[-self.keep_latest_k:]}
-        newest = complete[-1][0] if complete else -1
-        for step, path, done in found:
-            if path not in keep and (done or step < newest):
+        complete = [path for _, path in found if filesystem.isfile(filesystem.join(path, ".metadata"))]
+        for _, path in found[: -self.keep_latest_k]:
+            if not complete or path != complete[-1]:
                 self.purge_queue.put(path)
 
     def _dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,

@@ -11,11 +11,12 @@ system does. Then:
   ``GefenCheckpointError`` saying the disk is full and what to do;
 * the failed folder has no ``.metadata``, so the resume takes the previous
   checkpoint, which loads;
-* ``keep_latest_k`` (2, torchtitan's least) never purges a complete
+* ``keep_latest_k`` (2, torchtitan's least) never purges the newest complete
   checkpoint for incomplete ones: with failed ``step-4`` and ``step-5``
-  left behind, saving a complete ``step-3`` keeps ``step-2`` and
-  ``step-3`` (torchtitan's purge counted the failed folders among the two
-  newest and deleted both complete ones: the sync test fails with it).
+  left behind, saving a complete ``step-3`` keeps ``step-3`` (torchtitan's
+  purge counted the failed folders as the two newest and deleted both
+  complete ones: the sync test fails with it); in the async test, ``step-2``
+  survives the purge that runs while ``step-5`` is in flight.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def test_a_sync_save_that_fills_the_disk(tmp_path, monkeypatch, one_rank):
         assert not (tmp_path / "ckpt" / f"step-{step}" / ".metadata").exists()
     assert _latest(tmp_path) == 2  # a failed folder is never taken as the latest
     _save(tmp_path, 3)  # space again (a resume from step 2 saves step 3), the failed folders still there
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-2", "step-3", "step-4", "step-5"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-3", "step-4", "step-5"]
     assert _latest(tmp_path) == 3
 
 
