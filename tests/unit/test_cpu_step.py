@@ -57,9 +57,14 @@ def make_codebook(rng: random.Random, kind: str) -> torch.Tensor:
     elif kind == "duplicates":  # runs of equal codewords: codes that are never chosen
         base = torch.rand(96, generator=gen) * 2 - 1
         cb = base[torch.randint(0, 96, (256,), generator=gen)]
-    else:  # "crowded": most codewords within a few ulps of each other near 0, and a few far out
+    else:  # "crowded": most codewords near 0, some 1e-9 apart, some 1 to 3 ulps apart, a few far out
         cb = torch.cat([torch.randn(200, generator=gen) * 1e-6, torch.rand(56, generator=gen) * 2 - 1])
         cb[:40] = cb[0] + torch.arange(40) * 1e-9
+        x = torch.tensor(0.3)
+        for i in range(60, 70):  # thresholds closer than 256 ulps: the fine table's flagged rows
+            x = torch.nextafter(x, torch.tensor(1.0)) if i % 3 else torch.nextafter(torch.nextafter(x, torch.tensor(
+                1.0)), torch.tensor(1.0))
+            cb[i] = x
     cb = torch.sort(cb).values
     cb[0], cb[-1] = -1.0, 1.0
     return cb
@@ -199,8 +204,9 @@ def test_values_within_ulps_of_every_threshold(lib, kind):
     assert step.taken == 1
     assert_same(ref, got, kind)
     assert torch.equal(got["codes"].view(-1), nearest_codes(cb, grid).view(-1))
-    if kind == "crowded":  # the case the table cannot answer in one compare was exercised
-        assert int((table.table.numpy().view(np.uint32) == 0xFF).sum()) > 0
+    if kind == "crowded":  # the buckets one compare cannot answer, and the fine rows' flagged keys
+        assert int(((table.table.numpy().view(np.uint32) & 0xFFFF) == 0xFF).sum()) > 2
+        assert int((table.fine.numpy().view(np.uint32) == 0xFF).sum()) > 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

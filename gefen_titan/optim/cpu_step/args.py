@@ -32,12 +32,13 @@ def f32(x: float) -> float:
 
 
 class Codebook(ctypes.Structure):
-    _fields_ = [("values", _p), ("table", _p), ("thresholds", _p), ("n_thresholds", _i32), ("nan_code", _i32)]
+    _fields_ = [("values", _p), ("table", _p), ("fine", _p), ("thresholds", _p), ("n_thresholds", _i32),
+                ("nan_code", _i32)]
 
     @classmethod
     def of(cls, t: CodebookTable) -> Codebook:
-        return cls(t.values.data_ptr(), t.table.data_ptr(), t.thresholds.data_ptr(), t.thresholds.numel(),
-                   t.nan_code)
+        return cls(t.values.data_ptr(), t.table.data_ptr(), t.fine.data_ptr(), t.thresholds.data_ptr(),
+                   t.thresholds.numel(), t.nan_code)
 
 
 def lerp_weight(weight: float) -> dict[str, float | int]:

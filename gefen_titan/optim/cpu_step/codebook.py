@@ -14,8 +14,10 @@ code that is never chosen). NaN is not ordered: its code is asked separately.
 The kernel looks a key up in a 65536-entry table indexed by its top 16 bits:
 the code at the bucket's first key, the code above the bucket's one
 threshold, and that threshold's low 16 bits. A bucket that holds two or
-more distinct thresholds (codewords closer than about 1/128 of their value)
-is flagged and counted by binary search over the thresholds instead.
+more distinct thresholds (codewords closer than about 1/128 of their value,
+common near 0) is flagged and points to a row of 256 finer entries indexed by
+the key's next 8 bits; a flagged fine entry (codewords within 256 ulps) is
+counted by binary search over the thresholds.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class CodebookTable:
 
     values: torch.Tensor  # fp32 [k]: each codeword rounded to the dtype (as gefen-x's dequantize), as float
     table: torch.Tensor  # int32 [65536]
+    fine: torch.Tensor  # int32 [256 * flagged buckets]
     thresholds: torch.Tensor  # int32 [k - 1] (uint32 keys), non-decreasing
     nan_code: int
 
@@ -85,18 +88,45 @@ def _thresholds(codebook: torch.Tensor) -> np.ndarray:
     return hi
 
 
-def _table(thresholds: np.ndarray) -> np.ndarray:
-    starts = np.arange(1 << 16, dtype=np.int64) << 16
-    ends = starts + 0xFFFF
+def _entries(thresholds: np.ndarray, starts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Table entries of the key ranges [start, start + width): lo | hi << 8 | (threshold % width) << 16,
+    and which ranges hold two or more distinct thresholds (flagged)."""
+    ends = starts + width - 1
     lo = np.searchsorted(thresholds, starts, side="right")
     hi = np.searchsorted(thresholds, ends, side="right")
     distinct = np.unique(thresholds)
-    first = np.searchsorted(distinct, starts, side="right")  # the first distinct threshold above the start
+    first = np.searchsorted(distinct, starts, side="right")  # the first distinct threshold past the start
     inside = np.searchsorted(distinct, ends, side="right") - first
-    thr = distinct[np.minimum(first, max(len(distinct) - 1, 0))] & 0xFFFF if len(distinct) else np.zeros_like(lo)
-    entry = np.where(inside == 0, lo | (lo << 8), lo | (hi << 8) | (thr << 16))
-    entry = np.where(inside >= 2, _FLAGGED, entry)
-    return entry.astype(np.uint32).view(np.int32)
+    thr = (distinct[np.minimum(first, len(distinct) - 1)] % width) if len(distinct) else np.zeros_like(lo)
+    return np.where(inside == 0, lo | (lo << 8), lo | (hi << 8) | (thr << 16)), inside >= 2
+
+
+def _tables(thresholds: np.ndarray, nan_code: int) -> tuple[np.ndarray, np.ndarray]:
+    """The table by a key's top 16 bits and the fine rows of its flagged buckets (by the next 8 bits).
+
+    NaN's keys lie beyond -inf's and +inf's: the buckets of NaN alone hold its code; the two that
+    hold an infinity and NaNs are flagged, and so are those two keys' fine rows (counted by the kernel's
+    scalar rule, which asks NaN first).
+    """
+    nan = nan_code | (nan_code << 8)
+    coarse, flagged = _entries(thresholds, np.arange(1 << 16, dtype=np.int64) << 16, 1 << 16)
+    low_inf, high_inf = KEY_MIN >> 16, KEY_MAX >> 16
+    coarse[:low_inf] = nan
+    coarse[high_inf + 1:] = nan
+    flagged[:low_inf] = flagged[high_inf + 1:] = False
+    flagged[[low_inf, high_inf]] = True
+    rows = np.flatnonzero(flagged)
+    starts = (rows[:, None] << 16) + (np.arange(256, dtype=np.int64) << 8)
+    fine, again = _entries(thresholds, starts.reshape(-1), 256)
+    fine, again = fine.reshape(-1, 256), again.reshape(-1, 256)
+    for r, bucket in enumerate(rows):
+        if bucket == low_inf:  # NaN keys, then -inf at the last key
+            fine[r, :255], again[r, :255], again[r, 255] = nan, False, True
+        elif bucket == high_inf:  # +inf at the first key, then NaN keys
+            fine[r, 1:], again[r, 1:], again[r, 0] = nan, False, True
+    fine[again] = _FLAGGED
+    coarse[flagged] = _FLAGGED | (np.arange(len(rows)) << 16)
+    return (coarse.astype(np.uint32).view(np.int32), fine.reshape(-1).astype(np.uint32).view(np.int32))
 
 
 def _build(codebook: torch.Tensor, dtype: torch.dtype) -> CodebookTable:
@@ -107,9 +137,11 @@ def _build(codebook: torch.Tensor, dtype: torch.dtype) -> CodebookTable:
         raise ValueError("codebook: gefen-x's rule needs finite, sorted codewords")
     thresholds = _thresholds(cb) if cb.numel() > 1 else np.zeros(0, dtype=np.int64)
     nan_code = 0 if cb.numel() <= 1 else int(nearest_codes(cb, torch.tensor([float("nan")])).item())
+    coarse, fine = _tables(thresholds, nan_code)
     return CodebookTable(
         values=cb.to(dtype).to(torch.float32).contiguous(),
-        table=torch.from_numpy(_table(thresholds)),
+        table=torch.from_numpy(coarse),
+        fine=torch.from_numpy(fine),
         thresholds=torch.from_numpy(thresholds.astype(np.uint32).view(np.int32)),
         nan_code=nan_code,
     )

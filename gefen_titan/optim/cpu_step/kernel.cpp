@@ -41,10 +41,13 @@ enum DType : int32_t { F32 = 0, BF16 = 1, F16 = 2, F64 = 3 };
 
 struct Codebook {
   const float* values;        // codebook[i] rounded to the tensors' dtype, as float (exact for every dtype)
-  const uint32_t* table;      // 65536 entries: lo | hi << 8 | low16(threshold) << 16; hi < lo: count instead
+  const uint32_t* table;      // 65536 entries by key >> 16: lo | hi << 8 | low16(threshold) << 16;
+                              // hi < lo: a bucket of several thresholds, low16 = its row of ``fine``
+  const uint32_t* fine;       // 256 entries per flagged bucket by (key >> 8) & 0xFF: lo | hi << 8 | low8 << 16;
+                              // hi < lo again: count the thresholds
   const uint32_t* thresholds; // sorted keys: code(x) = #{t : t <= key(x)}
   int32_t n_thresholds;
-  int32_t nan_code;
+  int32_t nan_code;           // NaN keys are in the tables too (their buckets hold this code)
 };
 
 // ------------------------------------------------------------------ scalars
@@ -64,10 +67,11 @@ inline int32_t count_at_or_below(const Codebook& cb, uint32_t key) {
 inline int32_t code_of(const Codebook& cb, float x) {
   if (x != x) return cb.nan_code;
   const uint32_t k = key_of(x);
-  const uint32_t e = cb.table[k >> 16];
-  const uint32_t lo = e & 0xFFu, hi = (e >> 8) & 0xFFu;
-  if (hi < lo) return count_at_or_below(cb, k);
-  return int32_t((k & 0xFFFFu) >= (e >> 16) ? hi : lo);
+  uint32_t e = cb.table[k >> 16];
+  if (((e >> 8) & 0xFFu) >= (e & 0xFFu)) return int32_t((k & 0xFFFFu) >= (e >> 16) ? (e >> 8) & 0xFFu : e & 0xFFu);
+  e = cb.fine[(e >> 16) * 256 + ((k >> 8) & 0xFFu)];
+  if (((e >> 8) & 0xFFu) >= (e & 0xFFu)) return int32_t((k & 0xFFu) >= (e >> 16) ? (e >> 8) & 0xFFu : e & 0xFFu);
+  return count_at_or_below(cb, k);
 }
 
 // c10::BFloat16 and c10::Half conversions (round to nearest even).
@@ -211,30 +215,42 @@ struct V8 {
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   }
-  static __m256 keys_to_codes(__m256 x, const Codebook& cb, int32_t* codes_out) {
-    // key = u ^ (sign ? 0xFFFFFFFF : 0x80000000)
+  // The codes of 8 floats (NaN included: the tables hold its code). The rare lanes in buckets of
+  // several thresholds take the fine table, and the rarer ones in its flagged rows the scalar count.
+  static __m256i codes_of(__m256 x, const Codebook& cb) {
     const __m256i u = _mm256_castps_si256(x);
-    const __m256i flip = _mm256_or_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32(int32_t(0x80000000u)));
-    const __m256i key = _mm256_xor_si256(u, flip);
-    const __m256i bucket = _mm256_srli_epi32(key, 16);
-    const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(cb.table), bucket, 4);
+    const __m256i key = _mm256_xor_si256(u, _mm256_or_si256(_mm256_srai_epi32(u, 31),
+                                                             _mm256_set1_epi32(int32_t(0x80000000u))));
     const __m256i ff = _mm256_set1_epi32(0xFF);
+    const __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(cb.table), _mm256_srli_epi32(key, 16), 4);
     const __m256i lo = _mm256_and_si256(e, ff);
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(e, 8), ff);
     const __m256i thr = _mm256_srli_epi32(e, 16);
-    const __m256i low = _mm256_and_si256(key, _mm256_set1_epi32(0xFFFF));
-    __m256i code = _mm256_blendv_epi8(hi, lo, _mm256_cmpgt_epi32(thr, low));
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(cb.nan_code), nan);
-    const int flagged = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_andnot_si256(nan, _mm256_cmpgt_epi32(lo, hi))));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes_out), code);
-    if (flagged) {
+    __m256i code = _mm256_blendv_epi8(hi, lo, _mm256_cmpgt_epi32(thr, _mm256_and_si256(key, _mm256_set1_epi32(0xFFFF))));
+    const __m256i flagged = _mm256_cmpgt_epi32(lo, hi);
+    if (!_mm256_testz_si256(flagged, flagged)) code = fine_codes(x, key, thr, flagged, code, cb);
+    return code;
+  }
+  static __m256i fine_codes(__m256 x, __m256i key, __m256i row, __m256i flagged, __m256i code, const Codebook& cb) {
+    const __m256i ff = _mm256_set1_epi32(0xFF);
+    const __m256i idx = _mm256_or_si256(_mm256_slli_epi32(row, 8), _mm256_and_si256(_mm256_srli_epi32(key, 8), ff));
+    const __m256i e = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(cb.fine), idx,
+                                                  flagged, 4);
+    const __m256i lo = _mm256_and_si256(e, ff);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(e, 8), ff);
+    const __m256i fine = _mm256_blendv_epi8(hi, lo, _mm256_cmpgt_epi32(_mm256_srli_epi32(e, 16), _mm256_and_si256(key, ff)));
+    code = _mm256_blendv_epi8(code, fine, flagged);
+    const int again = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_and_si256(flagged, _mm256_cmpgt_epi32(lo, hi))));
+    if (again) {
       alignas(32) float xs[8];
+      alignas(32) int32_t cs[8];
       _mm256_store_ps(xs, x);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(cs), code);
       for (int l = 0; l < 8; ++l)
-        if (flagged & (1 << l)) codes_out[l] = count_at_or_below(cb, key_of(xs[l]));
+        if (again & (1 << l)) cs[l] = code_of(cb, xs[l]);
+      code = _mm256_load_si256(reinterpret_cast<const __m256i*>(cs));
     }
-    return _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes_out)));
+    return code;
   }
 };
 
@@ -372,7 +388,7 @@ void gefen_moments(const GefenArgs& a, int64_t r0, int64_t r1, std::vector<typen
     if constexpr (D != F64) {
       const __m256 vmag = _mm256_set1_ps(mag_old), vw = _mm256_set1_ps(w), vomw = _mm256_set1_ps(-omw);
       const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-      __m256 vmx = _mm256_setzero_ps();
+      __m256 vmx = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
       for (; i + 8 <= n; i += 8) {
         const __m256 cur = _mm256_mul_ps(_mm256_i32gather_ps(a.cb.values, load_codes8(codes + i), 4), vmag);
         const __m256 gv = load8<D>(g + i);
@@ -380,15 +396,15 @@ void gefen_moments(const GefenArgs& a, int64_t r0, int64_t r1, std::vector<typen
         const __m256 u = small ? _mm256_fmadd_ps(vw, diff, cur) : _mm256_fmadd_ps(vomw, diff, gv);
         _mm256_storeu_ps(upd + i, u);
         const __m256 au = _mm256_and_ps(u, absmask);
-        if (!nan_seen && _mm256_movemask_ps(_mm256_cmp_ps(au, au, _CMP_UNORD_Q))) {
-          for (int l = 0; l < 8; ++l)
-            if (upd[i + l] != upd[i + l]) { nan_seen = true; first_nan = std::fabs(upd[i + l]); break; }
-        }
-        vmx = _mm256_max_ps(vmx, au);  // NaN lanes handled by nan_seen
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(au, au, _CMP_UNORD_Q));
+        vmx = _mm256_max_ps(vmx, au);  // NaN lanes: the row's first NaN is looked up below  // NaN lanes handled by nan_seen
       }
       alignas(32) float lanes[8];
       _mm256_store_ps(lanes, vmx);
       for (float x : lanes) mx = std::max(mx, x);
+      if (_mm256_movemask_ps(vnan))  // max(dim) keeps the first NaN of the row (its |.|)
+        for (int64_t j = 0; j < i && !nan_seen; ++j)
+          if (upd[j] != upd[j]) { nan_seen = true; first_nan = std::fabs(C(upd[j])); }
     }
     for (; i < n; ++i) {
       const C cur = C(a.cb.values[codes[i]]) * C(mag_old);
@@ -408,11 +424,9 @@ void gefen_moments(const GefenArgs& a, int64_t r0, int64_t r1, std::vector<typen
     i = 0;
     if constexpr (D != F64) {
       const __m256 vmag = _mm256_set1_ps(mag);
-      alignas(32) int32_t cbuf[8];
       for (; i + 8 <= n; i += 8) {
         const __m256 x = live ? _mm256_div_ps(_mm256_loadu_ps(upd + i), vmag) : _mm256_setzero_ps();
-        V8::keys_to_codes(x, a.cb, cbuf);
-        store_codes8(codes + i, _mm256_load_si256(reinterpret_cast<const __m256i*>(cbuf)));
+        store_codes8(codes + i, V8::codes_of(x, a.cb));
       }
     }
     for (; i < n; ++i) {
@@ -500,7 +514,7 @@ void muon_rows(const MuonArgs& a, int64_t r0, int64_t r1) {
     if constexpr (D == F32) {
       const __m256 vmag = _mm256_set1_ps(mag_old), vw = _mm256_set1_ps(w), vomw = _mm256_set1_ps(-omw);
       const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-      __m256 vmx = _mm256_setzero_ps();
+      __m256 vmx = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
       for (; i + 8 <= n; i += 8) {
         const __m256 cur = _mm256_mul_ps(_mm256_i32gather_ps(a.cb.values, load_codes8(codes + i), 4), vmag);
         const __m256 gv = _mm256_loadu_ps(g + i);
@@ -508,15 +522,15 @@ void muon_rows(const MuonArgs& a, int64_t r0, int64_t r1) {
         const __m256 u = small ? _mm256_fmadd_ps(vw, diff, cur) : _mm256_fmadd_ps(vomw, diff, gv);
         _mm256_storeu_ps(m + i, u);
         const __m256 au = _mm256_and_ps(u, absmask);
-        if (!nan_seen && _mm256_movemask_ps(_mm256_cmp_ps(au, au, _CMP_UNORD_Q))) {
-          for (int l = 0; l < 8; ++l)
-            if (m[i + l] != m[i + l]) { nan_seen = true; first_nan = std::fabs(m[i + l]); break; }
-        }
-        vmx = _mm256_max_ps(vmx, au);
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(au, au, _CMP_UNORD_Q));
+        vmx = _mm256_max_ps(vmx, au);  // NaN lanes: the row's first NaN is looked up below
       }
       alignas(32) float lanes[8];
       _mm256_store_ps(lanes, vmx);
       for (float x : lanes) mx = std::max(mx, x);
+      if (_mm256_movemask_ps(vnan))  // max(dim) keeps the first NaN of the row (its |.|)
+        for (int64_t j = 0; j < i && !nan_seen; ++j)
+          if (m[j] != m[j]) { nan_seen = true; first_nan = std::fabs(C(m[j])); }
     }
     for (; i < n; ++i) {
       const C cur = round_to<D>(C(a.cb.values[codes[i]]) * C(mag_old));
@@ -538,11 +552,9 @@ void muon_rows(const MuonArgs& a, int64_t r0, int64_t r1) {
     if constexpr (D == F32) {
       const __m256 vden = _mm256_set1_ps(denom), vmag = _mm256_set1_ps(mag);
       const __m256 vmom = _mm256_set1_ps(mom), valpha = _mm256_set1_ps(alpha);
-      alignas(32) int32_t cbuf[8];
       for (; i + 8 <= n; i += 8) {
         const __m256 x = zero ? _mm256_setzero_ps() : _mm256_div_ps(_mm256_loadu_ps(m + i), vden);
-        V8::keys_to_codes(x, a.cb, cbuf);
-        const __m256i code = _mm256_load_si256(reinterpret_cast<const __m256i*>(cbuf));
+        const __m256i code = V8::codes_of(x, a.cb);
         store_codes8(codes + i, code);
         __m256 q = _mm256_mul_ps(_mm256_i32gather_ps(a.cb.values, code, 4), vmag);
         if (a.nesterov) q = _mm256_fmadd_ps(_mm256_loadu_ps(g + i), valpha, _mm256_mul_ps(q, vmom));
