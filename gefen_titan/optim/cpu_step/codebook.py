@@ -7,7 +7,7 @@ pinned against gefen-x by ``tests/unit/test_contract_gefen.py``). Both
 roundings are monotone in x, so the code never decreases as x grows: the code
 of x is the number of thresholds ``T_j`` (the least x whose code is >= j) at
 or below x. Each threshold is found here by bisection over the floats, in
-their order-preserving uint32 keys, asking the rule itself, so the kernel
+their order-preserving uint32 keys, asking the rule (``codes_of_keys``), so the kernel
 reproduces it exactly, duplicate codewords included (two equal thresholds: a
 code that is never chosen). NaN is not ordered: its code is asked separately.
 
@@ -62,11 +62,22 @@ def floats_of_keys(keys: np.ndarray) -> np.ndarray:
 
 
 def codes_of_keys(codebook: torch.Tensor, keys: np.ndarray) -> np.ndarray:
-    """gefen-x's code of each key's float (int64)."""
-    if codebook.numel() <= 1:
+    """gefen-x's code of each key's float (int64), by the rule in numpy's float32 arithmetic.
+
+    The same comparisons and float32 subtractions as ``nearest_codes`` (torch),
+    so the same codes (``tests/unit/test_cpu_step.py`` checks the kernel's
+    codes against ``nearest_codes`` on both sides of every threshold), but
+    without torch's fixed cost per call (its CPU ``searchsorted`` takes ~20 ms
+    even for 255 values), which the bisection pays 33 times per codebook.
+    """
+    cb = codebook.detach().cpu().numpy().astype(np.float32)
+    k = len(cb)
+    if k <= 1:
         return np.zeros(len(keys), dtype=np.int64)
-    x = torch.from_numpy(floats_of_keys(keys))
-    return nearest_codes(codebook, x).numpy().astype(np.int64)
+    x = floats_of_keys(keys)
+    idx = np.searchsorted(cb, x, side="left")
+    left, right = np.clip(idx - 1, 0, k - 1), np.clip(idx, 0, k - 1)
+    return np.where(np.abs(x - cb[left]) <= np.abs(x - cb[right]), left, right).astype(np.int64)
 
 
 def _thresholds(codebook: torch.Tensor) -> np.ndarray:
