@@ -81,7 +81,7 @@ class _Step:
         self.declined: Counter[str] = Counter()
         self._err = ctypes.create_string_buffer(512)
         self._prepared: dict[int, _Prepared] = {}
-        self._hyper: dict[tuple, dict[str, Any]] = {}
+        self._hyper: tuple[tuple, dict[str, Any]] = ((), {})  # one slot: the LR schedule changes lr every step
 
     def _call(self, fn: Any, args: ctypes.Structure) -> None:
         if fn(ctypes.byref(args), self._err, len(self._err)) != 0:
@@ -142,7 +142,7 @@ class GefenStep(_Step):
     def __call__(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
         st = gx.read(self.optim, p)
         if st is None:
-            self._decline("first step")
+            self._decline("no state yet (its first step, or an empty shard)")
             return False
         ops = self._operands(p, grad)
         prep = ops if isinstance(ops, str) else self._prepared_for(
@@ -163,14 +163,14 @@ class GefenStep(_Step):
         beta1, beta2 = float(group["beta1"]), float(group["beta2"])
         wd = float(group["weight_decay"])
         key = (lr, beta1, beta2, float(group["eps"]), wd)
-        hyper = self._hyper.get(key)
+        hyper = self._hyper[1] if self._hyper[0] == key else None
         if hyper is None:
             # ctypes rounds a float field as torch rounds a scalar operand (to nearest); lerp_weight's
             # 1 - w and the fp32 alpha are worked in float here, as torch works them.
             wdf = 1 - lr * wd
-            hyper = self._hyper[key] = dict(
-                **lerp_weight(1 - beta1), beta2_f=beta2, alpha_f=1 - beta2, alpha_d=1 - beta2, eps_f=key[3],
-                lr_f=lr, wdf_f=wdf, lr_d=lr, wdf_d=wdf, has_wd=int(wd > 0.0))
+            hyper = dict(**lerp_weight(1 - beta1), beta2_f=beta2, alpha_f=1 - beta2, alpha_d=1 - beta2,
+                         eps_f=key[3], lr_f=lr, wdf_f=wdf, lr_d=lr, wdf_d=wdf, has_wd=int(wd > 0.0))
+            self._hyper = (key, hyper)
         for name, value in hyper.items():
             setattr(a, name, value)
         step, vmean_step = st.step + 1, st.vmean_step + 1
@@ -191,7 +191,7 @@ class MuonMomentum(_Step):
     def __call__(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
         st = gx.muon_read(self.optim, p)
         if st is None:
-            self._decline("first step")
+            self._decline("no state yet (its first step, or an empty shard)")
             return None
         ops = self._operands(grad, grad)
         prep = ops if isinstance(ops, str) else self._prepared_for(
