@@ -1,4 +1,4 @@
-"""Scale plan: Gefen vs AdamW for Llama 3 8B-405B at 8-1024 ranks, computed on the meta device.
+"""Scale plan: Gefen vs AdamW for Llama 3 8B-405B and MoE models at 8-1024 ranks, computed on the meta device.
 
 For every flavor (``--flavors``), mesh kind (``--meshes``: ``fsdp``, FSDP
 over all ranks; ``fsdp_tp``, FSDP x TP ``--tp``; ``hsdp``, replicas x
@@ -38,16 +38,19 @@ shard from DTensor's own ``_compute_local_shape_and_global_offset``):
   objects pickled and unpickled as the gather does, ``DefaultSavePlanner``'s
   global plan, the write results of ``FileSystemWriter``'s layout), then
   pickled as ``FileSystemWriter.finish`` pickles it. Where the job has more
-  than ``--exact-items`` plan items it is built for the model's first one
-  and two layers (and once with the layer renamed to two digits) and
-  extrapolated over the layers (``~``): layers are identical, so this is
-  exact up to the pickled size of file offsets (a few bytes per chunk;
-  ``tests/integration/test_scale.py`` bounds it against the full build). Every rank
+  than ``--exact-items`` plan items it is built for the first one and two
+  layers of each kind of layer (``layer_kinds``: a dense model has one,
+  DeepSeek-V3 two; and once with a layer renamed to one more digit) and
+  extrapolated over the layers (``~``): layers of a kind are identical, so
+  this is exact up to the pickled size of file offsets (a few bytes per
+  chunk; ``tests/integration/test_scale.py`` bounds it against the full
+  build, dense and MoE). Every rank
   reads the whole metadata on every load, so its job-wide cost is W times
   its size. The coordinator also receives every rank's plan and write
   results (``gather at rank 0``).
 * **GefenMuon's step** (``muon_plan``; ``--no-muon`` leaves it out): the
-  muon recipe's hidden matrices with their real placements, scheduled as
+  muon recipe's hidden matrices (MoE: GefenMuonHybrid's; ``muon_specs``
+  asks the layout module, ``muon.layout``) with their real placements, scheduled as
   the step schedules them (``optim.muon.schedule``, ``--muon-bucket-mib``):
   the busiest owner's Newton-Schulz FLOPs against the mean and the largest
   matrix, the serial sum every rank waited on before, exchange and
@@ -62,8 +65,20 @@ slope of log(figure) over log(W) per rank and for the whole job (per-rank
 figure summed over the ranks, or the metadata read by every rank), and a
 flag for any job-wide figure that grows faster than linearly (slope > 1.1).
 
+**Mixture of experts** (``--moe``; ``MOE_FLAVORS``: torchtitan 0.3.0's
+DeepSeek-V3 671B / 16B and Qwen3 30B-A3B, from
+``benchmarks/recipes/``): the same figures at ``ep`` meshes (``--ep``
+degrees: FSDP over every rank for the dense parameters, the routed experts
+cut by EP x efsdp as torchtitan's parallelize cuts them), the metadata
+extrapolated per kind of layer (``layer_kinds``: DeepSeek-V3's dense first
+layers and its MoE layers), GefenMuon's matrices those GefenMuonHybrid routes
+(one per routed expert of a grouped weight, from ``muon.layout.matrix_cuts``),
+and the rows' own figures from ``benchmarks.scale_moe`` (GefenMuonHybrid's
+state, torchtitan main's DistMuon beside it).
+
     python scripts/plan_scale.py                          # 8B, 70B, 405B x fsdp, fsdp_tp, hsdp x 8..1024
     python scripts/plan_scale.py --flavors 8B --meshes fsdp --worlds 8,64,512
+    python scripts/plan_scale.py --moe                    # DSv3-671B, Qwen3-30B-A3B x EP 8, 64 x 64, 256, 1024
 """
 
 from __future__ import annotations
@@ -89,6 +104,20 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/llama3_8b_gefen.toml"
 FLAVORS = ("8B", "70B", "405B")
 MESHES = ("fsdp", "fsdp_tp", "hsdp")
+# Mixture-of-experts meshes (benchmarks/scale_moe.py): FSDP over every rank for the dense parameters, the
+# routed experts cut by EP (``--ep``) x efsdp (world / EP), as torchtitan 0.3.0 shards them.
+MOE_MESHES = ("ep",)
+# MoE flavors: name -> (recipe, the recipe's [model] flavor). torchtitan 0.3.0's own models and flavors; the
+# recipes are the plan's (benchmarks/recipes/), not shipped ones. "DSv3-debug" is the checks' small one.
+MOE_FLAVORS = {
+    "DSv3-671B": ("benchmarks/recipes/dsv3_scale.toml", "671B"),
+    "DSv3-16B": ("benchmarks/recipes/dsv3_scale.toml", "16B"),
+    "Qwen3-30B-A3B": ("benchmarks/recipes/qwen3_moe_scale.toml", "30B-A3B"),
+    "DSv3-debug": ("benchmarks/recipes/dsv3_scale.toml", "debugmodel"),
+}
+MOE_DEFAULT = ("DSv3-671B", "Qwen3-30B-A3B")
+EP_DEGREES = (8, 64)
+MOE_WORLDS = (64, 256, 1024)
 WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
 FLAG_SLOPE = 1.1  # job-wide growth above this slope is "faster than linear"
 _LAYER = re.compile(r"(^|[./])layers\.(\d+)\.")
@@ -103,13 +132,21 @@ class Mesh:
     world: int
     tp: int = 1
     replicate: int = 1
+    ep: int = 1
 
     @property
     def shard(self) -> int:
         return self.world // (self.tp * self.replicate)
 
     @property
+    def name(self) -> str:
+        """The mesh's series for the growth figures (one per EP degree)."""
+        return f"ep{self.ep}" if self.kind == "ep" else self.kind
+
+    @property
     def label(self) -> str:
+        if self.kind == "ep":
+            return f"EP {self.ep} x efsdp {self.shard // self.ep}"
         if self.kind == "fsdp_tp":
             return f"FSDP {self.shard} x TP {self.tp}"
         if self.kind == "hsdp":
@@ -117,11 +154,18 @@ class Mesh:
         return f"FSDP {self.shard}"
 
     def parallelism(self) -> dict[str, int]:
-        return {"data_parallel_shard_degree": self.shard, "data_parallel_replicate_degree": self.replicate,
-                "tensor_parallel_degree": self.tp}
+        out = {"data_parallel_shard_degree": self.shard, "data_parallel_replicate_degree": self.replicate,
+               "tensor_parallel_degree": self.tp}
+        if self.kind == "ep":
+            out["expert_parallel_degree"] = self.ep
+        return out
 
 
-def mesh_for(kind: str, world: int, tp: int = 8, hsdp_shard: int = 8) -> Mesh:
+def mesh_for(kind: str, world: int, tp: int = 8, hsdp_shard: int = 8, ep: int = 8) -> Mesh:
+    if kind == "ep":
+        if world % ep:
+            raise ValueError(f"ep: world {world} is not a multiple of EP {ep}")
+        return Mesh(kind, world, ep=ep)
     if kind == "fsdp":
         return Mesh(kind, world)
     if kind == "fsdp_tp":
@@ -132,7 +176,7 @@ def mesh_for(kind: str, world: int, tp: int = 8, hsdp_shard: int = 8) -> Mesh:
         if world % hsdp_shard:
             raise ValueError(f"hsdp: world {world} is not a multiple of --hsdp-shard {hsdp_shard}")
         return Mesh(kind, world, replicate=world // hsdp_shard)
-    raise ValueError(f"unknown mesh kind {kind!r} (known: {', '.join(MESHES)})")
+    raise ValueError(f"unknown mesh kind {kind!r} (known: {', '.join(MESHES + MOE_MESHES)})")
 
 
 # ------------------------------------------------------------------ model
@@ -146,6 +190,7 @@ class Param:
     coords: list[tuple[int, ...]]  # rank -> coordinate in the parameter's mesh
     unit: int  # 0: period 1 by Gefen's rules
     candidates: list[int]
+    tensor: Any = field(default=None, repr=False, compare=False)  # the (meta) parameter: its mesh for the layout
 
     @property
     def layer(self) -> int | None:
@@ -172,6 +217,10 @@ class Built:
     adamw_template: list[tuple[str, str, Any]]  # (key pattern with {fqn}, kind, dtype or value)
     gefen_hyper: dict[str, float]
     deterministic: bool
+    # GefenMuon's matrices: the FQNs GefenMuonHybrid routes to it (MoE flavors: the hidden matrices and the
+    # routed experts) and its Newton-Schulz steps; None: the muon recipe's pattern (MUON_PATTERN, dense).
+    muon_fqns: frozenset[str] | None = None
+    muon_ns_steps: int = 5  # MUON_NS_STEPS
 
 
 def _coords(mesh, world: int, fqn: str) -> list[tuple[int, ...]]:
@@ -224,16 +273,41 @@ def _adamw_template(config) -> list[tuple[str, str, Any]]:
 def build(flavor: str, mesh: Mesh, max_tp: int = 8, recipe: str = RECIPE) -> Built:
     """The flavor on the meta device under ``mesh``, as the Trainer builds it (collective-free).
 
+    A MoE flavor (``MOE_FLAVORS``) builds from its own recipe (``recipe`` is
+    the dense flavors'), and its GefenMuon matrices are the ones
+    GefenMuonHybrid routes (``gefen_titan.optim.hybrid.route``: every
+    ``nn.Linear`` weight in the blocks but the router's gate, and the routed
+    experts' grouped weights), with the hybrid's Newton-Schulz steps.
+
     Replaces any process group of this process by torchtitan's fake one at
     ``mesh.world`` ranks: run it in a process of its own, never inside a job.
     """
-    from gefen_titan.optim.blocking import AgreedBlocking
-
-    overrides = {"model": {"flavor": flavor}, "parallelism": mesh.parallelism(),
+    model_flavor = flavor
+    if flavor in MOE_FLAVORS:
+        recipe, model_flavor = MOE_FLAVORS[flavor]
+    overrides = {"model": {"flavor": model_flavor}, "parallelism": mesh.parallelism(),
                  "optimizer": {"max_tensor_parallel_degree": max_tp}}
     built = build_on_meta(str(ROOT / recipe) if not Path(recipe).exists() else recipe, mesh.world, overrides)
-    config, numel, container = built.config, built.numel, built.optimizers
-    agreement = AgreedBlocking(config.optimizer.max_tensor_parallel_degree)
+    config = built.config
+    muon: dict[str, Any] = {}
+    if flavor in MOE_FLAVORS:
+        from gefen_titan.optim import hybrid
+
+        groups = hybrid.param_groups(dataclasses.replace(config.optimizer, name=hybrid.NAME, param_groups=[]))
+        muon = {"muon_fqns": frozenset(hybrid.route(built.model)[0]),
+                "muon_ns_steps": int(groups[0].optimizer_kwargs["ns_steps"])}
+    ckpt_id = str(Path(config.dump_folder) / config.checkpoint.folder / f"step-{config.training.steps}")
+    return built_from(flavor, mesh, built.numel, built.optimizers, config.optimizer.max_tensor_parallel_degree,
+                      ckpt_id, _adamw_template(config), **muon)
+
+
+def built_from(flavor: str, mesh: Mesh, numel: int, container, max_tp: int, checkpoint_id: str,
+               adamw_template: list[tuple[str, str, Any]], **muon: Any) -> Built:
+    """The plan's view of a built optimizer container (its Gefen parameters, their layouts and blocking
+    rules), for ``build`` and for the checks that build a model of their own."""
+    from gefen_titan.optim.blocking import AgreedBlocking
+
+    agreement = AgreedBlocking(max_tp)
     coords_by_mesh: dict[int, list] = {}
     params = []
     for fqn, p, unit, candidates in agreement.period_candidates(container.gefen_optimizers):
@@ -241,16 +315,15 @@ def build(flavor: str, mesh: Mesh, max_tp: int = 8, recipe: str = RECIPE) -> Bui
         if key not in coords_by_mesh:
             coords_by_mesh[key] = _coords(p.device_mesh, mesh.world, fqn)
         params.append(Param(fqn, tuple(p.shape), p.dtype, tuple(p.placements), tuple(p.device_mesh.shape),
-                            coords_by_mesh[key], unit, candidates))
+                            coords_by_mesh[key], unit, candidates, p))
     from gefen_titan.checkpoint.schema import HYPER
 
     group = container.gefen_optimizers[0].param_groups[0]
     hyper = {k: float(group[k]) for k in HYPER}
     from gefen_titan.optim import gefenx as gx
 
-    ckpt_id = str(Path(config.dump_folder) / config.checkpoint.folder / f"step-{config.training.steps}")
-    return Built(flavor, mesh, numel, params, ckpt_id, _adamw_template(config), hyper,
-                 gx.options(container.gefen_optimizers[0])["deterministic"])
+    return Built(flavor, mesh, numel, params, checkpoint_id, adamw_template, hyper,
+                 gx.options(container.gefen_optimizers[0])["deterministic"], **muon)
 
 
 # ---------------------------------------------------------------- entries
@@ -581,11 +654,11 @@ def metadata_bytes(entries: list[Entry], world: int, chunks: Chunks, checkpoint_
     return {"metadata": len(pickle.dumps(md)), "gathered": int(gathered)}
 
 
-def _subset(entries: list[Entry], layers: int, rename: tuple[int, int] | None = None) -> list[Entry]:
-    """The non-layer entries and those of layers < ``layers`` (optionally one layer renamed)."""
+def _subset(entries: list[Entry], keep: set[int], rename: tuple[int, int] | None = None) -> list[Entry]:
+    """The non-layer entries and those of the layers in ``keep`` (optionally one layer renamed)."""
     out = []
     for e in entries:
-        if e.layer is not None and e.layer >= layers:
+        if e.layer is not None and e.layer not in keep:
             continue
         if rename and e.layer == rename[0]:
             e = dataclasses.replace(e, key=re.sub(rf"layers\.{rename[0]}\.", f"layers.{rename[1]}.", e.key))
@@ -593,24 +666,63 @@ def _subset(entries: list[Entry], layers: int, rename: tuple[int, int] | None = 
     return out
 
 
+def layer_kinds(entries: list[Entry]) -> list[list[int]]:
+    """The layers grouped by kind, each kind's layers ascending: layers of one kind have the same
+    entries (keys but for the layer index, dtypes, shapes and layouts). A dense model has one
+    kind; DeepSeek-V3 two (its first dense layers, then the MoE ones)."""
+    signature: dict[int, list] = defaultdict(list)
+    for e in entries:
+        if e.layer is not None:
+            layout = (e.param.placements, e.param.mesh_shape) if e.param is not None else None
+            signature[e.layer].append((_LAYER.sub(r"\1layers.#.", e.key), e.kind, e.dtype, e.shape, str(layout)))
+    kinds: dict[tuple, list[int]] = defaultdict(list)
+    for layer in sorted(signature):
+        kinds[tuple(signature[layer])].append(layer)
+    return list(kinds.values())
+
+
 def metadata_estimate(entries: list[Entry], world: int, chunks: Chunks, checkpoint_id: str, items: int,
                       exact_items: int) -> dict[str, Any]:
-    """Exact for up to ``exact_items`` plan items, else extrapolated over identical layers."""
-    layers = sorted({e.layer for e in entries if e.layer is not None})
-    if items <= exact_items or len(layers) < 3:
+    """Exact for up to ``exact_items`` plan items, else extrapolated over the layers of each kind.
+
+    Built for the first layer of every kind (``one``) and the first two
+    (``two``). A kind's layer costs what its second layer adds to ``one``
+    (for the kind with the most layers: what ``two`` adds to ``one`` beyond
+    the others' second layers, which saves a build), and a digit what renaming
+    its first layer to one more digit adds; every further layer of the kind
+    adds its layer's cost and its digits beyond the second layer's. With one
+    kind this is the first and first two layers, and layer 0 renamed to 10.
+    """
+    kinds = layer_kinds(entries)
+    if items <= exact_items or all(len(k) < 3 for k in kinds):
         out = metadata_bytes(entries, world, chunks, checkpoint_id)
         out["exact"] = True
         return out
-    n = len(layers)
-    one = metadata_bytes(_subset(entries, 1), world, chunks, checkpoint_id)
-    two = metadata_bytes(_subset(entries, 2), world, chunks, checkpoint_id)
-    wide = metadata_bytes(_subset(entries, 1, rename=(0, 10)), world, chunks, checkpoint_id)
-    extra_digits = sum(len(str(k)) - 1 for k in range(2, n))
-    out = {"exact": False}
-    for what in ("metadata", "gathered"):
-        per_layer = two[what] - one[what]
-        per_digit = wide[what] - one[what]
-        out[what] = two[what] + (n - 2) * per_layer + extra_digits * per_digit
+    firsts = {k[0] for k in kinds}
+    one = metadata_bytes(_subset(entries, firsts), world, chunks, checkpoint_id)
+    two = metadata_bytes(_subset(entries, firsts | {k[1] for k in kinds if len(k) > 1}), world, chunks,
+                         checkpoint_id)
+    main = max(kinds, key=len)
+    per_layer: dict[int, dict[str, int]] = {}
+    for k in kinds:
+        if len(k) > 1 and k is not main:
+            second = metadata_bytes(_subset(entries, firsts | {k[1]}), world, chunks, checkpoint_id)
+            per_layer[k[0]] = {what: second[what] - one[what] for what in ("metadata", "gathered")}
+    per_layer[main[0]] = {what: two[what] - one[what] - sum(v[what] for v in per_layer.values())
+                          for what in ("metadata", "gathered")}
+    out: dict[str, Any] = {"exact": False, "metadata": two["metadata"], "gathered": two["gathered"]}
+    for k in kinds:
+        if len(k) < 3:
+            continue
+        extra_digits = sum(len(str(layer)) - len(str(k[1])) for layer in k[2:])
+        digit = {"metadata": 0, "gathered": 0}
+        if extra_digits:
+            digits = len(str(k[0])) + 1  # one more digit (0 -> 10, 3 -> 13), no other kind's first layer
+            wider = next(n for n in range(10 ** (digits - 1) + k[0], 10 ** digits) if n not in firsts)
+            wide = metadata_bytes(_subset(entries, firsts, rename=(k[0], wider)), world, chunks, checkpoint_id)
+            digit = {what: wide[what] - one[what] for what in digit}
+        for what in ("metadata", "gathered"):
+            out[what] += (len(k) - 2) * per_layer[k[0]][what] + extra_digits * digit[what]
     return out
 
 
@@ -632,12 +744,12 @@ def gefen_param_bytes(numel: int, period: int) -> int:
     return numel + 4 * LIVE_BLOCK_FLOATS * (numel // period) if numel else 0
 
 
-def state_bytes(built: Built, rule: str | None) -> list[int]:
-    """Per rank: Gefen state bytes under ``rule``'s periods (None: AdamW's)."""
+def state_bytes(built: Built, rule: str | None, periods: dict[str, int] | None = None) -> list[int]:
+    """Per rank: Gefen state bytes under ``rule``'s periods, or the given ``periods`` (None: AdamW's)."""
     chunks = Chunks()
     out = [CODEBOOK_BYTES if rule is not None else 0] * built.mesh.world
     for p in built.params:
-        period = p.period(rule) if rule is not None else 0
+        period = ((periods or {}).get(p.fqn) or p.period(rule)) if rule is not None else 0
         elem = torch._utils._element_size(p.dtype)
         for r, (sizes, _) in enumerate(chunks.per_rank(p.shape, p)):
             n = math.prod(sizes)
@@ -668,42 +780,54 @@ MUON_PATTERN = re.compile(r"^layers\.\d+\.(attention|feed_forward)\.")
 MUON_NS_STEPS = 5  # the recipe's (gefen-x's default)
 
 
+def is_muon(built: Built, p: Param) -> bool:
+    """A GefenMuon parameter of the plan (``Built.muon_fqns``, or the muon recipe's pattern)."""
+    if built.muon_fqns is not None:
+        return p.fqn in built.muon_fqns
+    return len(p.shape) == 2 and bool(MUON_PATTERN.match(p.fqn))
+
+
 def muon_specs(built: Built, rank: int = 0) -> list:
-    """GefenMuon's matrices (the muon recipe's pattern) as rank ``rank``'s shard group sees them.
+    """GefenMuon's matrices as rank ``rank``'s copy sees them, as the sharded step builds them.
 
-    A group is the ranks at ``rank``'s coordinates on the mesh dims that
-    replicate the matrix, ordered by their coordinates on the dims that
-    shard it (``layout.shard_groups``' rule); each member's numel and rows
-    come from ``layout.shard_indices`` (DTensor's own split), cached per
-    shape and coordinate since the layers repeat.
+    The copy is ``muon.layout.shard_groups``' (the layout module's
+    ``copy_groups``) and each parameter's matrices and their holders' pieces
+    are ``muon.layout.matrix_cuts``' (a 2-D parameter one matrix; a grouped
+    experts' weight one per expert, held by the members whose shard holds
+    part of it): the plan computes no shard itself. Both are cached per mesh
+    and layout, since the layers repeat; a cached parameter's matrices are
+    renamed to the next one's FQN. Each becomes a ``MatrixSpec`` as
+    ``ShardedMuonStep`` makes it: members are the pieces' ranks (none: held
+    whole), an expert names its grouped weight as ``param``.
     """
-    from gefen_titan.optim.muon import MatrixSpec, shard_indices
+    from gefen_titan.optim.muon import MatrixSpec
+    from gefen_titan.optim.muon.layout import matrix_cuts, shard_groups
 
-    cache: dict[tuple, tuple[int, int]] = {}
+    copies: dict[tuple, list] = {}
+    cuts_by_layout: dict[tuple, tuple[str, list]] = {}
     out = []
     for p in built.params:
-        if len(p.shape) != 2 or not MUON_PATTERN.match(p.fqn):
+        if not is_muon(built, p):
             continue
-        sharding = [d for d, pl in enumerate(p.placements) if not pl.is_replicate()]
-        mine = p.coords[rank]
-        members = sorted((r for r, c in enumerate(p.coords)
-                          if all(c[d] == mine[d] for d in range(len(c)) if d not in sharding)),
-                         key=lambda r: tuple(p.coords[r][d] for d in sharding))
-        cuts = []
-        for r in members:
-            key = (p.shape, str(p.placements), p.mesh_shape, p.coords[r])
-            if key not in cache:
-                rows, cols = shard_indices(p.shape, p.mesh_shape, p.placements, p.coords[r])
-                cache[key] = (rows.numel() * cols.numel(), rows.numel())
-            cuts.append(cache[key])
-        if len(members) == 1:
-            members, cuts = [], []
-        out.append(MatrixSpec(p.fqn, p.shape, MUON_NS_STEPS, tuple(members), tuple(n for n, _ in cuts),
-                              tuple(rows for _, rows in cuts)))
+        mesh = getattr(p.tensor, "device_mesh", None)
+        copy_key = (id(mesh), tuple(pl.is_replicate() for pl in p.placements))
+        if copy_key not in copies:
+            copies[copy_key] = [] if mesh is None else \
+                next(g for g in shard_groups(p.tensor) if any(r == rank for r, _ in g))
+        layout_key = (p.shape, str(p.placements), p.mesh_shape, copy_key)
+        if layout_key not in cuts_by_layout:
+            cuts_by_layout[layout_key] = (p.fqn, matrix_cuts(p.fqn, p.shape, p.mesh_shape if mesh else (1,),
+                                                             p.placements if mesh else (), copies[copy_key]))
+        first, cuts = cuts_by_layout[layout_key]
+        for c in cuts:
+            fqn = p.fqn + c.fqn[len(first):]
+            out.append(MatrixSpec(fqn, c.shape, built.muon_ns_steps, tuple(pc.rank for pc in c.pieces),
+                                  tuple(pc.numel for pc in c.pieces), tuple(pc.nrows for pc in c.pieces),
+                                  p.fqn if fqn != p.fqn else ""))
     return out
 
 
-def muon_plan(built: Built, bucket_mib: float) -> dict[str, Any]:
+def muon_plan(built: Built, bucket_mib: float, specs: list | None = None) -> dict[str, Any]:
     """GefenMuon's step at this mesh: Newton-Schulz FLOPs of the busiest owner against the mean and
     against the serial sum (every rank waiting on every matrix, as before the owner-parallel step),
     exchange bytes and in-flight bytes per rank."""
@@ -711,7 +835,7 @@ def muon_plan(built: Built, bucket_mib: float) -> dict[str, Any]:
     from gefen_titan.optim.muon.schedule import exchange_bytes, owner_loads, rank_bytes
     from gefen_titan.optim.muon.step import COPIES, SLOTS
 
-    specs = muon_specs(built)
+    specs = muon_specs(built) if specs is None else specs
     sched = build_schedule(specs, int(bucket_mib * 2**20))
     loads = owner_loads(specs, sched)
     group = max(1, len(loads))
@@ -736,7 +860,7 @@ def muon_plan(built: Built, bucket_mib: float) -> dict[str, Any]:
 def plan(built: Built, exact_items: int = 100_000, muon_bucket_mib: float | None = None) -> dict[str, Any]:
     chunks = Chunks()
     w = built.mesh.world
-    row: dict[str, Any] = {"flavor": built.flavor, "mesh": built.mesh.kind, "label": built.mesh.label, "world": w,
+    row: dict[str, Any] = {"flavor": built.flavor, "mesh": built.mesh.name, "label": built.mesh.label, "world": w,
                            "numel": built.numel}
     row["gefen_state"] = max(state_bytes(built, "fallback"))
     row["gefen_state_finest"] = max(state_bytes(built, "finest"))
@@ -751,8 +875,13 @@ def plan(built: Built, exact_items: int = 100_000, muon_bucket_mib: float | None
     coll = collectives(built)
     row["collectives"] = coll
     row["agreement_per_rank"] = sum(c["per_rank"] for c in coll)
-    if muon_bucket_mib is not None:
-        row["muon"] = muon_plan(built, muon_bucket_mib)
+    specs = muon_specs(built) if muon_bucket_mib is not None else None
+    if specs is not None:
+        row["muon"] = muon_plan(built, muon_bucket_mib, specs)
+    if built.muon_fqns is not None:  # an MoE flavor
+        from benchmarks.scale_moe import moe_figures
+
+        row["moe"] = moe_figures(built, specs)
     return row
 
 
@@ -800,7 +929,12 @@ def flags(rows: list[dict]) -> list[dict]:
     for (flavor, mesh), rs in groups.items():
         if len({r["world"] for r in rs}) < 2:
             continue
-        for name, (per_rank, job) in FIGURES.items():
+        figures = dict(FIGURES)
+        if all(r.get("moe") for r in rs):
+            from benchmarks.scale_moe import MOE_FIGURES
+
+            figures.update(MOE_FIGURES)
+        for name, (per_rank, job) in figures.items():
             g = growth(rs, per_rank, job)
             out.append({"flavor": flavor, "mesh": mesh, "figure": name, **g, "flag": g["job"] > FLAG_SLOPE})
     return out
@@ -889,8 +1023,9 @@ def report(rows: list[dict], max_tp: int) -> list[dict]:
             for f in flagged:
                 print(f"  {f['flavor']} {f['mesh']}: {f['figure']}: per rank W^{f['per_rank']:+.2f}, "
                       f"job W^{f['job']:.2f}")
-    if any(r.get("muon") for r in rows):
-        mib = next(r["muon"]["bucket_mib"] for r in rows if r.get("muon"))
+    dense = [r for r in rows if not r.get("moe")]
+    if any(r.get("muon") for r in dense):
+        mib = next(r["muon"]["bucket_mib"] for r in dense if r.get("muon"))
         print("\nGefenMuon's step per optimizer step (recipes/llama_gefen_muon.toml's hidden matrices, ns_steps "
               f"{MUON_NS_STEPS}, muon_bucket_mib {mib:g}): Newton-Schulz FLOPs of the busiest owner, against the "
               "mean over the group and the largest matrix; the buckets' busiest owners summed is the step's "
@@ -898,7 +1033,11 @@ def report(rows: list[dict], max_tp: int) -> list[dict]:
               "every rank waited on before owners ran at once; exchange: sent + received by the busiest rank; in "
               "flight: two live buckets' bytes on the worst rank, one copy each (bound: 2 x 2 x the schedule's "
               "limit)\n")
-        print(muon_table(rows))
+        print(muon_table(dense))
+    if any(r.get("moe") for r in rows):
+        from benchmarks.scale_moe import report_moe
+
+        report_moe([r for r in rows if r.get("moe")])
     if rows:
         r = rows[-1]
         collectives = "; ".join(f"{c['what']} {c['op']} {c['numel']:,} x {c['dtype']} -> {_b(c['per_rank'])}/rank"
@@ -910,9 +1049,16 @@ def report(rows: list[dict], max_tp: int) -> list[dict]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--flavors", default=",".join(FLAVORS))
-    ap.add_argument("--meshes", default=",".join(MESHES))
-    ap.add_argument("--worlds", default=",".join(map(str, WORLDS)))
+    ap.add_argument("--flavors", default=None,
+                    help=f"default {','.join(FLAVORS)} (with --moe: {','.join(MOE_DEFAULT)}); MoE flavors: "
+                         f"{', '.join(MOE_FLAVORS)}")
+    ap.add_argument("--meshes", default=None, help=f"default {','.join(MESHES)} (with --moe: ep); known: "
+                                                   f"{', '.join(MESHES + MOE_MESHES)}")
+    ap.add_argument("--worlds", default=None,
+                    help=f"default {','.join(map(str, WORLDS))} (with --moe: {','.join(map(str, MOE_WORLDS))})")
+    ap.add_argument("--moe", action="store_true",
+                    help="the mixture-of-experts plan: MoE flavors on ep meshes (benchmarks/scale_moe.py)")
+    ap.add_argument("--ep", default=",".join(map(str, EP_DEGREES)), help="EP degrees of the ep meshes")
     ap.add_argument("--tp", type=int, default=8, help="TP degree of the fsdp_tp meshes")
     ap.add_argument("--hsdp-shard", type=int, default=8, help="shard degree of the hsdp meshes")
     ap.add_argument("--max-tp-degree", type=int, default=8,
@@ -932,18 +1078,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.muon_bucket_mib = DEFAULT_BUCKET_MIB
     if not args.muon_bucket_mib > 0:
         ap.error("--muon-bucket-mib must be > 0")
-    args.flavors = [f for f in args.flavors.split(",") if f]
-    args.meshes = [m for m in args.meshes.split(",") if m]
-    bad = [m for m in args.meshes if m not in MESHES]
+    flavors = args.flavors if args.flavors is not None else ",".join(MOE_DEFAULT if args.moe else FLAVORS)
+    meshes = args.meshes if args.meshes is not None else ",".join(MOE_MESHES if args.moe else MESHES)
+    worlds = args.worlds if args.worlds is not None else ",".join(map(str, MOE_WORLDS if args.moe else WORLDS))
+    args.flavors = [f for f in flavors.split(",") if f]
+    args.meshes = [m for m in meshes.split(",") if m]
+    bad = [m for m in args.meshes if m not in MESHES + MOE_MESHES]
     if bad:
-        ap.error(f"--meshes: unknown {', '.join(bad)} (known: {', '.join(MESHES)})")
+        ap.error(f"--meshes: unknown {', '.join(bad)} (known: {', '.join(MESHES + MOE_MESHES)})")
     try:
-        args.worlds = sorted({int(w) for w in args.worlds.split(",") if w})
+        args.worlds = sorted({int(w) for w in worlds.split(",") if w})
+        args.ep = sorted({int(e) for e in args.ep.split(",") if e})
     except ValueError:
-        ap.error(f"--worlds: expected comma-separated integers, got {args.worlds!r}")
-    if not args.worlds or min(args.worlds) < 1 or args.tp < 1 or args.hsdp_shard < 1:
-        ap.error("--worlds, --tp and --hsdp-shard must be >= 1")
+        ap.error(f"--worlds, --ep: expected comma-separated integers, got {worlds!r}, {args.ep!r}")
+    if not args.worlds or min(args.worlds) < 1 or args.tp < 1 or args.hsdp_shard < 1 or not args.ep \
+            or min(args.ep) < 1:
+        ap.error("--worlds, --ep, --tp and --hsdp-shard must be >= 1")
+    dense_ep = [f for f in args.flavors if f not in MOE_FLAVORS] if "ep" in args.meshes else []
+    if dense_ep:
+        ap.error(f"--meshes ep: {', '.join(dense_ep)} has no experts (MoE flavors: {', '.join(MOE_FLAVORS)})")
     return args
+
+
+def meshes(args: argparse.Namespace) -> list[Mesh]:
+    """Every mesh of the run, in the tables' order (per kind, per EP degree, per world size)."""
+    out = []
+    for kind in args.meshes:
+        for ep in args.ep if kind == "ep" else [1]:
+            for world in args.worlds:
+                try:
+                    out.append(mesh_for(kind, world, args.tp, args.hsdp_shard, ep))
+                except ValueError as e:
+                    print(f"skip: {e}", file=sys.stderr)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -962,18 +1129,12 @@ def main(argv: list[str] | None = None) -> None:
     logger.setLevel("WARNING")
     rows = []
     for flavor in args.flavors:
-        for kind in args.meshes:
-            for world in args.worlds:
-                try:
-                    mesh = mesh_for(kind, world, args.tp, args.hsdp_shard)
-                except ValueError as e:
-                    print(f"skip: {e}", file=sys.stderr)
-                    continue
-                begin = time.monotonic()
-                built = build(flavor, mesh, args.max_tp_degree, args.recipe)
-                row = plan(built, args.exact_items, None if args.no_muon else args.muon_bucket_mib)
-                rows.append(row)
-                print(f"done: {flavor} {mesh.label} ({time.monotonic() - begin:.1f} s)", file=sys.stderr, flush=True)
+        for mesh in meshes(args):
+            begin = time.monotonic()
+            built = build(flavor, mesh, args.max_tp_degree, args.recipe)
+            row = plan(built, args.exact_items, None if args.no_muon else args.muon_bucket_mib)
+            rows.append(row)
+            print(f"done: {flavor} {mesh.label} ({time.monotonic() - begin:.1f} s)", file=sys.stderr, flush=True)
     found = report(rows, args.max_tp_degree)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "growth": found}, indent=1,

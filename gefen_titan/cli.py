@@ -2,8 +2,8 @@
 
 Training has its own entry (``gefen-titan-train``, ``python -m
 gefen_titan.train``); this command groups the tools that work on what
-training wrote (``ckpt``) and the proof that a resume at another size is
-exact on your own cluster (``validate``, ``gefen_titan.validation.command``).
+training wrote (``ckpt``) and the proof that a resume at another size or
+layout is exact on your own cluster (``validate``, ``gefen_titan.validation.command``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ckpt_cli.add_commands(sub.add_parser("ckpt", help="inspect, verify or convert a checkpoint",
                                          description=ckpt_cli.DESCRIPTION))
-    validation.add_arguments(sub.add_parser("validate", help="save at N ranks, resume at M, compare",
+    validation.add_arguments(sub.add_parser("validate", help="save at N ranks, resume at M (size or layout), compare",
                                             description=validation.DESCRIPTION))
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "validate":

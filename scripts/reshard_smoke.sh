@@ -9,6 +9,8 @@
 #   scripts/reshard_smoke.sh --out /tmp/reshard   # any validate_reshard.py option
 #   scripts/reshard_smoke.sh --blocking per_rank  # format v1: exact splits, bounded merges
 #   RECIPE=recipes/llama_gefen_mixed.toml scripts/reshard_smoke.sh
+#   RECIPE=recipes/llama_gefen_global_order.toml scripts/reshard_smoke.sh --pairs 2:2@tp2,4@tp2:2
+#                                                 # other layouts (a later --pairs replaces the set)
 #
 # Python: $PYTHON, else the active virtualenv's, else ./.venv's, else python3.
 set -euo pipefail

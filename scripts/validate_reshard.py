@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""End-to-end reshard validation: save at N data-parallel ranks, resume at M.
+"""End-to-end reshard validation: save at N ranks under one layout, resume at M under another.
 
     python scripts/validate_reshard.py --recipe recipes/llama_gefen.toml --from 2 --to 4
     python scripts/validate_reshard.py --pairs 2:4,4:2,2:1
     python scripts/validate_reshard.py --pairs 2:4,4:2,2:1 --blocking per_rank   # format v1
+    python scripts/validate_reshard.py --recipe recipes/llama_gefen_global_order.toml --pairs 2:2@tp2
+                                       # a side N@LAYOUT names its degrees (docs/validation.md)
 
-Trains an uninterrupted reference at N ranks that checkpoints at step S,
-resumes that checkpoint at M ranks with torchrun, and compares the state
+Trains an uninterrupted reference at side N that checkpoints at step S,
+resumes that checkpoint at side M with torchrun, and compares the state
 right after the load with the saved state (agreed blocking, the default:
 bit-exact for every pair; per-rank blocking: exact where the v1 adapter
 promises it, else within its bounds) and the losses with a measured band.

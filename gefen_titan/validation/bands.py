@@ -1,13 +1,16 @@
 """The loss tolerances of a reshard validation, measured on its own runs.
 
 * elastic loader (torchtitan's per-rank document order): ``loss_band``, a
-  data-order band from the references at every size of the pairs (and
+  data-order band from the references at every side of the pairs (and
   their second-difference noise); N->N resumes must match exactly.
 * global-order loader: ``order_band``, from a same-size rerun's deviation
-  (N->N) and from the references at the different sizes, which read the same
-  batches and differ only by the gradient reduction order (N->M).
+  (N->N) and from the references at the different sides (sizes and
+  layouts: ``layouts.Side``), which read the same batches and differ only by
+  the gradient reduction order (N->M).
 
-``pair_loss_band`` picks one pair's tolerance from either.
+``pair_loss_band`` picks one pair's tolerance from either. The references
+are keyed by side; a bare process count stands for the side ``N``, and the
+report names the sides as ``Side.key`` does (the count for a bare side).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from gefen_titan.validation.layouts import Side, as_side
 from gefen_titan.validation.runs import Run, Settings
 
 __all__ = ["LOG_RESOLUTION", "LOSS_FLOOR", "LOSS_K", "loss_band", "order_band", "pair_loss_band",
@@ -49,14 +53,18 @@ def second_difference_noise(losses: dict[int, float], first: int = 2, last: int 
     return math.sqrt(sum(x * x for x in d2) / len(d2) / 3) if d2 else 0.0
 
 
-def loss_band(references: dict[int, Run], settings: Settings) -> dict[str, float]:
+def _keys(references: dict[Side | int, Run]) -> list[int | str]:
+    return [s.key for s in sorted((as_side(k) for k in references), key=Side.sort_key)]
+
+
+def loss_band(references: dict[Side | int, Run], settings: Settings) -> dict[str, Any]:
     """The loss tolerance of the pairs N->M with N != M, measured.
 
     The resumed run starts from the reference's exact state at step S but then
     reads other batches (the elastic loader splits the unread documents among
     M ranks), so it follows another trajectory: its loss differs from the
     reference's by what two runs that read the documents in another order
-    differ by. The references at the pairs' sizes (target sizes included) are
+    differ by. The references at the pairs' sides (targets included) are
     such runs: same recipe, seed, global batch and LR schedule, another
     document order. So sigma is
     (a) the RMS over steps S+1..S+K and over every two references of their
@@ -77,10 +85,10 @@ def loss_band(references: dict[int, Run], settings: Settings) -> dict[str, float
     sigma = max(noise, between)
     return {"sigma_between_references": between, "sigma_second_difference": noise,
             "sigma": sigma, "band": max(LOSS_FLOOR, LOSS_K * sigma),
-            "references": sorted(references)}
+            "references": _keys(references)}
 
 
-def order_band(references: dict[int, Run], rerun: Run | None, settings: Settings) -> dict[str, Any]:
+def order_band(references: dict[Side | int, Run], rerun: Run | None, settings: Settings) -> dict[str, Any]:
     """The loss tolerances when every run reads the same global batches.
 
     With the global-order loader the resumed run at M reads, from the resume
@@ -92,8 +100,9 @@ def order_band(references: dict[int, Run], rerun: Run | None, settings: Settings
       first source size) from its reference over all steps: 0 where runs
       are deterministic (CPU), the run-to-run noise where they are not.
     * N->M: the gradients of the same samples are summed in another order
-      (M ranks of other microbatch counts). The references at the different
-      sizes read the same batches too, so their largest deviation over
+      (M ranks of other microbatch counts, another layout's collectives).
+      The references at the different sides read the same batches too, so
+      their largest deviation over
       steps S+1..S+K measures exactly that effect (from step 1 on: an upper
       bound for a resume, whose runs part only at step S). The tolerance is
       LOSS_K x the larger of the two.
@@ -104,28 +113,29 @@ def order_band(references: dict[int, Run], rerun: Run | None, settings: Settings
     window = range(settings.steps_before + 1, settings.total_steps + 1)
     rerun_dev = 0.0
     if rerun is not None:
-        ref = references[rerun.nproc]
+        ref = {as_side(k): v for k, v in references.items()}[rerun.side]
         rerun_dev = max((abs(rerun.losses[t] - ref.losses[t]) for t in ref.losses if t in rerun.losses), default=0.0)
     runs = list(references.values())
     reduction_dev = max((abs(a.losses[t] - b.losses[t]) for i, a in enumerate(runs) for b in runs[i + 1:]
                          for t in window if t in a.losses and t in b.losses), default=0.0)
-    return {"order": "global", "rerun_size": rerun.nproc if rerun else None,
+    return {"order": "global", "rerun_size": rerun.side.key if rerun else None,
             "rerun_deviation": rerun_dev, "reduction_order_deviation": reduction_dev,
             "band_same_size": max(LOG_RESOLUTION, LOSS_K * rerun_dev),
             "band": max(LOG_RESOLUTION, LOSS_K * max(rerun_dev, reduction_dev)),
-            "references": sorted(references)}
+            "references": _keys(references)}
 
 
-def pair_loss_band(source: int, target: int, band: dict[str, Any]) -> float:
+def pair_loss_band(source: Side | int, target: Side | int, band: dict[str, Any]) -> float:
     """The loss tolerance of one pair N->M, from ``loss_band`` or ``order_band``.
 
     With the elastic loader (``loss_band``) the document order depends on the
-    DP size: only N->N resumes read the reference's very batches (and must
-    match it exactly, 0.0); N->M gets the measured data-order band. With the
-    global-order loader (``order_band``) every pair reads the reference's
-    batches: N->N gets the same-size rerun's band, N->M the reduction-order
-    band.
+    DP size: only N->N resumes (the same side) read the reference's very
+    batches (and must match it exactly, 0.0); N->M gets the measured
+    data-order band. With the global-order loader (``order_band``) every pair
+    reads the reference's batches: N->N gets the same-size rerun's band,
+    N->M (another size or layout) the reduction-order band.
     """
+    same = as_side(source) == as_side(target)
     if band.get("order") == "global":
-        return band["band_same_size"] if source == target else band["band"]
-    return 0.0 if source == target else band["band"]
+        return band["band_same_size"] if same else band["band"]
+    return 0.0 if same else band["band"]

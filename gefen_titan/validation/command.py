@@ -1,4 +1,4 @@
-"""End-to-end reshard validation: save at N data-parallel ranks, resume at M.
+"""End-to-end reshard validation: save at N ranks under one layout, resume at M under another.
 
 The command line is ``gefen-titan validate`` (``python -m gefen_titan
 validate``), from the installed package, with the same flags as the
@@ -8,16 +8,22 @@ checkout's ``scripts/validate_reshard.py`` (and its standard set,
 from the current directory; the runs are ``python -m torch.distributed.run
 -m gefen_titan.train`` (``gefen_titan.validation.runs``).
 
-For every pair N:M, with S = ``steps_before`` and K = ``steps_after``:
+A pair is ``SIDE:SIDE``; a side is ``N`` (N processes at the recipe's own
+degrees, the data-parallel shard degree what they leave of N) or
+``N@LAYOUT`` (the degrees of that side's runs, e.g. ``2@ep2``, ``4@tp2xpp2``;
+``gefen_titan.validation.layouts``). Every side is checked before any run
+(``preflight``). For every pair N:M, with S = ``steps_before`` and
+K = ``steps_after``:
 
-1. reference: an uninterrupted run at N ranks for S+K steps that checkpoints
+1. reference: an uninterrupted run at side N for S+K steps that checkpoints
    at step S (``training.steps = S+K`` in every run, so the LR schedule is the
    same). Its step-S checkpoint is exactly what an interrupted run saves.
-   There is one reference per size that appears in the pairs (targets too:
-   they measure the loss band), shared by all pairs.
+   There is one reference per side (process count and layout) that appears
+   in the pairs (targets too: they measure the loss band), shared by all
+   pairs.
 2. resume: the step-S checkpoint copied into the pair's own folder, loaded by
-   ``torchrun --nproc_per_node M -m gefen_titan.train`` (same recipe,
-   ``--checkpoint.load_step S``), trained K more steps.
+   ``torchrun --nproc_per_node M -m gefen_titan.train`` (same recipe, the
+   target side's layout, ``--checkpoint.load_step S``), trained K more steps.
 3. compare the state right after the load with the reference's state at the
    save (``gefen_titan.validation.hooks`` dumps both; it is switched on per run
    through torchtitan's ``--override.imports``):
@@ -49,7 +55,11 @@ For every pair N:M, with S = ``steps_before`` and K = ``steps_after``:
      arithmetic: by a same-size rerun's noise for N->N, and for N->M by what
      the references at the different sizes, which read the same batches
      too, differ by (another gradient reduction order): ``bands.order_band``.
-     The deviation of every step is reported.
+     The deviation of every step is reported. And the parameters at step
+     S+K must equal those of the uninterrupted run at the target side up
+     to the same reduction order (``params``: read from both runs' last,
+     model-only checkpoints, tolerance measured from the references as the
+     loss's).
 
    ``bands.pair_loss_band`` picks the pair's tolerance.
 4. prints a table (pair, loss deviation and band, state and first-update
@@ -79,29 +89,32 @@ from typing import Any
 
 import torch
 
+from gefen_titan.validation import layouts, params
 from gefen_titan.validation.bands import LOG_RESOLUTION, LOSS_FLOOR, LOSS_K, loss_band, order_band, pair_loss_band
 from gefen_titan.validation.compare_rank import TOL_MOMENTUM, TOL_UPDATE, TOL_VMEAN
 from gefen_titan.validation.dumps import dumps_params
+from gefen_titan.validation.layouts import LayoutError, Side
+from gefen_titan.validation.preflight import check_pairs
 from gefen_titan.validation.recipes import resolve_recipe
 from gefen_titan.validation.report import TOLERANCES, PairResult, compare_batches, evaluate, plot, table
 from gefen_titan.validation.runs import Run, Settings, global_order_batch, reference_run, resume_run
 
 __all__ = ["DESCRIPTION", "add_arguments", "choose_backend", "parse_pairs", "parse_sets", "validate"]
 
-DESCRIPTION = "End-to-end reshard validation: save at N data-parallel ranks, resume at M."
+DESCRIPTION = ("End-to-end reshard validation: save at N ranks under one layout, resume at M under another "
+               "(pairs N:M, or N@LAYOUT:M@LAYOUT, e.g. 2@ep2:1).")
+
+Pair = tuple[Side, Side]
 
 
-def parse_pairs(pairs: str | None, source: int | None = None, target: int | None = None) -> list[tuple[int, int]]:
-    """``"2:4,4:2"`` (or one ``source``/``target``) as [(2, 4), (4, 2)]."""
-    if pairs:
-        out = []
-        for item in pairs.split(","):
-            a, _, b = item.strip().partition(":")
-            out.append((int(a), int(b)))
-        return out
-    if source is None or target is None:
-        raise SystemExit("give --from N --to M, or --pairs N:M,...")
-    return [(source, target)]
+def parse_pairs(pairs: str | None, source: str | int | None = None,
+                target: str | int | None = None) -> list[Pair]:
+    """``"2:4,2@ep2:1"`` (or one ``source``/``target``) as pairs of sides
+    (``layouts.parse_pairs``); SystemExit naming the pair and side that is wrong."""
+    try:
+        return layouts.parse_pairs(pairs, source, target)
+    except LayoutError as e:
+        raise SystemExit(f"--pairs: {e}") from None
 
 
 def parse_sets(items: list[str]) -> list[str]:
@@ -131,19 +144,20 @@ def choose_backend(requested: str, max_ranks: int) -> tuple[str, str]:
 
 @dataclass
 class _Runs:
-    """The validation's runs: the uninterrupted references by size, the
+    """The validation's runs: the uninterrupted references by side, the
     same-size rerun (global order only) and the resumes by pair."""
 
-    references: dict[int, Run]
+    references: dict[Side, Run]
     rerun: Run | None
-    resumed: dict[tuple[int, int], Run]
+    resumed: dict[Pair, Run]
 
 
-def _settings(*, recipe: str, pairs: str | None, source: int | None, target: int | None, steps_before: int,
-              steps_after: int, global_batch: int, local_batch: int | None, sets: list[str] | None,
-              backend: str, blocking: str | None) -> tuple[Settings, list[tuple[int, int]], str]:
-    """The options checked (SystemExit naming the bad one) and turned into
-    the runs' settings, the pairs and the backend's description."""
+def _settings(*, recipe: str, pairs: str | None, source: str | int | None, target: str | int | None,
+              steps_before: int, steps_after: int, global_batch: int, local_batch: int | None,
+              sets: list[str] | None, backend: str, blocking: str | None) -> tuple[Settings, list[Pair], str]:
+    """The options checked (SystemExit naming the bad one; every side of
+    every pair, ``preflight``) and turned into the runs' settings, the pairs
+    and the backend's description."""
     try:
         resolve_recipe(recipe)
     except FileNotFoundError as e:
@@ -153,25 +167,35 @@ def _settings(*, recipe: str, pairs: str | None, source: int | None, target: int
         raise SystemExit("--steps-before and --steps-after must be >= 1")
     if blocking not in (None, "agreed", "per_rank"):
         raise SystemExit(f"--blocking must be agreed or per_rank, got {blocking!r}")
-    chosen, backend_note = choose_backend(backend, max(max(p) for p in pair_list))
+    chosen, backend_note = choose_backend(backend, max(max(a.nproc, b.nproc) for a, b in pair_list))
     settings = Settings(recipe=recipe, steps_before=steps_before, steps_after=steps_after,
                         global_batch=global_batch or None, local_batch=local_batch, extra=parse_sets(sets or []),
                         backend=chosen, blocking=blocking)
+    if any(not side.plain for pair in pair_list for side in pair) and (
+            named := layouts.strip_degree_flags(settings.extra)[1]):
+        raise SystemExit(f"--set parallelism.{named[0]}: would override every side's layout; name the degrees "
+                         "in the pairs instead (N@LAYOUT, e.g. 2@tp2)")
+    try:
+        check_pairs(settings, pair_list)
+    except LayoutError as e:
+        raise SystemExit(f"--pairs: {e}") from None
     return settings, pair_list, backend_note
 
 
-def _run(settings: Settings, pair_list: list[tuple[int, int]], out_dir: Path, cache: Path | None,
+def _run(settings: Settings, pair_list: list[Pair], out_dir: Path, cache: Path | None,
          fault: str | None, global_batch: int | None) -> _Runs | int:
     """Every run of the validation, or the exit code of the first that failed
     (2: a reference, nothing to validate against; 1: a resume, that pair fails)."""
-    references: dict[int, Run] = {}
-    # References at every size of the pairs: the sources are what the resumes
-    # are compared with; all of them together measure the loss band.
-    for n in sorted({n for pair in pair_list for n in pair}):
+    references: dict[Side, Run] = {}
+    # References at every side of the pairs: the sources are what the resumes
+    # are compared with; all of them together measure the loss band (and,
+    # global order, the parameters' tolerance; the targets are what the
+    # parameters are compared with).
+    for side in sorted({side for pair in pair_list for side in pair}, key=Side.sort_key):
         try:
-            references[n] = reference_run(settings, n, out=out_dir, cache=cache)
+            references[side] = reference_run(settings, side, out=out_dir, cache=cache)
         except RuntimeError as e:
-            print(f"\nERROR: the reference run at {n} rank(s) failed: {e}", file=sys.stderr)
+            print(f"\nERROR: the reference run at {side.ranks()} failed: {e}", file=sys.stderr)
             return 2
     rerun = None
     if global_batch:
@@ -179,14 +203,15 @@ def _run(settings: Settings, pair_list: list[tuple[int, int]], out_dir: Path, ca
         try:
             rerun = reference_run(settings, pair_list[0][0], out=out_dir, cache=cache, tag="rerun")
         except RuntimeError as e:
-            print(f"\nERROR: the same-size rerun at {pair_list[0][0]} rank(s) failed: {e}", file=sys.stderr)
+            print(f"\nERROR: the same-size rerun at {pair_list[0][0].ranks()} failed: {e}", file=sys.stderr)
             return 2
     resumed, crashed = {}, []
     for a, b in pair_list:
         try:
-            resumed[(a, b)] = resume_run(settings, references[a], b, out_dir / f"{a}-to-{b}", fault=fault)
+            resumed[(a, b)] = resume_run(settings, references[a], b, out_dir / f"{a.label}-to-{b.label}",
+                                         fault=fault)
         except RuntimeError as e:
-            crashed.append(f"{a}->{b}: the resumed run failed: {e}")
+            crashed.append(f"{a.label}->{b.label}: the resumed run failed: {e}")
     if crashed:
         print("\nFAILED:", file=sys.stderr)
         for line in crashed:
@@ -195,48 +220,97 @@ def _run(settings: Settings, pair_list: list[tuple[int, int]], out_dir: Path, ca
     return _Runs(references, rerun, resumed)
 
 
-def _judge(settings: Settings, pair_list: list[tuple[int, int]], runs: _Runs,
-           global_batch: int | None) -> tuple[list[PairResult], dict[str, Any]]:
-    """Each pair's verdict against its reference, and the loss band they used."""
+def _final_params(settings: Settings, pair: Pair, runs: _Runs,
+                  band: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Global order: the pair's parameters at step S+K against the
+    uninterrupted run at its target side, and the failure lines."""
+    a, b = pair
+    dev = params.param_deviation(params.final_checkpoint(runs.resumed[pair], settings),
+                                 params.final_checkpoint(runs.references[b], settings))
+    tolerance = params.pair_param_band(a, b, band)
+    problems = params.param_problems(f"{a.label}->{b.label}", b, dev, tolerance, settings.total_steps)
+    return {**dev, "tolerance": tolerance, "compared_with": b.key}, problems
+
+
+def _judge(settings: Settings, pair_list: list[Pair], runs: _Runs,
+           global_batch: int | None) -> tuple[list[PairResult], dict[str, Any], dict[str, Any] | None]:
+    """Each pair's verdict against its reference, the loss band they used,
+    and (global order) the parameters' band."""
     refs = runs.references
     band = order_band(refs, runs.rerun, settings) if global_batch else loss_band(refs, settings)
-    results = [evaluate(settings, refs[a], runs.resumed[(a, b)], pair_loss_band(a, b, band), global_batch)
+    pband = params.param_band(refs, runs.rerun, settings) if global_batch else None
+    results = [evaluate(settings, refs[a], runs.resumed[(a, b)], pair_loss_band(a, b, band), global_batch,
+                        _final_params(settings, (a, b), runs, pband) if pband is not None else None)
                for a, b in pair_list]
     if global_batch:
         # The DP-invariance the comparison rests on: every uninterrupted run
-        # read the same global batches.
-        first, *others = sorted(refs)
-        for n in others:
-            problems = compare_batches(refs[first], refs[n], global_batch, range(1, settings.total_steps + 1))
-            results[0].failures += [f"references at {first} and {n} rank(s): {p}" for p in problems]
-    return results, band
+        # read the same global batches, at every size and layout.
+        first, *others = sorted(refs, key=Side.sort_key)
+        for side in others:
+            problems = compare_batches(refs[first], refs[side], global_batch, range(1, settings.total_steps + 1))
+            where = f"{side.nproc} rank(s)" if side.plain else side.label
+            results[0].failures += [f"references at {first.label} and {where}: {p}" for p in problems]
+    return results, band, pband
 
 
 def _tolerances(used: list[str], global_batch: int | None) -> dict[str, Any]:
     loss = (f"N->N max({LOG_RESOLUTION}, {LOSS_K} * rerun deviation); N->M max({LOG_RESOLUTION}, "
             f"{LOSS_K} * max(rerun, reduction-order deviation))" if global_batch
             else f"max({LOSS_FLOOR}, {LOSS_K} * sigma)")
-    return {**{b: TOLERANCES[b] for b in used if b in TOLERANCES}, "loss": loss}
+    out = {**{b: TOLERANCES[b] for b in used if b in TOLERANCES}, "loss": loss}
+    if global_batch:
+        out["final_params"] = (f"per figure ({', '.join(params.FIGURES)}): N->N {LOSS_K} * rerun deviation; "
+                               f"N->M {LOSS_K} * max(rerun, reduction-order deviation of the references)")
+    return out
 
 
-def _summary(results: list[PairResult], band: dict[str, Any], used: list[str], references: dict[int, Run],
-             global_batch: int | None, backend_note: str) -> list[str]:
+def _ranks(key: int | str | None) -> str:
+    return f"{key} rank(s)" if isinstance(key, int) else str(key)
+
+
+def _param_lines(results: list[PairResult], pband: dict[str, Any], refs: str) -> list[str]:
+    """Global order: each pair's parameters at step S+K against the
+    uninterrupted run at its target side, and how the tolerance was measured."""
+    lines = [f"parameters at step {pband['step']}, resumed vs uninterrupted at the target side "
+             "(relative L2 / max |diff|):"]
+    for r in results:
+        f = r.final_params
+        figures = "exact" if f["exact"] else f"{f['rel_l2']:.1e} / {f['max_abs']:.1e}"
+        lines.append(f"  {r.pair}: {figures}  (tolerance {f['tolerance']['rel_l2']:.1e} / "
+                     f"{f['tolerance']['max_abs']:.1e}; {f['entries_differ']} of {f['entries']} entries differ)")
+    rr, ro = pband["rerun_deviation"], pband["reduction_order_deviation"]
+    between = pband["reduction_order_between"]["rel_l2"]
+    lines.append(f"tolerance: N->N {LOSS_K:g} x the same-size rerun's deviation ({rr['rel_l2']:.1e} / "
+                 f"{rr['max_abs']:.1e} at {_ranks(pband['rerun_size'])}); N->M {LOSS_K:g} x max(that, the "
+                 f"references at {refs} ranks' largest deviation ({ro['rel_l2']:.1e} / {ro['max_abs']:.1e}"
+                 + (f", {between[0]} vs {between[1]}" if between else "")
+                 + "): same batches, other gradient reduction order)")
+    return lines
+
+
+def _summary(results: list[PairResult], band: dict[str, Any], used: list[str], references: dict[Side, Run],
+             global_batch: int | None, backend_note: str, pband: dict[str, Any] | None = None) -> list[str]:
     """The lines under the table: the backend, the data order, how the loss
-    tolerance was measured, and what the state comparison promised."""
-    refs = ", ".join(str(n) for n in sorted(references))
+    tolerance was measured, what the state comparison promised, and (global
+    order) the parameters at the end."""
+    sides = sorted(references, key=Side.sort_key)
+    refs = ", ".join(s.label for s in sides)
+    every = "every size" if all(s.plain for s in sides) else "every size and layout"
     lines = [f"\nbackend: {backend_note}"]
     if global_batch:
-        lines.append(f"data order: global (the same {global_batch} samples in global batch b at every size); "
+        lines.append(f"data order: global (the same {global_batch} samples in global batch b at {every}); "
                      "every resumed run read the uninterrupted run's batches" if all(r.batches_equal for r in results)
                      else f"data order: global ({global_batch} samples a step); BATCHES DIFFER (see below)")
         lines.append("loss deviation per step, |resumed - uninterrupted at the source size|:")
         lines += [f"  {r.pair}: " + ", ".join(f"step {t} {d:.1e}" for t, d in sorted(r.step_deviations.items()))
                   + f"  (tolerance {r.loss_band:.1e})" for r in results]
         lines.append(f"tolerance: N->N {band['band_same_size']:.1e} = max({LOG_RESOLUTION:g}, {LOSS_K:g} x the "
-                     f"same-size rerun's deviation {band['rerun_deviation']:.1e} at {band['rerun_size']} rank(s)); "
+                     f"same-size rerun's deviation {band['rerun_deviation']:.1e} at {_ranks(band['rerun_size'])}); "
                      f"N->M {band['band']:.1e} = max({LOG_RESOLUTION:g}, {LOSS_K:g} x max(that, the references at "
                      f"{refs} ranks' deviation {band['reduction_order_deviation']:.1e}: same batches, other "
                      "gradient reduction order))")
+        if pband is not None:
+            lines += _param_lines(results, pband, refs)
     else:
         lines.append(f"loss band (N->M): {band['band']:.4f} = max({LOSS_FLOOR}, {LOSS_K:g} x sigma), "
                      f"sigma {band['sigma']:.4f} = max("
@@ -254,8 +328,8 @@ def _summary(results: list[PairResult], band: dict[str, Any], used: list[str], r
     return lines
 
 
-def validate(*, recipe: str, pairs: str | None = None, source: int | None = None,
-             target: int | None = None, steps_before: int = 4, steps_after: int = 3, global_batch: int = 16,
+def validate(*, recipe: str, pairs: str | None = None, source: str | int | None = None,
+             target: str | int | None = None, steps_before: int = 4, steps_after: int = 3, global_batch: int = 16,
              local_batch: int | None = None, sets: list[str] | None = None,
              out: str = "outputs/validate_reshard", plot_path: str | None = None, backend: str = "auto",
              reference_cache: str | None = None, blocking: str | None = None,
@@ -279,7 +353,7 @@ def validate(*, recipe: str, pairs: str | None = None, source: int | None = None
     out_dir.mkdir(parents=True, exist_ok=True)
     cache = Path(reference_cache).resolve() if reference_cache else None
     png = Path(plot_path).resolve() if plot_path else out_dir / "loss_curves.png"
-    print(f"validate_reshard: {recipe}, pairs {', '.join(f'{a}->{b}' for a, b in pair_list)}, "
+    print(f"validate_reshard: {recipe}, pairs {', '.join(f'{a.label}->{b.label}' for a, b in pair_list)}, "
           f"S={settings.steps_before}, K={settings.steps_after}, global batch {settings.global_batch or 'recipe'}, "
           f"blocking {blocking or 'of the recipe'}; backend: {backend_note}", flush=True)
 
@@ -288,13 +362,13 @@ def validate(*, recipe: str, pairs: str | None = None, source: int | None = None
     runs = _run(settings, pair_list, out_dir, cache, inject_fault, order_batch)
     if isinstance(runs, int):
         return runs
-    results, band = _judge(settings, pair_list, runs, order_batch)
+    results, band, pband = _judge(settings, pair_list, runs, order_batch)
     n_params = dumps_params(next(iter(runs.references.values())).dumps("save", settings.steps_before))
     plot(results, settings, png, runs.references)
     used = sorted({r.state.get("blocking") or "?" for r in results})
     report = {
         "recipe": recipe, "backend": settings.backend, "backend_note": backend_note, "blocking": used,
-        "settings": asdict(settings), "loss_band": band,
+        "settings": asdict(settings), "loss_band": band, "param_band": pband,
         "data_order": "global" if order_batch else "per_dp_size",
         "tolerances": _tolerances(used, order_batch),
         "parameters": n_params, "plot": str(png), "fault": inject_fault,
@@ -305,7 +379,7 @@ def validate(*, recipe: str, pairs: str | None = None, source: int | None = None
 
     print()
     print(table(results, n_params))
-    print("\n".join(_summary(results, band, used, runs.references, order_batch, backend_note)))
+    print("\n".join(_summary(results, band, used, runs.references, order_batch, backend_note, pband)))
     print(f"plot: {png}\nreport: {out_dir / 'report.json'}  ({time.monotonic() - begin:.0f} s)")
     failures = [f for r in results for f in r.failures]
     if failures:
@@ -327,16 +401,19 @@ def add_arguments(ap: argparse.ArgumentParser, *, recipe_default: str | None = N
     ap.add_argument("--recipe", default=recipe_default, required=recipe_default is None,
                     help="the recipe, a path from the current directory"
                     + (f" (default {recipe_default})" if recipe_default else ""))
-    ap.add_argument("--from", dest="source", type=int)
-    ap.add_argument("--to", dest="target", type=int)
-    ap.add_argument("--pairs", help="comma-separated N:M pairs, e.g. 2:4,4:2,2:1")
+    ap.add_argument("--from", dest="source", metavar="SIDE", help="the saving side: N or N@LAYOUT (e.g. 2@ep2)")
+    ap.add_argument("--to", dest="target", metavar="SIDE", help="the resuming side: N or N@LAYOUT")
+    ap.add_argument("--pairs", metavar="SIDE:SIDE,...",
+                    help="comma-separated pairs, e.g. 2:4,4:2,2:1 or 2@ep2:2,2@ep2:1. A side is N (processes, "
+                         "the recipe's degrees, FSDP takes the rest) or N@LAYOUT: degrees joined by x from "
+                         f"{', '.join(layouts.DEGREES)} (e.g. 4@tp2xep2); a degree not named is 1")
     ap.add_argument("--steps-before", type=int, default=4, help="S: checkpoint step (default 4)")
     ap.add_argument("--steps-after", type=int, default=3, help="K: steps after the resume (default 3)")
     ap.add_argument("--global-batch", type=int, default=16,
                     help="training.global_batch_size for every run (0: the recipe's)")
     ap.add_argument("--local-batch", type=int, help="training.local_batch_size (default: the recipe's)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="another override for every run")
+                    help="another override for every run (a side's parallelism: name it in the pair, N@LAYOUT)")
     ap.add_argument("--blocking", choices=("agreed", "per_rank"),
                     help="optimizer.blocking for every run (default: the recipe's, normally agreed)")
     ap.add_argument("--out", default="outputs/validate_reshard", help="folder for the runs, report.json and the plot")

@@ -41,9 +41,12 @@ training, saving and loading are torchtitan's and ``GefenCheckpointManager``'s,
 unchanged.
 
 ``record_batches``: with the global-order loader, every rank appends, for each
-microbatch it reads, the stream position and the global sample ids to
-``<dir>/batches-dp<M>-rank<r>.jsonl``; a run's global batches can then be
-compared with another run's at another DP size::
+microbatch it reads, the stream position, its data-parallel rank and the
+global sample ids to ``<dir>/batches-dp<M>-rank<r>-g<g>.jsonl`` (r its
+data-parallel rank, g its global rank: the ranks of one data shard under TP,
+PP or CP read the same microbatch, each into its own file); a run's global
+batches can then be compared with another run's at another DP size or
+layout::
 
     --override.imports gefen_titan.patches.sdpa_attention.sdpa_attention \
         'gefen_titan.validation.hooks.record_batches={"dir": "/tmp/b"}'
@@ -79,8 +82,9 @@ __all__ = ["DumpingCheckpointManager", "RecordingGlobalOrderDataLoader", "dump_s
 
 # Bumped when the dump layout changes (part of a reference run's identity, so
 # a reference cache never hands old dumps to a new validator). 3: global-order
-# runs also record their batches (``record_batches``).
-DUMP_VERSION = 3
+# runs also record their batches (``record_batches``). 4: one batch record per
+# global rank (TP/PP/CP ranks of a data shard no longer share a file).
+DUMP_VERSION = 4
 
 
 def _region(fqn: str, p: torch.Tensor) -> tuple[int, int]:
@@ -308,12 +312,16 @@ class RecordingGlobalOrderDataLoader(GlobalOrderDataLoader):
     @dataclass(kw_only=True, slots=True)
     class Config(GlobalOrderDataLoader.Config):
         record_dir: str = ""
-        """Folder for ``batches-dp<M>-rank<r>.jsonl`` (created if missing)."""
+        """Folder for ``batches-dp<M>-rank<r>-g<g>.jsonl`` (created if missing)."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         os.makedirs(config.record_dir, exist_ok=True)
-        self._record = os.path.join(config.record_dir, f"batches-dp{self.dp_world_size}-rank{self.dp_rank}.jsonl")
+        # One file per process: two ranks appending to one file (the TP ranks
+        # of one data shard) would interleave their lines.
+        rank, _ = rank_and_world()
+        self._record = os.path.join(config.record_dir,
+                                    f"batches-dp{self.dp_world_size}-rank{self.dp_rank}-g{rank}.jsonl")
 
     def batch_at(self, start: int):
         batch = super().batch_at(start)

@@ -6,6 +6,13 @@ files (its modules, the patches it applies and its assets) and the versions
 of the libraries whose arithmetic training runs (torch, torchtitan, gefen-x).
 A reference trained before an edit of the optimizer, or under another torch,
 is another run, and is never handed to a validator as if it were this one.
+
+The layout is part of the key as the run's effective degrees (every
+``--parallelism.*_degree``, the shard degree filled in), wherever they were
+set (recipe table, base config or flag): the same processes at another
+layout are another run (``2`` and ``2@tp2``), and one layout however spelled
+is one run (``llama_gefen_tp2.toml`` at 2 and ``llama_gefen.toml`` at
+``2@tp2``).
 """
 
 from __future__ import annotations
@@ -19,9 +26,11 @@ from pathlib import Path
 import gefen_titan
 from gefen_titan import patches
 from gefen_titan.validation.hooks import DUMP_VERSION
-from gefen_titan.validation.recipes import merged_tables
+from gefen_titan.validation.layouts import DEGREES, degree_keys, strip_degree_flags
+from gefen_titan.validation.recipes import config_of, merged_tables
 
-__all__ = ["LIBRARIES", "code_digest", "installed_code_digest", "library_versions", "package_roots", "run_identity"]
+__all__ = ["LIBRARIES", "code_digest", "installed_code_digest", "library_versions", "package_roots", "run_identity",
+           "run_layout"]
 
 # The distributions whose code a training run executes, besides gefen_titan.
 LIBRARIES = ("torch", "torchtitan", "gefen-x")
@@ -65,26 +74,43 @@ def library_versions() -> dict[str, str]:
     return out
 
 
+def run_layout(recipe: str, nproc: int, overrides: list[str]) -> dict[str, int]:
+    """The degrees a run of ``recipe`` with ``overrides`` at ``nproc`` processes
+    trains with (``layouts.DEGREES``' names; the shard degree filled in as
+    torchtitan fills -1)."""
+    par = config_of(recipe, overrides).parallelism
+    out = {name: int(getattr(par, key)) for name, key in DEGREES.items()}
+    if out["fsdp"] < 0:
+        others = out["pp"] * out["rep"] * out["cp"] * out["tp"]
+        out["fsdp"] = max(1, nproc // others)
+    return out
+
+
 def run_identity(recipe: str, nproc: int, overrides: list[str], *, code: str | None = None,
                  versions: dict[str, str] | None = None) -> str:
     """What a run computes: the merged recipe tables plus the recipe flags of
     the overrides, with the fields that do not change training (description,
-    dump folder) left out, the other (torchtitan) flags as given, the version
-    of the state dumps it holds, the code digest (``code``, default: the
-    installed package's) and the library versions (``versions``, default: the
-    installed ones).
+    dump folder) left out, the other (torchtitan) flags as given, the layout
+    (``run_layout``: the effective degrees, which replace the degree keys
+    and flags), the version of the state dumps it holds, the code digest
+    (``code``, default: the installed package's) and the library versions
+    (``versions``, default: the installed ones).
 
     Two recipes that resolve to the same tables (``llama_gefen.toml`` at 2
-    ranks and ``llama_gefen_dp2.toml``) are the same run.
+    ranks and ``llama_gefen_dp2.toml``) are the same run; so are two that
+    reach the same layout (``llama_gefen_tp2.toml`` at 2 ranks and
+    ``llama_gefen.toml`` at ``2@tp2``).
     """
     data, flags = merged_tables(recipe, overrides)
     job = data.get("job", {})
     for key in ("description", "dump_folder", "extends"):
         job.pop(key, None)
     par = data.setdefault("parallelism", {})
-    if par.get("data_parallel_shard_degree", -1) == -1:
-        par["data_parallel_shard_degree"] = nproc
-    blob = json.dumps({"nproc": nproc, "tables": data, "flags": flags, "dumps": DUMP_VERSION,
+    for key in degree_keys():
+        par.pop(key, None)
+    flags, _ = strip_degree_flags(flags)
+    blob = json.dumps({"nproc": nproc, "layout": run_layout(recipe, nproc, overrides),
+                       "tables": data, "flags": flags, "dumps": DUMP_VERSION,
                        "code": installed_code_digest() if code is None else code,
                        "versions": library_versions() if versions is None else versions},
                       sort_keys=True, default=str)

@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from gefen_titan.recipe.build import build_recipe, load_recipe
-from gefen_titan.recipe.cli import parse_cli, parse_flags
+from gefen_titan.recipe.cli import load_cli, parse_cli, parse_flags
 from gefen_titan.recipe.files import declared_world_size, merge_tables, read_recipe_tables
 
-__all__ = ["config_of", "merged_tables", "recipe_imports", "recipe_tables", "recipe_world_size", "resolve_recipe"]
+__all__ = ["checked_config", "config_of", "merged_tables", "recipe_imports", "recipe_tables", "recipe_world_size",
+           "resolve_recipe"]
 
 
 def resolve_recipe(recipe: str) -> str:
@@ -58,6 +59,14 @@ def config_of(recipe: str, overrides: list[str]) -> Any:
     without the mesh check (it is asked once for every size)."""
     cl = parse_cli(["--job.config", resolve_recipe(recipe), *overrides])
     return parse_flags(build_recipe(cl.path, cl.overrides).config, cl.args)
+
+
+def checked_config(recipe: str, overrides: list[str], world_size: int) -> Any:
+    """The config a run of the recipe with these flags at ``world_size``
+    processes builds, with every check ``train.py`` makes before a process
+    group exists (mesh, global batch, optimizer keys): ``RecipeError`` names
+    what no run can take."""
+    return load_cli(["--job.config", resolve_recipe(recipe), *overrides], world_size=world_size).config
 
 
 def recipe_imports(recipe: str) -> list[Any]:

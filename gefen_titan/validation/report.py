@@ -4,7 +4,10 @@
 steps S+1..S+K within the pair's band, the batches read (global order), and
 the state after the load (``compare_global.compare_global_state`` under
 agreed blocking, ``compare_rank.compare_state`` under per-rank blocking)
-within ``TOLERANCES``. ``table`` and ``plot`` show the pairs; the command
+within ``TOLERANCES``; with the global-order loader, also the parameters at
+step S+K against the uninterrupted run at the target side
+(``gefen_titan.validation.params``, passed in as ``final_params``). ``table``
+and ``plot`` show the pairs; the command
 (``gefen_titan.validation.command``) writes them with ``report.json``.
 """
 
@@ -20,9 +23,11 @@ from matplotlib.figure import Figure
 from gefen_titan.validation.compare_global import compare_global_state
 from gefen_titan.validation.compare_rank import TOL_MOMENTUM, TOL_UPDATE, TOL_VMEAN, compare_state
 from gefen_titan.validation.dumps import dumps_blocking, dumps_complete, dumps_seconds
+from gefen_titan.validation.layouts import Side, as_side
 from gefen_titan.validation.runs import Run, Settings, checkpoint_bytes
 
-__all__ = ["TOLERANCES", "PairResult", "compare_batches", "evaluate", "plot", "state_verdict", "table"]
+__all__ = ["TOLERANCES", "PairResult", "compare_batches", "evaluate", "final_params_verdict", "plot",
+           "state_verdict", "table"]
 
 # The state figures' tolerances by blocking. Per-rank (format v1): the v1
 # adapter's bounds where it does not promise bit-exactness. Agreed (format
@@ -36,8 +41,8 @@ TOLERANCES = {
 @dataclass
 class PairResult:
     pair: str
-    source: int
-    target: int
+    source: int | str  # the side's key (layouts.Side.key): its process count, or its label ("2@ep2")
+    target: int | str
     backend: str
     reference_losses: dict[int, float]
     resumed_losses: dict[int, float]
@@ -51,6 +56,11 @@ class PairResult:
     step_deviations: dict[int, float] = field(default_factory=dict)  # step -> |resumed - reference|
     data_order: str = "per_dp_size"  # or "global": the same global batches at every size
     batches_equal: bool | None = None  # global order: the resumed run read the reference's batches
+    # Each side's degrees (layouts.DEGREES' names), as its runs trained.
+    layouts: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Global order: the parameters at step S+K against the uninterrupted run at
+    # the target side (params.param_deviation), with "tolerance" per figure.
+    final_params: dict[str, Any] | None = None
 
 
 def compare_batches(ref: Run, res: Run, global_batch: int, steps: range) -> list[str]:
@@ -63,14 +73,17 @@ def compare_batches(ref: Run, res: Run, global_batch: int, steps: range) -> list
             problems.append(f"no batch record for step {t} ({'reference' if t not in want else 'resumed run'})")
         elif want[t] != got[t]:
             extra, lost = sorted(set(got[t]) - set(want[t])), sorted(set(want[t]) - set(got[t]))
-            problems.append(f"step {t} read other samples than the uninterrupted run at {ref.nproc} rank(s) "
+            problems.append(f"step {t} read other samples than the uninterrupted run at {ref.side.ranks()} "
                             f"({len(extra)} not in it, e.g. {extra[:3]}; {len(lost)} missing, e.g. {lost[:3]})"
                             if extra or lost else f"step {t} read some samples twice")
     return problems
 
 
-def evaluate(settings: Settings, ref: Run, res: Run, band: float, global_batch: int | None = None) -> PairResult:
-    pair = f"{ref.nproc}->{res.nproc}"
+def evaluate(settings: Settings, ref: Run, res: Run, band: float, global_batch: int | None = None,
+             final_params: tuple[dict[str, Any], list[str]] | None = None) -> PairResult:
+    """One pair's verdict; ``final_params``: the parameter comparison's
+    figures and failure lines (``params``), where it ran."""
+    pair = f"{ref.side.label}->{res.side.label}"
     s = settings.steps_before
     window = range(s + 1, settings.total_steps + 1)
     failures = []
@@ -105,10 +118,18 @@ def evaluate(settings: Settings, ref: Run, res: Run, band: float, global_batch: 
             tol = TOLERANCES[blocking][key]
             if not state[key] <= tol:
                 failures.append(f"{pair}: {what} {state[key]:.3g} > {tol:g}")
+    if final_params is not None:
+        failures += final_params[1]
     ckpt = checkpoint_bytes(Path(ref.folder, "checkpoint", f"step-{s}"))
-    return PairResult(pair, ref.nproc, res.nproc, settings.backend, ref.losses, res.losses, dev, band,
+    return PairResult(pair, ref.side.key, res.side.key, settings.backend, ref.losses, res.losses, dev, band,
                       state, ckpt, dumps_seconds(ref_dumps), dumps_seconds(res_dumps), failures, step_devs,
-                      "global" if global_batch else "per_dp_size", batches_equal)
+                      "global" if global_batch else "per_dp_size", batches_equal,
+                      {"source": settings.degrees(ref.side), "target": settings.degrees(res.side)},
+                      final_params[0] if final_params is not None else None)
+
+
+def _ranks(key: int | str) -> str:
+    return f"{key} ranks" if isinstance(key, int) else str(key)
 
 
 def state_verdict(state: dict[str, Any]) -> str:
@@ -127,18 +148,31 @@ def _loss_figure(x: float) -> str:
     return f"{x:.4f}" if x == 0 or x >= 1e-3 else f"{x:.1e}"
 
 
+def final_params_verdict(final: dict[str, Any]) -> str:
+    """The table's ``end params`` column: ``exact``, or the relative L2 from the
+    uninterrupted run at the target side (``FAR`` past its tolerance)."""
+    if final["exact"]:
+        return "exact"
+    within = not final["problems"] and all(final[f] <= final["tolerance"][f] for f in ("rel_l2", "max_abs"))
+    return f"{final['rel_l2']:.1e}" + ("" if within else " FAR")
+
+
 def table(results: list[PairResult], n_params: int | None) -> str:
+    # "end params" only where the parameter check ran (global order): the
+    # table of the elastic loader is the same as before it existed.
+    ends = any(r.final_params is not None for r in results)
     head = ("pair", "max|dloss|", "band", "momentum", "vmean", "1st update", "state", "params",
-            "ckpt MB", "opt B/param", "save s", "load s", "verdict")
+            *(("end params",) if ends else ()), "ckpt MB", "opt B/param", "save s", "load s", "verdict")
     rows = [head]
     for r in results:
         st = r.state
         opt_bpp = r.checkpoint["optimizer"] / n_params if n_params else float("nan")
+        end = (final_params_verdict(r.final_params) if r.final_params is not None else "-",) if ends else ()
         rows.append((
             r.pair, _loss_figure(r.loss_deviation), _loss_figure(r.loss_band),
             f"{st.get('momentum_rel_l2', float('nan')):.2e}", f"{st.get('vmean_rel_l2', float('nan')):.2e}",
             f"{st.get('first_update_rel_l2', float('nan')):.2e}", state_verdict(st),
-            "exact" if st.get("params_exact") else "DIFFER",
+            "exact" if st.get("params_exact") else "DIFFER", *end,
             f"{r.checkpoint['total'] / 1e6:.1f}", f"{opt_bpp:.3f}",
             f"{r.save_seconds:.2f}", f"{r.load_seconds:.2f}", "FAIL" if r.failures else "ok",
         ))
@@ -148,30 +182,32 @@ def table(results: list[PairResult], n_params: int | None) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[PairResult], settings: Settings, path: Path, references: dict[int, Run] | None = None) -> None:
+def plot(results: list[PairResult], settings: Settings, path: Path,
+         references: dict[Side | int, Run] | None = None) -> None:
     """A PNG of the loss curves, one panel per pair: the reference, the
-    band, the resumed run and the uninterrupted run at the target size."""
+    band, the resumed run and the uninterrupted run at the target side."""
     n = len(results)
     # A bare Figure (no pyplot): renders with Agg and sets no global backend.
     fig = Figure(figsize=(3.6 * n, 3.0))
     axes = fig.subplots(1, n, squeeze=False, sharey=True)
     s = settings.steps_before
+    by_key = {as_side(k).key: run for k, run in (references or {}).items()}
     for ax, r in zip(axes[0], results):
         ref = sorted(r.reference_losses.items())
         res = sorted(r.resumed_losses.items())
-        other = (references or {}).get(r.target)
+        other = by_key.get(r.target)
         if other is not None and r.target != r.source:
             pts = sorted(other.losses.items())
             ax.plot([t for t, _ in pts], [v for _, v in pts], "-", lw=1, color="grey", alpha=0.6,
-                    label=f"uninterrupted at {r.target} ranks")
+                    label=f"uninterrupted at {_ranks(r.target)}")
         ax.plot([t for t, _ in ref], [v for _, v in ref], "-o", ms=3, color="tab:blue",
-                label=f"reference ({r.source} ranks)")
+                label=f"reference ({_ranks(r.source)})")
         win = [(t, v) for t, v in ref if t > s]
         if win:
             ax.fill_between([t for t, _ in win], [v - r.loss_band for _, v in win], [v + r.loss_band for _, v in win],
                             color="tab:blue", alpha=0.15, lw=0, label="tolerance band")
         ax.plot([t for t, _ in res], [v for _, v in res], "s--", ms=4, color="tab:red" if r.failures else "tab:orange",
-                label=f"resumed ({r.target} ranks)")
+                label=f"resumed ({_ranks(r.target)})")
         ax.axvline(s + 0.5, color="grey", lw=0.8, ls=":")
         state = "state exact" if r.state.get("exact") else \
             f"1st upd {r.state.get('first_update_rel_l2', float('nan')):.1e}"

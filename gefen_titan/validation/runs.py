@@ -4,14 +4,17 @@ Every run is ``python -m torch.distributed.run --nproc_per_node N -m
 gefen_titan.train`` with the recipe, the settings' overrides and the dump
 hooks of ``gefen_titan.validation.hooks`` (switched on through torchtitan's
 ``--override.imports``), so it trains the installed package as a user's
-run does, from any directory. A reference is the uninterrupted run at N
-ranks that checkpoints at step S; a resume loads a copy of that checkpoint
-at M ranks. References are kept under ``--reference-cache`` by their
+run does, from any directory. A run is at one side of a pair
+(``gefen_titan.validation.layouts.Side``: N processes and, where the side
+names one, its layout's degrees). A reference is the uninterrupted run at
+a side that checkpoints at step S; a resume loads a copy of that checkpoint
+at another side. References are kept under ``--reference-cache`` by their
 identity (``gefen_titan.validation.identity``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -30,7 +33,8 @@ from torchtitan.config.override import format_cli_imports
 from gefen_titan.checkpoint import storage
 from gefen_titan.data.global_loader import GlobalOrderDataLoader
 from gefen_titan.validation.identity import run_identity
-from gefen_titan.validation.recipes import config_of, recipe_imports, recipe_tables, resolve_recipe
+from gefen_titan.validation.layouts import Side, as_side, cuda_graph_flags, degree_flags, parse_side, recipe_degrees
+from gefen_titan.validation.recipes import config_of, recipe_imports, resolve_recipe
 
 __all__ = [
     "BATCH_HOOK", "CI_SETTINGS", "HOOK", "Run", "Settings",
@@ -98,19 +102,35 @@ class Settings:
     def total_steps(self) -> int:
         return self.steps_before + self.steps_after
 
-    def overrides(self, nproc: int) -> list[str]:
-        """Overrides every run gets (reference and resume alike)."""
-        # The data-parallel shard degree takes what the recipe's other
-        # degrees (TP, PP, CP, replicate) leave of the processes.
-        par = recipe_tables(self.recipe).get("parallelism", {})
-        others = 1
-        for key in ("data_parallel_replicate_degree", "context_parallel_degree", "tensor_parallel_degree",
-                    "pipeline_parallel_degree"):
-            others *= max(1, int(par.get(key, 1)))
-        shard = nproc // others if nproc % others == 0 else nproc
+    def base_config(self) -> Any:
+        """The config of the recipe with ``extra`` (``--set``), before any
+        side's layout: where a bare side reads the recipe's own degrees."""
+        return _base_config(resolve_recipe(self.recipe), tuple(self.extra))
+
+    def degrees(self, side: Side | int) -> dict[str, int]:
+        """Every layout degree of a side's runs (``Side.degrees``; LayoutError
+        when they do not divide its processes)."""
+        return as_side(side).degrees(recipe_degrees(self.base_config().parallelism))
+
+    def overrides(self, side: Side | int) -> list[str]:
+        """Overrides every run at ``side`` gets (reference and resume alike).
+
+        A bare process count N is the side ``N``: the recipe's degrees, the
+        shard degree what they leave of N (the only flag, as before layouts).
+        """
+        side = as_side(side)
+        degrees = self.degrees(side)
+        return self._overrides(degree_flags(side, degrees)) + cuda_graph_flags(
+            degrees, bool(self.base_config().training.disable_cuda_graphs))
+
+    def common_overrides(self) -> list[str]:
+        """The overrides of every run whatever its side (no layout flags)."""
+        return self._overrides([])
+
+    def _overrides(self, layout: list[str]) -> list[str]:
         args = [
             "--training.steps", str(self.total_steps),
-            "--parallelism.data_parallel_shard_degree", str(shard),
+            *layout,
             "--checkpoint.enable", "true",
             "--checkpoint.interval", str(self.steps_before),
             "--checkpoint.keep_latest_k", "0",
@@ -126,6 +146,11 @@ class Settings:
         return args + list(self.extra)
 
 
+@functools.lru_cache(maxsize=16)
+def _base_config(recipe: str, extra: tuple[str, ...]) -> Any:
+    return config_of(recipe, [*extra])
+
+
 def global_order_batch(settings: Settings) -> int | None:
     """The global batch size when the runs use the DP-invariant global-order
     loader (``[dataloader] loader = "global_order"``), else None.
@@ -134,7 +159,7 @@ def global_order_batch(settings: Settings) -> int | None:
     resumed losses are compared with the reference's step by step
     (``bands.order_band``) and the batches themselves are checked (``Run.batches``).
     """
-    config = config_of(settings.recipe, settings.overrides(1))
+    config = config_of(settings.recipe, settings.common_overrides())
     if not isinstance(config.dataloader, GlobalOrderDataLoader.Config):
         return None
     return int(config.training.global_batch_size)
@@ -149,6 +174,11 @@ class Run:
     losses: dict[int, float]
     seconds: float
     identity: str = ""
+    layout: str = ""  # the side's label where it names a layout ("2@tp2"); "" for a bare process count
+
+    @property
+    def side(self) -> Side:
+        return parse_side(self.layout) if self.layout else Side(self.nproc)
 
     def dumps(self, kind: str, step: int) -> list[dict]:
         """The hook's dumps of a load or save: one per rank (per-rank
@@ -159,18 +189,33 @@ class Run:
 
     def batches(self, global_batch: int) -> dict[int, list[int]]:
         """step -> the sorted global sample ids of that step's batch, from every
-        rank's record (global-order runs only; ``hooks.record_batches``)."""
+        rank's record (global-order runs only; ``hooks.record_batches``).
+
+        The ranks of one data shard (TP, PP, CP) each record the same
+        microbatch, each in its own file: it counts once where another
+        rank's copy agrees. A copy that differs, or a rank that reads one
+        microbatch twice, counts again, so the comparison sees the samples
+        read twice.
+        """
         out: dict[int, list[int]] = {}
-        for f in Path(self.folder, "batches").glob("batches-*.jsonl"):
+        seen: dict[tuple[int, int], list[tuple[str, list[int]]]] = {}
+        for f in sorted(Path(self.folder, "batches").glob("batches-*.jsonl")):
             for line in f.read_text().splitlines():
                 row = json.loads(line)
+                if "dp_rank" in row:
+                    copies = seen.setdefault((row["start"], row["dp_rank"]), [])
+                    if any(ids == row["sample_ids"] and name != f.name for name, ids in copies):
+                        continue
+                    copies.append((f.name, row["sample_ids"]))
                 out.setdefault(row["start"] // global_batch + 1, []).extend(row["sample_ids"])
         return {step: sorted(ids) for step, ids in sorted(out.items())}
 
 
-def launch(settings: Settings, nproc: int, folder: Path, extra: list[str], *, save_steps: list[int],
+def launch(settings: Settings, side: Side | int, folder: Path, extra: list[str], *, save_steps: list[int],
            env: dict[str, str], quiet: bool = False) -> Run:
-    """``torchrun --nproc_per_node nproc -m gefen_titan.train`` with the dump hook on."""
+    """``torchrun --nproc_per_node N -m gefen_titan.train`` at ``side`` with the dump hook on."""
+    side = as_side(side)
+    nproc = side.nproc
     folder.mkdir(parents=True, exist_ok=True)
     hook = [HOOK, {"dir": str(folder / "validate"), "save_steps": save_steps}]
     imports = recipe_imports(settings.recipe) + [hook]
@@ -180,7 +225,7 @@ def launch(settings: Settings, nproc: int, folder: Path, extra: list[str], *, sa
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
         f"--master-port={free_port()}", "-m", "gefen_titan.train",
         "--job.config", resolve_recipe(settings.recipe), "--job.dump_folder", str(folder),
-        *settings.overrides(nproc), *extra,
+        *settings.overrides(side), *extra,
         *imports_flag(imports),
     ]
     if not quiet:
@@ -194,7 +239,7 @@ def launch(settings: Settings, nproc: int, folder: Path, extra: list[str], *, sa
     if proc.returncode != 0:
         raise RuntimeError(f"run in {folder} failed (exit {proc.returncode}); last lines of {folder / 'train.log'}:\n"
                            + "\n".join(text.splitlines()[-40:]))
-    run = Run(str(folder), nproc, parse_losses(text), seconds)
+    run = Run(str(folder), nproc, parse_losses(text), seconds, layout="" if side.plain else side.label)
     (folder / "run.json").write_text(json.dumps({**asdict(run), "cmd": cmd}, indent=1))
     return run
 
@@ -207,32 +252,38 @@ def run_env(backend: str) -> dict[str, str]:
     return env
 
 
-def reference_run(settings: Settings, nproc: int, *, out: Path, cache: Path | None = None, quiet: bool = False,
-                  tag: str = "ref") -> Run:
-    """The uninterrupted S+K-step run at ``nproc`` ranks, dumped at step S.
+def reference_run(settings: Settings, side: Side | int, *, out: Path, cache: Path | None = None,
+                  quiet: bool = False, tag: str = "ref") -> Run:
+    """The uninterrupted S+K-step run at ``side`` (a bare process count: the
+    recipe's degrees), dumped at step S.
 
     With ``cache``, a run of the same identity already there is reused (and a
     new one is kept there for the next caller). ``tag = "rerun"`` is a second,
     independent run of the same identity (the same-size rerun that measures
     run-to-run noise).
     """
-    overrides = settings.overrides(nproc)
-    identity = run_identity(settings.recipe, nproc, overrides)
-    folder = (cache / f"{tag}-{nproc}-{identity}") if cache else (out / f"{tag}-{nproc}")
+    side = as_side(side)
+    overrides = settings.overrides(side)
+    identity = run_identity(settings.recipe, side.nproc, overrides)
+    folder = (cache / f"{tag}-{side.label}-{identity}") if cache else (out / f"{tag}-{side.label}")
     done = folder / "run.json"
     if cache and done.exists():
         run = Run(**{k: v for k, v in json.loads(done.read_text()).items() if k in Run.__dataclass_fields__})
         run.losses = {int(k): v for k, v in run.losses.items()}
+        # The cache key is the run's config, not its spelling: a run cached
+        # for an equal side (llama_gefen_tp2.toml at 2, llama_gefen.toml at
+        # 2@tp2) is this side's run.
+        run.layout = "" if side.plain else side.label
         if not quiet:
-            print(f"  reference at {nproc} rank(s): reusing {folder}", flush=True)
+            print(f"  reference at {side.ranks()}: reusing {folder}", flush=True)
         return run
     if folder.exists():
         shutil.rmtree(folder)
     if not quiet:
         what = "same-size rerun" if tag == "rerun" else "reference"
-        print(f"  {what} at {nproc} rank(s), {settings.total_steps} steps, checkpoint at {settings.steps_before}",
+        print(f"  {what} at {side.ranks()}, {settings.total_steps} steps, checkpoint at {settings.steps_before}",
               flush=True)
-    run = launch(settings, nproc, folder, [], save_steps=[settings.steps_before], env=run_env(settings.backend),
+    run = launch(settings, side, folder, [], save_steps=[settings.steps_before], env=run_env(settings.backend),
                  quiet=quiet)
     run.identity = identity
     data = json.loads(done.read_text())
@@ -241,10 +292,11 @@ def reference_run(settings: Settings, nproc: int, *, out: Path, cache: Path | No
     return run
 
 
-def resume_run(settings: Settings, ref: Run, nproc: int, folder: Path, fault: str | None = None) -> Run:
+def resume_run(settings: Settings, ref: Run, side: Side | int, folder: Path, fault: str | None = None) -> Run:
     """The reference's step-S checkpoint, copied into ``folder``, loaded at
-    ``nproc`` ranks and trained K more steps (``fault``: a deliberately broken
+    ``side`` and trained K more steps (``fault``: a deliberately broken
     resume, for the validation's own test)."""
+    side = as_side(side)
     if folder.exists():
         shutil.rmtree(folder)
     step = settings.steps_before
@@ -255,6 +307,8 @@ def resume_run(settings: Settings, ref: Run, nproc: int, folder: Path, fault: st
     extra = ["--checkpoint.load_step", str(step)]
     if fault == "drop-optimizer":
         extra += ["--checkpoint.exclude_from_loading", "optimizer"]
-    print(f"  resume {ref.nproc} -> {nproc} rank(s) from step {step}, {settings.steps_after} more steps"
+    what = f"{ref.nproc} -> {side.nproc} rank(s)" if ref.side.plain and side.plain else \
+        f"{ref.side.label} -> {side.label}"
+    print(f"  resume {what} from step {step}, {settings.steps_after} more steps"
           + (f" [fault injected: {fault}]" if fault else ""), flush=True)
-    return launch(settings, nproc, folder, extra, save_steps=[], env=run_env(settings.backend))
+    return launch(settings, side, folder, extra, save_steps=[], env=run_env(settings.backend))

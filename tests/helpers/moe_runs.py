@@ -20,21 +20,26 @@ S, K = 3, 2
 RUNS = [
     ("ep", 2, "ep2_e4", "c_ep2_e4", [], 4),  # EP 2
     ("fsdp", 2, "fsdp2_e4", "c_fsdp2_e4", [], 4),  # EP 1 x FSDP 2
+    ("tp", 2, "tp2_e4", "c_tp2_e4", [], 4),  # TP 2, EP 1: the experts cut by TP
+    ("pp", 2, "pp2_e4", "c_pp2_e4", [], 4),  # PP 2, EP 1
     ("ep", 4, "ep2x2_e4", "c_ep2x2_e4", [], 4),  # EP 2 x efsdp 2
     ("ep", 4, "ep2x2_e2", "c_ep2x2_e2", [], 2),  # EP 2 x efsdp 2, experts Shard(1) on efsdp
     ("fsdp", 4, "fsdp4_e2", "c_fsdp4_e2", [], 2),  # EP 1 x FSDP 4, experts Shard(1)
     ("hsdp", 4, "hsdp4_e4", "c_hsdp4_e4", [], 4),  # HSDP 2 x EP 2
     ("ep4", 4, "ep4_e4", "c_ep4_e4", ["c_ep2x2_e4"], 4),  # EP 4 <- EP 2 x efsdp 2
+    ("eptp", 4, "eptp4_e4", "c_eptp4_e4", ["c_ep2_e4"], 4),  # EP 2 x TP 2 <- EP 2
+    ("ppep", 4, "ppep4_e4", "c_ppep4_e4", ["c_ep2_e4"], 4),  # PP 2 x EP 2 <- EP 2
     ("fsdp", 2, "fsdp2_e4_resume", "", ["c_ep2_e4"], 4),  # EP 1 <- EP 2, at 2 ranks
-    ("ep", 2, "ep2_e4_resume", "", ["c_fsdp2_e4", "c_ep2x2_e4"], 4),  # EP 2 <- EP 1; <- EP 2 x efsdp 2
+    # EP 2 <- EP 1, <- EP 2 x efsdp 2, <- PP 2 x EP 2
+    ("ep", 2, "ep2_e4_resume", "", ["c_fsdp2_e4", "c_ep2x2_e4", "c_ppep4_e4"], 4),
     ("ep", 2, "ep2_e2", "c_ep2_e2", ["c_fsdp4_e2"], 2),  # EP 2 (Shard(0)) <- Shard(1) at 4 ranks
     ("one", 1, "one_e4", "c_one_e4", ["c_ep2_e4"], 4),  # 1 rank <- EP 2
     ("one", 1, "one_e2", "c_one_e2", ["c_ep2x2_e2"], 2),  # 1 rank <- EP 2 x efsdp 2 (Shard(1))
 ]
 
 PLAN = [
-    (2, ["ep2_e4", "fsdp2_e4"]),
-    (4, ["ep2x2_e4", "ep2x2_e2", "fsdp4_e2", "hsdp4_e4", "ep4_e4"]),
+    (2, ["ep2_e4", "fsdp2_e4", "tp2_e4", "pp2_e4"]),
+    (4, ["ep2x2_e4", "ep2x2_e2", "fsdp4_e2", "hsdp4_e4", "ep4_e4", "eptp4_e4", "ppep4_e4"]),
     (2, ["fsdp2_e4_resume", "ep2_e4_resume", "ep2_e2"]),
     (1, ["one_e4", "one_e2"]),
 ]

@@ -1,27 +1,32 @@
 """One rank of the mixture-of-experts runs (tests.helpers.moe_runs).
 
-A small decoder shaped as torchtitan's MoE models are (what its sharding
-reads): an embedding, two MoE blocks (each an attention-like ``wo``, a
-norm, the router's ``gate`` and torchtitan's own ``GroupedExperts`` with
-``w1_EFD`` / ``w2_EDF`` / ``w3_EFD`` of ``(E, out, in)``), a norm and an
-``lm_head``; ``--experts`` experts per block. It is sharded by torchtitan
-0.3.0's own code (``ParallelDims``, ``apply_fsdp_to_decoder``) after the
-experts are cut by EP's ``Shard(0)`` on ``ep`` (as its parallelize does), so
-the placements are the trainer's:
+torchtitan 0.3.0's own Qwen3 MoE model (``moe_flavors.qwen3_moe``: 2 MoE
+layers, dim 64, ``--experts`` routed experts of hidden 96, whose grouped
+weights ``w1_EFD`` / ``w2_EDF`` / ``w3_EFD`` are ``(E, out, in)``), sharded
+by torchtitan's own code as its trainer does: the model config's sharding
+set from the layout (``update_from_config``), then ``Module.parallelize``
+(TP, EP) and ``apply_fsdp_to_decoder`` (FSDP on fsdp, the experts' FSDP on
+efsdp with ``Shard(0)`` or, when efsdp x ep > experts, ``Shard(1)``); under
+pipeline parallelism each stage keeps its layer (torchtitan's split keeps
+the FQNs) and is parallelized alone. The layouts:
 
   one     a single process, plain tensors
   fsdp    EP 1 x FSDP over every rank (experts ``Shard(1)`` when ranks > experts)
-  ep      EP 2 x efsdp (world / 2): ``_StridedShard(0)``, or ``Shard(1)`` on
-          efsdp when efsdp x ep > experts
+  ep      EP 2 x efsdp (world / 2)
   ep4     EP 4 (efsdp 1)
-  hsdp    HSDP 2 x (EP 2 x efsdp 1)
+  hsdp    HSDP 2 x (EP 2 x efsdp world / 4)
+  tp      TP 2 x FSDP (world / 2), EP 1 (the experts cut by TP)
+  eptp    EP 2 x TP 2 (EP over the TP ranks; efsdp = world / 2)
+  pp      PP 2 x FSDP (world / 2), EP 1
+  ppep    PP 2 x EP 2 (world 4)
 
-The optimizers: GefenMuon for ``wo``, ``w1_EFD`` and ``w3_EFD`` (NorMuon on;
-each expert's slice a Muon matrix), Gefen for the rest (``w2_EDF`` among
-them: Gefen on experts too). Every step's gradients are a fixed function of
-(step, name), each rank installing the part of the global gradient its
-shard holds, so every layout sees bit-identical gradients. A job does what
-its flags ask and writes ``TAG_rRANK.pt`` into ``--out``:
+The optimizers: GefenMuon for the attention's ``wo`` and the experts'
+``w1_EFD`` and ``w3_EFD`` (NorMuon on; each expert's slice a Muon matrix),
+Gefen for the rest (``w2_EDF`` among them: Gefen on experts too). Every
+step's gradients are a fixed function of (step, name), each rank installing
+the part of the global gradient its shard holds, so every layout sees
+bit-identical gradients (no forward runs). A job does what its flags ask
+and writes ``TAG_rRANK.pt`` into ``--out``:
   --ref BASE     steps 1..S+K, checkpoint at S into BASE; dump the global state
                  at S (the checkpoint entries) and the full parameters at S..S+K
   --load B1,..   for each checkpoint: fresh model and optimizer, load S, dump the
@@ -36,86 +41,80 @@ import sys
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from gefen_titan import patches
 from tests.helpers import worker_jobs
 
 patches.apply_all()  # CPU / gloo meshes and FSDP2
+from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
-from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.trainer import Trainer
 
 from gefen_titan.distributed.layout import local_box
 from gefen_titan.optim.container import ParamGroup
+from gefen_titan.recipe.moe_flavors import qwen3_moe
 from tests.helpers import small_model as sm
 
-DIM, HIDDEN, VOCAB = 64, 96, 128
-MUON_PATTERN = r"^layers\.\d+\.(wo\.weight|moe\.routed_experts\.inner_experts\.w[13]_EFD)$"
+MUON_PATTERN = r"^layers\.\d+\.(attention\.wo\.weight|moe\.routed_experts\.inner_experts\.w[13]_EFD)$"
 MUON_KWARGS = {"lr": 0.02, "normuon": True}
 MUON_BUCKET_MIB = 0.05  # several buckets; a grouped weight is never split between two
 
-
-class Block(nn.Module):
-    moe_enabled = True  # what torchtitan's apply_fsdp_to_decoder reads
-
-    def __init__(self, experts: int):
-        super().__init__()
-        self.wo = nn.Linear(DIM, DIM, bias=False)
-        self.norm = nn.RMSNorm(DIM)
-        self.moe = nn.Module()
-        self.moe.router = nn.Module()
-        self.moe.router.gate = nn.Linear(DIM, experts, bias=False)
-        self.moe.routed_experts = nn.Module()
-        self.moe.routed_experts.inner_experts = GroupedExperts(
-            GroupedExperts.Config(dim=DIM, hidden_dim=HIDDEN, num_experts=experts))
+# layout -> torchtitan's degrees (the data-parallel shard degree takes what they leave of the world)
+LAYOUTS = {"one": {}, "fsdp": {}, "ep": dict(ep=2), "ep4": dict(ep=4), "hsdp": dict(ep=2, rep=2),
+           "tp": dict(tp=2), "eptp": dict(ep=2, tp=2), "pp": dict(pp=2), "ppep": dict(pp=2, ep=2)}
 
 
-class Net(nn.Module):
-    enable_weight_tying = False
-
-    def __init__(self, experts: int):
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleDict({str(i): Block(experts) for i in range(2)})
-        self.norm = nn.RMSNorm(DIM)
-        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+def degrees(layout: str, world: int) -> dict[str, int]:
+    d = {"ep": 1, "tp": 1, "pp": 1, "rep": 1, **LAYOUTS[layout]}
+    d["shard"] = world // (d["tp"] * d["pp"] * d["rep"])
+    return d
 
 
-def build_model(experts: int) -> Net:
+def build_model(layout: str, world: int, experts: int) -> nn.Module:
+    """The model, its sharding set from the layout as torchtitan's trainer sets it, from seed 0."""
+    config = qwen3_moe("flex", num_experts=experts, top_k=2, dim=64, n_layers=2, n_heads=2, n_kv_heads=2,
+                       head_dim=32, vocab=128, moe_hidden_dim=96)
+    d = degrees(layout, world)
+    config.update_from_config(config=Trainer.Config(
+        training=TrainingConfig(disable_cuda_graphs=True),
+        parallelism=ParallelismConfig(data_parallel_replicate_degree=d["rep"], data_parallel_shard_degree=d["shard"],
+                                      tensor_parallel_degree=d["tp"], expert_parallel_degree=d["ep"],
+                                      pipeline_parallel_degree=d["pp"], spmd_backend="partial_dtensor")))
+    model = config.build()
     torch.manual_seed(0)
-    model = Net(experts)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 3:  # GroupedExperts leaves its weights uninitialized
-                p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5)
+    with torch.no_grad():  # the same values at every layout, whatever torchtitan's init would draw
+        for _, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape) / p.shape[-1] ** 0.5 if p.dim() > 1 else torch.ones(p.shape))
     return model
 
 
-LAYOUTS = {"fsdp": dict(ep=1), "ep": dict(ep=2), "ep4": dict(ep=4), "hsdp": dict(ep=2, rep=2)}
-
-
-def shard(model: Net, layout: str, world: int) -> None:
+def shard(model: nn.Module, layout: str, world: int) -> None:
     """torchtitan 0.3.0's sharding of the model at ``layout`` (see the module doc)."""
     if layout == "one":
         return
-    ep, rep = LAYOUTS[layout]["ep"], LAYOUTS[layout].get("rep", 1)
-    dims = ParallelDims(dp_replicate=rep, dp_shard=world // rep, cp=1, tp=1, pp=1, ep=ep, world_size=world,
-                        spmd_backend="partial_dtensor")
+    d = degrees(layout, world)
+    dims = ParallelDims(dp_replicate=d["rep"], dp_shard=d["shard"], cp=1, tp=d["tp"], pp=d["pp"], ep=d["ep"],
+                        world_size=world, spmd_backend="partial_dtensor")
     dims.build_mesh()
     # Its groups are not ``worker_jobs.own``ed: FSDP2 keeps the (efsdp, ep) meshes it concatenates in a
     # process-wide cache, which a later job of the launch gets back, groups and all (destroying them
     # here made that job fail: "Could not resolve the process group"). A launch's few jobs leak them.
-    replicate = ["dp_replicate"] if rep > 1 else []
-    edp = None
-    if ep > 1:
-        for block in model.layers.values():
-            experts = block.moe.routed_experts.inner_experts
-            for name, p in list(experts.named_parameters(recurse=False)):
-                setattr(experts, name, nn.Parameter(distribute_tensor(p.data, dims.get_mesh("ep"), [Shard(0)])))
-        edp = dims.get_optional_mesh(replicate + ["efsdp"])
-    apply_fsdp_to_decoder(model, dims.get_mesh(replicate + ["fsdp"]), torch.float32, torch.float32, False,
-                          ep_degree=ep, edp_mesh=edp)
+    if d["pp"] > 1:  # stage s keeps layer s (torchtitan's split keeps the FQNs)
+        stage = dims.get_mesh("pp").get_local_rank()
+        for key in [k for k in model.layers if int(k) != stage]:
+            del model.layers[key]
+        if stage == 0:
+            model.norm = model.lm_head = None
+        else:
+            model.tok_embeddings = None
+    if d["tp"] > 1 or d["ep"] > 1:
+        model.parallelize(dims)
+    replicate = ["dp_replicate"] if d["rep"] > 1 else []
+    edp = dims.get_optional_mesh(replicate + ["efsdp"]) if d["ep"] > 1 else None
+    apply_fsdp_to_decoder(model, dims.get_mesh(replicate + ["fsdp"]), torch.float32, torch.float32, d["pp"] > 1,
+                          ep_degree=d["ep"], edp_mesh=edp)
 
 
 def global_grad(name: str, shape, step: int) -> torch.Tensor:
@@ -137,7 +136,7 @@ def set_grads(model: nn.Module, step: int) -> None:
 
 
 def build(layout: str, world: int, experts: int):
-    model = build_model(experts)
+    model = build_model(layout, world, experts)
     shard(model, layout, world)
     opt = sm.optimizer(model, max_tensor_parallel_degree=2, muon_bucket_mib=MUON_BUCKET_MIB, param_groups=[
         ParamGroup(pattern=MUON_PATTERN, optimizer_name="GefenMuon", optimizer_kwargs=dict(MUON_KWARGS)),

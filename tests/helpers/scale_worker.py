@@ -19,6 +19,20 @@ saved at 2 gloo ranks (the CPU half of ``scripts/gpu_check.sh``).
    parameters and the muon recipe's pattern) against the ones the real
    sharded step of ``recipes/llama_gefen_muon.toml`` builds at FSDP 2, and
    the schedules made from each.
+
+With MOE_DIR (``tests/helpers/scale_moe_job.py``'s output: real state and
+format-v3 checkpoints of ``moe_worker``'s model (torchtitan's Qwen3 MoE) at EP 2 x efsdp 2, 4 ranks):
+
+6. moe_checkpoint: per experts count (whole experts on efsdp, and rows cut
+   by ``Shard(1)``), the plan of that model and layout on a fake process
+   group against the real checkpoint (as 2.), and every rank's planned
+   state bytes (Gefen; GefenMuonHybrid's GefenMuon + Gefen) against the
+   bytes the real optimizers held, given their periods.
+7. moe_muon: the plan's GefenMuon matrices for torchtitan's DeepSeek-V3
+   debug model at EP 2 x efsdp 2 (whole experts) and EP 4 x efsdp 4 (rows
+   cut) against the real GefenMuonHybrid's sharded step at the same
+   layouts, the schedules made from each, one expert weight's chunks, and
+   the metadata's extrapolation over its two kinds of layers (dense, MoE).
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ import dataclasses
 import json
 import pickle
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -92,7 +107,8 @@ def checkpoint(step_dir: str, built) -> dict:
     periods = {p.fqn: p.period for p in record.params}
     entries = scale.gefen_entries(built, "fallback", periods=periods, step=record.global_step)
     chunks = scale.Chunks()
-    acc = scale.account(entries, 2, chunks, keep_assignment=True)
+    world = built.mesh.world
+    acc = scale.account(entries, world, chunks, keep_assignment=True)
     real = {(i.fqn, None if i.offset is None else tuple(i.offset)): info
             for i, info in md.storage_data.items() if i.fqn.startswith(prefix)}
     real_files: dict[str, int] = {}
@@ -103,7 +119,7 @@ def checkpoint(step_dir: str, built) -> dict:
                      planner_data={k: v for k, v in md.planner_data.items() if k.startswith(prefix)},
                      storage_data={i: v for i, v in md.storage_data.items() if i.fqn.startswith(prefix)},
                      storage_meta=md.storage_meta, version=md.version)
-    planned = scale.metadata_bytes(entries, 2, chunks, step_dir)
+    planned = scale.metadata_bytes(entries, world, chunks, step_dir)
     return {
         "keys_plan": sorted(e.key for e in entries), "keys_real": sorted(ours),
         "chunks_plan": acc.chunks, "chunks_real": len(real),
@@ -151,9 +167,78 @@ def muon(built) -> dict:
             "real_schedule": sched, "optimizers": len(real.muon_optimizers)}
 
 
+def moe_checkpoint(base: str) -> dict:
+    from benchmarks import scale_moe
+    from gefen_titan.optim import hybrid
+    from tests.helpers import scale_moe_job
+
+    world = 4
+    real = [json.loads((Path(base) / f"r{r}.json").read_text()) for r in range(world)]
+    fake_process_group(world)
+    out = {}
+    for experts in scale_moe_job.EXPERTS:
+        tag = f"e{experts}"
+        model, container = scale_moe_job.build(experts, world, "gefen")
+        step_dir = str(Path(base) / tag)
+        built = scale.built_from(tag, scale.mesh_for("ep", world, ep=2), sum(p.numel() for p in model.parameters()),
+                                 container, 2, step_dir, [])
+        with_muon = dataclasses.replace(built, muon_fqns=frozenset(hybrid.route(model)[0]))
+        expert = next(p for p in built.params if len(p.shape) == 3)
+        out[tag] = {
+            "placements": str(expert.placements), "checkpoint": checkpoint(step_dir, built),
+            "gefen_plan": scale.state_bytes(built, "fallback", periods=real[0][tag]["gefen"]["periods"]),
+            "gefen_real": [real[r][tag]["gefen"]["state_bytes"] for r in range(world)],
+            "hybrid_plan": scale_moe.state_per_rank(with_muon, "hybrid", periods=real[0][tag]["hybrid"]["periods"]),
+            "hybrid_real": [real[r][tag]["hybrid"]["state_bytes"] for r in range(world)],
+            "periods_agree": all(real[r][tag][k]["periods"] == real[0][tag][k]["periods"]
+                                 for r in range(world) for k in real[0][tag]),
+        }
+    return out
+
+
+MOE_BUCKET_MIB = 1  # several buckets at the debug model's size (each ends between grouped weights)
+
+
+def moe_muon() -> dict:
+    from benchmarks import scale_moe
+    from benchmarks.meta import build_on_meta
+    from gefen_titan.optim import gefenx as gx
+    from gefen_titan.optim.muon import build_schedule
+
+    out = {}
+    for world, ep in ((4, 2), (16, 4)):
+        mesh = scale.mesh_for("ep", world, ep=ep)
+        built = scale.build("DSv3-debug", mesh, max_tp=2)
+        planned = scale.muon_specs(built)
+        w1 = next(p for p in built.params if p.fqn.endswith("w1_EFD"))
+        gefen = scale.gefen_entries(built, "fallback")
+        row = {"placements": str(w1.placements), "w1": {"shape": list(w1.shape),
+                                                         "chunks": scale.Chunks().per_rank(w1.shape, w1)},
+               "kinds": scale.layer_kinds(gefen), "extrapolation": extrapolation(built)}
+        recipe, flavor = scale.MOE_FLAVORS["DSv3-debug"]
+        real = build_on_meta(recipe, world, {"model": {"flavor": flavor}, "parallelism": mesh.parallelism(),
+                                             "optimizer": {"name": "GefenMuonHybrid", "max_tensor_parallel_degree": 2,
+                                                           "muon_bucket_mib": MOE_BUCKET_MIB}}).optimizers
+        specs, sched = [], []
+        for optim in real.muon_optimizers:
+            mine, schedule = gx.sharded_step(optim).plan()
+            specs += mine
+            sched += [[list(b.matrices), list(b.owners)] for b in schedule.buckets]
+        plan_sched = build_schedule(planned, gx.sharded_step(real.muon_optimizers[0]).bucket_bytes)
+        dist_muon = scale_moe.distmuon_plan(built, planned)
+        row.update(distmuon={k: dist_muon[k] for k in ("busiest_experts", "idle_expert_ranks", "max_experts")})
+        row.update(planned=[dataclasses.astuple(m) for m in planned], real=[dataclasses.astuple(m) for m in specs],
+                   planned_schedule=[[list(b.matrices), list(b.owners)] for b in plan_sched.buckets],
+                   real_schedule=sched, optimizers=len(real.muon_optimizers))
+        out[f"{world}x{ep}"] = row
+    return out
+
+
 if __name__ == "__main__":
     result = {"collectives": collectives()}
     built = scale.build("debugmodel", scale.mesh_for("fsdp", 2), max_tp=2, recipe="recipes/llama_gefen.toml")
     result.update(checkpoint=checkpoint(sys.argv[1], built), extrapolation=extrapolation(built), hand=hand(built),
                   muon=muon(built))
+    if len(sys.argv) > 2:
+        result.update(moe_checkpoint=moe_checkpoint(sys.argv[2]), moe_muon=moe_muon())
     print(json.dumps(result, default=list))

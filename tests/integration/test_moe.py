@@ -1,20 +1,23 @@
 """Mixture-of-experts layouts: Gefen and GefenMuon on grouped experts, identical at every layout, resharded exactly.
 
-A small MoE decoder sharded by torchtitan 0.3.0's own code on gloo
-(``moe_worker.py``: EP's ``Shard(0)`` over experts, FSDP on efsdp with
-``Shard(0)`` or, when efsdp x ep > experts, ``Shard(1)``), GefenMuon for the
-experts' ``w1``/``w3`` (one Muon matrix per expert) and an attention-like
-matrix, Gefen for the rest (the experts' ``w2`` too), every layout fed
+torchtitan's own Qwen3 MoE model, small, sharded by torchtitan 0.3.0's own
+code on gloo (``moe_worker.py``: TP and EP by the model's ``parallelize``,
+EP's ``Shard(0)`` over experts, FSDP on efsdp with ``Shard(0)`` or, when
+efsdp x ep > experts, ``Shard(1)``; pipeline stages), GefenMuon for the
+experts' ``w1``/``w3`` (one Muon matrix per expert) and the attention's
+``wo``, Gefen for the rest (the experts' ``w2`` too), every layout fed
 bit-identical global gradients:
 
 * layout invariance: parameters and every checkpoint entry bit-identical at
-  1 rank, EP 2, EP 1 x FSDP 2, EP 2 x efsdp 2, EP 4, HSDP 2 x EP 2, and with
-  the experts' rows cut (efsdp ``Shard(1)``, with and without EP);
+  1 rank, EP 2, EP 1 x FSDP 2, TP 2, PP 2, EP 2 x efsdp 2, EP 4, EP 2 x TP 2,
+  PP 2 x EP 2, HSDP 2 x EP 2, and with the experts' rows cut (efsdp
+  ``Shard(1)``, with and without EP);
 * the reshards of issue 36 through GefenCheckpointManager: EP 2 -> EP 1 at 2
   ranks, EP 2 -> 1 rank, EP 1 -> EP 2, EP 2 x efsdp 2 -> EP 4 and -> EP 2 at 2
-  ranks, ``Shard(1)`` -> ``Shard(0)`` and -> 1 rank: the loaded state is the
-  saved one, and the parameters 2 steps later equal the uninterrupted run
-  at the target layout, bit for bit;
+  ranks, EP 2 -> EP 2 x TP 2, EP 2 -> PP 2 x EP 2 -> EP 2, ``Shard(1)`` ->
+  ``Shard(0)`` and -> 1 rank: the loaded state is the saved one, and the
+  parameters 2 steps later equal the uninterrupted run at the target layout,
+  bit for bit;
 * GefenMuon's schedule: an expert a rank holds whole is orthogonalized by
   that rank (no exchange); cut experts go to one of their holders.
 
@@ -54,35 +57,52 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def agreed(ranks: list[dict], pick) -> dict:
-    """What every rank dumped of a run (global tensors): the ranks must agree."""
-    first = pick(ranks[0])
-    for r in ranks[1:]:
-        other = pick(r)
-        assert first.keys() == other.keys()
-        for k in first:
-            assert _same(first[k], other[k]), f"ranks disagree on {k}"
-    return first
+# Keys that name a pipeline stage's optimizer (by its first parameter): compared through ``records``.
+_PER_STAGE = ("gefen/optimizer/", "gefen/codebook/", "gefen/muon/", "gefen/muon_codebook/")
+
+
+def merged(ranks: list[dict], pick) -> dict:
+    """What the ranks dumped of a run (global tensors), over every pipeline stage: the ranks that
+    dump an entry must agree on it."""
+    out: dict = {}
+    for r in ranks:
+        for k, v in pick(r).items():
+            if k in out:
+                assert _same(out[k], v), f"ranks disagree on {k}"
+            out[k] = v
+    return out
 
 
 def state(ranks: list[dict], src: str | None = None) -> dict:
     part = (lambda r: r["ref"]["state"]) if src is None else (lambda r: r["resume"][src]["state"])
-    out = agreed(ranks, lambda r: {k: v for k, v in part(r).items() if k != "schedule"})
-    return out
+    return merged(ranks, lambda r: {k: v for k, v in part(r).items() if k != "schedule"})
 
 
 def params(ranks: list[dict], src: str | None = None) -> dict:
     part = (lambda r: r["ref"]["params"]) if src is None else (lambda r: r["resume"][src]["params"])
-    return agreed(ranks, lambda r: {(s, n): p for s, ps in part(r).items() for n, p in ps.items()})
-
-
-def differences(a: dict, b: dict) -> list[str]:
-    return [k for k in sorted(set(a) | set(b)) if not _same(a.get(k), b.get(k))]
+    return merged(ranks, lambda r: {(s, n): p for s, ps in part(r).items() for n, p in ps.items()})
 
 
 def records(st: dict) -> dict:
     return {rec["fqn"]: (key.split("/")[1], rec) for key, value in st.items()
             if key.startswith(("gefen/optimizer/", "gefen/muon/")) for rec in json.loads(value)["params"]}
+
+
+def codebooks(st: dict) -> dict[str, torch.Tensor]:
+    """The job's one codebook of each family: every stage's copy must be it."""
+    out = {}
+    for family in ("gefen/codebook/", "gefen/muon_codebook/"):
+        books = [v for k, v in st.items() if k.startswith(family)]
+        assert books and all(torch.equal(books[0], b) for b in books[1:]), family
+        out[family] = books[0]
+    return out
+
+
+def differences(a: dict, b: dict) -> list[str]:
+    bad = [f for f, book in codebooks(a).items() if not torch.equal(book, codebooks(b)[f])]
+    if records(a) != records(b):
+        bad.append("records")
+    return bad + [k for k in sorted(set(a) | set(b)) if not k.startswith(_PER_STAGE) and not _same(a.get(k), b.get(k))]
 
 
 # ------------------------------------------------------------------ layouts
@@ -94,11 +114,13 @@ def records(st: dict) -> dict:
     ("ep2x2_e2", "(Shard(dim=1), Shard(dim=0))"),
     ("fsdp4_e2", "(Shard(dim=1),)"),
     ("hsdp4_e4", "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"),
+    ("tp2_e4", "(Shard(dim=0), Shard(dim=1))|(Shard(dim=0), Shard(dim=2))"),  # TP cuts w1/w3 colwise, w2 rowwise
+    ("eptp4_e4", "(_StridedShard(dim=0, sf=2), Shard(dim=0))"),  # EP takes the TP ranks: whole experts
+    ("ppep4_e4", "(_StridedShard(dim=0, sf=2), Shard(dim=0))"),
 ])
 def test_the_experts_have_torchtitans_placements(moe, tag, placements):
-    (rank0, *_) = load(moe, tag)
-    got = {n: pl for n, pl in rank0["ref"]["placements"].items() if "inner_experts" in n}
-    assert len(got) == 6 and set(got.values()) == {placements}, got
+    got = {n: pl for r in load(moe, tag) for n, pl in r["ref"]["placements"].items() if "inner_experts" in n}
+    assert len(got) == 6 and set(got.values()) == set(placements.split("|")), got
 
 
 def test_experts_are_muon_matrices_and_gefen_blocks(moe):

@@ -12,6 +12,14 @@
   of the full build; one parameter's chunks and state by hand.
 * Gefen's state formula against real stepped Gefen; the growth flags on
   hand-checkable series; the benchmarks' argument checks and targets.
+* The MoE plan (``benchmarks/scale_moe.py``), in the same worker: against a
+  real format-v3 checkpoint and the real optimizers' state at EP 2 x efsdp 2
+  on 4 gloo ranks (``tests/helpers/scale_moe_job.py``, whole experts and
+  rows cut by ``Shard(1)``), to the byte per rank; its GefenMuon matrices
+  and schedule against the real GefenMuonHybrid's on torchtitan's
+  DeepSeek-V3 debug model at EP 2 x efsdp 2 and EP 4 x efsdp 4; the
+  metadata's extrapolation over dense and MoE layers; chunks and DistMuon's
+  expert split by hand.
 """
 
 from __future__ import annotations
@@ -73,10 +81,20 @@ def test_gpu_check_without_cuda_runs_the_cpu_half_and_says_so(gpu_check_cpu):
 
 
 @pytest.fixture(scope="module")
-def worker(gpu_check_cpu):
+def moe_job(tmp_path_factory):
+    from tests.helpers import scale_moe_job
+
+    out = tmp_path_factory.mktemp("scale_moe")
+    processes.run_ranks(4, scale_moe_job.main, ["--out", str(out)], logs=out / "logs", timeout=600)
+    return out
+
+
+@pytest.fixture(scope="module")
+def worker(gpu_check_cpu, moe_job):
     _, work = gpu_check_cpu
     step_dir = json.loads((work / "r.json").read_text())["stages"]["checkpoint"]["cpu_half"]["checkpoint"]
-    proc = processes.run([sys.executable, "-m", "tests.helpers.scale_worker", step_dir], cwd=ROOT, timeout=600)
+    proc = processes.run([sys.executable, "-m", "tests.helpers.scale_worker", step_dir, str(moe_job)], cwd=ROOT,
+                         timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -116,6 +134,104 @@ def test_plan_schedules_gefen_muon_as_the_real_step_does(worker):
     assert got["planned_schedule"] == got["real_schedule"]
     members = {tuple(m[3]) for m in got["real"]}
     assert members == {(0, 1)} and len({o for _, owners in got["real_schedule"] for o in owners}) == 2
+
+
+def test_moe_plan_matches_a_real_expert_parallel_checkpoint(worker):
+    for tag, placements in (("e4", "(_StridedShard(dim=0, sf=2), Shard(dim=0))"),
+                            ("e2", "(Shard(dim=1), Shard(dim=0))")):
+        m = worker["moe_checkpoint"][tag]
+        assert m["placements"] == placements  # whole experts on efsdp; rows cut (efsdp x EP > experts)
+        c = m["checkpoint"]
+        assert c["keys_plan"] == c["keys_real"] and c["chunks_plan"] == c["chunks_real"], tag
+        assert c["files_plan"] == c["files_real"] and len(c["files_real"]) == 4, tag  # bytes per rank, exactly
+        assert c["replicated"] >= 3 and c["writers_plan"] == c["writers_real"], tag
+        assert abs(c["metadata_plan"] - c["metadata_real"]) <= 0.005 * c["metadata_real"], tag
+
+
+def test_moe_state_per_rank_matches_the_real_optimizers(worker):
+    for tag, m in worker["moe_checkpoint"].items():
+        assert m["periods_agree"], tag
+        assert m["gefen_plan"] == m["gefen_real"], tag  # Gefen on every parameter, each rank's bytes
+        assert m["hybrid_plan"] == m["hybrid_real"], tag  # GefenMuon (NorMuon rows) + Gefen, placeholders
+    assert len(set(worker["moe_checkpoint"]["e2"]["gefen_real"])) > 1  # uneven ranks: the per-rank split counts
+
+
+def test_moe_plan_schedules_gefen_muon_as_the_real_step_does(worker):
+    for mesh in ("4x2", "16x4"):
+        got = worker["moe_muon"][mesh]
+        assert got["optimizers"] == 1 and got["planned"], mesh
+        assert got["planned"] == got["real"], mesh  # fqn, shape, ns_steps, members, shard numel and rows, param
+        assert got["planned_schedule"] == got["real_schedule"], mesh
+        experts = [m for m in got["real"] if m[6]]
+        assert len(experts) == 5 * 3 * 8, mesh  # 5 MoE layers x w1/w2/w3 x 8 experts
+    whole = [m for m in worker["moe_muon"]["4x2"]["real"] if m[6]]
+    assert all(len(m[3]) == 1 for m in whole)  # EP 2 x efsdp 2: each expert on its one holder, no exchange
+    assert len(worker["moe_muon"]["4x2"]["real_schedule"]) > 1  # buckets end between grouped weights
+    cut = [m for m in worker["moe_muon"]["16x4"]["real"] if m[6]]
+    # EP 4 x efsdp 4 (rank 4i + j): expert e's rows on the 4 efsdp ranks of EP rank e // 2, 64 rows each
+    for m in cut:
+        e = int(m[0].rsplit("[", 1)[1][:-1])
+        assert list(m[3]) == [4 * i + e // 2 for i in range(4)] and list(m[5]) == [64] * 4, m[0]
+
+
+def test_moe_metadata_extrapolation_over_dense_and_moe_layers(worker):
+    got = worker["moe_muon"]["16x4"]
+    assert got["kinds"] == [[0], [1, 2, 3, 4, 5]]  # DeepSeek-V3: its dense first layer, then MoE layers
+    for name, e in got["extrapolation"].items():
+        assert e["full"]["exact"] and not e["layered"]["exact"]
+        assert abs(e["layered"]["metadata"] - e["full"]["metadata"]) <= 0.005 * e["full"]["metadata"], name
+
+
+def test_moe_expert_chunks_and_distmuons_split_by_hand(worker):
+    # DeepSeek-V3 debug: w1 (8 experts, 256, 256). EP 2 x efsdp 2, rank 2i + j: EP's Shard(0) gives EP rank j
+    # experts 4j..4j+3, efsdp's (strided) Shard(0) gives efsdp rank i two of them.
+    small = worker["moe_muon"]["4x2"]
+    assert small["w1"]["chunks"] == [[[2, 256, 256], [4 * j + 2 * i, 0, 0]] for i in range(2) for j in range(2)]
+    # EP 4 x efsdp 4, rank 4i + j: experts 2j, 2j+1, rows 64i..64i+63 (Shard(1): efsdp x EP = 16 > 8 experts).
+    big = worker["moe_muon"]["16x4"]
+    assert big["w1"]["chunks"] == [[[2, 64, 256], [2 * j, 64 * i, 0]] for i in range(4) for j in range(4)]
+    # DistMuon computes whole experts by dim 0: EP 2 x efsdp 2, 2 per weight per rank (15 weights); EP 4 x
+    # efsdp 4, EP rank j's 2 experts over 4 efsdp ranks: 1 on two of them, none on the other two.
+    assert small["distmuon"] == {"busiest_experts": 30, "idle_expert_ranks": 0, "max_experts": 30}
+    assert big["distmuon"] == {"busiest_experts": 15, "idle_expert_ranks": 8, "max_experts": 15}
+
+
+def test_moe_plan_arguments():
+    args = scale.parse_args(["--moe"])
+    assert args.flavors == list(scale.MOE_DEFAULT) and args.meshes == ["ep"] and args.ep == [8, 64]
+    assert args.worlds == list(scale.MOE_WORLDS)
+    assert scale.parse_args([]).flavors == list(scale.FLAVORS)  # the dense plan as before
+    with pytest.raises(SystemExit):
+        scale.parse_args(["--flavors", "8B", "--meshes", "ep"])  # no experts
+    with pytest.raises(SystemExit):
+        scale.parse_args(["--moe", "--ep", "8,x"])
+    with pytest.raises(ValueError, match="multiple of EP"):
+        scale.mesh_for("ep", 12, ep=8)
+    mesh = scale.mesh_for("ep", 1024, ep=8)
+    assert mesh.label == "EP 8 x efsdp 128" and mesh.name == "ep8"
+    assert mesh.parallelism()["expert_parallel_degree"] == 8
+    assert "expert_parallel_degree" not in scale.mesh_for("fsdp", 8).parallelism()  # dense builds as before
+
+
+def test_moe_plan_recipes_load_with_their_flavors():
+    from gefen_titan.recipe.build import load_recipe
+
+    for name, (recipe, flavor) in scale.MOE_FLAVORS.items():
+        config = load_recipe(str(ROOT / recipe), {"model": {"flavor": flavor}}, world_size=64).config
+        assert config.parallelism.expert_parallel_degree == 8 and config.training.disable_cuda_graphs, name
+        assert config.model_spec.flavor == flavor and config.optimizer.name == "Gefen", name
+
+
+def test_distmuon_does_not_apply_to_a_matrix_cut_over_two_mesh_dims():
+    from torch.distributed.tensor import Shard
+
+    from benchmarks import scale_moe
+
+    # FSDP 2 x TP 2: DistMuon's owned transport moves a matrix along one mesh dim only.
+    p = scale.Param("w", (8, 8), None, (Shard(0), Shard(1)), (2, 2), [(0, 0), (0, 1), (1, 0), (1, 1)], 8, [8])
+    built = scale.Built("x", scale.mesh_for("fsdp_tp", 4, tp=2), 64, [p], "", [], {}, True, muon_fqns=frozenset({"w"}))
+    got = scale_moe.distmuon_plan(built, [])
+    assert not got["applies"] and "2 mesh dims" in got["why"]
 
 
 def test_state_formula_matches_real_gefen(gefen_stepped):

@@ -145,3 +145,29 @@ def test_every_member_builds_the_same_schedule_whatever_its_process():
 def test_a_bad_bucket_size_is_refused():
     with pytest.raises(ValueError, match="bucket_bytes"):
         build_schedule([spec("w", 8, 8)], 0)
+
+
+def test_the_schedules_fast_byte_count_is_rank_bytes():
+    """build_schedule counts a bucket's bytes from prefix sums per shard group (``_RangeBytes``): the
+    same figure as ``rank_bytes``, for dense matrices of several groups, whole matrices and experts
+    that one rank holds whole or a few hold cut."""
+    from gefen_titan.optim.muon.schedule import _RangeBytes
+
+    rnd = random.Random(5)
+    specs = []
+    for i in range(80):
+        kind = rnd.choice(["dense", "col", "whole", "expert", "cut"])
+        if kind == "whole":
+            specs.append(spec(f"w{i}", 16, 32, group=()))
+        elif kind == "expert":  # a whole expert on one rank
+            specs.append(spec(f"e{i}[0]", 24, 16, group=(rnd.choice(GROUP),)))
+        elif kind == "cut":  # an expert's rows over two of the ranks
+            specs.append(spec(f"e{i}[1]", 24, 16, group=tuple(rnd.sample(GROUP, 2))))
+        else:
+            specs.append(spec(f"m{i}", rnd.choice([8, 30, 64]), 48, group=GROUP if kind == "dense" else (0, 1)))
+    fast = _RangeBytes(specs)
+    for _ in range(60):
+        a = rnd.randrange(len(specs))
+        b = rnd.randrange(a + 1, len(specs) + 1)
+        owners, _ = lpt(specs, range(a, b), {})
+        assert fast(a, b, owners) == max(rank_bytes(specs, owners).values(), default=0), (a, b)
