@@ -280,6 +280,21 @@ def test_muon_momentum_is_bit_identical(lib, dtype, momentum, nesterov):
     assert_same(ref, got, f"{dtype} momentum {momentum} nesterov {nesterov}")
 
 
+def test_muon_momentum_of_grouped_experts_is_bit_identical(lib):
+    """A mixture-of-experts grouped weight ``(E, out, in)`` (GefenMuon takes each expert's matrix): its
+    momentum is per block of the flat local tensor, so the kernel takes it whole, shaped like the gradient."""
+    rng = random.Random(7)
+    case = {"dtype": torch.float32, "period": 48, "shape": (4, 12, 96), "scale": 1e-2}
+    init, grads = tensors(case, rng, steps=4)
+    kw = dict(init=init, grads=grads, cb=make_codebook(rng, "random"), period=48,
+              group={"lr": 1e-2, "momentum": 0.95, "nesterov": True})
+    ref, _ = run_muon(lib, False, **kw)
+    got, step = run_muon(lib, True, **kw)
+    assert step.taken == 3, dict(step.declined)
+    assert got["dense"].shape == (4, 4, 12, 96)
+    assert_same(ref, got, "grouped experts' momentum")
+
+
 # ------------------------------------------------------------------ the kernel's own checks
 def test_the_16_wide_sum_follows_the_scalar_rendering_of_torchs_algorithm(lib):
     """Torch's sum order at the width of its AVX-512 kernels, which this AVX2 CPU's torch does not
