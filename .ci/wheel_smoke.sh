@@ -34,6 +34,10 @@ gefen-titan-train --job.config "$ROOT/recipes/llama_gefen_dp1.toml" --training.s
     || { tail -40 "$WORK/train.log"; exit 1; }
 grep -q "step:  2" <(sed 's/\x1b\[[0-9;]*m//g' "$WORK/train.log") || { tail -40 "$WORK/train.log"; exit 1; }
 echo "wheel smoke: gefen-titan-train ran 2 steps from the installed wheel"
+# The wheel ships the CPU step's C++ source (package data) and the step ran on it.
+grep -q "Gefen (cpu parameters): the exact CPU kernel" "$WORK/train.log" \
+    || { echo "wheel smoke: Gefen did not run the CPU kernel:"; grep -i "cpu step\|cpu parameters" "$WORK/train.log"; exit 1; }
+echo "wheel smoke: Gefen's step ran on the CPU kernel (log: $(grep -o 'the exact CPU kernel[^(]*' "$WORK/train.log" | head -1))"
 # The checkpoint tools of the installed console script on what it saved.
 gefen-titan ckpt verify "$WORK/run/checkpoint/step-2"
 gefen-titan ckpt inspect --json "$WORK/run/checkpoint/step-2" > "$WORK/inspect.json"

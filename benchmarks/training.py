@@ -38,6 +38,13 @@ quoting the figures.
     python scripts/bench_training.py                       # debug (10 steps) and 150M (4 steps, seq 128)
     python scripts/bench_training.py --models debug --steps 20
     python scripts/bench_training.py --models debug --ranks 2,4 --optimizers Gefen,AdamW,GefenMuon
+    python scripts/bench_training.py --models 150M --ranks 1 --offload   # --training.enable_cpu_offload
+
+With ``--offload`` every run trains with FSDP2's CPU offload: on a GPU host the
+shards, gradients and optimizer state live in host memory and the step runs
+there. On a CPU host all memory is host memory, so its peak RSS also holds
+what a GPU host keeps on the device (activations, gathered parameters): an
+upper bound; the optimizer state's bytes per parameter are exact.
 """
 
 from __future__ import annotations
@@ -182,13 +189,15 @@ def _worker(out: str, train_args: list[str]) -> None:
 
 
 # ---------------------------------------------------------------- orchestrator
-def train_args(model: str, optimizer: str, steps: int, seq_len: int, local_batch: int, dump: str) -> list[str]:
+def train_args(model: str, optimizer: str, steps: int, seq_len: int, local_batch: int, dump: str,
+               offload: bool = False) -> list[str]:
     flavor = MODELS[model][0]
     recipe, name = (MUON_RECIPE, "Gefen") if optimizer == "GefenMuon" else (RECIPE, optimizer)
     return ["--job.config", str(ROOT / recipe), "--job.dump_folder", dump, "--model.flavor", flavor,
             "--optimizer.name", name, "--training.steps", str(steps), "--training.seq_len", str(seq_len),
             "--training.local_batch_size", str(local_batch), "--lr_scheduler.total_steps", str(steps),
-            "--checkpoint.enable", "false", "--metrics.log_freq", "1"]
+            "--checkpoint.enable", "false", "--metrics.log_freq", "1",
+            *(["--training.enable_cpu_offload"] if offload else [])]
 
 
 def summarize(raw: dict, ranks: int) -> dict:
@@ -238,6 +247,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=0, help="steps per run (default per model: debug 10, 150M 4)")
     ap.add_argument("--seq-len", type=int, default=0, help="(default per model: debug 256, 150M 128)")
     ap.add_argument("--local-batch", type=int, default=0, help="(default per model: debug 4, 150M 2)")
+    ap.add_argument("--offload", action="store_true",
+                    help="train with --training.enable_cpu_offload (host-resident shards and optimizer step)")
     ap.add_argument("--json", default="", help="also write every figure here")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args(argv)
@@ -283,7 +294,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     out = os.path.join(tmp, f"{model}-{ranks}-{optimizer}.json")
                     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
                            f"--master-port={free_port()}", "-m", "benchmarks.training", "--worker", out,
-                           *train_args(model, optimizer, steps, seq, batch, dump)]
+                           *train_args(model, optimizer, steps, seq, batch, dump, args.offload)]
                     begin = time.monotonic()
                     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
                     if proc.returncode:
@@ -291,7 +302,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                         raise SystemExit(f"training run failed: {model} {optimizer} at {ranks} ranks")
                     row = summarize(json.loads(Path(out).read_text()), ranks)
                     row.update(model=model, optimizer=optimizer, ranks=ranks, seq_len=seq, local_batch=batch,
-                               wall_s=time.monotonic() - begin)
+                               wall_s=time.monotonic() - begin, offload=args.offload)
                     rows.append(row)
                     print(f"done: {model} {optimizer} at {ranks} ranks ({row['wall_s']:.0f} s)", file=sys.stderr,
                           flush=True)
@@ -308,7 +319,8 @@ def _versus(name: str, g: dict, a: dict) -> str:
 
 
 def report(rows: list[dict]) -> str:
-    lines = ["recipes/llama_gefen.toml (GefenMuon: recipes/llama_gefen_muon.toml) through torchtitan's Trainer; "
+    lines = ["recipes/llama_gefen.toml (GefenMuon: recipes/llama_gefen_muon.toml) through torchtitan's Trainer"
+             + (" with --training.enable_cpu_offload" if rows[0].get("offload") else "") + "; "
              "step times are the slowest rank's, steady = median from step 3; peak memory: "
              f"{rows[0]['memory']}, worst rank; opt B/param/rank: the worst rank's state over the model's "
              "parameters", "",

@@ -21,6 +21,7 @@ from . import (
     cpu_device,
     cpu_dtensor_rng,
     cpu_memory_monitor,
+    cpu_offload,
     dist_set_timeout,
     gloo_barrier,
     gloo_reduce_op,
@@ -44,6 +45,7 @@ EXPECTED_TORCH = (2, 13)  # major, minor
 # Order matters: cpu_device must run first, the others read the device type.
 PATCHES: tuple[ModuleType, ...] = (
     cpu_device,
+    cpu_offload,
     cpu_dtensor_rng,
     cpu_memory_monitor,
     dist_set_timeout,

@@ -128,6 +128,14 @@ class GefenOptimizersContainer(OptimizersContainer):
         deterministic: bool = False
         """Gefen: replica-exact arithmetic on CUDA at some speed cost."""
 
+        cpu_step: Literal["kernel", "gefen-x"] = "kernel"
+        """Gefen and GefenMuon on CPU tensors (CPU hosts, CPU offload): ``"kernel"``
+        runs gefen-titan's exact CPU kernel (``optim.cpu_step``: the same bits as
+        gefen-x's own step, at a few times fused AdamW's cost instead of about
+        100x), or gefen-x's own path where the kernel cannot run here (no C++
+        compiler, a CPU torch runs without AVX2: one warning says why);
+        ``"gefen-x"`` always runs gefen-x's own. The log names each optimizer's."""
+
         blocking: Literal["agreed", "per_rank"] = "agreed"
         """How Gefen's block periods and codebook are chosen on the first step.
 
@@ -169,6 +177,8 @@ class GefenOptimizersContainer(OptimizersContainer):
                     f"optimizer.backup_optimizer must be 'gefen' or 'adamw', got {self.backup_optimizer!r}")
             if self.codebook_refresh_every < 0:
                 raise ValueError("optimizer.codebook_refresh_every must be >= 0")
+            if self.cpu_step not in ("kernel", "gefen-x"):
+                raise ValueError(f"optimizer.cpu_step must be 'kernel' or 'gefen-x', got {self.cpu_step!r}")
             if self.blocking not in ("agreed", "per_rank"):
                 raise ValueError(f"optimizer.blocking must be 'agreed' or 'per_rank', got {self.blocking!r}")
             if not self.muon_bucket_mib > 0:
@@ -227,6 +237,7 @@ class GefenOptimizersContainer(OptimizersContainer):
                 "codebook_refresh_every": self.codebook_refresh_every,
                 "deterministic": self.deterministic,
                 "muon_bucket_mib": self.muon_bucket_mib,
+                "cpu_step": self.cpu_step,
             }
 
         # The resolution of the groups lives in ``optim.param_groups`` (each method is its function).

@@ -58,8 +58,8 @@ import torch
 from torch.optim import Optimizer
 
 from gefen_titan.distributed import local
+from gefen_titan.optim import cpu_step, hybrid
 from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim import hybrid
 from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB, ShardedMuonStep
 from gefen_titan.optim.state import GefenMuonShardedAdapter, GefenPerRankAdapter, GefenShardedAdapter, StateAdapter
 
@@ -172,9 +172,10 @@ def spec_of(optim: Optimizer) -> OptimizerSpec | None:
 
 # ------------------------------------------------------------------ built-ins
 # Gefen constructor options that apply to the whole optimizer (the container
-# fills them in from [optimizer] for every Gefen group).
+# fills them in from [optimizer] for every Gefen group); ``cpu_step`` is
+# gefen-titan's (which path runs the step on CPU tensors: ``optim.cpu_step``).
 GEFEN_OPTION_KEYS = ("factored_v_2d", "force_1d_period_one", "period_one_substrings", "codebook_refresh_every",
-                     "deterministic")
+                     "deterministic", "cpu_step")
 # Keys torchtitan's container puts into every param group from
 # ``implementation``. Gefen takes ``fused`` as a constructor argument (it would
 # silently carry a group-level ``fused`` as an unused extra key) and has no
@@ -229,7 +230,10 @@ def build_gefen(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Op
     groups, options = _split_options(param_groups, GEFEN_OPTION_KEYS, "Gefen")
     if "period_one_substrings" in options:
         options["period_one_substrings"] = tuple(options["period_one_substrings"])
-    return gx.new_gefen(groups, **options, **factory_kwargs)
+    mode = options.pop("cpu_step", "kernel")
+    optim = gx.new_gefen(groups, **options, **factory_kwargs)
+    cpu_step.install(optim, mode, "Gefen")
+    return optim
 
 
 def _gefen_group_key_hint(key: str) -> str:
@@ -292,8 +296,8 @@ register(OptimizerSpec(
 ))
 
 # GefenMuon options the container fills in from [optimizer]: gefen-x's
-# ``deterministic``, and the sharded step's bucket size (not gefen-x's).
-MUON_OPTION_KEYS = ("deterministic", "muon_bucket_mib")
+# ``deterministic``, the sharded step's bucket size and ``cpu_step`` (not gefen-x's).
+MUON_OPTION_KEYS = ("deterministic", "muon_bucket_mib", "cpu_step")
 
 
 def build_gefen_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Optimizer:
@@ -322,10 +326,12 @@ def build_gefen_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any) 
             "pattern in [[optimizer.param_groups]], or match those parameters in an earlier group for Gefen")
     groups, options = _split_options(param_groups, MUON_OPTION_KEYS, "GefenMuon")
     bucket_mib = options.pop("muon_bucket_mib", DEFAULT_BUCKET_MIB)
+    mode = options.pop("cpu_step", "kernel")
     if not bucket_mib > 0:
         raise ValueError(f"optimizer.muon_bucket_mib must be > 0, got {bucket_mib!r}")
     optim = gx.new_gefen_muon(groups, **options, **factory_kwargs)
     gx.set_sharded_step(optim, ShardedMuonStep(optim, bucket_bytes=int(bucket_mib * 2**20)))
+    cpu_step.install(optim, mode, "GefenMuon")
     return optim
 
 

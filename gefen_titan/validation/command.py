@@ -89,7 +89,7 @@ from typing import Any
 
 import torch
 
-from gefen_titan.validation import layouts, params
+from gefen_titan.validation import launchers, layouts, params
 from gefen_titan.validation.bands import LOG_RESOLUTION, LOSS_FLOOR, LOSS_K, loss_band, order_band, pair_loss_band
 from gefen_titan.validation.compare_rank import TOL_MOMENTUM, TOL_UPDATE, TOL_VMEAN
 from gefen_titan.validation.dumps import dumps_params
@@ -154,7 +154,8 @@ class _Runs:
 
 def _settings(*, recipe: str, pairs: str | None, source: str | int | None, target: str | int | None,
               steps_before: int, steps_after: int, global_batch: int, local_batch: int | None,
-              sets: list[str] | None, backend: str, blocking: str | None) -> tuple[Settings, list[Pair], str]:
+              sets: list[str] | None, backend: str, blocking: str | None,
+              launcher: str = "torchrun") -> tuple[Settings, list[Pair], str]:
     """The options checked (SystemExit naming the bad one; every side of
     every pair, ``preflight``) and turned into the runs' settings, the pairs
     and the backend's description."""
@@ -168,9 +169,12 @@ def _settings(*, recipe: str, pairs: str | None, source: str | int | None, targe
     if blocking not in (None, "agreed", "per_rank"):
         raise SystemExit(f"--blocking must be agreed or per_rank, got {blocking!r}")
     chosen, backend_note = choose_backend(backend, max(max(a.nproc, b.nproc) for a, b in pair_list))
+    if launcher == "fork" and (why := launchers.can_fork() or (
+            "the fork launcher starts gloo ranks on CPU; NCCL runs need torchrun" if chosen != "gloo" else None)):
+        raise SystemExit(f"--launcher fork: {why} (use --launcher torchrun, the default)")
     settings = Settings(recipe=recipe, steps_before=steps_before, steps_after=steps_after,
                         global_batch=global_batch or None, local_batch=local_batch, extra=parse_sets(sets or []),
-                        backend=chosen, blocking=blocking)
+                        backend=chosen, blocking=blocking, launcher=launcher)
     if any(not side.plain for pair in pair_list for side in pair) and (
             named := layouts.strip_degree_flags(settings.extra)[1]):
         raise SystemExit(f"--set parallelism.{named[0]}: would override every side's layout; name the degrees "
@@ -333,7 +337,7 @@ def validate(*, recipe: str, pairs: str | None = None, source: str | int | None 
              local_batch: int | None = None, sets: list[str] | None = None,
              out: str = "outputs/validate_reshard", plot_path: str | None = None, backend: str = "auto",
              reference_cache: str | None = None, blocking: str | None = None,
-             inject_fault: str | None = None) -> int:
+             inject_fault: str | None = None, launcher: str = "torchrun") -> int:
     """The whole validation (``gefen-titan validate`` and
     ``scripts/validate_reshard.py`` pass their options): the options
     checked, the runs, each pair judged, the report written and printed.
@@ -348,7 +352,7 @@ def validate(*, recipe: str, pairs: str | None = None, source: str | int | None 
     settings, pair_list, backend_note = _settings(
         recipe=recipe, pairs=pairs, source=source, target=target, steps_before=steps_before,
         steps_after=steps_after, global_batch=global_batch, local_batch=local_batch, sets=sets,
-        backend=backend, blocking=blocking)
+        backend=backend, blocking=blocking, launcher=launcher)
     out_dir = Path(out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     cache = Path(reference_cache).resolve() if reference_cache else None
@@ -419,6 +423,9 @@ def add_arguments(ap: argparse.ArgumentParser, *, recipe_default: str | None = N
     ap.add_argument("--out", default="outputs/validate_reshard", help="folder for the runs, report.json and the plot")
     ap.add_argument("--plot", dest="plot_path", metavar="PNG", help="PNG path (default <out>/loss_curves.png)")
     ap.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    ap.add_argument("--launcher", choices=launchers.LAUNCHERS, default="torchrun",
+                    help="how each run's ranks start: torchrun (default), or fork: forked from one server that "
+                         "imported torch and torchtitan once (CPU-only torch, gloo; the same runs, faster to start)")
     ap.add_argument("--reference-cache", help="keep reference runs here and reuse those of the same identity")
     ap.add_argument("--inject-fault", choices=("drop-optimizer",), help=argparse.SUPPRESS)
 

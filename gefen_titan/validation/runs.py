@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,6 +32,7 @@ from torchtitan.config.override import format_cli_imports
 from gefen_titan.checkpoint import storage
 from gefen_titan.data.global_loader import GlobalOrderDataLoader
 from gefen_titan.validation.identity import run_identity
+from gefen_titan.validation.launchers import ENTRY, launch_ranks
 from gefen_titan.validation.layouts import Side, as_side, cuda_graph_flags, degree_flags, parse_side, recipe_degrees
 from gefen_titan.validation.recipes import config_of, recipe_imports, resolve_recipe
 
@@ -97,6 +97,7 @@ class Settings:
     extra: list[str] = field(default_factory=list)  # more "--section.key value" overrides
     backend: str = "gloo"
     blocking: str | None = None  # optimizer.blocking for every run (None: the recipe's)
+    launcher: str = "torchrun"  # how the ranks start (validation.launchers: "torchrun" or "fork")
 
     @property
     def total_steps(self) -> int:
@@ -213,7 +214,8 @@ class Run:
 
 def launch(settings: Settings, side: Side | int, folder: Path, extra: list[str], *, save_steps: list[int],
            env: dict[str, str], quiet: bool = False) -> Run:
-    """``torchrun --nproc_per_node N -m gefen_titan.train`` at ``side`` with the dump hook on."""
+    """``torchrun --nproc_per_node N -m gefen_titan.train`` at ``side`` with the dump hook on (or its ranks
+    forked, ``settings.launcher``: the same run). ``cmd`` in run.json is the torchrun command either way."""
     side = as_side(side)
     nproc = side.nproc
     folder.mkdir(parents=True, exist_ok=True)
@@ -221,23 +223,19 @@ def launch(settings: Settings, side: Side | int, folder: Path, extra: list[str],
     imports = recipe_imports(settings.recipe) + [hook]
     if global_order_batch(settings):
         imports.append([BATCH_HOOK, {"dir": str(folder / "batches")}])
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        f"--master-port={free_port()}", "-m", "gefen_titan.train",
-        "--job.config", resolve_recipe(settings.recipe), "--job.dump_folder", str(folder),
-        *settings.overrides(side), *extra,
-        *imports_flag(imports),
-    ]
+    argv = ["--job.config", resolve_recipe(settings.recipe), "--job.dump_folder", str(folder),
+            *settings.overrides(side), *extra, *imports_flag(imports)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", ENTRY, *argv]
     if not quiet:
-        print(f"  $ torchrun --nproc_per_node={nproc} -m gefen_titan.train ... --job.dump_folder {folder} "
+        how = "torchrun" if settings.launcher == "torchrun" else f"{settings.launcher} launcher:"
+        print(f"  $ {how} --nproc_per_node={nproc} -m {ENTRY} ... --job.dump_folder {folder} "
               f"{' '.join(extra)}", flush=True)
     begin = time.monotonic()
-    with open(folder / "train.log", "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    returncode = launch_ranks(settings.launcher, nproc, argv, log=folder / "train.log", env=env, port=free_port())
     seconds = time.monotonic() - begin
     text = (folder / "train.log").read_text(errors="replace")
-    if proc.returncode != 0:
-        raise RuntimeError(f"run in {folder} failed (exit {proc.returncode}); last lines of {folder / 'train.log'}:\n"
+    if returncode != 0:
+        raise RuntimeError(f"run in {folder} failed (exit {returncode}); last lines of {folder / 'train.log'}:\n"
                            + "\n".join(text.splitlines()[-40:]))
     run = Run(str(folder), nproc, parse_losses(text), seconds, layout="" if side.plain else side.label)
     (folder / "run.json").write_text(json.dumps({**asdict(run), "cmd": cmd}, indent=1))

@@ -22,15 +22,18 @@ S, K = 3, 2
 # its loads, checked against the uninterrupted run of its own layout.
 RUNS = [
     ("fsdp", 2, "fsdp2", "c_fsdp2", []),
+    # CPU offload: trains like FSDP 2, resumes a checkpoint saved without it; its own resumes at 1 and 2 without
+    ("fsdp_offload", 2, "fsdp2_offload", "c_fsdp2_offload", ["c_fsdp2"]),
     ("tp", 2, "tp2", "c_tp2", []),
     ("fsdp", 4, "fsdp4", "c_fsdp4", ["c_fsdp2"]),
     ("fsdp", 3, "fsdp3", "c_fsdp3", ["c_fsdp2"]),
-    ("fsdp", 1, "fsdp1", "c_fsdp1", ["c_fsdp2"]),
+    ("fsdp", 1, "fsdp1", "c_fsdp1", ["c_fsdp2", "c_fsdp2_offload"]),
     ("fsdp_tp", 4, "fsdp_tp4", "c_fsdp_tp4", ["c_fsdp2", "c_tp2"]),
     ("hsdp", 4, "hsdp4", "c_hsdp4", []),
     ("pp", 2, "pp2", "c_pp2", []),
     ("pp", 4, "pp4", "c_pp4", ["c_fsdp2"]),
-    ("fsdp", 2, "fsdp2_resume", "", ["c_fsdp2", "c_fsdp4", "c_fsdp3", "c_fsdp1", "c_fsdp_tp4", "c_hsdp4", "c_pp2"]),
+    ("fsdp", 2, "fsdp2_resume", "", ["c_fsdp2", "c_fsdp4", "c_fsdp3", "c_fsdp1", "c_fsdp_tp4", "c_hsdp4", "c_pp2",
+                                     "c_fsdp2_offload"]),
     ("fsdp", 4, "fsdp4_resume", "", ["c_fsdp_tp4"]),
     ("tp", 2, "tp2_resume", "", ["c_fsdp_tp4"]),
 ]
@@ -51,7 +54,7 @@ PAIRS = [(src, target(tag)) for _, _, tag, _, loads in RUNS for src in loads]
 # below), and the bad checkpoints "bad" tries are edited, before its launch,
 # from c_fsdp2 and c_pp2.
 PLAN = [
-    (2, ["fsdp2", "tp2", "pp2", "v1", "notp", "misfit"]),
+    (2, ["fsdp2", "fsdp2_offload", "tp2", "pp2", "v1", "notp", "misfit"]),
     (4, ["fsdp4", "fsdp_tp4", "hsdp4", "pp4", "fsdp4_resume"]),
     (3, ["fsdp3"]),
     (1, ["fsdp1"]),

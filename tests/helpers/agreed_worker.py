@@ -6,6 +6,7 @@ shard; only its parameters are used here) under one of these layouts, built
 with the real torch APIs:
 
   fsdp      FSDP2 over all ranks (uneven rows at W=3)
+  fsdp_offload  the same with FSDP2's CPU offload (--training.enable_cpu_offload)
   fsdp_tp   FSDP 2 x TP 2 (colwise w1/output, rowwise w2 then fully_shard)
   tp        TP over all ranks, no FSDP
   hsdp      replicate 2 x shard W/2
@@ -68,8 +69,8 @@ def global_grad(name: str, shape, step: int) -> torch.Tensor:
 
 def build(layout: str, world: int, max_tp: int, **config):
     model = sm.build_model(SIZES)
-    if layout == "fsdp":
-        sm.shard(model, sm.dp_mesh(world))
+    if layout in ("fsdp", "fsdp_offload"):
+        sm.shard(model, sm.dp_mesh(world), offload=layout == "fsdp_offload")
     elif layout == "pp":
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp_shard"))
         worker_jobs.own(mesh)

@@ -21,13 +21,14 @@ S, K = 3, 2
 # steps gefen-x's own GefenMuon beside the run (--gefen-x).
 RUNS = [
     ("fsdp", 2, "fsdp2", "c_fsdp2", []),
+    ("fsdp_offload", 2, "fsdp2_offload", "c_fsdp2_offload", ["c_fsdp2"]),  # FSDP2's CPU offload
     ("pp", 2, "pp2", "c_pp2", []),
     ("fsdp", 4, "fsdp4", "c_fsdp4", ["c_fsdp2"]),
     ("fsdp_tp", 4, "fsdp_tp4", "c_fsdp_tp4", []),
     ("hsdp", 4, "hsdp4", "c_hsdp4", []),
     ("pp", 4, "pp4", "c_pp4", ["c_fsdp2"]),
     ("fsdp", 3, "fsdp3", "c_fsdp3", ["c_fsdp_tp4"]),
-    ("fsdp", 1, "fsdp1", "c_fsdp1", ["c_fsdp2"]),
+    ("fsdp", 1, "fsdp1", "c_fsdp1", ["c_fsdp2", "c_fsdp2_offload"]),
     ("fsdp", 2, "fsdp2_resume", "", ["c_fsdp2", "c_fsdp4", "c_fsdp3"]),
 ]
 
@@ -41,7 +42,7 @@ PAIRS = [(src, target(tag)) for _, _, tag, _, loads in RUNS for src in loads]
 # "gefen2" saves a Gefen-only checkpoint of the same model; "bad" tries
 # MUON_CASES (edited from c_fsdp2 before its launch).
 PLAN = [
-    (2, ["fsdp2", "pp2", "gefen2"]),
+    (2, ["fsdp2", "fsdp2_offload", "pp2", "gefen2"]),
     (4, ["fsdp4", "fsdp_tp4", "hsdp4", "pp4"]),
     (3, ["fsdp3"]),
     (1, ["fsdp1"]),

@@ -183,6 +183,14 @@ def can_fork() -> bool:
     return sys.platform == "linux" and torch.version.cuda is None and torch.version.hip is None
 
 
+def validate_launcher() -> list[str]:
+    """The tests' ``gefen-titan validate`` launcher flag: every run's ranks
+    forked from the validation's one server (``validation.launchers``, the
+    same runs without a fresh import per rank) where :func:`can_fork`, else
+    torchrun. The per-rank validation (test_validate_reshard) keeps torchrun."""
+    return ["--launcher", "fork"] if can_fork() else []
+
+
 def run_ranks(world: int, target: Callable[[list[str]], None], argv: list[str], *, logs: Path,
               timeout: float, cwd: str | Path = ROOT) -> str:
     """``target(argv)`` on ``world`` ranks with torchrun's environment (env://

@@ -35,7 +35,7 @@ from importlib import metadata
 from pathlib import Path
 
 from gefen_titan.recipe.files import read_recipe_tables
-from gefen_titan.validation import recipes, runs
+from gefen_titan.validation import launchers, recipes, runs
 
 # The source checkout (recipes/ and tests/reference_curves/ live there).
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,7 +84,11 @@ def nproc_of(recipe: Path) -> int:
 def settings_for(recipe: Path, stored: dict | None = None) -> runs.Settings:
     values = (stored or {}).get("settings", runs.CI_SETTINGS)
     # The absolute path: the validation resolves recipes against the current directory.
-    return runs.Settings(recipe=str(recipe), backend="gloo", **{k: values[k] for k in SETTINGS_KEYS})
+    # The ranks forked from one server where they can be (validation.launchers: the same
+    # run as torchrun's, without a fresh import per rank).
+    launcher = "fork" if launchers.can_fork() is None else "torchrun"
+    return runs.Settings(recipe=str(recipe), backend="gloo", launcher=launcher,
+                         **{k: values[k] for k in SETTINGS_KEYS})
 
 
 def recipe_name(recipe: Path) -> str:

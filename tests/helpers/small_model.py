@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from gefen_titan import patches
@@ -91,11 +91,14 @@ def dp_mesh(world: int, replicate: int = 1) -> DeviceMesh:
     return mesh
 
 
-def shard(model: Net, mesh: DeviceMesh) -> None:
-    """FSDP2 as torchtitan applies it: each block, then the rest of the model."""
+def shard(model: Net, mesh: DeviceMesh, offload: bool = False) -> None:
+    """FSDP2 as torchtitan applies it: each block, then the rest of the model; ``offload``: with
+    torchtitan's ``--training.enable_cpu_offload`` policy (host-resident shards and optimizer step;
+    unpinned, as ``patches.cpu_offload`` builds it on CPU hosts)."""
+    kw = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
     for layer in model.layers.values():
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
 
 
 def optimizer(model: nn.Module, **config) -> GefenOptimizersContainer:

@@ -207,7 +207,7 @@ def _records(state: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("tag", ["fsdp2", "fsdp3", "fsdp4", "fsdp_tp4", "tp2", "hsdp4", "pp2", "pp4"])
+@pytest.mark.parametrize("tag", ["fsdp2", "fsdp2_offload", "fsdp3", "fsdp4", "fsdp_tp4", "tp2", "hsdp4", "pp2", "pp4"])
 def test_state_is_bit_identical_at_every_layout(agreed, tag):
     _, out, _ = agreed
     one, other = _ref(out, "fsdp1"), _ref(out, tag)

@@ -142,7 +142,7 @@ def test_matches_gefen_x_single_process(muon):
     assert ref["state"]["gefen/muon_codes/gate.weight"].shape == (2, 64)
 
 
-@pytest.mark.parametrize("tag", ["fsdp2", "fsdp3", "fsdp4", "fsdp_tp4", "hsdp4", "pp2", "pp4"])
+@pytest.mark.parametrize("tag", ["fsdp2", "fsdp2_offload", "fsdp3", "fsdp4", "fsdp_tp4", "hsdp4", "pp2", "pp4"])
 def test_state_is_bit_identical_at_every_layout(muon, tag):
     _, out, _ = muon
     one, other = _ref(out, "fsdp1"), _ref(out, tag)

@@ -47,7 +47,7 @@ def validated(tmp_path_factory):
     cmd = [sys.executable, str(SCRIPT), "--recipe", "recipes/llama_gefen_global_order.toml", "--backend", "gloo",
            "--steps-before", str(CI["steps_before"]), "--steps-after", str(CI["steps_after"]),
            "--global-batch", str(CI["global_batch"]), "--local-batch", str(CI["local_batch"]),
-           "--pairs", "2:1", "--out", str(out),
+           "--pairs", "2:1", "--out", str(out), *processes.validate_launcher(),
            "--reference-cache", str(tmp_path_factory.getbasetemp() / "reshard_reference_cache")]
     proc = processes.run(cmd, cwd=ROOT, timeout=850)  # below pytest-timeout's 900 s: a hang fails here, ranks stopped
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import processes
 from tests.helpers import reference_curves as urc
@@ -81,6 +82,34 @@ def test_cpu_recipe_matches_stored_curve(recipe, runs_dir, tmp_path_factory):
     assert nproc == stored["nproc"]
     dev, problems = urc.compare(stored, run.losses)
     assert not problems, f"{recipe.name}: {'; '.join(problems)}; new curve {run.losses}"
+
+
+def test_forked_ranks_train_the_bits_torchrun_trains(runs_dir, tmp_path_factory):
+    """The recipe runs here (and the validations' references they share through the cache) fork
+    their ranks from one server (``validation.launchers``); the cache does not record the launcher,
+    so a forked run must be torchrun's run: the same losses and every dumped tensor of the step-S
+    save equal, bit for bit."""
+    from gefen_titan.validation import launchers, runs
+
+    if launchers.can_fork() is not None:
+        pytest.skip(launchers.can_fork())  # then every run here is torchrun's: nothing to compare
+    recipe = ROOT / "recipes" / "llama_gefen.toml"
+    stored = json.loads(urc.curve_path(recipe).read_text())
+    cache = tmp_path_factory.getbasetemp() / "reshard_reference_cache"
+    settings, nproc, forked = urc.run_recipe(recipe, out=runs_dir, cache=cache, stored=stored)
+    assert settings.launcher == "fork"
+    settings.launcher = "torchrun"
+    plain = runs.reference_run(settings, nproc, out=tmp_path_factory.mktemp("torchrun_launch"), quiet=True)
+    assert plain.losses == forked.losses
+    a, b = forked.dumps("save", settings.steps_before), plain.dumps("save", settings.steps_before)
+    assert len(a) == len(b) > 0
+    for da, db in zip(a, b):
+        tensors = {f"{part}/{k}": (v, db[part].get(k)) for part in ("params", "state")
+                   for k, v in da[part].items() if isinstance(v, torch.Tensor)}
+        assert len(tensors) > 45 and sorted(da["state"]) == sorted(db["state"])
+        differ = [k for k, (x, y) in tensors.items() if not isinstance(y, torch.Tensor) or not torch.equal(
+            x.contiguous().view(-1).view(torch.uint8), y.contiguous().view(-1).view(torch.uint8))]
+        assert not differ, differ
 
 
 # ------------------------------------------------------------ GPU recipes

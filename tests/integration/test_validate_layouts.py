@@ -53,7 +53,7 @@ def validate(reference_cache: Path, out: Path, *args: str, recipe: str = RECIPE)
     cmd = [sys.executable, str(SCRIPT), "--recipe", recipe, "--backend", "gloo",
            "--steps-before", str(CI["steps_before"]), "--steps-after", str(CI["steps_after"]),
            "--global-batch", str(CI["global_batch"]), "--local-batch", str(CI["local_batch"]),
-           "--out", str(out), "--reference-cache", str(reference_cache), *args]
+           "--out", str(out), "--reference-cache", str(reference_cache), *processes.validate_launcher(), *args]
     proc = processes.run(cmd, cwd=ROOT, timeout=850)  # below pytest-timeout's 900 s: a hang fails here, ranks stopped
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
     return proc, report

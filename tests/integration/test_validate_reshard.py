@@ -61,13 +61,14 @@ def reference_cache(tmp_path_factory) -> Path:
 
 def validate(tmp_path_factory, out: Path, *args: str,
              package: bool = False) -> tuple[subprocess.CompletedProcess, dict]:
-    """The script from the checkout's root, or (``package``) ``python -m
-    gefen_titan validate`` from ``out``, with the recipe's absolute path."""
+    """The script from the checkout's root (its ranks forked where the tests
+    can fork), or (``package``) ``python -m gefen_titan validate`` from
+    ``out``, with the recipe's absolute path and torchrun's launches."""
     if package:
         ci_args = [str(ROOT / a) if a.endswith(".toml") else a for a in CI_ARGS]
         cmd, cwd = [sys.executable, "-m", "gefen_titan", "validate", *ci_args], out
     else:
-        cmd, cwd = [sys.executable, str(SCRIPT), *CI_ARGS], ROOT
+        cmd, cwd = [sys.executable, str(SCRIPT), *CI_ARGS, *processes.validate_launcher()], ROOT
     cmd += ["--out", str(out), "--reference-cache", str(reference_cache(tmp_path_factory)), *args]
     proc = processes.run(cmd, cwd=cwd, timeout=850)  # below pytest-timeout's 900 s: a hang fails here, ranks stopped
     report = out / "report.json"

@@ -49,6 +49,7 @@ def test_the_wheel_holds_every_module_and_asset(tmp_path):
 
     modules = wanted("gefen_titan", "gefen_titan", "*.py") | wanted("patches", "gefen_titan/patches", "*.py")
     assets = wanted("gefen_titan/assets", "gefen_titan/assets", "*")
+    assets |= wanted("gefen_titan", "gefen_titan", "*.cpp")  # the CPU step's kernel, compiled on first use
     assert modules and assets
     assert not modules - shipped, f"modules missing from the wheel: {sorted(modules - shipped)}"
     assert not assets - shipped, f"assets missing from the wheel: {sorted(assets - shipped)}"

@@ -80,6 +80,7 @@ def test_apply_all_reports_every_patch(applied):
 
 def test_apply_all_is_idempotent():
     import torchtitan.components.metrics as metrics
+    import torchtitan.distributed.fsdp as tt_fsdp
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.tools.utils as tu
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
@@ -93,6 +94,8 @@ def test_apply_all_is_idempotent():
             tu.get_device_info,
             metrics.build_device_memory_monitor,
             dist_utils.set_pg_timeouts,
+            dist_utils.init_distributed,
+            tt_fsdp.CPUOffloadPolicy,
             dist.set_timeout,
             coll._get_gradient_divide_factors,
             h[torch.ops.aten.normal_.default],
@@ -279,6 +282,46 @@ def test_set_pg_timeouts_runs_upstream_code_off_cpu(monkeypatch):
     assert calls == [("barrier", {"device_ids": [3]}), ("timeout", None)]
 
 
+# ------------------------------------------------------------------- cpu_offload
+
+
+def test_cpu_offload_starts_gloo_where_upstream_names_cpu_twice():
+    """``--training.enable_cpu_offload`` on a CPU host: upstream asks for "cpu:gloo,cpu:gloo" and fails."""
+    code = textwrap.dedent(f"""
+        import os
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str({processes.free_port()}))
+        import torch.distributed as dist
+        import {PKG} as P
+        P.apply_all()
+        import torchtitan.distributed.utils as dist_utils
+        from torchtitan.config import CommConfig
+        try:
+            dist_utils.init_distributed.__wrapped_original__(CommConfig(), enable_cpu_backend=True)
+            print("upstream started")
+        except ValueError as e:
+            print("upstream:", e)
+        assert dist_utils.init_distributed(CommConfig(), enable_cpu_backend=True) == 1
+        print("patched:", dist.get_backend())
+        dist.destroy_process_group()
+    """)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "upstream: Duplicate device type cpu" in proc.stdout and "patched: gloo" in proc.stdout, proc.stdout
+
+
+def test_cpu_offload_policy_pins_only_off_cpu(monkeypatch):
+    import torchtitan.distributed.fsdp as tt_fsdp
+    import torchtitan.tools.utils as tu
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    policy = tt_fsdp.CPUOffloadPolicy()
+    assert isinstance(policy, CPUOffloadPolicy) and policy.pin_memory is False
+    monkeypatch.setattr(tu, "device_type", "cuda")
+    assert tt_fsdp.CPUOffloadPolicy().pin_memory is True  # upstream's default on an accelerator
+
+
 # ---------------------------------------------------------------- gloo_reduce_op
 
 
@@ -344,6 +387,9 @@ def test_patches_fail_loudly_when_targets_change(monkeypatch):
     monkeypatch.delattr(metrics, "build_device_memory_monitor")
     with pytest.raises(P.PatchTargetChanged, match="build_device_memory_monitor"):
         P.cpu_memory_monitor.apply()
+    monkeypatch.setattr(dist_utils, "init_distributed", lambda config, backend, folder: None)
+    with pytest.raises(P.PatchTargetChanged, match="init_distributed"):
+        P.cpu_offload.apply()
 
 
 # ---------------------------------------------------------------- sdpa override

@@ -292,3 +292,22 @@ def test_parameter_failure_lines_and_the_table_column():
     assert report.final_params_verdict({**dev, "tolerance": tol}) == "2.0e-03 FAR"
     assert report.final_params_verdict({**dev, "rel_l2": 1e-5, "max_abs": 1e-4, "tolerance": tol}) == "1.0e-05"
     assert report.final_params_verdict({**dev, "exact": True, "tolerance": tol}) == "exact"
+
+
+# ------------------------------------------------------------------ launchers
+def test_the_fork_launcher_is_refused_before_any_run_where_it_cannot_start_ranks(monkeypatch, tmp_path):
+    """``--launcher fork`` forks gloo ranks from a server that imported torch: refused, saying why and
+    what to use, where that cannot work (a CUDA build of torch, not Linux, or NCCL runs)."""
+    from gefen_titan.validation import launchers
+
+    monkeypatch.setattr(launchers, "can_fork", lambda: "the fork launcher needs a CPU-only torch")
+    with pytest.raises(SystemExit, match=r"--launcher fork: the fork launcher needs a CPU-only torch \(use "
+                                         r"--launcher torchrun"):
+        command.validate(recipe=DEBUG, pairs="2:1", backend="gloo", launcher="fork", out=str(tmp_path / "v"))
+    monkeypatch.setattr(launchers, "can_fork", lambda: None)
+    monkeypatch.setattr(command, "choose_backend", lambda backend, n: ("nccl", "2 GPUs"))
+    with pytest.raises(SystemExit, match="NCCL runs need torchrun"):
+        command.validate(recipe=DEBUG, pairs="2:1", backend="nccl", launcher="fork", out=str(tmp_path / "v"))
+    assert not (tmp_path / "v").exists()  # nothing ran, nothing written
+    with pytest.raises(ValueError, match="launcher must be one of"):
+        launchers.launch_ranks("mpirun", 1, [], log=tmp_path / "log", env={}, port=0)

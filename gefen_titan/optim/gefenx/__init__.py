@@ -1,6 +1,7 @@
 """The one place that reads and writes gefen-x's private optimizer state,
 and the one package that imports gefen-x at all (``lint-imports`` checks it):
-Gefen's accessors in ``gefen``, GefenMuon's in ``muon``, all re-exported here
+Gefen's accessors in ``gefen``, GefenMuon's in ``muon``, the CPU kernel's hook into
+their steps in ``routing``, all re-exported here
 (callers use ``from gefen_titan.optim import gefenx as gx``).
 
 gefen-x 0.5.0 keeps what a checkpoint needs outside any public API: per
@@ -79,6 +80,7 @@ from gefen_titan.optim.gefenx.muon import (
     set_sharded_step,
     sharded_step,
 )
+from gefen_titan.optim.gefenx.routing import route_cpu_step
 
 __all__ = [
     "FQNS_KEY", "K", "ParamState", "is_gefen", "is_gefen_family", "new_gefen", "named_params", "options", "read",
@@ -89,5 +91,5 @@ __all__ = [
     "MUON_UPDATE_DTYPE", "MuonState", "ShardedGefenMuon", "new_gefen_muon", "set_sharded_step", "sharded_step",
     "is_gefen_muon", "muon_defaults", "muon_refused", "muon_deterministic", "muon_read", "muon_write", "muon_rows",
     "muon_set_rows", "muon_momentum", "muon_orthogonalize", "muon_normuon", "muon_apply", "muon_restore_group",
-    "advance_global_step", "hybrid_defaults", "ns_schedule_names", "ns_schedule_coefficients",
+    "advance_global_step", "hybrid_defaults", "ns_schedule_names", "ns_schedule_coefficients", "route_cpu_step",
 ]
