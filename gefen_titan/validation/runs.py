@@ -1,7 +1,8 @@
-"""The runs of a reshard validation: torchrun launches of ``gefen_titan.train`` and the reference cache.
+"""The runs of a reshard validation: launches of ``gefen_titan.train`` and the reference cache.
 
 Every run is ``python -m torch.distributed.run --nproc_per_node N -m
-gefen_titan.train`` with the recipe, the settings' overrides and the dump
+gefen_titan.train`` (or its ranks forked from one preloaded server,
+``Settings.launcher``: ``gefen_titan.validation.launchers``) with the recipe, the settings' overrides and the dump
 hooks of ``gefen_titan.validation.hooks`` (switched on through torchtitan's
 ``--override.imports``), so it trains the installed package as a user's
 run does, from any directory. A run is at one side of a pair

@@ -149,22 +149,26 @@ def hand(built) -> dict:
             "state": scale.gefen_param_bytes(1024 * 256, p.period("fallback"))}
 
 
-def muon(built) -> dict:
-    from benchmarks.meta import build_on_meta
+def planned_and_real(planned: list, optimizers) -> dict:
+    """The plan's GefenMuon matrices and schedule beside those the real optimizers built (the caller compares)."""
     from gefen_titan.optim import gefenx as gx
     from gefen_titan.optim.muon import build_schedule
 
-    planned = scale.muon_specs(built)
-    real = build_on_meta("recipes/llama_gefen_muon.toml", 2, {}).optimizers
     specs, sched = [], []
-    for optim in real.muon_optimizers:
+    for optim in optimizers.muon_optimizers:
         mine, schedule = gx.sharded_step(optim).plan()
         specs += mine
         sched += [[list(b.matrices), list(b.owners)] for b in schedule.buckets]
-    plan_sched = build_schedule(planned, gx.sharded_step(real.muon_optimizers[0]).bucket_bytes)
+    plan_sched = build_schedule(planned, gx.sharded_step(optimizers.muon_optimizers[0]).bucket_bytes)
     return {"planned": [dataclasses.astuple(m) for m in planned], "real": [dataclasses.astuple(m) for m in specs],
             "planned_schedule": [[list(b.matrices), list(b.owners)] for b in plan_sched.buckets],
-            "real_schedule": sched, "optimizers": len(real.muon_optimizers)}
+            "real_schedule": sched, "optimizers": len(optimizers.muon_optimizers)}
+
+
+def muon(built) -> dict:
+    from benchmarks.meta import build_on_meta
+
+    return planned_and_real(scale.muon_specs(built), build_on_meta("recipes/llama_gefen_muon.toml", 2, {}).optimizers)
 
 
 def moe_checkpoint(base: str) -> dict:
@@ -202,8 +206,6 @@ MOE_BUCKET_MIB = 1  # several buckets at the debug model's size (each ends betwe
 def moe_muon() -> dict:
     from benchmarks import scale_moe
     from benchmarks.meta import build_on_meta
-    from gefen_titan.optim import gefenx as gx
-    from gefen_titan.optim.muon import build_schedule
 
     out = {}
     for world, ep in ((4, 2), (16, 4)):
@@ -219,17 +221,9 @@ def moe_muon() -> dict:
         real = build_on_meta(recipe, world, {"model": {"flavor": flavor}, "parallelism": mesh.parallelism(),
                                              "optimizer": {"name": "GefenMuonHybrid", "max_tensor_parallel_degree": 2,
                                                            "muon_bucket_mib": MOE_BUCKET_MIB}}).optimizers
-        specs, sched = [], []
-        for optim in real.muon_optimizers:
-            mine, schedule = gx.sharded_step(optim).plan()
-            specs += mine
-            sched += [[list(b.matrices), list(b.owners)] for b in schedule.buckets]
-        plan_sched = build_schedule(planned, gx.sharded_step(real.muon_optimizers[0]).bucket_bytes)
         dist_muon = scale_moe.distmuon_plan(built, planned)
         row.update(distmuon={k: dist_muon[k] for k in ("busiest_experts", "idle_expert_ranks", "max_experts")})
-        row.update(planned=[dataclasses.astuple(m) for m in planned], real=[dataclasses.astuple(m) for m in specs],
-                   planned_schedule=[[list(b.matrices), list(b.owners)] for b in plan_sched.buckets],
-                   real_schedule=sched, optimizers=len(real.muon_optimizers))
+        row.update(planned_and_real(planned, real))
         out[f"{world}x{ep}"] = row
     return out
 

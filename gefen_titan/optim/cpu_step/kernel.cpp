@@ -333,6 +333,25 @@ float sumsq_row(const typename St<D>::raw* g, int64_t n) {
 // Two calls per parameter, because torch.sqrt on CPU is MKL's vsSqrt (not always correctly rounded), which
 // only torch itself reproduces: ``gt_gefen_moments`` (the vmean update, the momentum update and requantize),
 // then ``torch.sqrt(vmean)`` in Python, then ``gt_gefen_apply`` (the stepsize from it, weight decay, the apply).
+// max |x| over a row as torch's max(dim) takes it: the row's first NaN wins (Gefen's and GefenMuon's magnitude).
+template <typename C> struct RowAbsMax {
+  C mx = 0, first_nan = 0;
+  bool nan_seen = false;
+  void add(C au) {
+    if (au != au) {
+      if (!nan_seen) { nan_seen = true; first_nan = au; }
+    } else {
+      mx = std::max(mx, au);
+    }
+  }
+  void add_lanes(__m256 vmx) {  // the vector loop's maxima (NaN lanes are found by the caller)
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmx);
+    for (float x : lanes) mx = std::max(mx, C(x));
+  }
+  float value() const { return nan_seen ? float(first_nan) : float(mx); }
+};
+
 struct GefenArgs {
   void* p;                 // parameter shard, [blocks * period], dtype
   const void* g;           // gradient, same layout and dtype
@@ -382,9 +401,7 @@ void gefen_moments(const GefenArgs& a, int64_t r0, int64_t r1, std::vector<typen
     a.vmean[r] = v;
     // ---- pass 1: updated_m = lerp(codebook[code] * magnitude, g, 1 - beta1); its max |.| (first NaN kept)
     int64_t i = 0;
-    C mx = 0;
-    bool nan_seen = false;
-    C first_nan = 0;
+    RowAbsMax<C> row;
     if constexpr (D != F64) {
       const __m256 vmag = _mm256_set1_ps(mag_old), vw = _mm256_set1_ps(w), vomw = _mm256_set1_ps(-omw);
       const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -397,27 +414,20 @@ void gefen_moments(const GefenArgs& a, int64_t r0, int64_t r1, std::vector<typen
         _mm256_storeu_ps(upd + i, u);
         const __m256 au = _mm256_and_ps(u, absmask);
         vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(au, au, _CMP_UNORD_Q));
-        vmx = _mm256_max_ps(vmx, au);  // NaN lanes: the row's first NaN is looked up below  // NaN lanes handled by nan_seen
+        vmx = _mm256_max_ps(vmx, au);  // NaN lanes: the row's first NaN is looked up below
       }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, vmx);
-      for (float x : lanes) mx = std::max(mx, x);
+      row.add_lanes(vmx);
       if (_mm256_movemask_ps(vnan))  // max(dim) keeps the first NaN of the row (its |.|)
-        for (int64_t j = 0; j < i && !nan_seen; ++j)
-          if (upd[j] != upd[j]) { nan_seen = true; first_nan = std::fabs(C(upd[j])); }
+        for (int64_t j = 0; j < i && !row.nan_seen; ++j)
+          if (upd[j] != upd[j]) row.add(std::fabs(C(upd[j])));
     }
     for (; i < n; ++i) {
       const C cur = C(a.cb.values[codes[i]]) * C(mag_old);
       const C u = lerp1<C>(cur, S::load(g, i), w, omw, small);
       upd[i] = u;
-      const C au = std::fabs(u);
-      if (au != au) {
-        if (!nan_seen) { nan_seen = true; first_nan = au; }
-      } else {
-        mx = std::max(mx, au);
-      }
+      row.add(std::fabs(u));
     }
-    const float mag = nan_seen ? float(first_nan) : float(mx);
+    const float mag = row.value();
     a.magnitude[r] = mag;
     // ---- pass 2: requantize updated_m / magnitude (0 where magnitude is not > 0)
     const bool live = mag > 0.0f;
@@ -508,9 +518,7 @@ void muon_rows(const MuonArgs& a, int64_t r0, int64_t r1) {
     const float mag_old = a.magnitude[r];
     // dequantize * magnitude, lerp towards g; max |m| (first NaN kept)
     int64_t i = 0;
-    C mx = 0;
-    bool nan_seen = false;
-    C first_nan = 0;
+    RowAbsMax<C> row;
     if constexpr (D == F32) {
       const __m256 vmag = _mm256_set1_ps(mag_old), vw = _mm256_set1_ps(w), vomw = _mm256_set1_ps(-omw);
       const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -525,25 +533,18 @@ void muon_rows(const MuonArgs& a, int64_t r0, int64_t r1) {
         vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(au, au, _CMP_UNORD_Q));
         vmx = _mm256_max_ps(vmx, au);  // NaN lanes: the row's first NaN is looked up below
       }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, vmx);
-      for (float x : lanes) mx = std::max(mx, x);
+      row.add_lanes(vmx);
       if (_mm256_movemask_ps(vnan))  // max(dim) keeps the first NaN of the row (its |.|)
-        for (int64_t j = 0; j < i && !nan_seen; ++j)
-          if (m[j] != m[j]) { nan_seen = true; first_nan = std::fabs(C(m[j])); }
+        for (int64_t j = 0; j < i && !row.nan_seen; ++j)
+          if (m[j] != m[j]) row.add(std::fabs(C(m[j])));
     }
     for (; i < n; ++i) {
       const C cur = round_to<D>(C(a.cb.values[codes[i]]) * C(mag_old));
       const C u = round_to<D>(lerp1<C>(cur, S::load(g, i), w, omw, small));
       m[i] = S::pack(u);
-      const C au = std::fabs(u);
-      if (au != au) {
-        if (!nan_seen) { nan_seen = true; first_nan = au; }
-      } else {
-        mx = std::max(mx, au);
-      }
+      row.add(std::fabs(u));
     }
-    const float mag = nan_seen ? float(first_nan) : float(mx);
+    const float mag = row.value();
     a.magnitude[r] = mag;
     // m / clamp(magnitude, tiny) (0 where magnitude <= 0), requantize, codebook[code] * magnitude
     const float denom = mag != mag ? mag : std::max(mag, a.tiny_f);
