@@ -29,7 +29,9 @@ def payload() -> dict:
     return {"user": {"gefen_titan": {"model": model, "train_state": {"step": 5}}}, "torchft": {"step": 5}}
 
 
-class _Dying:
+class DyingStream:
+    """A writer that SIGKILLs its own process once ``cut`` bytes have gone through it."""
+
     def __init__(self, f, cut: int) -> None:
         self._f, self._cut, self._sent = f, cut, 0
 
@@ -49,7 +51,7 @@ class _Dying:
 def serve_and_die(cut: int, conn=None) -> None:
     """Stage the payload, hand its address to ``conn`` (else print it), serve until killed."""
     save = http_transport._streaming_save  # what torchft's server streams the payload with
-    http_transport._streaming_save = lambda obj, f, *a, **kw: save(obj, _Dying(f, cut), *a, **kw)
+    http_transport._streaming_save = lambda obj, f, *a, **kw: save(obj, DyingStream(f, cut), *a, **kw)
     transport = SafeHTTPTransport(timedelta(seconds=30))
     transport.send_checkpoint([1], step=5, state_dict=payload(), timeout=timedelta(seconds=30))
     if conn is None:
