@@ -260,7 +260,7 @@ def no_space(checkpoint_id: str, error: BaseException) -> GefenCheckpointError |
                 "folder is incomplete (no .metadata): a resume never takes it as the latest, keep_latest_k does not "
                 "count it, and the last complete checkpoint still loads. Free space on that file system (or set "
                 "checkpoint.folder to another), then resume.")
-        failures = getattr(e, "failures", None) or {}
-        todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        if isinstance(e, CheckpointException):  # rank -> (exception, traceback)
+            todo += [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
         todo += [e.__cause__, e.__context__]
     return None
