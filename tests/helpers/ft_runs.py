@@ -196,7 +196,8 @@ def uninterrupted(base: Path, recipe: str, extra: tuple[str, ...] = (), groups: 
 DIED = "died-mid-heal"  # ft_hooks' marker: "g<replica>-r<rank> s<step>"
 
 
-def faulted(base: Path, recipe: str, kill_after: int, extra: tuple[str, ...] = (), tamper_heals: int = 0, env: dict[str, str] | None = None, groups: int = 2,
+def faulted(base: Path, recipe: str, kill_after: int, extra: tuple[str, ...] = (), tamper_heals: int = 0,
+            env: dict[str, str] | None = None, groups: int = 2,
             die_serving_heal: int = 0) -> FTRun:
     """``groups`` groups; the last one SIGKILLed (both ranks: a lost machine) after ``kill_after`` and
     restarted. With ``die_serving_heal`` the group that serves its heal dies part-way through (one
