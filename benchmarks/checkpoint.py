@@ -28,7 +28,11 @@ digests (the same writer and reader, ``storage_writer(digests=False)``),
 ``--paired`` rounds (default 60) in one process, the order swapped each round; the cost is
 the median over rounds of each round's with / without, with its 95%
 interval (separate launches, and even single rounds, differ by more than
-the cost on a shared machine), and the best of each beside it.
+the cost on a shared machine), and the best of each beside it. ``checks``
+(not in the default list) is ``current`` plus the same paired line for the
+load's metadata stage (``checkpoint.load_checks``: ``.metadata`` against the
+files' sizes before anything is allocated): the same checkpoint loaded with
+the stage left out and run.
 
 Prints, per method: optimizer bytes/param on disk and on disk over in
 memory, the first step's time, save time and the peak RSS growth during the
@@ -44,6 +48,7 @@ the top of the profile printed (where the time goes).
     python scripts/bench_checkpoint.py                              # debug model, all four methods
     python scripts/bench_checkpoint.py --model 150M --methods current,gefen-x,adamw
     python scripts/bench_checkpoint.py --methods current,gefen-muon,adamw
+    python scripts/bench_checkpoint.py --model 150M --methods current,checks,adamw --load-ranks 2
 """
 
 from __future__ import annotations
@@ -62,24 +67,25 @@ import time
 
 MODELS = {"debug": "debugmodel", "150M": "150M"}
 DEFAULT_METHODS = ("current", "v1", "gefen-x", "adamw")
-METHODS = (*DEFAULT_METHODS, "gefen-muon", "digests")
+METHODS = (*DEFAULT_METHODS, "gefen-muon", "digests", "checks")
 # recipes/llama_gefen_muon.toml's split: GefenMuon for the hidden matrices, Gefen (the shorthand) for the rest.
 MUON_PATTERN = r"^layers\.\d+\.(attention|feed_forward)\."
 MUON_KWARGS = {"momentum": 0.95, "nesterov": True, "ns_steps": 5, "adjust_lr_fn": "match_rms_adamw", "normuon": True}
 SAVE_TARGET, LOAD_TARGET, PEAK_TARGET = 0.5, 1.0, 1.0
-OURS = ("current", "v1", "gefen-muon", "digests")  # saved and loaded as GefenCheckpointManager does
+OURS = ("current", "v1", "gefen-muon", "digests", "checks")  # saved and loaded as GefenCheckpointManager does
 PAIRED = 60  # --paired default: rounds of a save/load without and with digests (method "digests"; ~0.1-0.3 s each)
 
 
 def method_label(method: str) -> str:
     """The method's row name; ``current`` names the format a run writes today."""
-    if method in ("current", "digests"):
+    if method in ("current", "digests", "checks"):
         from gefen_titan.checkpoint import schema
         from gefen_titan.optim.container import GefenOptimizersContainer
 
         blocking = GefenOptimizersContainer.Config().blocking
         version = schema.VERSION if blocking == "agreed" else schema.V1
-        return f"gefen-titan v{version} ({blocking}, current)" + (" (paired digests)" if method == "digests" else "")
+        suffix = {"digests": " (paired digests)", "checks": " (paired metadata checks)"}.get(method, "")
+        return f"gefen-titan v{version} ({blocking}, current){suffix}"
     return {"v1": "gefen-titan v1 (per_rank)", "gefen-x": "gefen-x GefenDCPState", "adamw": "AdamW",
             "gefen-muon": "gefen-titan GefenMuon + Gefen (agreed)"}[method]
 
@@ -181,21 +187,27 @@ def _worker(args) -> None:
     def largest_shard() -> int:
         return max(p.to_local().nbytes for p in model.parameters())
 
-    def load_current(ckpt: str) -> None:  # as GefenCheckpointManager.dcp_load reads it
+    def load_current(ckpt: str, bounds: bool = True) -> None:  # as GefenCheckpointManager.dcp_load reads it
+        import functools
+
         from gefen_titan.checkpoint import digests, storage
+        from gefen_titan.checkpoint.reading import LoadChecks
 
         with digests.parsed_once():
-            md, record = storage.read_checked_metadata(ckpt)
+            # storage.load_reader's reader; bounds=False leaves out the metadata stage (method "checks").
+            reader = storage.storage_reader(ckpt, check_unread=True, load_checks=LoadChecks(
+                stray_bytes=functools.partial(storage.stray_bytes, ckpt),
+                bounds=functools.partial(storage.metadata_problems, ckpt) if bounds else None))
+            md = reader.checked_metadata()
             opt.prepare_load(ckpt, md, prefix="optimizer.")
             try:
-                dcp.load({"optimizer": opt}, storage_reader=storage.storage_reader(
-                    ckpt, metadata=md, digests=record, check_unread=True))
+                dcp.load({"optimizer": opt}, storage_reader=reader)
             finally:
                 opt.abort_load()
 
     def paired(plain, checked) -> dict:
-        """The digests' cost on its own: without and with them, ``--paired`` rounds in this process, the
-        order swapped every round (ABBA: neither always runs second); every time kept."""
+        """A cost on its own (the digests', the metadata checks'): without and with, ``--paired`` rounds in
+        this process, the order swapped every round (ABBA: neither always runs second); every time kept."""
         times: dict = {"plain": [], "digests": []}
         for n in range(args.paired):
             gc.collect(1)  # untimed, as GarbageCollection.collect's periodic one: each round from the same heap
@@ -278,6 +290,8 @@ def _worker(args) -> None:
         if args.method == "digests":
             # The same reader: a checkpoint without .digests is read unchecked.
             result["paired_s"] = paired(lambda: load_current(args.ckpt + ".plain"), lambda: load_current(args.ckpt))
+        elif args.method == "checks":  # the same checkpoint, the load's metadata stage left out / run
+            result["paired_s"] = paired(lambda: load_current(args.ckpt, bounds=False), lambda: load_current(args.ckpt))
         digests, update = next_update()
     if profiler:
         profiler.dump_stats(args.profile)
@@ -346,7 +360,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--load-ranks", default="2,4,1")
     ap.add_argument("--steps", type=int, default=3, help="training steps before the save")
     ap.add_argument("--paired", type=int, default=PAIRED,
-                    help="method digests: rounds of the paired with / without digests measurement")
+                    help="methods digests, checks: rounds of the paired without / with measurement")
     ap.add_argument("--no-profile", action="store_true", help="do not re-run missed targets under cProfile")
     ap.add_argument("--json", default="", help="also write every figure here")
     for hidden in ("--mode", "--method", "--ckpt", "--out", "--update-out", "--reference", "--profile"):
@@ -461,6 +475,11 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
         loads_cost = "; ".join(f"load {n}->{m} {_pct(dg['loads'][m]['paired_s'])}" for m in loads)
         lines.append(f"digest cost on its own (without / with, in one process, order swapped each round): save "
                      f"{_pct(dg['paired_save_s'])}; {loads_cost}")
+    ck = next((r for r in rows if r["method"] == "checks"), None)
+    if ck is not None:
+        loads_cost = "; ".join(f"load {n}->{m} {_pct(ck['loads'][m]['paired_s'])}" for m in loads)
+        lines.append(f"metadata checks' cost on its own (load_checks' metadata stage left out / run, in one process, "
+                     f"order swapped each round; a save runs no check): {loads_cost}")
     return "\n".join(lines)
 
 

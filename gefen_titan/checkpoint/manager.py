@@ -30,12 +30,23 @@ one unless ``checkpoint.load_without_digests``; one from before digests
 signature before anything is unpickled (``digests``;
 ``docs/checkpoints.md``, "Threat model"). Nothing read is executed
 (``checkpoint.unpickling``).
+A full disk: a save that fails part-way with ``ENOSPC`` (synchronous, or
+an async save's writer, raised when the next save or the close waits for
+it) is reported in one message (``GefenCheckpointError``: the folder, what
+to do). The folder it leaves has no ``.metadata`` (DCP renames it into
+place last), so a resume never takes it as the latest, and the purge of
+``keep_latest_k`` never deletes the newest complete checkpoint: torchtitan's
+counts every ``step-N`` folder, so failed saves (or an async save in
+flight) among the k newest pushed out every checkpoint a resume can load.
+
 Scheduling saves, async modes, ``load_step``, ``exclude_from_loading``,
 ``initial_load_path`` and HF checkpoints are torchtitan's own.
 """
 
 from __future__ import annotations
 
+import errno
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
@@ -44,6 +55,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
+from torchtitan.tools import filesystem
 from torchtitan.tools.utils import GarbageCollection
 
 from gefen_titan.checkpoint import digests
@@ -116,6 +128,45 @@ class GefenCheckpointManager(CheckpointManager):
 
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
                  enable_garbage_collection: bool = False, to_hf: bool = False) -> Any:
+        try:
+            return self._dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            full = no_space(checkpoint_id, e)
+            if full is None:
+                raise
+            raise full from e
+
+    def _wait_for_saving(self) -> None:
+        # An async save's failure surfaces here (the next save, or the close).
+        try:
+            super()._wait_for_saving()
+        except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+            full = no_space(self.folder, e)
+            if full is None:
+                raise
+            self.save_future = None  # that save is over: the close must not wait on it again
+            raise full from e
+
+    def _purge_stale_checkpoints(self) -> None:
+        """torchtitan's purge (all but the ``keep_latest_k`` newest ``step-N`` folders), except that it
+        never deletes the newest *complete* checkpoint (one with ``.metadata``): folders of saves that
+        failed part-way, or of an async save still in flight, count among torchtitan's k and would
+        otherwise push out every checkpoint a resume can load."""
+        if not self._should_purge():
+            return
+        found = []
+        for name in filesystem.listdir(self.folder):
+            m = re.search(r"step-(\d+)", name)  # torchtitan's pattern
+            if m:
+                found.append((int(m.group(1)), filesystem.join(self.folder, name)))
+        found.sort()
+        complete = [path for _, path in found if filesystem.isfile(filesystem.join(path, ".metadata"))]
+        for _, path in found[: -self.keep_latest_k]:
+            if not complete or path != complete[-1]:
+                self.purge_queue.put(path)
+
+    def _dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
+                  enable_garbage_collection: bool, to_hf: bool) -> Any:
         """torchtitan's DCP save with a writer that also records ``.digests`` (HF exports are torchtitan's)."""
         if to_hf:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
@@ -191,3 +242,25 @@ class GefenCheckpointManager(CheckpointManager):
         finally:
             for component, _ in prepared:
                 component.abort_load()
+
+
+def no_space(checkpoint_id: str, error: BaseException) -> GefenCheckpointError | None:
+    """One clear message for a save that ran out of disk part-way (``ENOSPC``, however DCP wrapped
+    it: a cause, or a rank's failure in a ``CheckpointException``); None for any other error."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            where = e.filename or checkpoint_id
+            return GefenCheckpointError(
+                f"checkpoint save to {checkpoint_id} failed: no space left on device (writing {where}). That "
+                "folder is incomplete (no .metadata): a resume never takes it as the latest, keep_latest_k does not "
+                "count it, and the last complete checkpoint still loads. Free space on that file system (or set "
+                "checkpoint.folder to another), then resume.")
+        if isinstance(e, CheckpointException):  # rank -> (exception, traceback)
+            todo += [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return None

@@ -51,14 +51,15 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.futures import Future
 from torchtitan.tools.logging import logger
 
 from gefen_titan.checkpoint import digests as dg
-from gefen_titan.checkpoint import schema, unpickling
+from gefen_titan.checkpoint import load_checks, schema, unpickling
 from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause, unreadable
+from gefen_titan.checkpoint.item_reads import read_framed, read_into, read_raw
 
 __all__ = ["CheckedFileSystemReader", "CheckedFsspecReader", "LoadChecks", "load_metadata"]
 
@@ -105,10 +106,13 @@ class LoadChecks:
     (off: refused). ``stray_bytes``: ``storage.stray_bytes`` of the checkpoint,
     (file, what) for each byte no item covers; run on rank 0 only (the same
     files for every rank), and only for a checkpoint with ``.digests``.
+    ``bounds``: ``load_checks.metadata_problems`` of the checkpoint (its files'
+    sizes bound every read), rank 0 only, with digests or without.
     """
 
     load_without_digests: bool = False
     stray_bytes: Callable[[Metadata], list[tuple[str, str]]] | None = None
+    bounds: Callable[[Metadata], list[load_checks.Problem]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,9 +208,17 @@ class _CheckedReading:
             return dg.corrupt_message(
                 self._id(), dg.FILE, None, "missing, and its .metadata says the save wrote one (deleted "
                 "or lost since); to load it unchecked anyway, set checkpoint.load_without_digests = true")
-        if record is not None and checks.stray_bytes is not None and (
-                not dist.is_initialized() or dist.get_rank() == 0):
-            try:  # one rank lists the folder (the same files for all)
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return None  # one rank sizes and lists the folder (the same files for all)
+        if checks.bounds is not None:  # before any buffer is allocated or any read issued
+            try:
+                bounds = checks.bounds(metadata)
+            except OSError as e:
+                return str(unreadable(self._id(), e))
+            if bounds:
+                return load_checks.refusal(self._id(), bounds)
+        if record is not None and checks.stray_bytes is not None:
+            try:
                 stray = checks.stray_bytes(metadata)
             except OSError as e:
                 stray = [(dg.METADATA_FILE, f"cannot list the folder ({e})")]
@@ -277,6 +289,8 @@ class _CheckedReading:
         # Always our own read, with .digests or without: DCP's would unpickle byte entries unrestricted.
         record = self.digests()  # read (and agreed on) in the planning round: prepare_local_plan
         staged, error = self._read_and_check(plan, record, self._direct_targets(plan, planner))
+        if isinstance(error, GefenCheckpointError):  # raised as it is: it pickles to every rank (DCP's gather)
+            raise error
         if error:  # DCP's gather after the read step raises it on every rank
             raise dg.CorruptCheckpointError(error)
         # This rank's bytes are intact: only now does anything reach the planner's targets.
@@ -291,11 +305,19 @@ class _CheckedReading:
                 continue
             if not uses[req.storage_index]:
                 del staged[req.storage_index]  # hold each item only until its last use
-            if req.type == LoadItemType.BYTE_IO:
-                _load_bytes(planner, req, unpickling.load_entry(
-                    io.BytesIO(self._stream(req, data).read(-1)), req.storage_index.fqn, self._id()))
-                continue
-            tensor = narrow_tensor_by_index(self._tensor(req, data), req.storage_offsets, req.lengths)
+            try:  # an item that does not decode is refused naming its file and entry
+                if req.type == LoadItemType.BYTE_IO:  # the entry stage of load_checks, then DCP's own use
+                    _load_bytes(planner, req, load_checks.read_byte_entry(
+                        io.BytesIO(self._stream(req, data).read(-1)), req.storage_index.fqn, self._id()))
+                    continue
+                stored = self._tensor(req, data)
+            except GefenCheckpointError:
+                raise
+            except Exception as e:
+                raise dg.CorruptCheckpointError(dg.corrupt_message(
+                    self._id(), self.storage_data[req.storage_index].relative_path, req.storage_index.fqn,
+                    f"does not load ({root_cause(e)})")) from e
+            tensor = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
                 raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
@@ -309,8 +331,14 @@ class _CheckedReading:
         return self._raw_layout(index) is not None
 
     def _stream(self, req: Any, data: Any) -> Any:
-        info = self.storage_data[req.storage_index]
+        return self._stream_of(req.storage_index, data, req)
+
+    def _stream_of(self, index: Any, data: Any, req: Any = None) -> Any:
+        info = self.storage_data[index]
         return self.transforms.transform_load_stream(req, info.transform_descriptors or (), io.BytesIO(data))
+
+    def _is_byte_entry(self, index: Any) -> bool:
+        return isinstance(self._set_up.state_dict_metadata.get(index.fqn), BytesStorageMetadata)
 
     def _tensor(self, req: Any, data: Any) -> torch.Tensor:
         """The stored chunk: raw bytes viewed in place (no copy), else torch.load."""
@@ -319,26 +347,40 @@ class _CheckedReading:
             stream = self._stream(req, data)
             if not stream.seekable():
                 stream = io.BytesIO(stream.read(-1))
-            return torch.load(stream, map_location="cpu", weights_only=True)
+            t = torch.load(stream, map_location="cpu", weights_only=True)
+            chunk = self._chunk(req.storage_index)
+            why = load_checks.stored_tensor_problem(req.storage_index.fqn, t, *chunk) if chunk else \
+                f"entry {req.storage_index.fqn}: its stored item is no chunk of the entry"
+            if why:
+                problem = load_checks.Problem("stored tensors", self.storage_data[req.storage_index].relative_path,
+                                              req.storage_index.fqn, why)
+                raise GefenCheckpointError(load_checks.refusal(self._id(), [problem]))
+            return t
         dtype, sizes = layout
         if not len(data):
             return torch.empty(sizes, dtype=dtype)
         return torch.frombuffer(data, dtype=dtype).view(sizes)
+
+    def _chunk(self, index: Any) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        """(dtype, sizes) of a tensor item's chunk record in ``.metadata``; None if it is no chunk."""
+        md = self._set_up.state_dict_metadata.get(index.fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            return None
+        chunks = self._chunks.get(index.fqn)
+        if chunks is None:
+            chunks = self._chunks[index.fqn] = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
+        sizes = chunks.get(tuple(index.offset or ()))
+        return None if sizes is None else (md.properties.dtype, sizes)
 
     def _raw_layout(self, index: Any) -> tuple[torch.dtype, tuple[int, ...]] | None:
         """(dtype, sizes) of a raw item (``schema.is_raw_item``); None for a framed one."""
         if index in self._layouts:
             return self._layouts[index]
         layout = None
-        md = self._set_up.state_dict_metadata.get(index.fqn) if schema.is_raw_entry(index.fqn) else None
-        if md is not None and not (self.storage_data[index].transform_descriptors or ()):
-            chunks = self._chunks.get(index.fqn)
-            if chunks is None:
-                chunks = self._chunks[index.fqn] = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
-            sizes = chunks.get(tuple(index.offset or ()))
-            if sizes is not None and schema.is_raw_item(index.fqn, self.storage_data[index].length,
-                                                        md.properties.dtype, sizes):
-                layout = (md.properties.dtype, sizes)
+        if schema.is_raw_entry(index.fqn) and not (self.storage_data[index].transform_descriptors or ()):
+            chunk = self._chunk(index)
+            if chunk is not None and schema.is_raw_item(index.fqn, self.storage_data[index].length, *chunk):
+                layout = chunk
         self._layouts[index] = layout
         return layout
 
@@ -378,7 +420,7 @@ class _CheckedReading:
         return out
 
     def _read_and_check(self, plan: LoadPlan, record: dg.Digests | None,
-                        direct: dict[Any, torch.Tensor]) -> tuple[dict[Any, Any], str | None]:
+                        direct: dict[Any, torch.Tensor]) -> tuple[dict[Any, Any], str | Exception | None]:
         """This rank's items (those of its plan, and the unread ones it was handed), each checked
         (against ``record``'s digests when there is one); ``direct``'s
         read into their targets (the value staged is then the target).
@@ -396,18 +438,22 @@ class _CheckedReading:
         try:
             for file in sorted(per_file):
                 with self.fs.create_stream(self.fs.concat_path(self.path, file), "rb") as f:
+                    size = f.seek(0, io.SEEK_END)  # the file system's size bounds every buffer allocated below
                     for index in sorted(per_file[file], key=lambda i: int(self.storage_data[i].offset)):
                         entry = index.fqn
                         info = self.storage_data[index]
+                        past = load_checks.item_past_end(file, entry, int(info.offset), int(info.length), size)
+                        if past:  # before its buffer is allocated
+                            return {}, load_checks.refusal(self._id(), [past])
                         f.seek(int(info.offset))
                         target = direct.get(index)
                         hasher = None if record is None else record.new_hasher()
                         if target is not None and target.nbytes == int(info.length):
-                            data = _read_into(f, target, hasher)
+                            data = read_into(f, target, hasher)
                         else:
                             target = None
-                            data = (_read_raw(f, int(info.length), hasher) if self._is_raw(index)
-                                    else _read_framed(f, int(info.length), hasher))
+                            data = (read_raw(f, int(info.length), hasher) if self._is_raw(index)
+                                    else read_framed(f, int(info.length), hasher))
                         expected = None if record is None else record.item(file, info.offset, info.length)
                         if len(data) != int(info.length):
                             what = f"cannot read it: truncated, {len(data):,} of the item's {int(info.length):,} bytes"
@@ -418,10 +464,15 @@ class _CheckedReading:
                         else:
                             if index in needed:
                                 staged[index] = data if target is None else target
+                            elif self._is_byte_entry(index):  # one no rank reads: the entry stage all the same
+                                load_checks.read_byte_entry(io.BytesIO(self._stream_of(index, data).read(-1)),
+                                                            entry, self._id())
                             continue
                         return {}, dg.corrupt_message(self._id(), file, entry, what)
         except dg.CorruptCheckpointError as e:  # the section of .digests for this file (Digests.item)
             return {}, str(e)
+        except GefenCheckpointError as e:  # an entry-stage refusal (ForbiddenObjectError, StepMismatchError)
+            return {}, e
         except Exception as e:  # OSError, a missing file: the same message shape
             return {}, dg.corrupt_message(self._id(), file, entry, f"cannot read it ({root_cause(e)})")
         return staged, None
@@ -439,50 +490,6 @@ def _load_bytes(planner: Any, req: Any, value: Any) -> None:
         set_element(planner.original_state_dict, planner.mappings[req.dest_index.fqn], value)
     else:
         planner.state_dict[req.dest_index.fqn] = value
-
-
-def _fill(f: Any, view: memoryview, hasher: Any) -> int:
-    """Read into ``view`` piece by piece, each piece hashed while it is still
-    in cache (one pass over memory, not two); the bytes read."""
-    n = 0
-    while n < len(view):
-        got = f.readinto(view[n:n + dg.PIECE])
-        if not got:
-            break
-        if hasher is not None:
-            hasher.update(view[n:n + got])
-        n += got
-    return n
-
-
-def _read_into(f: Any, target: torch.Tensor, hasher: Any) -> memoryview:
-    """Fill a contiguous CPU tensor's bytes from ``f``; the bytes read (fewer at the end of the file)."""
-    if not target.nbytes:
-        return memoryview(b"")
-    view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
-    return view[:_fill(f, view, hasher)]
-
-
-def _read_raw(f: Any, length: int, hasher: Any) -> memoryview:
-    """A raw item's bytes (fewer at the end of the file) in an uninitialized
-    buffer (no zero fill), which the item is then viewed in without a copy."""
-    view = memoryview(torch.empty(length, dtype=torch.uint8).numpy())
-    return view[:_fill(f, view, hasher)]
-
-
-def _read_framed(f: Any, length: int, hasher: Any) -> bytes:
-    """A torch.saved item's bytes (fewer at the end of the file), as ``bytes``:
-    ``io.BytesIO`` then reads them in place, without a copy."""
-    parts, n = [], 0
-    while n < length:
-        part = f.read(length - n)
-        if not part:
-            break
-        if hasher is not None:
-            hasher.update(part)
-        parts.append(part)
-        n += len(part)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 class CheckedFileSystemReader(_CheckedReading, FileSystemReader):

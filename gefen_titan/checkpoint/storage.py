@@ -31,13 +31,13 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torchtitan.tools import filesystem
 
-from gefen_titan.checkpoint import digests
+from gefen_titan.checkpoint import digests, load_checks
 from gefen_titan.checkpoint.digests import Digests
 from gefen_titan.checkpoint.errors import GefenCheckpointError, unreadable
 from gefen_titan.checkpoint.reading import CheckedFileSystemReader, CheckedFsspecReader, LoadChecks
 from gefen_titan.checkpoint.writing import DigestingFileSystemWriter, DigestingFsspecWriter
 
-__all__ = ["is_remote", "load_all", "load_reader", "stray_bytes",
+__all__ = ["is_remote", "load_all", "load_reader", "stray_bytes", "metadata_problems",
            "read_metadata", "read_checked_metadata", "read_digests", "read_small",
            "storage_reader", "storage_writer", "list_files", "file_size", "open_file", "join", "refusal"]
 
@@ -66,8 +66,22 @@ def load_reader(checkpoint_id: str | os.PathLike, *, load_without_digests: bool 
     the components that plan from it and for DCP alike, and checks every stored item."""
     checkpoint_id = os.fspath(checkpoint_id)
     checks = LoadChecks(load_without_digests=load_without_digests,
-                        stray_bytes=functools.partial(stray_bytes, checkpoint_id))
+                        stray_bytes=functools.partial(stray_bytes, checkpoint_id),
+                        bounds=functools.partial(metadata_problems, checkpoint_id))
     return storage_reader(checkpoint_id, check_unread=True, load_checks=checks)
+
+
+def metadata_problems(checkpoint_id: str | os.PathLike, metadata: Metadata) -> list[load_checks.Problem]:
+    """``load_checks.metadata_problems`` of a checkpoint: its ``.metadata`` against its data files' sizes
+    (one size per data file), before anything is allocated or read."""
+    sizes: dict[str, int | None] = {}
+
+    def size_of(name: str) -> int | None:
+        if name not in sizes:
+            sizes[name] = file_size(checkpoint_id, name)
+        return sizes[name]
+
+    return load_checks.metadata_problems(metadata, size_of)
 
 
 def read_metadata(checkpoint_id: str | os.PathLike) -> Metadata:
@@ -123,6 +137,9 @@ def load_all(checkpoint_id: str | os.PathLike) -> dict[str, Any]:
     ``.digests``). The whole checkpoint in memory: for tools and tests."""
     sd: dict[str, Any] = {}
     metadata, record = read_checked_metadata(checkpoint_id)  # its own errors, not DCP's wrapping of them
+    problems = metadata_problems(checkpoint_id, metadata)  # its planner allocates every entry whole: bounded first
+    if problems:
+        raise GefenCheckpointError(load_checks.refusal(os.fspath(checkpoint_id), problems))
     # What dcp_to_torch_save calls (dcp.load would hand back only the keys it was given).
     try:
         _load_state_dict(sd, storage_reader=storage_reader(checkpoint_id, metadata=metadata, digests=record),
@@ -134,20 +151,31 @@ def load_all(checkpoint_id: str | os.PathLike) -> dict[str, Any]:
 
 def stray_bytes(checkpoint_id: str | os.PathLike, metadata: Metadata) -> list[tuple[str, str]]:
     """(file, what) for every byte of the folder's data files that no item covers: a data file longer
-    than its items reach, or a ``.distcp`` file ``.metadata`` does not list.
+    than its items reach, bytes between two items, or a ``.distcp`` file ``.metadata`` does not list.
 
     A checkpoint with ``.digests`` has every byte of its data files in one
     item (``digests`` module docstring), so anything else was put there
     after the save. One listing and one size per data file.
     """
-    ends: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), int(info.offset) + int(info.length))
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in metadata.storage_data.items():
+        if type(getattr(info, "offset", None)) is not int or type(getattr(info, "length", None)) is not int:
+            continue  # not a place in a file: the metadata stage's to name (load_checks)
+        spans.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length, index.fqn))
     found = []
     for name in list_files(checkpoint_id):
-        if name.endswith(".distcp") and name not in ends:
+        if name.endswith(".distcp") and name not in spans:
             found.append((name, "a data file .metadata does not list (added after the save?)"))
-    for name, end in sorted(ends.items()):
+    for name, items in sorted(spans.items()):
+        end, last = 0, None
+        for start, stop, key in sorted(items):
+            if start > end:  # a save writes its items back to back: a gap is an item cut short since
+                where = f"the end of entry {last}'s item, shortened" if last else "before its first item, moved"
+                found.append((name, f"{start - end:,} bytes at byte {end:,} lie in no item ({where} after the "
+                                    "save?)"))
+                break
+            if stop >= end:  # ties: the later item (one cut to 0 bytes is named)
+                end, last = stop, key
         size = file_size(checkpoint_id, name)
         if size is not None and size > end:
             found.append((name, f"{size - end:,} bytes after its last item (appended after the save?)"))

@@ -72,12 +72,18 @@ class ForbiddenObjectError(GefenCheckpointError):
     """A pickle in a checkpoint names a global outside the allowlist: it was not unpickled."""
 
     def __init__(self, where: str, name: str, source: str = "") -> None:
-        self.where, self.name = where, name
+        self.where, self.name, self.source = where, name, source
         in_ckpt = f"checkpoint {source}: " if source else ""
         super().__init__(
             f"{in_ckpt}{where} names {name}, which a checkpoint may not hold (reading it could run code): "
             "refused before anything was built from it. A checkpoint gefen-titan or torchtitan wrote never "
             "does; if you wrote this one yourself, store plain data there. Nothing was loaded.")
+
+    def __reduce__(self) -> tuple:
+        # DCP gathers a rank's exception to every rank by pickling it; the default
+        # reduce would call __init__ with the message alone and fail on the other
+        # ranks (TypeError), losing the entry and the global it names.
+        return type(self), (self.where, self.name, self.source), self.__dict__
 
 
 class _Restricted(pickle.Unpickler):

@@ -1,25 +1,33 @@
 """``gefen-titan ckpt verify``: an offline integrity check before an expensive resume.
 
-Three passes, each problem naming the file it is in:
+Verify runs the resume's own checks of what it reads, from the one list
+``checkpoint.load_checks`` (not a copy), and a few more; each problem names
+the file it is in and the check:
 
-1. **Metadata and tiling.** Every tensor's chunks lie inside it and cover
-   each element exactly once; every chunk and every object entry has its
-   bytes in some file, and every stored item belongs to an entry.
-2. **Every byte.** Each data file exists and is as long as the items in it
-   say; every item is read in full. DCP writes each item with
-   ``torch.save``, a zip archive holding a CRC32 of every member, so a
-   flipped byte anywhere is found (``zipfile``'s check; ``torch.load`` itself
-   checks none). Each tensor must decode to its chunk's shape and dtype, and
-   floating values must be finite (Gefen's magnitudes and ``vmean``,
-   GefenMuon's magnitudes and NorMuon rows, v1's blocks and AdamW's
-   ``exp_avg_sq`` also non-negative).
-   When the checkpoint carries ``.digests`` (``checkpoint.digests``: what
-   every load checks), each item's digest and ``.metadata``'s are checked
-   too, exactly as the load checks them, and ``.digests`` itself.
-3. **Records.** Gefen's and GefenMuon's records, codebooks and grids
-   (``records.read_records``: the checks of the load that need no live
-   model), and torch optimizers' state (each parameter's
-   ``exp_avg``/``exp_avg_sq`` of one shape, with a ``step``).
+1. **Metadata.** The load's metadata stage: every chunk inside its tensor,
+   chunks that tile it, every chunk and byte entry stored and every item an
+   entry's, every item inside its file (file-system sizes) and of the length
+   its chunk and dtype imply, and the total a full read allocates within the
+   files' bytes. Nothing is allocated or read before these pass (an item that
+   fails them is not read at all).
+2. **Every byte.** Each data file exists; every item is read in full. When
+   the checkpoint carries ``.digests`` (``checkpoint.digests``: what every
+   load checks), each item's digest and ``.metadata``'s are checked, exactly
+   as the load checks them, and ``.digests`` itself, its data files' stray
+   bytes included. DCP writes each item with ``torch.save``, a zip archive
+   holding a CRC32 of every member, so a flipped byte is found without
+   ``.digests`` too (``zipfile``'s check; ``torch.load`` itself checks none).
+   Then the load's entry stage: byte entries unpickled with the allowlists
+   (a data loader's pickled state inside one too), a stored tensor against
+   its chunk record, ``train_state.step`` against the folder's step. Beyond
+   the load: floating values must be finite (Gefen's magnitudes and
+   ``vmean``, GefenMuon's magnitudes and NorMuon rows, v1's blocks and
+   AdamW's ``exp_avg_sq`` also non-negative; the load checks that of Gefen's
+   and GefenMuon's state only, and not at all of the model's).
+3. **Records.** The load's records stage (``checkpoint.record_checks``):
+   Gefen's and GefenMuon's records, codebooks and grids; and torch
+   optimizers' state (each parameter's ``exp_avg``/``exp_avg_sq`` of one
+   shape, with a ``step``).
 
 What it cannot know offline: whether the checkpoint fits the model and
 recipe of the run that will resume it (the load checks that, on every rank).
@@ -28,17 +36,15 @@ recipe of the run that will resume it (the load checks that, on every rank).
 from __future__ import annotations
 
 import io
-import math
 import re
 import zipfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torchtitan.components.checkpoint import OPTIMIZER
 
-from gefen_titan.checkpoint import digests, schema, storage, unpickling
+from gefen_titan.checkpoint import digests, load_checks, schema, storage, unpickling
 from gefen_titan.ckpt.saved_records import read_records
 from gefen_titan.ckpt.view import Checkpoint, CkptError, Entry, split_state_key
 
@@ -52,6 +58,7 @@ class Problem:
     file: str | None  # the file it is in (None: not tied to one file)
     entry: str | None  # the DCP entry
     what: str
+    check: str | None = None  # its name in load_checks.CHECKS (None: a check of verify's own)
 
 
 def _nonnegative(e: Entry) -> bool:
@@ -84,52 +91,34 @@ class _Verifier:
                     self.digests.check_metadata(f.read(), self.path)
         except digests.CorruptCheckpointError as err:
             self.has_digests = True
-            self.add(err.file, None, err.what)
+            self.add(err.file, None, err.what, "digests")
             return False
         for name in self.digests.files() if self.digests is not None else []:
             try:  # each data file's section of .digests (a load checks it before that file's items)
                 self.digests.check(name)
             except digests.CorruptCheckpointError as err:
-                self.add(err.file, None, err.what)
+                self.add(err.file, None, err.what, "digests")
                 self.bad_sections.add(name)
         return True
 
-    def add(self, file: str | None, entry: str | None, what: str) -> None:
-        self.problems.append(Problem(file, entry, what))
+    def add(self, file: str | None, entry: str | None, what: str, check: str | None = None) -> None:
+        self.problems.append(Problem(file, entry, what, check))
 
     # ------------------------------------------------------------ pass 1
-    def tiling(self, ck: Checkpoint) -> None:
-        stored: dict[str, dict] = {}
-        for index, info in ck.metadata.storage_data.items():
-            stored.setdefault(index.fqn, {})[tuple(index.offset) if index.offset is not None else None] = info
-        for key in stored:
-            if key not in ck.entries:
-                info = next(iter(stored[key].values()))
-                self.add(info.relative_path, key, "the metadata stores data for an entry it does not describe")
-        for e in ck.entries.values():
-            self.checked["entries"] += 1
-            items = stored.get(e.key, {})
-            if not e.is_tensor:
-                if None not in items:
-                    self.add(".metadata", e.key, "no stored bytes for this entry (the save did not finish?)")
-                continue
-            outside = [(o, s) for o, s in e.chunks if len(o) != len(e.shape) or len(s) != len(e.shape)
-                       or any(a < 0 or b < 0 or a + b > n for a, b, n in zip(o, s, e.shape))]
-            if outside:
-                self.add(".metadata", e.key, f"chunk at {outside[0][0]} of size {outside[0][1]} lies outside "
-                                             f"{e.shape}")
-                continue
-            for offsets, _ in e.chunks:
-                if offsets not in items:
-                    self.add(".metadata", e.key, f"no stored bytes for its chunk at {offsets}")
-            why = _cover_once(e)
-            if why:
-                self.add(".metadata", e.key, why)
+    def structure(self, ck: Checkpoint) -> set[tuple[str | None, str | None]]:
+        """The load's metadata stage (``ck.problems``: ``load_checks.metadata_problems``); the
+        (file, entry) pairs whose items must not be read."""
+        self.checked["entries"] += len(ck.entries)
+        for p in ck.problems:
+            self.add(p.file or ".metadata", p.entry, p.what, p.check)
+        return {(p.file, p.entry) for p in ck.problems}
 
     # ------------------------------------------------------------ pass 2
-    def every_byte(self, ck: Checkpoint) -> None:
+    def every_byte(self, ck: Checkpoint, unsafe: set[tuple[str | None, str | None]]) -> None:
         by_file: dict[str, list] = {}
         for index, info in ck.metadata.storage_data.items():
+            if (getattr(info, "relative_path", None), index.fqn) in unsafe or (None, index.fqn) in unsafe:
+                continue  # outside its file, or of a length its chunk does not allow: never read
             by_file.setdefault(info.relative_path, []).append((int(info.offset), int(info.length), index, info))
         try:
             present = set(storage.list_files(self.path))
@@ -138,9 +127,9 @@ class _Verifier:
         if self.has_digests:  # a save with .digests leaves no byte outside an item: the load's own rule
             try:
                 for name, what in storage.stray_bytes(self.path, ck.metadata):
-                    self.add(name, None, what)
+                    self.add(name, None, what, "stray bytes")
             except OSError as err:
-                self.add(None, None, f"cannot list the folder ({err})")
+                self.add(None, None, f"cannot list the folder ({err})", "stray bytes")
         for extra in sorted(present - set(by_file) - {".metadata"}):
             if extra.endswith(".distcp") and not self.has_digests:
                 self.warnings.append(f"{extra} is not referenced by .metadata (left over from another save?)")
@@ -148,40 +137,30 @@ class _Verifier:
             items = sorted(by_file[name], key=lambda x: x[0])
             size = storage.file_size(self.path, name)
             if size is None:
-                self.add(name, items[0][2].fqn, f"file missing ({len(items)} entries are stored in it)")
-                continue
+                continue  # the metadata stage named it
             self.checked["files"] += 1
-            end = 0
-            for offset, length, index, _ in items:
-                if offset < end:
-                    self.add(name, index.fqn, f"overlaps the previous item (bytes {offset}..{offset + length})")
-                end = max(end, offset + length)
-            if end > size:
-                cut = next(x for x in items if x[0] + x[1] > size)
-                self.add(name, cut[2].fqn, f"truncated: {size:,} bytes, its items need {end:,} "
-                                           f"(the first cut item starts at byte {cut[0]:,})")
-            elif end < size and not self.has_digests:  # with .digests: stray_bytes above
+            end = max(o + n for o, n, _, _ in items)
+            if end < size and not self.has_digests:  # with .digests: stray_bytes above
                 self.warnings.append(f"{name}: {size - end:,} bytes after its last item")
             with storage.open_file(self.path, name) as stream:
                 for offset, length, index, info in items:
-                    if offset + length > size:
-                        continue  # reported above
                     stream.seek(offset)
                     data = _read_exact(stream, length)
                     self.checked["items"] += 1
                     self.checked["bytes"] += len(data)
                     if len(data) != length:
-                        self.add(name, index.fqn, f"short read: {len(data)} of {length} bytes")
+                        self.add(name, index.fqn, f"short read: {len(data)} of {length} bytes", "items inside files")
                         continue
                     if self.digests is not None and name not in self.bad_sections:
                         expected = self.digests.item(name, offset, length)
                         self.checked["digests_checked"] += 1
                         # Then the checks below too: they say more about what the damage hit.
                         if expected is None:
-                            self.add(name, index.fqn, f"no digest recorded for this item in {digests.FILE}")
+                            self.add(name, index.fqn, f"no digest recorded for this item in {digests.FILE}",
+                                     "digests")
                         elif self.digests.hexdigest(data) != expected:
                             self.add(name, index.fqn, f"corrupt bytes: {self.digests.algorithm} digest mismatch (the "
-                                                      "load refuses it)")
+                                                      "load refuses it)", "digests")
                     raw = _is_raw(ck, index, length)
                     if info.transform_descriptors:
                         self.warnings.append(f"{name}: {index.fqn} is stored transformed "
@@ -213,12 +192,15 @@ class _Verifier:
             return
         if not e.is_tensor:
             try:
-                unpickling.load_entry(io.BytesIO(data), e.key, self.path)  # as a resume reads it
+                load_checks.read_byte_entry(io.BytesIO(data), e.key, self.path)  # as a resume reads it
             except unpickling.ForbiddenObjectError as err:
+                check = "loader states" if load_checks.is_loader_state(e.key) else "byte entries"
                 self.add(name, e.key, f"refused: names {err.name}, which a checkpoint may not hold (reading it "
-                                      "could run code)")
+                                      "could run code)", check)
+            except load_checks.StepMismatchError as err:
+                self.add(name, e.key, str(err), "step binding")
             except Exception as err:
-                self.add(name, e.key, f"stored object does not load ({type(err).__name__}: {err})")
+                self.add(name, e.key, f"stored object does not load ({type(err).__name__}: {err})", "byte entries")
             return
         sizes = next((s for o, s in e.chunks if index.offset is not None and o == tuple(index.offset)), None)
         if sizes is None:
@@ -233,9 +215,9 @@ class _Verifier:
         except Exception as err:
             self.add(name, e.key, f"stored tensor does not load ({type(err).__name__}: {err})")
             return
-        if not isinstance(t, torch.Tensor) or t.dtype != e.dtype or tuple(t.shape) != tuple(sizes):
-            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            self.add(name, e.key, f"stored chunk is {got}, the metadata says {e.dtype} {tuple(sizes)}")
+        why = load_checks.stored_tensor_problem(e.key, t, e.dtype, tuple(sizes))
+        if why:
+            self.add(name, e.key, why, "stored tensors")
             return
         if t.is_floating_point() and t.numel():
             bad = int((~torch.isfinite(t)).sum())
@@ -255,7 +237,7 @@ class _Verifier:
         try:
             gefen = read_records(ck)
         except CkptError as err:
-            self.add(file_of(schema.header_key()), ck.optimizer_key(schema.header_key()), str(err))
+            self.add(file_of(schema.header_key()), ck.optimizer_key(schema.header_key()), str(err), "records")
             gefen = None
         if gefen is not None:
             summary["gefen"] = {"version": gefen.version, "optimizers": len(gefen.optimizers),
@@ -265,8 +247,8 @@ class _Verifier:
                                          "params": len(gefen.muon_params),
                                          "stateful_params": sum(1 for p in gefen.muon_params if p.period),
                                          "codebooks": len(gefen.muon_codebooks)}
-            for n, what in gefen.problems:
-                self.add(file_of(n), ck.optimizer_key(n), what)
+            for check, n, what in gefen.checked:
+                self.add(file_of(n), ck.optimizer_key(n), what, check)
         states: dict[str, dict[str, Entry]] = {}
         for n, e in opt.items():
             split = split_state_key(n)
@@ -296,31 +278,6 @@ def _read_exact(stream, length: int) -> bytes:
         parts.append(part)
         left -= len(part)
     return b"".join(parts)
-
-
-def _cover_once(e: Entry) -> str | None:
-    """None if the chunks cover every element of the tensor exactly once."""
-    if not e.shape:
-        return None if len(e.chunks) == 1 else f"{len(e.chunks)} chunks for a scalar"
-    if e.numel == 0:
-        return None
-    cuts = [sorted({0, n} | {o[d] for o, _ in e.chunks} | {o[d] + s[d] for o, s in e.chunks})
-            for d, n in enumerate(e.shape)]
-    cells = math.prod(len(c) - 1 for c in cuts)
-    if cells > 1 << 24:
-        total = sum(math.prod(s) for _, s in e.chunks)
-        return None if total == e.numel else f"chunks hold {total:,} elements of {e.numel:,}"
-    count = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
-    for off, size in e.chunks:
-        if not all(size):
-            continue
-        sl = tuple(slice(c.index(o), c.index(o + s)) for c, o, s in zip(cuts, off, size))
-        count[sl] += 1
-    if (count == 0).any():
-        return "its chunks leave part of the tensor uncovered"
-    if (count > 1).any():
-        return "its chunks overlap"
-    return None
 
 
 def _other_steps(path: str) -> list[str]:
@@ -363,10 +320,11 @@ def _verify(path: str) -> dict[str, Any]:
     if ck is not None:
         if not v.has_digests and digests.expects_digests(ck.metadata):
             v.add(digests.FILE, None, "missing, and .metadata says the save wrote one (deleted or lost since): "
-                                      "a load refuses this checkpoint")
-        v.tiling(ck)
-        v.every_byte(ck)
-        summary = v.records(ck)
+                                      "a load refuses this checkpoint", "digests present")
+        unsafe = v.structure(ck)
+        v.every_byte(ck, unsafe)
+        if not ck.problems:  # reading the records would allocate what .metadata claims
+            summary = v.records(ck)
     first = next((p for p in v.problems if p.file), v.problems[0] if v.problems else None)
     report: dict[str, Any] = {
         "path": v.path,

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, MODEL, OPTIMIZER, TRAIN_STATE
 
-from gefen_titan.checkpoint import schema, storage
+from gefen_titan.checkpoint import load_checks, schema, storage
 from gefen_titan.checkpoint.errors import root_cause
 from gefen_titan.checkpoint.unpickling import ForbiddenObjectError
 
@@ -105,6 +105,10 @@ class Checkpoint:
         except Exception as e:  # OSError, CheckpointException, unpickling errors
             raise CkptError(f"cannot read {self.path}/.metadata ({root_cause(e)}): restore it from a copy, or "
                             "use another step's folder") from e
+        # The load's metadata stage (load_checks): what a read of these files would allocate is bounded by
+        # them. ``load`` refuses while any problem stands; inspect flags them, verify lists them.
+        self.problems = storage.metadata_problems(self.path, self.metadata)
+        self.allocation = load_checks.allocation(self.metadata)
         mapping = self.metadata.planner_data or {}
         self.entries: dict[str, Entry] = {}
         for key, md in self.metadata.state_dict_metadata.items():
@@ -116,7 +120,8 @@ class Checkpoint:
                 self.entries[key] = Entry(key, path, tuple(md.size), md.properties.dtype, chunks)
         for index, info in self.metadata.storage_data.items():
             entry = self.entries.get(index.fqn)
-            if entry is None:
+            if entry is None or type(getattr(info, "length", None)) is not int or not isinstance(
+                    getattr(info, "relative_path", None), str):  # a malformed item: in self.problems
                 continue
             entry.stored_bytes += int(info.length)
             if info.relative_path not in entry.files:
@@ -154,17 +159,20 @@ class Checkpoint:
         """Ranks that wrote data files (DCP names them ``__{rank}_{n}.distcp``)."""
         ranks = set()
         for info in self.metadata.storage_data.values():
-            m = _WRITER_FILE.match(info.relative_path)
+            m = _WRITER_FILE.match(str(getattr(info, "relative_path", "")))
             if m:
                 ranks.add(int(m.group(1)))
         return sorted(ranks)
 
     def data_files(self) -> list[str]:
-        return sorted({info.relative_path for info in self.metadata.storage_data.values()})
+        return sorted({p for info in self.metadata.storage_data.values()
+                       if isinstance(p := getattr(info, "relative_path", None), str)})
 
     # ---------------------------------------------------------------- reads
     def load(self, keys: list[str]) -> dict[str, Any]:
         """Full values of the named entries (flat keys), in one DCP read."""
+        if self.problems and keys:
+            raise CkptError(load_checks.refusal(self.path, self.problems))
         sd: dict[str, Any] = {}
         for key in keys:
             e = self.entries[key]

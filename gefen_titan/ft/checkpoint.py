@@ -13,7 +13,9 @@ torchtitan #4422), and only when ``checkpoint.enable`` is set. This one:
   torchft resumes them at any size, like any other;
 - writes nothing for a step torchft did not commit (the trainer retries that
   step), so no folder is ever written twice for one step number;
-- purges old checkpoints from that group only.
+- purges old checkpoints from that group only;
+- hands ``checkpoint.digest_key_env``'s key to the heal transport, which
+  then signs and checks every heal (``ft.transport``).
 
 The per-replica data loader checkpoints of torchtitan's manager are not
 needed: the global-order loader's position is global, in every persistent
@@ -51,6 +53,8 @@ class GefenFTCheckpointManager(GefenCheckpointManager):
             dataloader=kwargs.get("dataloader"), train_state=kwargs["states"]["train_state"],
             transport=ft_manager.transport)
         self.ft_manager.register_state_dict_fn(HEAL_KEY, self.heal.load_state_dict, self.heal.state_dict)
+        # With checkpoint.digest_key_env, heals are signed and checked with the checkpoints' key.
+        ft_manager.transport.key = self._digest_key
 
     def _writes(self) -> bool:
         if self.ft_manager is None:

@@ -376,6 +376,7 @@ class GefenOptimizersContainer(OptimizersContainer):
             h for c in composites if (h := c.kind_hint(self.config, was, now))))
         for state in self._states:
             state.prepare_load(ctx)
+        ctx.refuse_records()  # what the checkpoint alone says (load_checks), as ckpt verify says it
 
     def abort_load(self) -> None:
         self._loading = False

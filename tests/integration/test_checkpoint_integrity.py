@@ -13,23 +13,34 @@ one flip a copy. Then:
 * ``gefen-titan ckpt verify`` names the flipped file of each copy;
 * one real ``train.py`` resume of a flipped copy fails on both ranks with
   that error and trains no step.
+
+The untrusted folders (issues 27 and 38) go through the same launch: a
+missing, cut or extended ``.digests``, stray bytes, an unlisted file, a
+payload in ``.metadata``, in ``train_state.step`` (rank 0's file: rank 1
+gets the refusal through DCP's gather, so it must pickle) and in rank 1's
+data loader state, and step 2's files under ``step-4`` (step binding); a
+real ``train.py`` resume of the ``train_state.step`` payload fails on both
+ranks naming the entry and the global.
 """
 
+import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import gefen_titan.train
 from gefen_titan.checkpoint import digests
 from gefen_titan.ckpt.verify import verify_checkpoint
 from tests.helpers import processes
 from tests.helpers.integrity_worker import resume_flipped
-from tests.helpers.untrusted import plant_in_metadata, rewrite_digests
+from tests.helpers.untrusted import Payload, plant_in_metadata, replace_item, rewrite_digests
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ["--job.config", "recipes/llama_gefen.toml", "--checkpoint.interval", "2"]
@@ -138,10 +149,28 @@ def _untrusted_copies(saved: Path, root: Path, sentinel: Path) -> list[tuple[Pat
     folder = copy("unlisted")
     shutil.copy(folder / "step-4" / "__1_0.distcp", folder / "step-4" / "__2_0.distcp")
     out.append((folder, "an unlisted data file", "__2_0.distcp"))
-    folder = copy("payload")
+    # Issue 38: refusals raised on one rank reach the other intact (they pickle), step binding.
+    folder = copy("step-payload")  # rank 0's file: rank 1 learns of it through DCP's gather
+    replace_item(folder / "step-4", "train_state.step", _pickled(Payload(sentinel)))
+    out.append((folder, "a payload in train_state.step", "entry train_state.step names io.open"))
+    folder = copy("loader-payload")  # rank 1's own loader state, the pickle inside the byte entry
+    replace_item(folder / "step-4", "dataloader.dp_rank_1", _pickled(pickle.dumps(Payload(sentinel))))
+    out.append((folder, "a payload in rank 1's loader state", "dataloader.dp_rank_1 names io.open"))
+    folder = copy("replayed")  # a signed step's files under a later step's folder
+    shutil.rmtree(folder / "step-4")
+    shutil.copytree(folder / "step-2", folder / "step-4")
+    out.append((folder, "step 2's files as step 4", "its train_state.step is 2, and its folder is step-4"))
+    folder = copy("payload")  # last: the end-to-end resume below
     rewrite_digests(folder / "step-4", plant_in_metadata(folder / "step-4", sentinel))
     out.append((folder, "a payload in .metadata, .digests rewritten to match", ".metadata names io.open"))
     return out
+
+
+def _pickled(value) -> bytes:
+    """A byte entry's item as DCP writes it (``torch.save`` of the value)."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
 
 
 def test_untrusted_folders_are_refused_on_every_rank_and_run_nothing(saved, tmp_path):
@@ -167,15 +196,19 @@ def test_untrusted_folders_are_refused_on_every_rank_and_run_nothing(saved, tmp_
         report = verify_checkpoint(str(folder / "step-4"))
         assert report["verdict"] == "failed", (what, report["problems"])
     assert all(seen["previous_step"] == 2 for seen in ranks)
-    payload = copies[-1][0] / "step-4"
+    payload = copies[-1][0] / "step-4"  # the .metadata payload
     for tool in (lambda: inspection.inspect_checkpoint(str(payload)),
                  lambda: convert.convert(str(payload), str(tmp_path / "converted"), "adamw")):
         with pytest.raises(Exception, match="io.open"):
             tool()
-    # End to end: a real train.py resume of the planted copy fails on both ranks and trains nothing.
-    proc = processes.torchrun(2, str(ROOT / "train.py"), *RECIPE, "--job.dump_folder", str(payload.parents[1]),
+    # End to end (issue 38's acceptance): a real train.py resume of the copy with a payload in rank 0's
+    # train_state.step fails on both ranks, each naming the entry and the global, and trains nothing.
+    # (The .metadata payload's refusal on both ranks is the launch's above.)
+    step_payload = next(folder for folder, what, _ in copies if what == "a payload in train_state.step")
+    proc = processes.torchrun(2, str(ROOT / "train.py"), *RECIPE, "--job.dump_folder", str(step_payload.parent),
                               "--training.steps", "6", timeout=600)
     log = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
     assert proc.returncode != 0 and not STEP_RE.search(log), log[-3000:]
-    assert len(re.findall(r"GefenCheckpointError: .*\.metadata names io\.open", log)) >= 2, log[-5000:]
+    refusals = re.findall(r"GefenCheckpointError: .*entry train_state\.step names io\.open", log)
+    assert len(refusals) >= 2 and "TypeError" not in log, log[-5000:]  # on both ranks, rebuilt intact on rank 1
     assert not sentinel.exists()

@@ -91,6 +91,24 @@ def test_checkpoint_manager_load_path():
                      "initial_load_path", "last_save_model_only", "keep_latest_k"}
 
 
+def test_checkpoint_manager_save_path():
+    """GefenCheckpointManager overrides ``dcp_save``, ``_wait_for_saving`` (an ENOSPC in an async
+    save's writer surfaces there) and ``_purge_stale_checkpoints`` (complete checkpoints only), and
+    calls ``_should_purge``, ``purge_queue``; torchtitan's ``_save`` must save through ``dcp_save`` and
+    purge after it, and ``maybe_wait_for_saving`` wait through ``_wait_for_saving``."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.checkpointer import base
+
+    assert _params(CheckpointManager.dcp_save) == ["self", "state_dict", "checkpoint_id", "async_mode",
+                                                   "enable_garbage_collection", "to_hf"]
+    save = inspect.getsource(CheckpointManager._save)
+    assert "self.dcp_save(" in save and "self._purge_stale_checkpoints()" in save
+    assert "self._wait_for_saving()" in inspect.getsource(base.BaseCheckpointManager.maybe_wait_for_saving)
+    assert _params(CheckpointManager._should_purge) == ["self"]
+    assert "self.purge_queue" in inspect.getsource(CheckpointManager.__init__)
+    assert "step-" in inspect.getsource(CheckpointManager._create_checkpoint_id)
+
+
 def test_remote_paths_rule():
     """gefen_titan.checkpoint.storage picks fsspec exactly where torchtitan does."""
     from torchtitan.tools import filesystem

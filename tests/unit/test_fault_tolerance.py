@@ -193,6 +193,81 @@ def test_the_transport_reads_a_heal_without_running_its_code(tmp_path):
 
 
 @needs_torchft
+def test_with_a_key_a_heal_is_signed_and_checked(monkeypatch):
+    """Issue 38, item 4: with ``digest_key_env``'s key the sender signs the payload and the step it serves;
+    the joiner refuses, before it returns anything to torchft, a payload changed in flight, one from a
+    process without the key or with another key, and one signed for another step (a replayed heal)."""
+    from gefen_titan.ft.transport import MAC_FIELD, HealRefused, SafeHTTPTransport
+
+    t = timedelta(seconds=10)
+    key = b"k" * 32
+    signed, unsigned, other = SafeHTTPTransport(t, key=key), SafeHTTPTransport(t), SafeHTTPTransport(t, key=b"o" * 32)
+    receiver = SafeHTTPTransport(t, key=key)
+    try:
+        payload = {"user": {"gefen_titan": {"model": {"w": torch.arange(6.0)}, "train_state": {"step": 5}}},
+                   "torchft": {"step": 5, "batches_committed": 10}}
+        signed.send_checkpoint([1], step=5, state_dict=payload, timeout=t)
+        got = receiver.recv_checkpoint(0, signed.metadata(), step=5, timeout=t)  # the good peer
+        assert MAC_FIELD not in got and torch.equal(got["user"]["gefen_titan"]["model"]["w"], torch.arange(6.0))
+        assert SafeHTTPTransport(t).recv_checkpoint(0, signed.metadata(), step=5, timeout=t)["torchft"]["step"] == 5
+
+        real = SafeHTTPTransport._load_from_address
+        def in_flight(cls, address, timeout):  # one element of the model changed on the wire
+            out = real.__func__(cls, address, timeout)
+            out["user"]["gefen_titan"]["model"]["w"][3] += 1
+            return out
+        monkeypatch.setattr(SafeHTTPTransport, "_load_from_address", classmethod(in_flight))
+        with pytest.raises(HealRefused, match="step 5 from replica rank 0 its MAC does not match"):
+            receiver.recv_checkpoint(0, signed.metadata(), step=5, timeout=t)
+        monkeypatch.setattr(SafeHTTPTransport, "_load_from_address", real)
+
+        unsigned.send_checkpoint([1], step=5, state_dict=payload, timeout=t)
+        with pytest.raises(HealRefused, match="carries no MAC"):
+            receiver.recv_checkpoint(0, unsigned.metadata(), step=5, timeout=t)
+        other.send_checkpoint([1], step=5, state_dict=payload, timeout=t)
+        with pytest.raises(HealRefused, match="MAC does not match"):
+            receiver.recv_checkpoint(0, other.metadata(), step=5, timeout=t)
+        signed.send_checkpoint([1], step=3, state_dict=payload, timeout=t)  # signed for step 3 ...
+        signed.allow_checkpoint(5)  # ... served as step 5
+        with pytest.raises(HealRefused, match="MAC does not match"):
+            receiver.recv_checkpoint(0, signed.metadata(), step=5, timeout=t)
+    finally:
+        for x in (signed, unsigned, other, receiver):
+            x.shutdown()
+
+
+@needs_torchft
+@pytest.mark.parametrize("cut", [100, 300_000, 1_049_000])  # in the records' index, a tensor, the last tensor
+def test_a_serving_peer_killed_mid_transfer_yields_no_payload(cut):
+    """Issue 38, item 7, at the transport: the serving process is SIGKILLed after ``cut`` bytes of a
+    1 MiB heal. The joiner's read raises one clear ConnectionError and returns nothing, whatever
+    record the stream ended in; torchft then reports the step's error and applies nothing, and the
+    next quorum heals again (the path the keyed-heal refusal takes in
+    tests/integration/test_fault_tolerance.py). An intact transfer reads back as before
+    (test_the_transport_reads_a_heal_without_running_its_code)."""
+    import multiprocessing as mp
+
+    from gefen_titan.ft.transport import SafeHTTPTransport
+    from tests.helpers.dying_heal_server import serve_and_die
+
+    t = timedelta(seconds=30)
+    ctx = mp.get_context("fork")  # this process's imports, no second interpreter (the suite's time)
+    conn, child_conn = ctx.Pipe()
+    server = ctx.Process(target=serve_and_die, args=(cut, child_conn))
+    server.start()
+    receiver = SafeHTTPTransport(t)
+    try:
+        address = conn.recv()
+        with pytest.raises(ConnectionError, match=r"the peer's stream ended after [\d,]+ bytes.*died mid-transfer"):
+            receiver.recv_checkpoint(0, address, step=5, timeout=t)
+        server.join(30)
+        assert server.exitcode == -9  # it died, killed, in the middle of the transfer
+    finally:
+        server.kill()
+        receiver.shutdown()
+
+
+@needs_torchft
 def test_an_ft_recipe_builds_the_fault_tolerant_trainer_with_gefen_parts():
     from gefen_titan.ft.checkpoint import GefenFTCheckpointManager
     from gefen_titan.ft.manager import GefenTorchFTManager

@@ -3,7 +3,10 @@
 ``read_load_context`` makes the load's one small collective read: the
 header, every optimizer record and every codebook of every kind (and v1's
 rank tables), parsed into a ``LoadContext`` that the container's kinds
-check (``check_kinds``) and every ``StateAdapter.prepare_load`` plan from.
+check (``check_kinds``) and every ``StateAdapter.prepare_load`` plan from,
+and checked by the records stage of ``checkpoint.load_checks`` (what ``ckpt
+verify`` runs: the checks that need no live model), whose refusal comes
+after the model-aware checks (``LoadContext.refuse_records``).
 Reading them once keeps a load's planning to one round of DCP's collectives
 however many optimizer kinds the run holds; which entries count as small is
 the format's to say (``schema.SMALL_KINDS``).
@@ -15,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint import load_checks, schema
 from gefen_titan.checkpoint.errors import refuse_on_any_rank
 from gefen_titan.checkpoint.storage import read_small
 
@@ -37,6 +40,16 @@ class LoadContext:
     """Every small entry (``schema.SMALL_KINDS``), read: the header, records (JSON), codebooks."""
     header: schema.Header | None
     """The parsed header; None where the checkpoint has no Gefen state."""
+    refusal: str | None = None
+    """The records stage's verdict (``load_checks.record_problems``): None, or the refusal
+    ``refuse_records`` raises once the kinds and the state adapters have had their say."""
+
+    def refuse_records(self) -> None:
+        """Refuse, on every rank, what the records stage found. Called after the model-aware checks
+        (the kinds', the adapters' ``prepare_load``), so that a checkpoint of another model or recipe
+        is named as such; what only the records stage sees (what ``ckpt verify`` also reports)
+        refuses the load here, before anything is read into the optimizer."""
+        refuse_on_any_rank(self.refusal, f"cannot load optimizer state from {self.checkpoint_id}")
 
     def keys_of(self, kind: str) -> list[str]:
         """The entries of one key kind (``schema.parse_key``), sorted."""
@@ -62,7 +75,10 @@ def read_load_context(checkpoint_id: str, metadata: Any, prefix: str) -> LoadCon
         except schema.FormatError as e:
             error = str(e)
     refuse_on_any_rank(error, f"cannot load optimizer state from {checkpoint_id}")
-    return LoadContext(checkpoint_id, entries, small, header)
+    # The records stage of load_checks: the same function ckpt verify runs; refused by refuse_records.
+    problems = load_checks.record_problems(entries, small, prefix)
+    return LoadContext(checkpoint_id, entries, small, header,
+                       load_checks.refusal(checkpoint_id, problems) if problems else None)
 
 
 def check_kinds(ctx: LoadContext, live: dict[str, str], saved_by: dict[str, str],
