@@ -1,9 +1,9 @@
 """The optimizer's load path: one small collective read of the records per load, and a third
 optimizer kind added as one registry entry, one state type and its records (no container code).
 
-Both save a real checkpoint with gefen-titan's writer and load it through the
-container's ``prepare_load`` / ``state_dict`` / ``load_state_dict``, as
-``GefenCheckpointManager`` drives them, in one process.
+Both save a real checkpoint and resume it with ``GefenCheckpointManager``
+(``tests.helpers.tiny_checkpoint.manager``: the train state, a data loader,
+an LR scheduler beside the model and the optimizer), in one process.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ import torch.nn as nn
 from gefen import Gefen
 
 from gefen_titan.checkpoint import schema, storage
+from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
 from gefen_titan.optim.state import GefenShardedAdapter
+from tests.helpers.tiny_checkpoint import manager
 
 
 class Net(nn.Module):
@@ -42,22 +44,28 @@ def _train(opt, model, steps=2, seed=0):
         opt.zero_grad()
 
 
-def _save(opt, path):
-    dcp.save({"optimizer": opt.state_dict()}, storage_writer=storage.storage_writer(path))
+def _save(opt, model, root):
+    """Saved by ``GefenCheckpointManager`` as a run saves (step 1, under ``root/ckpt/step-1``)."""
+    manager(root, model, opt).save(curr_step=1)
+    return root / "ckpt" / "step-1"
 
 
-def _load(opt, path, monkeypatch):
-    """The manager's three steps; returns how many DCP reads ``prepare_load`` made."""
+def _load(opt, model, root, monkeypatch):
+    """Loaded by ``GefenCheckpointManager`` as a run resumes; returns the keys of every DCP read it made."""
     reads = []
     real = dcp.load
     monkeypatch.setattr(dcp, "load", lambda *a, **kw: (reads.append(sorted(a[0])), real(*a, **kw))[1])
-    metadata = storage.read_metadata(path)
-    opt.prepare_load(str(path), metadata, "optimizer.")
-    monkeypatch.setattr(dcp, "load", real)
-    sd = {"optimizer": opt.state_dict()}
-    dcp.load(sd, storage_reader=storage.storage_reader(path, metadata=metadata))
-    opt.load_state_dict(sd["optimizer"])
+    try:
+        assert manager(root, model, opt).load(step=1)
+    finally:
+        monkeypatch.setattr(dcp, "load", real)
     return reads
+
+
+def _small_reads(reads):
+    """The reads before the main one (the main read carries the model's entries)."""
+    assert reads and "train_state" in reads[-1], reads
+    return reads[:-1]
 
 
 def _same_state(a, b, read=gx.read):
@@ -80,9 +88,10 @@ def test_a_load_reads_every_kinds_records_in_one_collective_read(tmp_path, monke
     model = Net()
     opt = config.build(model_parts=[model])
     _train(opt, model)
-    _save(opt, tmp_path / "ckpt")
-    fresh = config.build(model_parts=[Net()])
-    reads = _load(fresh, tmp_path / "ckpt", monkeypatch)
+    _save(opt, model, tmp_path)
+    fresh_model = Net()
+    fresh = config.build(model_parts=[fresh_model])
+    reads = _small_reads(_load(fresh, fresh_model, tmp_path, monkeypatch))
     assert len(reads) == 1, reads
     (small,) = reads
     kinds = {schema.parse_key(k.partition(".")[2]).kind for k in small}
@@ -153,19 +162,20 @@ def test_a_third_kind_is_one_entry_one_state_type_and_its_records(tmp_path, monk
     model = Net()
     opt = config.build(model_parts=[model])
     _train(opt, model)
-    _save(opt, tmp_path / "ckpt")
-    keys = storage.read_metadata(tmp_path / "ckpt").state_dict_metadata
+    keys = storage.read_metadata(_save(opt, model, tmp_path)).state_dict_metadata
     variant = next(o for o in opt.optimizers if type(o) is _Variant)
     assert "optimizer.gefen/variant/attn.weight" in keys and "optimizer.gefen/variant_codebook/attn.weight" in keys
     assert gx.read(variant, next(gx.named_params(variant))[1]) is not None  # it stepped
 
-    fresh = config.build(model_parts=[Net()])
-    reads = _load(fresh, tmp_path / "ckpt", monkeypatch)
-    assert len(reads) == 1
+    fresh_model = Net()
+    fresh = config.build(model_parts=[fresh_model])
+    assert len(_small_reads(_load(fresh, fresh_model, tmp_path, monkeypatch))) == 1
     _same_state(variant, next(o for o in fresh.optimizers if type(o) is _Variant))
     _same_state(opt.gefen_optimizers[0], fresh.gefen_optimizers[0])
 
     # The kinds check knows it by its entry: its parameter given to Gefen is refused, naming both.
-    moved = GefenOptimizersContainer.Config(name="Gefen").build(model_parts=[Net()])
-    with pytest.raises(Exception, match=r"\(attn.weight\) were saved by Variant and the recipe gives them to Gefen"):
-        _load(moved, tmp_path / "ckpt", monkeypatch)
+    moved_model = Net()
+    moved = GefenOptimizersContainer.Config(name="Gefen").build(model_parts=[moved_model])
+    with pytest.raises(GefenCheckpointError, match=r"\(attn.weight\) were saved by Variant and the recipe gives "
+                                                   "them to Gefen"):
+        _load(moved, moved_model, tmp_path, monkeypatch)
