@@ -310,7 +310,7 @@ def built_from(flavor: str, mesh: Mesh, numel: int, container, max_tp: int, chec
     agreement = AgreedBlocking(max_tp)
     coords_by_mesh: dict[int, list] = {}
     params = []
-    for fqn, p, unit, candidates in agreement.period_candidates(container.gefen_optimizers):
+    for fqn, p, unit, candidates in agreement.period_candidates(container.optimizers_of("Gefen")):
         key = id(p.device_mesh)
         if key not in coords_by_mesh:
             coords_by_mesh[key] = _coords(p.device_mesh, mesh.world, fqn)
@@ -318,12 +318,12 @@ def built_from(flavor: str, mesh: Mesh, numel: int, container, max_tp: int, chec
                             coords_by_mesh[key], unit, candidates, p))
     from gefen_titan.checkpoint.schema import HYPER
 
-    group = container.gefen_optimizers[0].param_groups[0]
+    group = container.optimizers_of("Gefen")[0].param_groups[0]
     hyper = {k: float(group[k]) for k in HYPER}
     from gefen_titan.optim import gefenx as gx
 
     return Built(flavor, mesh, numel, params, checkpoint_id, adamw_template, hyper,
-                 gx.options(container.gefen_optimizers[0])["deterministic"], **muon)
+                 gx.options(container.optimizers_of("Gefen")[0])["deterministic"], **muon)
 
 
 # ---------------------------------------------------------------- entries

@@ -120,7 +120,7 @@ def _worker(out: str, train_args: list[str]) -> None:
         steps.append(time.perf_counter() - t0)
         return result
 
-    muon_stats = trainer.optimizers.muon_step_stats()
+    muon_stats = trainer.optimizers.step_stats("GefenMuon")
     muon_steps: list[dict] = []
 
     def timed_opt_step(*a, **k):

@@ -50,7 +50,7 @@ from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import param_groups, registry
 from gefen_titan.optim.blocking import AgreedBlocking
 from gefen_titan.optim.hybrid import HybridOptions, RoutedGroup
-from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB, MuonStepStats
+from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB
 from gefen_titan.optim.param_groups import GROUP_DEFAULTS, SHORTHAND_DEFAULTS
 from gefen_titan.optim.state import StateAdapter, check_kinds, read_load_context
 from gefen_titan.optim.state_size import state_bytes
@@ -427,19 +427,17 @@ class GefenOptimizersContainer(OptimizersContainer):
         """(optimizer state bytes, parameter elements) held by this rank (``optim.state_size``)."""
         return state_bytes(self.optimizers)
 
-    @property
-    def gefen_optimizers(self) -> list[Optimizer]:
-        """The (plain) Gefen optimizers."""
-        return [o for o in self.optimizers if gx.is_gefen(o)]
+    def optimizers_of(self, name: str) -> list[Optimizer]:
+        """The optimizers of registry entry ``name`` (its ``owns``: by exact type)."""
+        spec = registry.get(name)
+        if spec is None:
+            raise KeyError(f"no registered optimizer {name!r} (registered: {', '.join(registry.names())})")
+        return [o for o in self.optimizers if spec.owns(o)]
 
-    @property
-    def muon_optimizers(self) -> list[Optimizer]:
-        """The GefenMuon optimizers."""
-        return [o for o in self.optimizers if gx.is_gefen_muon(o)]
-
-    def muon_step_stats(self) -> list[MuonStepStats]:
-        """Each GefenMuon optimizer's step statistics on this rank (benchmarks)."""
-        return [gx.sharded_step(o).stats for o in self.muon_optimizers]
+    def step_stats(self, name: str) -> list[Any]:
+        """Each optimizer of entry ``name``'s step statistics on this rank (its ``step_stats``; benchmarks)."""
+        spec = registry.get(name)
+        return [spec.step_stats(o) for o in self.optimizers_of(name)] if spec and spec.step_stats else []
 
     @property
     def agreed_optimizers(self) -> list[Optimizer]:

@@ -34,7 +34,9 @@ variant is one ``register`` call plus its state type and records:
   gefen-titan cannot keep (e.g. Gefen's ``capturable``);
 * ``after_agreed_step``: what the container does for it after each step under
   agreed blocking (Gefen: count the steps of its empty local shards, which
-  keep no state, so the records agree on every rank).
+  keep no state, so the records agree on every rank);
+* ``step_stats``: a built optimizer's step statistics on this rank (GefenMuon:
+  its sharded step's ``MuonStepStats``), for the container's ``step_stats``.
 
 The container, the recipe checks and the load know an optimizer only
 through these fields: a new kind adds an entry, its state type and its
@@ -94,6 +96,7 @@ class OptimizerSpec:
     group_key_hint: Callable[[str], str] = lambda key: ""
     """A hint for a group key the optimizer does not read (where it goes instead)."""
     shorthand_keys: tuple[str, ...] = SHORTHAND_KEYS
+    step_stats: Callable[[Optimizer], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -329,8 +332,8 @@ def build_gefen_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any) 
     mode = options.pop("cpu_step", "kernel")
     if not bucket_mib > 0:
         raise ValueError(f"optimizer.muon_bucket_mib must be > 0, got {bucket_mib!r}")
-    optim = gx.new_gefen_muon(groups, **options, **factory_kwargs)
-    gx.set_sharded_step(optim, ShardedMuonStep(optim, bucket_bytes=int(bucket_mib * 2**20)))
+    optim = gx.new_gefen_muon(groups, lambda o: ShardedMuonStep(o, bucket_bytes=int(bucket_mib * 2**20)),
+                              **options, **factory_kwargs)
     cpu_step.install(optim, mode, "GefenMuon")
     return optim
 
@@ -370,6 +373,7 @@ register(OptimizerSpec(
     group_key_hint=_muon_group_key_hint,
     # eps is the Newton-Schulz normalisation floor here (default 1e-7), not Adam's.
     shorthand_keys=("lr", "weight_decay"),
+    step_stats=lambda optim: gx.sharded_step(optim).stats,
 ))
 
 register_composite(CompositeSpec(

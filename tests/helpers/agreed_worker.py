@@ -117,7 +117,7 @@ def global_state(opt: GefenOptimizersContainer) -> dict:
     """
     sd = opt.state_dict()
     out = {k: (sm.full(v) if isinstance(v, torch.Tensor) else v) for k, v in sd.items() if k.startswith("gefen/")}
-    (optim,) = opt.gefen_optimizers
+    (optim,) = opt.optimizers_of("Gefen")
     out["periods"] = {n: gx.period(optim, p) for n, p, _ in gx.named_params(optim)}
     out["codebook"] = gx.codebook(optim).cpu().clone()
     out["global_step"] = gx.global_step(optim)
@@ -127,7 +127,7 @@ def global_state(opt: GefenOptimizersContainer) -> dict:
 def snapshot(opt: GefenOptimizersContainer) -> dict:
     """This rank's live Gefen state, copied (fail-closed checks)."""
     out = {}
-    for optim in opt.gefen_optimizers:
+    for optim in opt.optimizers_of("Gefen"):
         out["codebook"] = None if gx.codebook(optim) is None else gx.codebook(optim).clone()
         out["global_step"] = gx.global_step(optim)
         for n, p, group in gx.named_params(optim):
@@ -220,7 +220,7 @@ def job(args, rank: int, world: int) -> None:
         model, opt, sched, ts = fresh()
         step(model, opt, sched, 1)
         if rank == 1:
-            (optim,) = opt.gefen_optimizers
+            (optim,) = opt.optimizers_of("Gefen")
             cb = gx.codebook(optim).clone()
             cb[100] = (cb[99] + cb[100]) / 2
             gx.set_codebook(optim, cb)

@@ -159,7 +159,7 @@ def global_state(opt) -> dict:
     from gefen_titan.optim import gefenx as gx
 
     out["schedule"] = []
-    for optim in opt.muon_optimizers:
+    for optim in opt.optimizers_of("GefenMuon"):
         specs, sched = gx.sharded_step(optim).plan()
         out["schedule"] += [[(specs[i].fqn, o) for i, o in zip(b.matrices, b.owners)] for b in sched.buckets]
     return out

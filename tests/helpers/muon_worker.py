@@ -61,7 +61,7 @@ def groups(gefen_only: bool) -> dict:
 def schedule(opt: GefenOptimizersContainer) -> dict:
     """This rank's GefenMuon buckets ([(fqn, owner), ...] each) and its step statistics."""
     out = {"buckets": [], "stats": []}
-    for optim, stats in zip(opt.muon_optimizers, opt.muon_step_stats(), strict=True):
+    for optim, stats in zip(opt.optimizers_of("GefenMuon"), opt.step_stats("GefenMuon"), strict=True):
         names = [fqn for fqn, _, _ in gx.named_params(optim)]
         sched = gx.sharded_step(optim).schedule
         out["buckets"] += [[(names[i], o) for i, o in zip(b.matrices, b.owners)] for b in sched.buckets]
@@ -78,7 +78,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def muon_state(opt: GefenOptimizersContainer) -> dict:
     """This rank's stage of the live GefenMuon state as global tensors (collective within the stage)."""
     out = {"periods": {}, "counters": {}, "tensors": {}}
-    for optim in opt.muon_optimizers:
+    for optim in opt.optimizers_of("GefenMuon"):
         out["codebook"] = gx.codebook(optim).cpu().clone()
         out["global_step"] = gx.global_step(optim)
         for fqn, p, group in gx.named_params(optim):
@@ -99,14 +99,14 @@ def global_state(opt: GefenOptimizersContainer) -> dict:
     """The checkpoint's entries (Gefen's and GefenMuon's) as global tensors, plus the live GefenMuon state."""
     sd = opt.state_dict()
     out = {k: (_full(v) if isinstance(v, torch.Tensor) else v) for k, v in sd.items() if k.startswith("gefen/")}
-    out["muon"] = muon_state(opt) if opt.muon_optimizers else None
+    out["muon"] = muon_state(opt) if opt.optimizers_of("GefenMuon") else None
     return out
 
 
 def snapshot(opt: GefenOptimizersContainer) -> dict:
     """This rank's live optimizer state, copied (fail-closed checks)."""
     out = aw.snapshot(opt)
-    for optim in opt.muon_optimizers:
+    for optim in opt.optimizers_of("GefenMuon"):
         out["muon_codebook"] = None if gx.codebook(optim) is None else gx.codebook(optim).clone()
         out["muon_global_step"] = gx.global_step(optim)
         for n, p, group in gx.named_params(optim):
@@ -122,7 +122,8 @@ class GefenX:
 
     def __init__(self, opt: GefenOptimizersContainer) -> None:
         init = {n: p.detach().clone() for n, p in aw.sm.build_model(aw.SIZES).named_parameters()}
-        self.run = [(optim, fqn, p, group) for optim in opt.muon_optimizers for fqn, p, group in gx.named_params(optim)]
+        self.run = [(optim, fqn, p, group) for optim in opt.optimizers_of("GefenMuon")
+                    for fqn, p, group in gx.named_params(optim)]
         self.params = {fqn: nn.Parameter(init[fqn].clone()) for _, fqn, _, _ in self.run}
         _, _, _, group = self.run[0]
         self.optim = GefenMuon([(fqn, p) for fqn, p in self.params.items()], fused=False,

@@ -81,7 +81,7 @@ def train_step(model, opt, sched, step, rank, world):
 def snapshot(opt):
     """This rank's raw Gefen state, by parameter name."""
     out = {}
-    for optim in opt.gefen_optimizers:
+    for optim in opt.optimizers_of("Gefen"):
         cb = gx.codebook(optim)
         for name, p, group in gx.named_params(optim):
             st = gx.read(optim, p)

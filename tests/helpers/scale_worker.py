@@ -84,7 +84,7 @@ def collectives() -> dict:
         opt.step()
     finally:
         dist.all_gather, dist.all_reduce, dist.broadcast = saved
-    searched = [c for _, _, unit, c in AgreedBlocking(1).period_candidates(opt.gefen_optimizers) if unit]
+    searched = [c for _, _, unit, c in AgreedBlocking(1).period_candidates(opt.optimizers_of("Gefen")) if unit]
     width = sum(len(c) for c in searched)
     expected = [(op, str(dtype), n) for _, op, dtype, n in agreement_collectives(width, len(searched))]
     return {"recorded": recorded, "expected": expected, "width": width}
@@ -155,14 +155,14 @@ def planned_and_real(planned: list, optimizers) -> dict:
     from gefen_titan.optim.muon import build_schedule
 
     specs, sched = [], []
-    for optim in optimizers.muon_optimizers:
+    for optim in optimizers.optimizers_of("GefenMuon"):
         mine, schedule = gx.sharded_step(optim).plan()
         specs += mine
         sched += [[list(b.matrices), list(b.owners)] for b in schedule.buckets]
-    plan_sched = build_schedule(planned, gx.sharded_step(optimizers.muon_optimizers[0]).bucket_bytes)
+    plan_sched = build_schedule(planned, gx.sharded_step(optimizers.optimizers_of("GefenMuon")[0]).bucket_bytes)
     return {"planned": [dataclasses.astuple(m) for m in planned], "real": [dataclasses.astuple(m) for m in specs],
             "planned_schedule": [[list(b.matrices), list(b.owners)] for b in plan_sched.buckets],
-            "real_schedule": sched, "optimizers": len(optimizers.muon_optimizers)}
+            "real_schedule": sched, "optimizers": len(optimizers.optimizers_of("GefenMuon"))}
 
 
 def muon(built) -> dict:

@@ -90,7 +90,7 @@ def test_single_process_agreed_step_presets_what_gefen_would_learn(monkeypatch):
     opt = _container(model)
     model(torch.randint(512, (4, 16))).square().mean().backward()
     opt.step()
-    (optim,) = opt.gefen_optimizers
+    (optim,) = opt.optimizers_of("Gefen")
     for name, p, _ in gx.named_params(optim):
         st = gx.read(optim, p)
         assert st.step == 1
@@ -107,7 +107,7 @@ def test_parameter_without_gradient_refused_before_any_change():
     model[0](torch.randn(2, 64)).sum().backward()  # model[1] gets no gradient
     with pytest.raises(BlockingError, match="no gradient on the first step"):
         opt.step()
-    (optim,) = opt.gefen_optimizers
+    (optim,) = opt.optimizers_of("Gefen")
     assert gx.codebook(optim) is None
     assert all(gx.period(optim, p) is None for _, p, _ in gx.named_params(optim))
 
@@ -130,7 +130,7 @@ def test_per_rank_blocking_keeps_gefens_own_learning():
     assert opt.blocking == "per_rank" and opt.agreement is None
     model(torch.randn(4, 64)).sum().backward()
     opt.step()
-    (optim,) = opt.gefen_optimizers
+    (optim,) = opt.optimizers_of("Gefen")
     # gefen-x learned them itself, on its own step.
     assert gx.codebook(optim) is not None and gx.period(optim, model.weight) is not None
 

@@ -129,7 +129,7 @@ def built_on_meta(recipe: str, world_size: int, overrides: dict) -> dict:
         "placements": sorted({str(tuple(p.placements)) for _, p in params}),
         "mesh_sizes": sorted({p.device_mesh.size() for _, p in params}),
         "optimizers": [type(o).__name__ for o in optimizers.optimizers],
-        "gefen_params": sum(1 for o in optimizers.gefen_optimizers for _ in gx.named_params(o)),
+        "gefen_params": sum(1 for o in optimizers.optimizers_of("Gefen") for _ in gx.named_params(o)),
         "params": len(params),
         "checkpoint": type(config.checkpoint).__qualname__,
     }

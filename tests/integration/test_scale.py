@@ -239,7 +239,7 @@ def test_state_formula_matches_real_gefen(gefen_stepped):
 
     _, opt, _ = gefen_stepped
     total = 0
-    for optim in opt.gefen_optimizers:
+    for optim in opt.optimizers_of("Gefen"):
         total += scale.CODEBOOK_BYTES
         for _, p, _ in gx.named_params(optim):
             total += scale.gefen_param_bytes(p.numel(), gx.period(optim, p))

@@ -92,14 +92,20 @@ def test_gefen_x_step_cannot_be_reached():
     bare = gx.new_gefen_muon([{"params": [("w", nn.Parameter(torch.zeros(8, 8)))]}])
     with pytest.raises(RuntimeError, match="no sharded step"):
         bare.step()
+    calls = []  # the step it is built with is the step it runs
+    composed = gx.new_gefen_muon([{"params": [("w", nn.Parameter(torch.zeros(8, 8)))]}],
+                                 lambda o: lambda: calls.append(o))
+    composed.step()
+    assert calls == [composed]
 
 
 # ------------------------------------------------------------------ owners
 def test_the_bucket_size_reaches_the_sharded_step_and_a_bad_one_is_refused():
     opt = _config(muon_bucket_mib=3).build(model_parts=[Net()])
-    (muon,) = opt.muon_optimizers
+    (muon,) = opt.optimizers_of("GefenMuon")
     assert gx.sharded_step(muon).bucket_bytes == 3 * 2**20
-    assert gx.sharded_step(_config().build(model_parts=[Net()]).muon_optimizers[0]).bucket_bytes == 512 * 2**20
+    (default,) = _config().build(model_parts=[Net()]).optimizers_of("GefenMuon")
+    assert gx.sharded_step(default).bucket_bytes == 512 * 2**20
     for bad in (0, -1.0):
         with pytest.raises(ValueError, match="muon_bucket_mib must be > 0"):
             _config(muon_bucket_mib=bad)

@@ -306,5 +306,5 @@ def test_the_optimizer_refuses_a_shard_dcp_would_misplace_before_its_first_step(
         before = w.to_local().clone()
         with pytest.raises(BlockingError, match="0.weight: this rank holds .* a checkpoint would store"):
             opt.step()
-        (optim,) = opt.gefen_optimizers
+        (optim,) = opt.optimizers_of("Gefen")
         assert gx.codebook(optim) is None and torch.equal(w.to_local(), before)

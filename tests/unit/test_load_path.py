@@ -96,9 +96,9 @@ def test_a_load_reads_every_kinds_records_in_one_collective_read(tmp_path, monke
     (small,) = reads
     kinds = {schema.parse_key(k.partition(".")[2]).kind for k in small}
     assert kinds == {"header", "optimizer", "codebook", "muon", "muon_codebook"}
-    gefen_live, gefen_loaded = opt.gefen_optimizers[0], fresh.gefen_optimizers[0]
+    gefen_live, gefen_loaded = opt.optimizers_of("Gefen")[0], fresh.optimizers_of("Gefen")[0]
     _same_state(gefen_live, gefen_loaded)
-    muon_live, muon_loaded = opt.muon_optimizers[0], fresh.muon_optimizers[0]
+    muon_live, muon_loaded = opt.optimizers_of("GefenMuon")[0], fresh.optimizers_of("GefenMuon")[0]
     for (fqn, pa, _), (_, pb, _) in zip(gx.named_params(muon_live), gx.named_params(muon_loaded), strict=True):
         sa, sb = gx.muon_read(muon_live, pa), gx.muon_read(muon_loaded, pb)
         assert torch.equal(sa.codes, sb.codes) and torch.equal(sa.magnitude, sb.magnitude), fqn
@@ -171,7 +171,7 @@ def test_a_third_kind_is_one_entry_one_state_type_and_its_records(tmp_path, monk
     fresh = config.build(model_parts=[fresh_model])
     assert len(_small_reads(_load(fresh, fresh_model, tmp_path, monkeypatch))) == 1
     _same_state(variant, next(o for o in fresh.optimizers if type(o) is _Variant))
-    _same_state(opt.gefen_optimizers[0], fresh.gefen_optimizers[0])
+    _same_state(opt.optimizers_of("Gefen")[0], fresh.optimizers_of("Gefen")[0])
 
     # The kinds check knows it by its entry: its parameter given to Gefen is refused, naming both.
     moved_model = Net()

@@ -79,7 +79,7 @@ def test_one_gefen_per_pipeline_model_part():
     parts = [Block(), Block()]
     opt = _config(name="Gefen").build(model_parts=parts)
     assert len(opt.optimizers) == 2 and all(isinstance(o, Gefen) for o in opt.optimizers)
-    assert len(opt.gefen_optimizers) == 2
+    assert len(opt.optimizers_of("Gefen")) == 2
 
 
 def test_lr_scheduler_drives_gefen_groups():

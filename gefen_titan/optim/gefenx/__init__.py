@@ -59,6 +59,7 @@ from gefen_titan.optim.gefenx.muon import (
     MUON_UPDATE_DTYPE,
     MuonState,
     ShardedGefenMuon,
+    ShardedStep,
     advance_global_step,
     hybrid_defaults,
     is_gefen_muon,
@@ -77,7 +78,6 @@ from gefen_titan.optim.gefenx.muon import (
     new_gefen_muon,
     ns_schedule_coefficients,
     ns_schedule_names,
-    set_sharded_step,
     sharded_step,
 )
 from gefen_titan.optim.gefenx.routing import route_cpu_step
@@ -88,7 +88,7 @@ __all__ = [
     "clear", "has_state", "period", "set_period", "codebook", "set_codebook", "global_step", "set_global_step",
     "count_empty_shard_step", "empty_shard_counters", "set_empty_shard_counters", "finalize_period",
     "fallback_enabled", "state_tensors", "CODEBOOK_FAMILIES", "codebook_family", "MUON_GROUP_KEYS", "MUON_REFUSED",
-    "MUON_UPDATE_DTYPE", "MuonState", "ShardedGefenMuon", "new_gefen_muon", "set_sharded_step", "sharded_step",
+    "MUON_UPDATE_DTYPE", "MuonState", "ShardedGefenMuon", "new_gefen_muon", "ShardedStep", "sharded_step",
     "is_gefen_muon", "muon_defaults", "muon_refused", "muon_deterministic", "muon_read", "muon_write", "muon_rows",
     "muon_set_rows", "muon_momentum", "muon_orthogonalize", "muon_normuon", "muon_apply", "muon_restore_group",
     "advance_global_step", "hybrid_defaults", "ns_schedule_names", "ns_schedule_coefficients", "route_cpu_step",

@@ -11,8 +11,9 @@ Newton-Schulz schedules (read, never built).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from gefen import Gefen, GefenMuon, GefenMuonHybrid
@@ -23,8 +24,8 @@ from torch.optim import Optimizer
 from gefen_titan.checkpoint.schema_muon import MUON_HYPER
 
 __all__ = [
-    "MUON_GROUP_KEYS", "MUON_REFUSED", "MUON_UPDATE_DTYPE", "MuonState", "ShardedGefenMuon", "new_gefen_muon",
-    "set_sharded_step", "sharded_step", "is_gefen_muon", "muon_defaults", "muon_refused", "muon_deterministic",
+    "MUON_GROUP_KEYS", "MUON_REFUSED", "MUON_UPDATE_DTYPE", "MuonState", "ShardedGefenMuon", "ShardedStep",
+    "new_gefen_muon", "sharded_step", "is_gefen_muon", "muon_defaults", "muon_refused", "muon_deterministic",
     "muon_read", "muon_write", "muon_rows", "muon_set_rows", "muon_momentum", "muon_orthogonalize", "muon_normuon",
     "muon_apply", "muon_restore_group", "advance_global_step", "hybrid_defaults", "ns_schedule_names",
     "ns_schedule_coefficients",
@@ -92,6 +93,14 @@ class _Registration(Gefen):
         return super().add_param_group(param_group)
 
 
+class ShardedStep(Protocol):
+    """What a ``ShardedGefenMuon`` runs as its ``step()``: ``gefen_titan.optim.muon.ShardedMuonStep``,
+    handed to the constructor by the registry's factory (this package sits below ``optim.muon``,
+    which drives the pieces here, so the step comes in as a constructor argument)."""
+
+    def __call__(self) -> None: ...
+
+
 class ShardedGefenMuon(GefenMuon, _Registration):
     """gefen-x's GefenMuon whose ``step()`` is gefen-titan's sharded step.
 
@@ -113,7 +122,11 @@ class ShardedGefenMuon(GefenMuon, _Registration):
     Gefen, registers the weight itself.
     """
 
-    sharded_step: Any = None  # set by the factory (``set_sharded_step``)
+    def __init__(self, params: Any, *, sharded_step: Callable[[Optimizer], ShardedStep] | None = None,
+                 **options: Any) -> None:
+        super().__init__(params, **options)
+        # None: an optimizer whose pieces a caller drives itself (tests, benchmarks); it cannot step.
+        self._sharded_step = sharded_step(self) if sharded_step is not None else None
 
     def add_param_group(self, param_group):
         if not isinstance(param_group, dict) or "params" not in param_group:
@@ -137,23 +150,21 @@ class ShardedGefenMuon(GefenMuon, _Registration):
     def step(self, closure: Any = None) -> None:
         if closure is not None:
             raise ValueError("GefenMuon under gefen-titan takes no closure")
-        if self.sharded_step is None:
+        if self._sharded_step is None:
             raise RuntimeError("this GefenMuon has no sharded step: build it through gefen_titan.optim.registry")
-        self.sharded_step()
+        self._sharded_step()
 
 
-def new_gefen_muon(param_groups: list[dict[str, Any]], **options: Any) -> Optimizer:
-    """A ``ShardedGefenMuon(param_groups, **options)``: the one place gefen-titan constructs GefenMuon."""
-    return ShardedGefenMuon(param_groups, **options)
-
-
-def set_sharded_step(optim: Optimizer, step: Any) -> None:
-    optim.sharded_step = step
+def new_gefen_muon(param_groups: list[dict[str, Any]], sharded_step: Callable[[Optimizer], ShardedStep] | None = None,
+                   **options: Any) -> Optimizer:
+    """A ``ShardedGefenMuon(param_groups, **options)`` that runs ``sharded_step(optimizer)`` as its step:
+    the one place gefen-titan constructs GefenMuon."""
+    return ShardedGefenMuon(param_groups, sharded_step=sharded_step, **options)
 
 
 def sharded_step(optim: Optimizer) -> Any:
-    """The sharded step a ``ShardedGefenMuon`` runs (``set_sharded_step``'s)."""
-    return optim.sharded_step
+    """The step object a ``ShardedGefenMuon`` runs (its constructor's)."""
+    return optim._sharded_step
 
 
 def is_gefen_muon(optim: Optimizer) -> bool:
