@@ -92,7 +92,8 @@ CHECKS: tuple[Check, ...] = (
     Check(record_checks.RECORDS, "records", "records that do not parse, or whose counters, hyperparameters or "
                                             "periods Gefen/GefenMuon cannot have"),
     Check(record_checks.RECORD_TENSORS, "records", "a tensor a record implies missing or of another shape or "
-                                                   "dtype, or a state tensor of no record"),
+                                                   "dtype, a state tensor of no record, or an entry of a kind "
+                                                   "this version does not know"),
     Check(record_checks.CODEBOOKS, "records", "an invalid codebook, two codebooks of one job, state without one"),
 )
 _STAGES = {c.name: c.stage for c in CHECKS}

@@ -128,7 +128,15 @@ def read_saved(entries: dict[str, Any], values: dict[str, Any]) -> SavedRecords 
     header = schema.Header.from_json(values[schema.header_key()])
     parsed = {name: key for name in entries if (key := schema.parse_key(name)) is not None}
     reader = _read_v2 if header.version in schema.AGREED_VERSIONS else _read_v1
-    return reader(entries, parsed, values, header)
+    state = reader(entries, parsed, values, header)
+    # An entry in Gefen's namespace of no kind this version knows: state of a kind added later (or an
+    # edit). Loading on without it would drop that state without a word.
+    for name in sorted(n for n in entries if schema.is_gefen_key(n) and n not in parsed):
+        kind = name[len(schema.PREFIX):].partition("/")[0]
+        state.checked.append((RECORD_TENSORS, name, (
+            f"{name}: an entry of kind {kind!r}, which this gefen-titan does not know (written by a newer one, "
+            "or edited): load the checkpoint with the gefen-titan that wrote it")))
+    return state
 
 
 def _check_tensor(entries: dict[str, Any], name: str, shape: tuple, dtype: torch.dtype, why: str) -> str | None:

@@ -267,3 +267,20 @@ def test_chunks_tile_their_tensor(chunks, why):
         MetadataIndex("t", torch.Size(o)): _StorageInfo("f", 100 * i, 50) for i, (o, _) in enumerate(chunks)})
     problems = load_checks.metadata_problems(md, lambda name: 1000)
     assert [p.what for p in problems if p.check == "chunks tile"] == ([why] if why else []), problems
+
+
+def test_an_entry_of_no_known_kind_fails_verify_and_the_resume_and_inspect_flags_it(saved, tmp_path):
+    """State in Gefen's namespace of a kind this version does not know (a later version's kind, or an
+    edit) would be dropped without a word by a load that skips what it cannot parse: it is a problem
+    of the records stage (``record tensors``), for the resume and ``verify`` alike, and a line of
+    ``inspect``'s problems."""
+    edited(saved, tmp_path / "case", STEP, lambda opt_sd: opt_sd.__setitem__("gefen/later_kind/0.weight",
+                                                                             torch.ones(4)))
+    step = tmp_path / "case" / "ckpt" / f"step-{STEP}"
+    text = "gefen/later_kind/0.weight: an entry of kind 'later_kind', which this gefen-titan does not know"
+    report = verify_checkpoint(str(step))
+    assert not report["ok"] and any(p.get("check") == "record tensors" and text in p["what"]
+                                    for p in report["problems"]), report["problems"]
+    with pytest.raises(GefenCheckpointError, match=re.escape(text)):
+        resume(tmp_path / "case")
+    assert any(text in p for p in inspect_checkpoint(str(step))["problems"])
