@@ -45,6 +45,7 @@ from torchtitan.components.optimizer.utils import (
 )
 from torchtitan.tools.logging import logger
 
+from gefen_titan.checkpoint.errors import Verdict
 from gefen_titan.distributed import any_rank
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import param_groups, registry
@@ -52,7 +53,7 @@ from gefen_titan.optim.blocking import AgreedBlocking
 from gefen_titan.optim.hybrid import HybridOptions, RoutedGroup
 from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB
 from gefen_titan.optim.param_groups import GROUP_DEFAULTS, SHORTHAND_DEFAULTS
-from gefen_titan.optim.state import StateAdapter, check_kinds, read_load_context
+from gefen_titan.optim.state import StateAdapter, kinds_refusal, read_load_context
 from gefen_titan.optim.state_size import state_bytes
 
 __all__ = ["GefenOptimizersContainer", "GROUP_DEFAULTS", "SHORTHAND_DEFAULTS", "ParamGroup"]
@@ -324,6 +325,7 @@ class GefenOptimizersContainer(OptimizersContainer):
             for spec in registry.specs() if spec.state is not None
         ]
         self._loading = False  # between prepare_load and load_state_dict / abort_load
+        self._checkpoint_id = ""  # prepare_load's, for load_state_dict's message
 
     # Checkpointing. Never run init_optim_state on Gefen: its zero-gradient
     # step would learn and freeze a codebook and periods from zeros.
@@ -342,9 +344,12 @@ class GefenOptimizersContainer(OptimizersContainer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Every adapter checks and stages before any commits: a refusal by
         # one (on every rank) must leave the others' live state untouched.
+        # One verdict for the phase: the adapters note, every rank settles once.
+        verdict = Verdict()
         try:
             for state in self._states:
-                state.stage_load(state_dict)
+                state.stage_load(state_dict, verdict)
+            verdict.settle(f"cannot load optimizer state from {self._checkpoint_id}")
         except BaseException:
             self.abort_load()
             raise
@@ -363,20 +368,25 @@ class GefenOptimizersContainer(OptimizersContainer):
     # LoadPreparer (gefen_titan.checkpoint.manager): GefenCheckpointManager
     # calls these on every rank around torchtitan's dcp.load.
     def prepare_load(self, checkpoint_id: str, metadata: Any, prefix: str) -> None:
-        self._loading = True
-        # Every live parameter's kind, the flat ones (AdamW, Adam) too; composites say what to set.
-        # One small collective read of every kind's records, shared by every check below.
-        ctx = read_load_context(checkpoint_id, metadata, prefix)
-        live = {fqn: spec.name for o in self.optimizers if (spec := registry.spec_of(o)) is not None
-                and spec.state is not None for fqn, _, _ in gx.named_params(o)}
-        for o in self._flat_optimizers():
-            live.update({fqn: type(o).__name__ for g in o.param_groups for fqn in g.get("param_names", ())})
-        composites = [registry.composite(n) for n in registry.composite_names()]
-        check_kinds(ctx, live, registry.record_kinds(), hint=lambda was, now: "; ".join(
-            h for c in composites if (h := c.kind_hint(self.config, was, now))))
+        self._loading, self._checkpoint_id = True, checkpoint_id
+        # One small collective read of every kind's records, shared by every check below; the checks
+        # are local and note their refusal in one verdict, settled once on every rank.
+        verdict = Verdict()
+        ctx = read_load_context(checkpoint_id, metadata, prefix, verdict)
+        if verdict.ok:
+            # Every live parameter's kind, the flat ones (AdamW, Adam) too; composites say what to set.
+            live = {fqn: spec.name for o in self.optimizers if (spec := registry.spec_of(o)) is not None
+                    and spec.state is not None for fqn, _, _ in gx.named_params(o)}
+            for o in self._flat_optimizers():
+                live.update({fqn: type(o).__name__ for g in o.param_groups for fqn in g.get("param_names", ())})
+            composites = [registry.composite(n) for n in registry.composite_names()]
+            verdict.refuse(kinds_refusal(ctx, live, registry.record_kinds(), hint=lambda was, now: "; ".join(
+                h for c in composites if (h := c.kind_hint(self.config, was, now)))))
         for state in self._states:
-            state.prepare_load(ctx)
-        ctx.refuse_records()  # what the checkpoint alone says (load_checks), as ckpt verify says it
+            state.prepare_load(ctx, verdict)
+        if verdict.ok:  # what the checkpoint alone says (load_checks), as ckpt verify says it
+            verdict.refuse(ctx.records_refusal)
+        verdict.settle(f"cannot load optimizer state from {checkpoint_id}")
 
     def abort_load(self) -> None:
         self._loading = False

@@ -179,3 +179,34 @@ def test_a_third_kind_is_one_entry_one_state_type_and_its_records(tmp_path, monk
     with pytest.raises(GefenCheckpointError, match=r"\(attn.weight\) were saved by Variant and the recipe gives "
                                                    "them to Gefen"):
         _load(moved, moved_model, tmp_path, monkeypatch)
+
+
+def test_a_load_agrees_once_per_phase(tmp_path, monkeypatch):
+    """Issue 39: one all-ranks verdict per load phase, not one per check: the manager's metadata
+    check (before the small read), the optimizer's preparation (the header, the kinds, every kind's
+    plan, the records stage: after the small read) and its destinations (every kind's staging: after
+    DCP's read). It agreed 8 times with two kinds. A refusal's text rides in its phase's verdict."""
+    from gefen_titan.checkpoint import errors
+
+    config = GefenOptimizersContainer.Config(param_groups=[
+        ParamGroup(pattern=r"attn|out", optimizer_name="GefenMuon", optimizer_kwargs={"lr": 0.02}),
+        ParamGroup(pattern=r".*", optimizer_name="Gefen", optimizer_kwargs={"lr": 1e-3})])
+    model = Net()
+    opt = config.build(model_parts=[model])
+    _train(opt, model)
+    _save(opt, model, tmp_path)
+    agreed = []
+    real = errors.raise_on_any_rank
+    monkeypatch.setattr(errors, "raise_on_any_rank", lambda error, what, exc: (agreed.append(what),
+                                                                                real(error, what, exc))[1])
+    fresh_model = Net()
+    _load(config.build(model_parts=[fresh_model]), fresh_model, tmp_path, monkeypatch)
+    assert agreed == ["the checkpoint cannot be loaded"] + [f"cannot load optimizer state from {tmp_path}/ckpt/step-1"
+                                                            ] * 2
+    # A refusal of the preparation phase (the recipe gives GefenMuon's parameters to Gefen): one verdict.
+    agreed.clear()
+    moved_model = Net()
+    with pytest.raises(GefenCheckpointError, match="were saved by GefenMuon and the recipe gives them to Gefen"):
+        _load(GefenOptimizersContainer.Config(name="Gefen").build(model_parts=[moved_model]), moved_model, tmp_path,
+              monkeypatch)
+    assert len(agreed) == 2, agreed

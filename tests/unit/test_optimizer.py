@@ -157,13 +157,13 @@ class _RecordingState:
         self.calls.append("state_dict")
         return {"variant/entry": torch.tensor([len(self.optimizers)])}
 
-    def stage_load(self, state_dict):
+    def stage_load(self, state_dict, verdict):
         self.calls.append(("stage", int(state_dict["variant/entry"])))
 
     def commit_load(self):
         self.calls.append("commit")
 
-    def prepare_load(self, ctx):
+    def prepare_load(self, ctx, verdict):
         self.calls.append(("prepare", ctx.checkpoint_id, sorted(ctx.entries)))
 
     def abort_load(self):

@@ -21,7 +21,7 @@ from gefen_titan.optim.state.adapter import StateAdapter
 from gefen_titan.optim.state.gefen_muon_sharded import GefenMuonShardedAdapter
 from gefen_titan.optim.state.gefen_per_rank import GefenPerRankAdapter
 from gefen_titan.optim.state.gefen_sharded import GefenShardedAdapter
-from gefen_titan.optim.state.load_context import FLAT_KIND, LoadContext, check_kinds, read_load_context
+from gefen_titan.optim.state.load_context import FLAT_KIND, LoadContext, kinds_refusal, read_load_context
 
 __all__ = ["FLAT_KIND", "GefenMuonShardedAdapter", "GefenPerRankAdapter", "GefenShardedAdapter", "LoadContext",
-           "StateAdapter", "check_kinds", "read_load_context"]
+           "StateAdapter", "kinds_refusal", "read_load_context"]

@@ -3,8 +3,9 @@
 The container holds one adapter per optimizer kind with state of its own
 (Gefen's, GefenMuon's: the registry entry's ``state`` picks it) and loads
 them together: each ``stage_load`` checks what DCP read and keeps it,
-raising on every rank if anything is wrong; only when every adapter has
-staged does the container call ``commit_load`` on each. A refusal by one
+noting a refusal in the phase's ``errors.Verdict``, which the container
+settles once on every rank; only when every adapter has staged and nobody
+refused does the container call ``commit_load`` on each. A refusal by one
 kind therefore leaves every kind's live state as it was.
 """
 
@@ -18,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from gefen_titan.checkpoint import schema
-from gefen_titan.checkpoint.errors import GefenCheckpointError, refuse_on_any_rank
+from gefen_titan.checkpoint.errors import GefenCheckpointError, Verdict
 from gefen_titan.distributed import all_gather_objects, is_distributed
 from gefen_titan.optim.state.load_context import LoadContext
 
@@ -30,12 +31,14 @@ class StateAdapter(Protocol):
     """The checkpointed state of one kind of optimizer on this rank.
 
     The container calls these on every rank, in the same order, whether or
-    not the rank holds an optimizer of the kind (the methods may run
-    collectives). ``state_dict`` returns the entries to save, or, between
+    not the rank holds an optimizer of the kind (``state_dict`` may run
+    collectives on a save; the load's methods run none: each phase's
+    refusals go to its ``Verdict``, which the container settles).
+    ``state_dict`` returns the entries to save, or, between
     ``prepare_load`` and ``commit_load``/``abort_load``, the destinations
     DCP loads into. ``prepare_load`` plans from the load's one read of the
-    records (``LoadContext``); ``stage_load`` checks what DCP read and
-    stages it, or raises on every rank, changing nothing; ``commit_load``
+    records (``LoadContext``), or notes why it cannot; ``stage_load`` checks
+    what DCP read and stages it, or notes why not, changing nothing; ``commit_load``
     installs what was staged and cannot fail. Two steps, not one, because
     the container holds several adapters: none may commit until every one
     has staged, or a refusal by the second would leave the first's state loaded.
@@ -46,9 +49,9 @@ class StateAdapter(Protocol):
 
     def state_dict(self) -> dict[str, Any]: ...
 
-    def prepare_load(self, ctx: LoadContext) -> None: ...
+    def prepare_load(self, ctx: LoadContext, verdict: Verdict) -> None: ...
 
-    def stage_load(self, state_dict: dict[str, Any]) -> None: ...
+    def stage_load(self, state_dict: dict[str, Any], verdict: Verdict) -> None: ...
 
     def commit_load(self) -> None: ...
 
@@ -90,19 +93,18 @@ class StagedLoad(ABC):
             return self._load_destinations(self._plan) if self._plan is not None else {}
         return self._save()
 
-    def prepare_load(self, ctx: LoadContext) -> None:
-        """Check the format and plan this rank's load. Collective (an agreement)."""
-        plan, error = None, None
-        if self.slots:
+    def prepare_load(self, ctx: LoadContext, verdict: Verdict) -> None:
+        """Check the format and plan this rank's load; a refusal is noted in ``verdict``."""
+        plan = None
+        if self.slots and verdict.ok:
             try:
                 self._check_format(ctx)
                 plan = self._plan_from(ctx)
             except (GefenCheckpointError, ValueError, KeyError) as e:
-                error = str(e)
-        refuse_on_any_rank(error, f"cannot load {self.kind} optimizer state from {ctx.checkpoint_id}")
+                verdict.refuse(f"{self.kind} state: {e}")
         self._loading, self._plan, self._checkpoint_id = True, plan, ctx.checkpoint_id
 
-    def stage_load(self, state_dict: dict[str, Any]) -> None:
+    def stage_load(self, state_dict: dict[str, Any], verdict: Verdict) -> None:
         if not self._loading:
             if self.slots:
                 raise GefenCheckpointError(
@@ -110,13 +112,13 @@ class StagedLoad(ABC):
                     "checkpoint's records first); set the recipe's [checkpoint] as usual")
             return  # nothing of this kind here: a plain load (no manager) of the other optimizers goes on
         plan, self._plan, self._loading = self._plan, None, False
-        staged, error = None, None
-        try:
-            staged = self._stage(plan, state_dict) if plan is not None else None
-        except (GefenCheckpointError, ValueError, KeyError) as e:
-            error = str(e)
-        refuse_on_any_rank(error, f"cannot load {self.kind} optimizer state from {self._checkpoint_id}")
-        self._staged = (plan, staged) if plan is not None else None
+        staged = None
+        if plan is not None and verdict.ok:
+            try:
+                staged = self._stage(plan, state_dict)
+            except (GefenCheckpointError, ValueError, KeyError) as e:
+                verdict.refuse(f"{self.kind} state: {e}")
+        self._staged = (plan, staged) if plan is not None and verdict.ok else None
 
     def commit_load(self) -> None:
         if self._staged is not None:

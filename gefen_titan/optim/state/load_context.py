@@ -3,10 +3,12 @@
 ``read_load_context`` makes the load's one small collective read: the
 header, every optimizer record and every codebook of every kind (and v1's
 rank tables), parsed into a ``LoadContext`` that the container's kinds
-check (``check_kinds``) and every ``StateAdapter.prepare_load`` plan from,
+check (``kinds_refusal``) and every ``StateAdapter.prepare_load`` plan from,
 and checked by the records stage of ``checkpoint.load_checks`` (what ``ckpt
 verify`` runs: the checks that need no live model), whose refusal comes
-after the model-aware checks (``LoadContext.refuse_records``).
+after the model-aware checks (``LoadContext.records_refusal``). Every check
+of this phase notes its refusal in the phase's ``errors.Verdict``, which the
+container settles once, on every rank.
 Reading them once keeps a load's planning to one round of DCP's collectives
 however many optimizer kinds the run holds; which entries count as small is
 the format's to say (``schema.SMALL_KINDS``).
@@ -19,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from gefen_titan.checkpoint import load_checks, schema
-from gefen_titan.checkpoint.errors import refuse_on_any_rank
+from gefen_titan.checkpoint.errors import Verdict
 from gefen_titan.checkpoint.storage import read_small
 
-__all__ = ["FLAT_KIND", "LoadContext", "check_kinds", "read_load_context"]
+__all__ = ["FLAT_KIND", "LoadContext", "kinds_refusal", "read_load_context"]
 
 # The kind a checkpoint's flat torch state (``state.<fqn>.*``, ``param_groups.<fqn>.*``:
 # AdamW, Adam) is reported as; a live optimizer without records of its own is of it.
@@ -40,16 +42,11 @@ class LoadContext:
     """Every small entry (``schema.SMALL_KINDS``), read: the header, records (JSON), codebooks."""
     header: schema.Header | None
     """The parsed header; None where the checkpoint has no Gefen state."""
-    refusal: str | None = None
-    """The records stage's verdict (``load_checks.record_problems``): None, or the refusal
-    ``refuse_records`` raises once the kinds and the state adapters have had their say."""
-
-    def refuse_records(self) -> None:
-        """Refuse, on every rank, what the records stage found. Called after the model-aware checks
-        (the kinds', the adapters' ``prepare_load``), so that a checkpoint of another model or recipe
-        is named as such; what only the records stage sees (what ``ckpt verify`` also reports)
-        refuses the load here, before anything is read into the optimizer."""
-        refuse_on_any_rank(self.refusal, f"cannot load optimizer state from {self.checkpoint_id}")
+    records_refusal: str | None = None
+    """The records stage's verdict (``load_checks.record_problems``): None, or the refusal the
+    container notes after the model-aware checks (the kinds', the adapters' ``prepare_load``), so
+    that a checkpoint of another model or recipe is named as such; what only the records stage
+    sees (what ``ckpt verify`` also reports) refuses the load then, before anything is read."""
 
     def keys_of(self, kind: str) -> list[str]:
         """The entries of one key kind (``schema.parse_key``), sorted."""
@@ -60,9 +57,9 @@ class LoadContext:
         return sorted(k for k in self.entries if k.startswith("state."))
 
 
-def read_load_context(checkpoint_id: str, metadata: Any, prefix: str) -> LoadContext:
-    """The load's one small read. Collective: every rank reads the same entries, and a
-    damaged or malformed one raises the same ``GefenCheckpointError`` on every rank."""
+def read_load_context(checkpoint_id: str, metadata: Any, prefix: str, verdict: Verdict) -> LoadContext:
+    """The load's one small read. Collective: every rank reads the same entries, and a damaged one
+    raises the same ``GefenCheckpointError`` on every rank; an unreadable header is noted in ``verdict``."""
     entries = {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
     kinds = {k: pk.kind for k in entries if (pk := schema.parse_key(k)) is not None and pk.kind in schema.SMALL_KINDS}
     small = read_small(checkpoint_id, metadata, prefix,
@@ -74,20 +71,20 @@ def read_load_context(checkpoint_id: str, metadata: Any, prefix: str) -> LoadCon
             header = schema.Header.from_json(small[schema.header_key()])
         except schema.FormatError as e:
             error = str(e)
-    refuse_on_any_rank(error, f"cannot load optimizer state from {checkpoint_id}")
-    # The records stage of load_checks: the same function ckpt verify runs; refused by refuse_records.
+    verdict.refuse(error)
+    # The records stage of load_checks: the same function ckpt verify runs; noted last (records_refusal).
     problems = load_checks.record_problems(entries, small, prefix)
     return LoadContext(checkpoint_id, entries, small, header,
                        load_checks.refusal(checkpoint_id, problems) if problems else None)
 
 
-def check_kinds(ctx: LoadContext, live: dict[str, str], saved_by: dict[str, str],
-                hint: Callable[[str, str], str] | None = None) -> None:
-    """Refuse, on every rank, a checkpoint that saved a live parameter under
-    another optimizer kind. ``live``: fqn -> the registry name stepping it;
+def kinds_refusal(ctx: LoadContext, live: dict[str, str], saved_by: dict[str, str],
+                  hint: Callable[[str, str], str] | None = None) -> str | None:
+    """Why a checkpoint that saved a live parameter under another optimizer kind is refused (None:
+    it did not). ``live``: fqn -> the registry name stepping it;
     ``saved_by``: record kind (``schema.parse_key``) -> the registry name
     that writes it. The kinds without records of their own (AdamW, Adam)
-    count as one, ``FLAT_KIND``, since their flat state is the same. Collective.
+    count as one, ``FLAT_KIND``, since their flat state is the same.
 
     Without this check the adapters would each see parameters without state
     of their own kind and call the checkpoint foreign (or DCP would miss the
@@ -113,4 +110,4 @@ def check_kinds(ctx: LoadContext, live: dict[str, str], saved_by: dict[str, str]
             "checkpoint.exclude_from_loading = [\"optimizer\"]" for (was, now), fqns in sorted(moved.items())) or None
     except schema.FormatError as e:
         error = str(e)
-    refuse_on_any_rank(error, f"cannot load optimizer state from {ctx.checkpoint_id}")
+    return error
