@@ -34,7 +34,7 @@ items held in memory between the read and the commit (DCP holds one at a
 time). A checkpoint without ``.digests`` is read the same way without the
 digests. Byte entries are unpickled by ``unpickling.load_entry``
 (``weights_only``), never by the planner's ``torch.load(weights_only=False)``,
-and ``.metadata`` by ``unpickling.load_metadata``.
+and ``.metadata`` by ``unpickling.unpickle_metadata``.
 """
 
 from __future__ import annotations
@@ -61,13 +61,13 @@ from gefen_titan.checkpoint import load_checks, schema, unpickling
 from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause, unreadable
 from gefen_titan.checkpoint.item_reads import read_framed, read_into, read_raw
 
-__all__ = ["CheckedFileSystemReader", "CheckedFsspecReader", "LoadChecks", "load_metadata"]
+__all__ = ["CheckedFileSystemReader", "CheckedFsspecReader", "LoadChecks", "read_and_check_metadata"]
 
 _UNSET: Any = object()
 
 
 # ------------------------------------------------------------------ load
-def load_metadata(fs: Any, path: Any, checkpoint_id: str) -> tuple[Metadata, dg.Digests | None]:
+def read_and_check_metadata(fs: Any, path: Any, checkpoint_id: str) -> tuple[Metadata, dg.Digests | None]:
     """``.metadata`` checked against ``.digests`` (when there is one), then unpickled
     with DCP's metadata classes only (``unpickling``).
 
@@ -86,7 +86,7 @@ def load_metadata(fs: Any, path: Any, checkpoint_id: str) -> tuple[Metadata, dg.
     if record is not None:
         record.check_metadata(raw, checkpoint_id)
     try:
-        metadata = unpickling.load_metadata(raw, checkpoint_id)
+        metadata = unpickling.unpickle_metadata(raw, checkpoint_id)
         if not isinstance(metadata, Metadata):
             raise TypeError(f"holds a {type(metadata).__name__}, not DCP Metadata")
     except unpickling.ForbiddenObjectError:
@@ -150,7 +150,7 @@ class _CheckedReading:
         """The checkpoint's ``.digests`` (None: it has none), read once."""
         if self._digests is _UNSET:
             if self._metadata is None:
-                self._metadata, self._digests = load_metadata(self.fs, self.path, self._id())
+                self._metadata, self._digests = read_and_check_metadata(self.fs, self.path, self._id())
             else:
                 p = self.fs.concat_path(self.path, dg.FILE)
                 self._digests = None
@@ -168,7 +168,7 @@ class _CheckedReading:
 
     def _read(self) -> Metadata:
         if self._metadata is None:
-            self._metadata, record = load_metadata(self.fs, self.path, self._id())
+            self._metadata, record = read_and_check_metadata(self.fs, self.path, self._id())
             if self._digests is _UNSET:  # digests handed in by the caller stay theirs
                 self._digests = record
         return self._metadata
@@ -177,7 +177,7 @@ class _CheckedReading:
         """A whole load's ``.metadata``, read and checked once (``load_checks``), then the same object
         on every call; a refusal is raised the same on every call, as ``GefenCheckpointError``.
 
-        Besides ``load_metadata``'s checks: ``.digests`` missing though the save
+        Besides ``read_and_check_metadata``'s checks: ``.digests`` missing though the save
         wrote one, and (rank 0) stray bytes in the folder. Only rank 0 may
         refuse for those, so a caller outside ``dcp.load`` agrees on the verdict
         (``errors.refuse_on_any_rank``); inside it, DCP's gather does.

@@ -36,7 +36,7 @@ import torch
 
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 
-__all__ = ["ForbiddenObjectError", "METADATA_GLOBALS", "ENTRY_GLOBALS", "LOADER_GLOBALS", "load_metadata",
+__all__ = ["ForbiddenObjectError", "METADATA_GLOBALS", "ENTRY_GLOBALS", "LOADER_GLOBALS", "unpickle_metadata",
            "load_entry", "loads_loader_state"]
 
 # (module, name) a .metadata pickle may name; torch dtypes (``torch.float32``, ...) too.
@@ -102,7 +102,7 @@ class _Restricted(pickle.Unpickler):
         raise ForbiddenObjectError(self._where, f"a persistent id ({type(pid).__name__})", self._source)
 
 
-def load_metadata(raw: bytes, source: str = "") -> Any:
+def unpickle_metadata(raw: bytes, source: str = "") -> Any:
     """``.metadata``'s bytes unpickled with ``METADATA_GLOBALS`` only (``ForbiddenObjectError`` otherwise)."""
     return _Restricted(io.BytesIO(raw), METADATA_GLOBALS, ".metadata", source, dtypes=True).load()
 

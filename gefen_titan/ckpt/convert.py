@@ -117,10 +117,10 @@ def _check_out(source: str, out: str) -> None:
 
 
 def _refuse_muon(ck: Checkpoint) -> None:
-    gefen = read_records(ck)
-    if gefen is None or not (gefen.muon_optimizers or gefen.muon_codebooks):
+    saved = read_records(ck)
+    if saved is None or not (saved.muon_optimizers or saved.muon_codebooks):
         return
-    fqns = [p.fqn for p in gefen.muon_params]
+    fqns = [p.fqn for p in saved.muon_params]
     raise CkptError(
         f"convert handles Gefen <-> AdamW; {ck.path} holds GefenMuon state for {len(fqns)} parameters ("
         + ", ".join(fqns[:3]) + (" ..." if len(fqns) > 3 else "") + "): GefenMuon's momentum (with NorMuon's "
@@ -176,32 +176,32 @@ def _adamw_group(group: dict[str, float], implementation: str) -> dict[str, Any]
 
 
 def _to_adamw(ck: Checkpoint, options: ConvertOptions):
-    gefen = read_records(ck)
-    if gefen is None:
+    saved = read_records(ck)
+    if saved is None:
         kinds = sorted({split_state_key(n)[1] for n in ck.optimizer if split_state_key(n)})
         raise CkptError(f"{ck.path} holds no Gefen state" + (f" (its optimizer state is {', '.join(kinds)})"
                                                                if kinds else " (no optimizer state at all)")
                         + ": nothing to convert to AdamW")
-    if gefen.version not in schema.AGREED_VERSIONS:
-        raise CkptError(f"{ck.path} is Gefen format v{gefen.version} (per-rank blocking): convert reads formats "
+    if saved.version not in schema.AGREED_VERSIONS:
+        raise CkptError(f"{ck.path} is Gefen format v{saved.version} (per-rank blocking): convert reads formats "
                         f"v{schema.V2} and v{schema.VERSION} (agreed blocking) only. Resume it with "
                         "optimizer.blocking = \"per_rank\" instead, or convert a checkpoint of an agreed-blocking run")
-    if gefen.problems:
-        name, what = gefen.problems[0]
+    if saved.problems:
+        name, what = saved.problems[0]
         raise CkptError(f"{ck.path}: the Gefen records are inconsistent ({name}: {what}); run "
                         "`gefen-titan ckpt verify` on it. Nothing was written")
-    codebook = next(iter(gefen.codebooks.values()), None)
+    codebook = next(iter(saved.codebooks.values()), None)
     opt = ck.optimizer
     entries: dict[str, Any] = {}
     steps, notes = Counter(), []
-    for p in gefen.params:
+    for p in saved.params:
         numel = math.prod(p.shape)
         if p.period:
-            keys = schema.param_tensor_keys(p.fqn, gefen.version)
+            keys = schema.param_tensor_keys(p.fqn, saved.version)
             vals = ck.load_names(OPTIMIZER, list(keys.values()))
             tensors = {name: vals[key] for name, key in keys.items()}
             codes = tensors["codes"].reshape(-1)
-            mag, vmean = (t.reshape(-1) for t in schema.unpack_blocks(gefen.version, tensors))
+            mag, vmean = (t.reshape(-1) for t in schema.unpack_blocks(saved.version, tensors))
             exp_avg = dequantize(codes, codebook, mag, p.period).view(p.shape)
             exp_avg_sq = expand_blocks(vmean, p.period, 0, numel).reshape(p.shape).clone()
         else:  # no state yet (saved before its first step): AdamW's fresh state
@@ -216,8 +216,8 @@ def _to_adamw(ck: Checkpoint, options: ConvertOptions):
             entries[f"param_groups.{p.fqn}.{k}"] = v
     replaced = {e.key for n, e in opt.items() if schema.is_gefen_key(n)}
     report = {
-        "params": len(gefen.params),
-        "elements": sum(math.prod(p.shape) for p in gefen.params),
+        "params": len(saved.params),
+        "elements": sum(math.prod(p.shape) for p in saved.params),
         "steps": {str(k): v for k, v in sorted(steps.items())},
         "written": "state.{fqn}.exp_avg / exp_avg_sq / step, param_groups.{fqn}.* (AdamW)",
         "notes": notes,

@@ -51,11 +51,11 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     # What the load's metadata stage refuses is flagged, and nothing is then read: a read would
     # allocate what the metadata claims (load_checks).
     malformed = [f"{p} [{p.check}]" for p in ck.problems]
-    gefen = read_records(ck) if not malformed else None
+    saved = read_records(ck) if not malformed else None
     files = [{"name": n, "bytes": _file_bytes(ck, n)} for n in ck.data_files()]
     report: dict[str, Any] = {
         "path": ck.path,
-        "format": _format(gefen),
+        "format": _format(saved),
         "files": files,
         "total_bytes": sum(f["bytes"] or 0 for f in files),
         "allocation_bytes": ck.allocation,
@@ -69,10 +69,10 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
             report["counters"] = _small_values(ck)
         except CkptError as e:
             report["problems"].append(str(e))
-    if gefen is not None:
-        report["optimizers"] += _gefen_optimizers(ck, gefen)
-        report["optimizers"] += _muon_optimizers(ck, gefen)
-        report["problems"] += [f"{name}: {what}" for name, what in gefen.problems]
+    if saved is not None:
+        report["optimizers"] += _gefen_optimizers(ck, saved)
+        report["optimizers"] += _muon_optimizers(ck, saved)
+        report["problems"] += [f"{name}: {what}" for name, what in saved.problems]
     if not malformed:
         report["optimizers"] += _torch_optimizers(ck)
     report["optimizer_totals"] = _totals(report["optimizers"])
@@ -107,22 +107,22 @@ def _file_bytes(ck: Checkpoint, name: str) -> int | None:
     return storage.file_size(ck.path, name)
 
 
-def _format(gefen: SavedRecords | None) -> dict[str, Any] | None:
-    if gefen is None:
+def _format(saved: SavedRecords | None) -> dict[str, Any] | None:
+    if saved is None:
         return None
-    return {"name": schema.FORMAT, "version": gefen.version,
-            "blocking": gefen.header.blocking or ("per_rank" if gefen.version == schema.V1 else None)}
+    return {"name": schema.FORMAT, "version": saved.version,
+            "blocking": saved.header.blocking or ("per_rank" if saved.version == schema.V1 else None)}
 
 
-def _gefen_optimizers(ck: Checkpoint, gefen: SavedRecords) -> list[dict[str, Any]]:
+def _gefen_optimizers(ck: Checkpoint, saved: SavedRecords) -> list[dict[str, Any]]:
     opt = ck.optimizer
-    books = ck.load_names(OPTIMIZER, list(gefen.codebooks)) if gefen.codebooks else {}
+    books = ck.load_names(OPTIMIZER, list(saved.codebooks)) if saved.codebooks else {}
     out = []
-    for o in gefen.optimizers:
+    for o in saved.optimizers:
         params = []
         for p in o.params:
-            if gefen.version in schema.AGREED_VERSIONS:
-                names = list(schema.param_tensor_keys(p.fqn, gefen.version).values())
+            if saved.version in schema.AGREED_VERSIONS:
+                names = list(schema.param_tensor_keys(p.fqn, saved.version).values())
             else:
                 names = [schema.codes_key(p.fqn)]
             entries = [opt[n] for n in names if n in opt]
@@ -131,24 +131,24 @@ def _gefen_optimizers(ck: Checkpoint, gefen: SavedRecords) -> list[dict[str, Any
                    "bytes": sum(e.payload_bytes for e in entries if e.is_tensor),
                    "stored_bytes": sum(e.stored_bytes for e in entries),
                    "cuts": _cuts(entries[0]) if entries else []}
-            if gefen.version in schema.AGREED_VERSIONS:
+            if saved.version in schema.AGREED_VERSIONS:
                 row["grid"] = list(p.grid) if p.grid else None
             else:  # per source rank: its own period (v1)
                 row["periods_by_rank"] = {str(r): v.period for r, v in sorted(p.ranks.items())}
                 row["bytes"] += 8 * sum(v.nblocks for v in p.ranks.values())
             params.append(row)
-        if gefen.version in schema.AGREED_VERSIONS:
+        if saved.version in schema.AGREED_VERSIONS:
             cb_names = [schema.codebook_key(o.opt)]
         else:
             cb_names = [schema.rank_codebook_key(o.opt, r) for r in range(o.nshards)]
         cbs = {n: codebook_summary(books[n]) for n in cb_names if n in books}
         shared = [schema.optimizer_key(o.opt)] + cb_names
-        if gefen.version == schema.V1:
+        if saved.version == schema.V1:
             shared += [schema.records_key(o.opt, r) for r in range(o.nshards)] + \
                       [schema.blocks_key(o.opt, r) for r in range(o.nshards)]
         shared_bytes = sum(opt[n].stored_bytes for n in shared if n in opt)
-        extra = {"source_ranks": o.nshards} if gefen.version == schema.V1 else {}
-        out.append(_optimizer_row("Gefen", o, gefen.version, params, cbs, shared_bytes, extra))
+        extra = {"source_ranks": o.nshards} if saved.version == schema.V1 else {}
+        out.append(_optimizer_row("Gefen", o, saved.version, params, cbs, shared_bytes, extra))
     return out
 
 
@@ -174,12 +174,12 @@ def _optimizer_row(kind: str, o: Any, version: int, params: list[dict[str, Any]]
     }
 
 
-def _muon_optimizers(ck: Checkpoint, gefen: SavedRecords) -> list[dict[str, Any]]:
+def _muon_optimizers(ck: Checkpoint, saved: SavedRecords) -> list[dict[str, Any]]:
     """GefenMuon's records (``gefen/muon/{opt}``), as ``_gefen_optimizers`` shows Gefen's."""
     opt = ck.optimizer
-    books = ck.load_names(OPTIMIZER, list(gefen.muon_codebooks)) if gefen.muon_codebooks else {}
+    books = ck.load_names(OPTIMIZER, list(saved.muon_codebooks)) if saved.muon_codebooks else {}
     out = []
-    for o in gefen.muon_optimizers:
+    for o in saved.muon_optimizers:
         params = []
         for p in o.params:
             entries = [opt[n] for n in schema.muon_tensor_keys(p.fqn).values() if n in opt]
@@ -195,7 +195,7 @@ def _muon_optimizers(ck: Checkpoint, gefen: SavedRecords) -> list[dict[str, Any]
         cb_names = [schema.muon_codebook_key(o.opt)]
         cbs = {n: codebook_summary(books[n]) for n in cb_names if n in books}
         shared_bytes = sum(opt[n].stored_bytes for n in [schema.muon_optimizer_key(o.opt), *cb_names] if n in opt)
-        out.append(_optimizer_row("GefenMuon", o, gefen.version, params, cbs, shared_bytes, {}))
+        out.append(_optimizer_row("GefenMuon", o, saved.version, params, cbs, shared_bytes, {}))
     return out
 
 

@@ -235,19 +235,19 @@ class _Verifier:
             return opt[n].files[0] if n in opt and opt[n].files else None
 
         try:
-            gefen = read_records(ck)
+            saved = read_records(ck)
         except CkptError as err:
             self.add(file_of(schema.header_key()), ck.optimizer_key(schema.header_key()), str(err), "records")
-            gefen = None
-        if gefen is not None:
-            summary["gefen"] = {"version": gefen.version, "optimizers": len(gefen.optimizers),
-                                "params": len(gefen.params), "codebooks": len(gefen.codebooks)}
-            if gefen.muon_optimizers or gefen.muon_codebooks:
-                summary["gefen_muon"] = {"version": gefen.version, "optimizers": len(gefen.muon_optimizers),
-                                         "params": len(gefen.muon_params),
-                                         "stateful_params": sum(1 for p in gefen.muon_params if p.period),
-                                         "codebooks": len(gefen.muon_codebooks)}
-            for check, n, what in gefen.checked:
+            saved = None
+        if saved is not None:
+            summary["gefen"] = {"version": saved.version, "optimizers": len(saved.optimizers),
+                                "params": len(saved.params), "codebooks": len(saved.codebooks)}
+            if saved.muon_optimizers or saved.muon_codebooks:
+                summary["gefen_muon"] = {"version": saved.version, "optimizers": len(saved.muon_optimizers),
+                                         "params": len(saved.muon_params),
+                                         "stateful_params": sum(1 for p in saved.muon_params if p.period),
+                                         "codebooks": len(saved.muon_codebooks)}
+            for check, n, what in saved.checked:
                 self.add(file_of(n), ck.optimizer_key(n), what, check)
         states: dict[str, dict[str, Entry]] = {}
         for n, e in opt.items():

@@ -109,7 +109,7 @@ def test_dcp_load_is_called_as_torchtitan_calls_it_with_one_checking_reader(tmp_
     _save_step(folder)
     loader = Planned()
     with mock.patch.object(dcp, "load", wraps=dcp.load) as load, \
-         mock.patch.object(reading, "load_metadata", wraps=reading.load_metadata) as read, \
+         mock.patch.object(reading, "read_and_check_metadata", wraps=reading.read_and_check_metadata) as read, \
          warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
         assert _manager(folder, loader).load(step=1)

@@ -238,6 +238,6 @@ def test_the_allowlists_are_what_our_own_saves_need():
     # A dtype is allowed by name, any other torch attribute is not.
     buf = io.BytesIO()
     pickle.dump(torch.float16, buf)
-    assert unpickling.load_metadata(buf.getvalue()) is torch.float16
+    assert unpickling.unpickle_metadata(buf.getvalue()) is torch.float16
     with pytest.raises(unpickling.ForbiddenObjectError, match=r"torch\.serialization\.load"):
-        unpickling.load_metadata(pickle.dumps(torch.load))
+        unpickling.unpickle_metadata(pickle.dumps(torch.load))

@@ -148,7 +148,7 @@ def _matrices(optimizers: list[Optimizer]) -> list[_Matrix]:
     return found
 
 
-def spec_of(m: _Matrix) -> MatrixSpec:
+def matrix_spec(m: _Matrix) -> MatrixSpec:
     return MatrixSpec(m.fqn, m.shape, int(m.group["ns_steps"]),
                       tuple(pc.rank for pc in m.pieces), tuple(pc.numel for pc in m.pieces),
                       tuple(pc.nrows for pc in m.pieces), m.param_fqn if m.param_fqn != m.fqn else "")
@@ -388,11 +388,11 @@ class ShardedMuonStep:
         """The matrices as the schedule sees them and the schedule (made on the first call or step)."""
         if self._matrices is None:
             self._plan()
-        return [spec_of(m) for m in self._matrices], self.schedule
+        return [matrix_spec(m) for m in self._matrices], self.schedule
 
     def _plan(self) -> None:
         self._matrices = _matrices(self.optimizers)
-        self.schedule = build_schedule([spec_of(m) for m in self._matrices], self.bucket_bytes)
+        self.schedule = build_schedule([matrix_spec(m) for m in self._matrices], self.bucket_bytes)
         self._buckets = []
         for b in self.schedule.buckets:
             for i, owner in zip(b.matrices, b.owners):
