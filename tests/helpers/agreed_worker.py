@@ -171,32 +171,11 @@ def job(args, rank: int, world: int) -> None:
         return model, opt, sm.schedulers(opt, S + K), sm.TrainState()
 
     if args.ref:
-        model, opt, sched, ts = fresh(blocking=args.blocking)
-        ckpt = sm.checkpointer(model, opt, sched, ts, args.ref, S)
-        res = {"params": {}}
-        for s in range(1, S + K + 1):
-            step(model, opt, sched, s)
-            ts.step = s
-            if s == S:
-                ckpt.save(s)
-                res["state"] = global_state(opt)
-                res["bytes"] = opt.state_bytes()
-            if s >= S:
-                res["params"][s] = sm.full_params(model)
-        ckpt.close()
-        results["ref"] = res
+        results["ref"], _ = sm.reference_run(lambda: fresh(blocking=args.blocking), step, args.ref, S, K,
+                                             global_state)
     if args.load:
-        with worker_jobs.no_codebook_learning():
-            for base in args.load.split(","):
-                model, opt, sched, ts = fresh(blocking=args.blocking)
-                ckpt = sm.checkpointer(model, opt, sched, ts, base, S)
-                assert ckpt.load(step=S)
-                res = {"state": global_state(opt), "params": {S: sm.full_params(model)}}
-                for s in range(S + 1, S + K + 1):
-                    step(model, opt, sched, s)
-                    res["params"][s] = sm.full_params(model)
-                ckpt.close()
-                results["resume"][os.path.basename(base)] = res
+        results["resume"] = sm.resumes(args.load.split(","), lambda: fresh(blocking=args.blocking), step, S, K,
+                                       global_state)
     for case in filter(None, args.cases.split(",")):
         # A stepped optimizer (with the case's config) tries a bad checkpoint.
         base, *overrides = case.split("|")
@@ -204,18 +183,8 @@ def job(args, rank: int, world: int) -> None:
         for item in overrides:
             key, value = item.split("=")
             config[key] = value if key == "blocking" else bool(int(value)) if key == "deterministic" else int(value)
-        model, opt, sched, ts = fresh(**config)
-        step(model, opt, sched, 1)
-        ckpt = sm.checkpointer(model, opt, sched, ts, base, S)
-        before = snapshot(opt)
-        try:
-            ckpt.load(step=S)
-            error = None
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-        results["cases"][os.path.basename(base) + "".join(overrides)] = {
-            "error": error, "before": before, "after": snapshot(opt)}
-        ckpt.close()
+        results["cases"][os.path.basename(base) + "".join(overrides)] = sm.bad_checkpoint_case(
+            base, lambda: fresh(**config), step, S, snapshot)
     if args.tamper_save:
         model, opt, sched, ts = fresh()
         step(model, opt, sched, 1)

@@ -187,33 +187,12 @@ def job(args, rank: int, world: int) -> None:
         return model, opt, sm.schedulers(opt, S + K), sm.TrainState()
 
     if args.ref:
-        model, opt, sched, ts = fresh()
-        ckpt = sm.checkpointer(model, opt, sched, ts, args.ref, S)
-        res = {"params": {}, "placements": {n: str(tuple(p.placements)) for n, p in model.named_parameters()
-                                            if isinstance(p, DTensor)}}
-        for s in range(1, S + K + 1):
-            step(model, opt, sched, s)
-            ts.step = s
-            if s == S:
-                ckpt.save(s)
-                res["state"] = global_state(opt)
-                res["bytes"] = opt.state_bytes()
-            if s >= S:
-                res["params"][s] = sm.full_params(model)
-        ckpt.close()
+        res, model = sm.reference_run(fresh, step, args.ref, S, K, global_state)
+        res["placements"] = {n: str(tuple(p.placements)) for n, p in model.named_parameters()
+                             if isinstance(p, DTensor)}
         results["ref"] = res
     if args.load:
-        with worker_jobs.no_codebook_learning():
-            for base in args.load.split(","):
-                model, opt, sched, ts = fresh()
-                ckpt = sm.checkpointer(model, opt, sched, ts, base, S)
-                assert ckpt.load(step=S)
-                res = {"state": global_state(opt), "params": {S: sm.full_params(model)}}
-                for s in range(S + 1, S + K + 1):
-                    step(model, opt, sched, s)
-                    res["params"][s] = sm.full_params(model)
-                ckpt.close()
-                results["resume"][os.path.basename(base)] = res
+        results["resume"] = sm.resumes(args.load.split(","), fresh, step, S, K, global_state)
     torch.save(results, os.path.join(args.out, f"{args.tag}_r{rank}.pt"))
 
 

@@ -12,7 +12,7 @@ from functools import partial
 from pathlib import Path
 
 from tests.helpers import bad_checkpoints as bad
-from tests.helpers.worker_jobs import Launch, ordered_launches
+from tests.helpers.worker_jobs import Launch, ordered_launches, reshard_jobs, run_job
 
 WORKER = "muon"
 S, K = 3, 2
@@ -51,23 +51,12 @@ PLAN = [
 
 
 def job(layout: str, tag: str, out: Path, *args: str) -> list[str]:
-    return [WORKER, "--layout", layout, "--tag", tag, "--out", str(out), "--save-step", str(S), "--steps", str(K),
-            *args]
+    return run_job(WORKER, layout, tag, out, S, K, *args)
 
 
 def plan(base: Path) -> list[Launch]:
     """Every job of PLAN, as launches (``worker_jobs.launch_all``); the folders are made here."""
-    out, root = base / "out", base / "bad"
-    out.mkdir(parents=True)
-    root.mkdir()
-    jobs = {}
-    for layout, n, tag, ref, loads in RUNS:
-        args = ["--gefen-x"] if tag == "fsdp1" else []
-        if ref:
-            args += ["--ref", str(base / ref)]
-        if loads:
-            args += ["--load", ",".join(str(base / c) for c in loads)]
-        jobs[tag] = (n, job(layout, tag, out, *args))
+    jobs, out, root = reshard_jobs(base, job, RUNS, extra=lambda tag: ["--gefen-x"] if tag == "fsdp1" else [])
     jobs["gefen2"] = (2, job("fsdp", "gefen2", out, "--ref", str(base / "c_gefen2"), "--gefen-only", "--steps", "0"))
     cases = [bad.muon_case_path(base, root, name) for name in bad.MUON_CASES]
     jobs["bad"] = (2, job("fsdp", "bad", out, "--cases", ",".join(cases)))

@@ -209,31 +209,11 @@ def job(args, rank: int, world: int) -> None:
         res["schedule"] = schedule(opt)
         results["ref"] = res
     if args.load:
-        with worker_jobs.no_codebook_learning():
-            for base in args.load.split(","):
-                model, opt, sched, ts = fresh()
-                ckpt = sm.checkpointer(model, opt, sched, ts, base, S)
-                assert ckpt.load(step=S)
-                res = {"state": global_state(opt), "params": {S: sm.full_params(model)}}
-                for s in range(S + 1, S + K + 1):
-                    aw.step(model, opt, sched, s)
-                    res["params"][s] = sm.full_params(model)
-                ckpt.close()
-                results["resume"][os.path.basename(base)] = res
+        results["resume"] = sm.resumes(args.load.split(","), fresh, aw.step, S, K, global_state)
     for case in filter(None, args.cases.split(",")):
         base, *overrides = case.split("|")
-        model, opt, sched, ts = fresh(gefen_only="gefen=1" in overrides)
-        aw.step(model, opt, sched, 1)
-        ckpt = sm.checkpointer(model, opt, sched, ts, base, S)
-        before = snapshot(opt)
-        try:
-            ckpt.load(step=S)
-            error = None
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-        results["cases"][os.path.basename(base) + "".join(overrides)] = {
-            "error": error, "before": before, "after": snapshot(opt)}
-        ckpt.close()
+        results["cases"][os.path.basename(base) + "".join(overrides)] = sm.bad_checkpoint_case(
+            base, lambda: fresh(gefen_only="gefen=1" in overrides), aw.step, S, snapshot)
     torch.save(results, os.path.join(args.out, f"{args.tag or args.layout + str(world)}_r{rank}.pt"))
 
 

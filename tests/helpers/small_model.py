@@ -142,3 +142,61 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: full(p) for n, p in model.named_parameters()}
+
+
+# ------------------------------------------------------------------ runs of any optimizer kind
+# What the workers (agreed_worker: Gefen; muon_worker: GefenMuon; moe_worker: experts) do alike.
+# ``fresh()`` -> (model, optimizers, schedulers, train state) built afresh; ``step(model, opt, sched, s)``
+# takes training step s; ``global_state(opt)`` is the worker's view of the optimizer's state.
+def resumes(bases: list[str], fresh, step, save_step: int, steps: int, global_state) -> dict[str, dict]:
+    """Each checkpoint folder of ``bases`` loaded at ``save_step`` by a fresh run that trains ``steps``
+    more: per folder name, the state right after the load and the parameters at every step from it."""
+    out = {}
+    with worker_jobs.no_codebook_learning():
+        for base in bases:
+            model, opt, sched, ts = fresh()
+            ckpt = checkpointer(model, opt, sched, ts, base, save_step)
+            assert ckpt.load(step=save_step)
+            res = {"state": global_state(opt), "params": {save_step: full_params(model)}}
+            for s in range(save_step + 1, save_step + steps + 1):
+                step(model, opt, sched, s)
+                res["params"][s] = full_params(model)
+            ckpt.close()
+            out[base.rstrip("/").rsplit("/", 1)[-1]] = res
+    return out
+
+
+def bad_checkpoint_case(base: str, fresh, step, save_step: int, snapshot) -> dict:
+    """A run one step in tries to load the checkpoint under ``base`` at ``save_step``: the error it got
+    (None: it loaded) and ``snapshot(opt)`` of its optimizer before and after the try."""
+    model, opt, sched, ts = fresh()
+    step(model, opt, sched, 1)
+    ckpt = checkpointer(model, opt, sched, ts, base, save_step)
+    before = snapshot(opt)
+    try:
+        ckpt.load(step=save_step)
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    out = {"error": error, "before": before, "after": snapshot(opt)}
+    ckpt.close()
+    return out
+
+
+def reference_run(fresh, step, folder: str, save_step: int, steps: int, global_state) -> tuple[dict, nn.Module]:
+    """A run of ``save_step + steps`` steps that saves at ``save_step`` under ``folder``: (its state at the
+    save, state bytes and parameters from the save on, the model)."""
+    model, opt, sched, ts = fresh()
+    ckpt = checkpointer(model, opt, sched, ts, folder, save_step)
+    res: dict = {"params": {}}
+    for s in range(1, save_step + steps + 1):
+        step(model, opt, sched, s)
+        ts.step = s
+        if s == save_step:
+            ckpt.save(s)
+            res["state"] = global_state(opt)
+            res["bytes"] = opt.state_bytes()
+        if s >= save_step:
+            res["params"][s] = full_params(model)
+    ckpt.close()
+    return res, model

@@ -151,6 +151,45 @@ class Launch:
     before: list[Callable[[], None]] = field(default_factory=list)
 
 
+def run_job(worker: str, layout: str, tag: str, out: Path, save_step: int, steps: int, *args: str) -> list[str]:
+    """One job of a reshard worker (agreed_worker, muon_worker): its layout, tag, outputs and steps."""
+    return [worker, "--layout", layout, "--tag", tag, "--out", str(out), "--save-step", str(save_step),
+            "--steps", str(steps), *args]
+
+
+def reshard_jobs(base: Path, job: Callable[..., list[str]], runs: list[tuple],
+                 extra: Callable[[str], list[str]] = lambda tag: []) -> tuple[dict[str, tuple[int, list[str]]],
+                                                                              Path, Path]:
+    """The jobs of ``runs`` rows ``(layout, nproc, tag, ref, loads)`` (tag -> (world size, job): the
+    checkpoint it saves under ``base``, those it loads, ``extra(tag)`` more arguments), and the plan's
+    folders, made here: (jobs, outputs, bad checkpoints)."""
+    out, root = base / "out", base / "bad"
+    out.mkdir(parents=True)
+    root.mkdir()
+    jobs = {}
+    for layout, n, tag, ref, loads in runs:
+        args = list(extra(tag))
+        if ref:
+            args += ["--ref", str(base / ref)]
+        if loads:
+            args += ["--load", ",".join(str(base / c) for c in loads)]
+        jobs[tag] = (n, job(layout, tag, out, *args))
+    return jobs, out, root
+
+
+def launched(base: Path, plan: Callable[[Path], list[Launch]]) -> tuple[Path, Path, Path]:
+    """Every launch of ``plan(base)`` run (logs under ``base/logs``): (base, outputs, bad checkpoints)."""
+    launch_all(plan(base), base / "logs")
+    return base, base / "out", base / "bad"
+
+
+def rank_dumps(out: Path, tag: str) -> list[dict]:
+    """What every rank of job ``tag`` wrote under ``out`` (``<tag>_r<rank>.pt``), in rank order."""
+    ranks = sorted(out.glob(f"{tag}_r[0-9]*.pt"), key=lambda p: int(p.stem.rsplit("_r", 1)[1]))
+    assert ranks, f"no dumps of {tag}"
+    return [torch.load(p, weights_only=False) for p in ranks]
+
+
 def ordered_launches(plan: list[tuple[int, list[str]]], jobs: dict[str, tuple[int, list[str]]],
                      runs: list[tuple], before: dict[str, Callable[[], None]]) -> list[Launch]:
     """The launches of ``plan`` (world size, job tags) over ``jobs`` (tag ->

@@ -143,17 +143,13 @@ def test_capturable_refused_at_construction():
 
 
 # ------------------------------------------------------------------ layouts
-def load(out: Path, tag: str) -> list[dict]:
-    ranks = sorted(out.glob(f"{tag}_r[0-9]*.pt"), key=lambda p: int(p.stem.rsplit("_r", 1)[1]))
-    return [torch.load(p, weights_only=False) for p in ranks]
+load = worker_jobs.rank_dumps
 
 
 @pytest.fixture(scope="module")
 def agreed(tmp_path_factory) -> tuple[Path, Path, Path]:
     """Every job of ``agreed_runs.PLAN``: (base folder, outputs, bad checkpoints)."""
-    base = tmp_path_factory.mktemp("agreed")
-    worker_jobs.launch_all(agreed_runs.plan(base), base / "logs")
-    return base, base / "out", base / "bad"
+    return worker_jobs.launched(tmp_path_factory.mktemp("agreed"), agreed_runs.plan)
 
 
 def merged(ranks: list[dict], kind: str, src: str | None = None) -> dict:

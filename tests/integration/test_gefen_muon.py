@@ -40,18 +40,13 @@ from tests.helpers.muon_runs import PAIRS, RUNS, target
 _PER_STAGE = ("gefen/optimizer/", "gefen/codebook/", "gefen/muon/", "gefen/muon_codebook/")
 
 
-def load(out: Path, tag: str) -> list[dict]:
-    ranks = sorted(out.glob(f"{tag}_r[0-9]*.pt"), key=lambda p: int(p.stem.rsplit("_r", 1)[1]))
-    assert ranks, f"no dumps of {tag}"
-    return [torch.load(p, weights_only=False) for p in ranks]
+load = worker_jobs.rank_dumps
 
 
 @pytest.fixture(scope="module")
 def muon(tmp_path_factory) -> tuple[Path, Path, Path]:
     """Every job of ``muon_runs.PLAN``: (base folder, outputs, bad checkpoints)."""
-    base = tmp_path_factory.mktemp("muon")
-    worker_jobs.launch_all(muon_runs.plan(base), base / "logs")
-    return base, base / "out", base / "bad"
+    return worker_jobs.launched(tmp_path_factory.mktemp("muon"), muon_runs.plan)
 
 
 def _same(a, b) -> bool:

@@ -68,6 +68,17 @@ def _small_reads(reads):
     return reads[:-1]
 
 
+def _two_kinds_trained():
+    """(config, model, optimizers): GefenMuon on the matrices, Gefen on the rest, 2 steps taken."""
+    config = GefenOptimizersContainer.Config(param_groups=[
+        ParamGroup(pattern=r"attn|out", optimizer_name="GefenMuon", optimizer_kwargs={"lr": 0.02}),
+        ParamGroup(pattern=r".*", optimizer_name="Gefen", optimizer_kwargs={"lr": 1e-3})])
+    model = Net()
+    opt = config.build(model_parts=[model])
+    _train(opt, model)
+    return config, model, opt
+
+
 def _same_state(a, b, read=gx.read):
     for (fqn, pa, _), (_, pb, _) in zip(gx.named_params(a), gx.named_params(b), strict=True):
         sa, sb = read(a, pa), read(b, pb)
@@ -82,12 +93,7 @@ def _same_state(a, b, read=gx.read):
 def test_a_load_reads_every_kinds_records_in_one_collective_read(tmp_path, monkeypatch):
     """Gefen and GefenMuon in one container: the load's planning (the kinds check, the
     format check, both adapters' plans) makes one small DCP read (it made four)."""
-    config = GefenOptimizersContainer.Config(param_groups=[
-        ParamGroup(pattern=r"attn|out", optimizer_name="GefenMuon", optimizer_kwargs={"lr": 0.02}),
-        ParamGroup(pattern=r".*", optimizer_name="Gefen", optimizer_kwargs={"lr": 1e-3})])
-    model = Net()
-    opt = config.build(model_parts=[model])
-    _train(opt, model)
+    config, model, opt = _two_kinds_trained()
     _save(opt, model, tmp_path)
     fresh_model = Net()
     fresh = config.build(model_parts=[fresh_model])
@@ -188,12 +194,7 @@ def test_a_load_agrees_once_per_phase(tmp_path, monkeypatch):
     DCP's read). It agreed 8 times with two kinds. A refusal's text rides in its phase's verdict."""
     from gefen_titan.checkpoint import errors
 
-    config = GefenOptimizersContainer.Config(param_groups=[
-        ParamGroup(pattern=r"attn|out", optimizer_name="GefenMuon", optimizer_kwargs={"lr": 0.02}),
-        ParamGroup(pattern=r".*", optimizer_name="Gefen", optimizer_kwargs={"lr": 1e-3})])
-    model = Net()
-    opt = config.build(model_parts=[model])
-    _train(opt, model)
+    config, model, opt = _two_kinds_trained()
     _save(opt, model, tmp_path)
     agreed = []
     real = errors.raise_on_any_rank
