@@ -761,13 +761,14 @@ def state_bytes(built: Built, rule: str | None, periods: dict[str, int] | None =
 
 
 def collectives(built: Built) -> list[dict[str, Any]]:
+    from gefen_titan.optim import registry
     from gefen_titan.optim.blocking import agreement_collectives
 
     searched = [p for p in built.params if p.unit]
     width = sum(len(p.candidates) for p in searched)
     w = built.mesh.world
     out = []
-    for what, op, dtype, numel in agreement_collectives(width, len(searched)):
+    for what, op, dtype, numel in agreement_collectives(width, len(searched), registry.codebook_families()):
         payload = numel * torch._utils._element_size(dtype)
         per_rank = payload * w if op == "all_gather" else payload
         out.append({"what": what, "op": op, "dtype": str(dtype).replace("torch.", ""), "numel": numel,

@@ -29,7 +29,7 @@ does on a resume) and the state is a function of the model alone:
   1, as Gefen gives them.
 * **Codebook.** One 4096-bin histogram of block-normalised gradients, in
   Gefen's arithmetic, summed over every parameter of every optimizer of a
-  *codebook family* (``gefenx.codebook_family``: Gefen's, GefenMuon's;
+  *codebook family* (its registry entry's ``codebook_family``: Gefen's, GefenMuon's;
   all pipeline stages) with each element counted once (replicas: only the
   ranks at coordinate 0 of every ``Replicate`` mesh dim contribute),
   all-reduced as int64 (exact in any order; the families' histograms in one
@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -188,7 +188,7 @@ def _all_gather(t: torch.Tensor, world: int) -> torch.Tensor:
     return torch.stack([x.cpu() for x in parts])
 
 
-def agreement_collectives(width: int, searched: int) -> list[tuple[str, str, torch.dtype, int]]:
+def agreement_collectives(width: int, searched: int, families: int) -> list[tuple[str, str, torch.dtype, int]]:
     """The collectives ``AgreedBlocking.maybe_agree`` makes on a first step that succeeds.
 
     In order, ``(what, op, dtype, elements each rank sends)``; ``width`` is
@@ -197,12 +197,11 @@ def agreement_collectives(width: int, searched: int) -> list[tuple[str, str, tor
     and ``searched`` the number of those parameters. An all-gather delivers
     ``world`` times its payload to every rank; every other collective's
     payload is the same at any world size. The histograms and codebooks are
-    those of every codebook family (``gefenx.CODEBOOK_FAMILIES``),
-    whether or not the job has optimizers of each. Kept beside the code it
+    those of every codebook family (``families``: the registry's
+    ``codebook_families()``), whether or not the job has optimizers of each. Kept beside the code it
     describes: the scale plan sizes the first step from it, and a test
     records the real calls against it.
     """
-    families = gx.CODEBOOK_FAMILIES
     return [
         ("error check: parameters", "all_reduce", torch.int64, 1),
         ("stage layout: signature, candidates, searched parameters", "all_gather", torch.int64, 3),
@@ -238,12 +237,19 @@ class AgreedBlocking:
     ``maybe_agree(optimizers)`` is called on every rank before each step of
     the container; it does its collectives only while ``needed`` (a fresh
     optimizer), and is switched off by a checkpoint load that restored state.
+    ``family_of`` gives an optimizer's codebook family, an index below
+    ``families`` (the container passes its registry entry's
+    ``codebook_family``): each family learns one codebook for the job from
+    its own optimizers' gradients. Without them it plans periods only
+    (``period_candidates``).
     """
 
-    def __init__(self, max_tp_degree: int = 1) -> None:
+    def __init__(self, max_tp_degree: int = 1, family_of: Callable[[Optimizer], int] | None = None,
+                 families: int = 0) -> None:
         if max_tp_degree < 1:
             raise ValueError("optimizer.max_tensor_parallel_degree must be >= 1")
         self.max_tp_degree = max_tp_degree
+        self.family_of, self.families = family_of, families
         self.needed = True
 
     # Gefen keeps period 1 for these (gefen.Gefen._resolve_automatic_period).
@@ -279,6 +285,8 @@ class AgreedBlocking:
     def maybe_agree(self, optimizers: list[Optimizer]) -> None:
         if not self.needed:
             return
+        if self.family_of is None:
+            raise TypeError("AgreedBlocking without family_of plans periods only; the container's agrees")
         what = "cannot agree Gefen block periods and codebook on the first step"
         params, error = [], None
         try:
@@ -306,10 +314,10 @@ class AgreedBlocking:
         periods = self._agree_periods(params, counts_here, layout)
         counts, error = None, None
         try:
-            counts = torch.zeros(gx.CODEBOOK_FAMILIES, HIST_BINS, dtype=torch.int64)
+            counts = torch.zeros(self.families, HIST_BINS, dtype=torch.int64)
             for q, period, here in zip(params, periods, counts_here):
                 if here:
-                    counts[gx.codebook_family(q.optim)] += histogram(local(q.param.grad), period).cpu()
+                    counts[self.family_of(q.optim)] += histogram(local(q.param.grad), period).cpu()
         except (RuntimeError, ValueError) as e:
             error = f"{type(e).__name__}: {e}"
         raise_on_any_rank(error, what, BlockingError)
@@ -317,7 +325,7 @@ class AgreedBlocking:
         for q, period in zip(params, periods):
             gx.set_period(q.optim, q.param, period)
         for optim in optimizers:
-            codebook = codebooks[gx.codebook_family(optim)]
+            codebook = codebooks[self.family_of(optim)]
             if codebook is None:
                 continue
             device = next((local(p).device for _, p, _ in gx.named_params(optim)), torch.device("cpu"))

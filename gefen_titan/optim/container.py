@@ -309,7 +309,8 @@ class GefenOptimizersContainer(OptimizersContainer):
         self.blocking = config.blocking
         self.agreement: AgreedBlocking | None = None  # None: per-rank blocking (a heal copies `needed`)
         if config.blocking == "agreed":
-            self.agreement = AgreedBlocking(config.max_tensor_parallel_degree)
+            self.agreement = AgreedBlocking(config.max_tensor_parallel_degree, family_of=registry.codebook_family,
+                                            families=registry.codebook_families())
             # One hook for the container, not one per optimizer: every rank
             # must join the agreement's collectives, also a rank whose stage
             # holds no Gefen parameter.

@@ -28,6 +28,9 @@ variant is one ``register`` call plus its state type and records:
   optimizer saved a parameter;
 * ``agreed_blocking``: the first step's agreement pre-sets its block periods
   and codebook (``gefen_titan.optim.blocking``);
+* ``codebook_family``: with ``agreed_blocking``, which of the job's codebooks
+  it takes (an index; every family learns one from its own optimizers'
+  gradients: Gefen 0, GefenMuon 1, a new kind the next free one);
 * ``needs_agreed_blocking``: why it cannot run under ``optimizer.blocking =
   "per_rank"`` (None: it can); the recipe checks and the container refuse it;
 * ``check_built``: refuses (ValueError) a built optimizer whose options
@@ -66,7 +69,8 @@ from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB, ShardedMuonStep
 from gefen_titan.optim.state import GefenMuonShardedAdapter, GefenPerRankAdapter, GefenShardedAdapter, StateAdapter
 
 __all__ = ["GEFEN_OPTION_KEYS", "MUON_OPTION_KEYS", "SHORTHAND_KEYS", "CompositeSpec", "OptimizerSpec", "StateOptions",
-           "build_gefen", "build_gefen_muon", "composite", "composite_names", "get", "names", "record_kinds",
+           "build_gefen", "build_gefen_muon", "codebook_families", "codebook_family", "composite", "composite_names",
+           "get", "names", "record_kinds",
            "register", "register_composite", "spec_of", "specs"]
 
 # The [optimizer] shorthand hyperparameters a group can take as defaults.
@@ -90,6 +94,7 @@ class OptimizerSpec:
     state: Callable[[list[Optimizer], StateOptions], StateAdapter] | None = None
     record_kind: str | None = None
     agreed_blocking: bool = False
+    codebook_family: int | None = None
     needs_agreed_blocking: str | None = None
     check_built: Callable[[Optimizer], None] | None = None
     after_agreed_step: Callable[[Optimizer], None] | None = None
@@ -166,6 +171,19 @@ def specs() -> tuple[OptimizerSpec, ...]:
 def record_kinds() -> dict[str, str]:
     """The record kind (``schema.parse_key``) of every entry with records of its own -> its name."""
     return {s.record_kind: s.name for s in _REGISTRY.values() if s.record_kind}
+
+
+def codebook_families() -> int:
+    """How many codebooks the agreement learns (one per ``codebook_family`` of the entries)."""
+    return 1 + max((s.codebook_family for s in _REGISTRY.values() if s.codebook_family is not None), default=-1)
+
+
+def codebook_family(optim: Optimizer) -> int:
+    """The codebook family of a built optimizer's entry (raises for one the agreement does not set)."""
+    spec = spec_of(optim)
+    if spec is None or spec.codebook_family is None:
+        raise TypeError(f"{type(optim).__name__} has no agreed codebook family")
+    return spec.codebook_family
 
 
 def spec_of(optim: Optimizer) -> OptimizerSpec | None:
@@ -293,6 +311,7 @@ register(OptimizerSpec(
     state=_gefen_state,
     record_kind=GefenShardedAdapter.record_kind,
     agreed_blocking=True,
+    codebook_family=0,
     check_built=_check_gefen,
     after_agreed_step=_count_empty_shards,
     group_key_hint=_gefen_group_key_hint,
@@ -365,6 +384,7 @@ register(OptimizerSpec(
     state=lambda optimizers, options: GefenMuonShardedAdapter(optimizers),
     record_kind=GefenMuonShardedAdapter.record_kind,
     agreed_blocking=True,
+    codebook_family=1,
     # Its sharded step counts its empty shards' steps itself.
     needs_agreed_blocking=("needs optimizer.blocking = \"agreed\": its sharded step cuts the momentum along the "
                            "parameter's shards, which needs blocks that no shard cut crosses and one codebook for "

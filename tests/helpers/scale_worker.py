@@ -56,6 +56,7 @@ flavors.register_flavors()
 
 
 def collectives() -> dict:
+    from gefen_titan.optim import registry
     from gefen_titan.optim.blocking import AgreedBlocking, agreement_collectives
     from gefen_titan.optim.container import GefenOptimizersContainer
 
@@ -86,7 +87,8 @@ def collectives() -> dict:
         dist.all_gather, dist.all_reduce, dist.broadcast = saved
     searched = [c for _, _, unit, c in AgreedBlocking(1).period_candidates(opt.optimizers_of("Gefen")) if unit]
     width = sum(len(c) for c in searched)
-    expected = [(op, str(dtype), n) for _, op, dtype, n in agreement_collectives(width, len(searched))]
+    expected = [(op, str(dtype), n)
+                for _, op, dtype, n in agreement_collectives(width, len(searched), registry.codebook_families())]
     return {"recorded": recorded, "expected": expected, "width": width}
 
 

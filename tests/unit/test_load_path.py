@@ -143,10 +143,9 @@ class _VariantState(GefenShardedAdapter):
 
 
 def _variant(groups, **kw):
-    # No factored second moment (gefen-titan's rule), and blocks inside rows without the first
-    # step's agreement (it knows Gefen's and GefenMuon's codebooks only): per-element state.
+    # No factored second moment (gefen-titan's rule); periods and codebook from the agreement.
     return _Variant([{"params": list(zip(g["param_names"], g["params"])), "lr": g["lr"]} for g in groups],
-                    factored_v_2d=False, period_one_substrings=("attn",))
+                    factored_v_2d=False)
 
 
 @pytest.fixture
@@ -158,7 +157,8 @@ def variant_registered(monkeypatch):
     schema.register_kinds({"variant": "record", "variant_codebook": "codebook"})
     monkeypatch.setitem(registry._REGISTRY, "Variant", registry.OptimizerSpec(
         name="Variant", factory=_variant, owns=_VariantState.owns, group_keys=("lr",),
-        state=lambda optimizers, options: _VariantState(optimizers), record_kind="variant"))
+        state=lambda optimizers, options: _VariantState(optimizers), record_kind="variant",
+        agreed_blocking=True, codebook_family=registry.codebook_families()))  # a family of its own
 
 
 def test_a_third_kind_is_one_entry_one_state_type_and_its_records(tmp_path, monkeypatch, variant_registered):
@@ -172,6 +172,10 @@ def test_a_third_kind_is_one_entry_one_state_type_and_its_records(tmp_path, monk
     variant = next(o for o in opt.optimizers if type(o) is _Variant)
     assert "optimizer.gefen/variant/attn.weight" in keys and "optimizer.gefen/variant_codebook/attn.weight" in keys
     assert gx.read(variant, next(gx.named_params(variant))[1]) is not None  # it stepped
+    # The first step's agreement set its periods and learned its own codebook, from its own gradients.
+    (gefen,) = opt.optimizers_of("Gefen")
+    assert gx.period(variant, model.attn.weight) > 1
+    assert gx.codebook(variant) is not None and not torch.equal(gx.codebook(variant), gx.codebook(gefen))
 
     fresh_model = Net()
     fresh = config.build(model_parts=[fresh_model])

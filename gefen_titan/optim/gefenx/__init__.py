@@ -26,13 +26,11 @@ specification of this module). ``docs/gefen_internals.md`` explains them.
 from __future__ import annotations
 
 from gefen_titan.optim.gefenx.gefen import (
-    CODEBOOK_FAMILIES,
     FQNS_KEY,
     K,
     ParamState,
     clear,
     codebook,
-    codebook_family,
     count_empty_shard_step,
     empty_shard_counters,
     fallback_enabled,
@@ -87,7 +85,7 @@ __all__ = [
     "write",
     "clear", "has_state", "period", "set_period", "codebook", "set_codebook", "global_step", "set_global_step",
     "count_empty_shard_step", "empty_shard_counters", "set_empty_shard_counters", "finalize_period",
-    "fallback_enabled", "state_tensors", "CODEBOOK_FAMILIES", "codebook_family", "MUON_GROUP_KEYS", "MUON_REFUSED",
+    "fallback_enabled", "state_tensors", "MUON_GROUP_KEYS", "MUON_REFUSED",
     "MUON_UPDATE_DTYPE", "MuonState", "ShardedGefenMuon", "new_gefen_muon", "ShardedStep", "sharded_step",
     "is_gefen_muon", "muon_defaults", "muon_refused", "muon_deterministic", "muon_read", "muon_write", "muon_rows",
     "muon_set_rows", "muon_momentum", "muon_orthogonalize", "muon_normuon", "muon_apply", "muon_restore_group",

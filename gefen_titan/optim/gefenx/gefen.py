@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gefen import Gefen, GefenMuon, partitioning
+from gefen import Gefen, partitioning
 from torch.optim import Optimizer
 
 from gefen_titan.checkpoint import schema
@@ -25,7 +25,7 @@ __all__ = [
     "write",
     "clear", "has_state", "period", "set_period", "codebook", "set_codebook", "global_step", "set_global_step",
     "count_empty_shard_step", "empty_shard_counters", "set_empty_shard_counters", "finalize_period",
-    "fallback_enabled", "state_tensors", "CODEBOOK_FAMILIES", "codebook_family",
+    "fallback_enabled", "state_tensors",
 ]
 
 K = schema.K  # codebook entries (gefen-x: num_codebooks=256)
@@ -231,19 +231,3 @@ def finalize_period(results: list[tuple[int, float]]) -> int:
 def fallback_enabled() -> bool:
     """gefen-x replaces a period-1 result by a coarse block (its memory-safe fallback)."""
     return bool(partitioning.MEMORY_SAFE_FALLBACK)
-
-
-# ------------------------------------------------------------ codebook families
-# Each gefen-x optimizer class learns its codebook from its own gradients:
-# Gefen's from Gefen's, GefenMuon's from GefenMuon's. The agreement keeps one
-# codebook per family for the whole job (index: ``codebook_family``).
-CODEBOOK_FAMILIES = 2
-
-
-def codebook_family(optim: Optimizer) -> int:
-    """0 for Gefen, 1 for GefenMuon (exact types; anything else raises)."""
-    if type(optim) is Gefen:
-        return 0
-    if isinstance(optim, GefenMuon):
-        return 1
-    raise TypeError(f"{type(optim).__name__} has no agreed codebook family")
