@@ -61,12 +61,13 @@ def reference_cache(tmp_path_factory) -> Path:
 
 def validate(tmp_path_factory, out: Path, *args: str,
              package: bool = False) -> tuple[subprocess.CompletedProcess, dict]:
-    """The script from the checkout's root (its ranks forked where the tests
-    can fork), or (``package``) ``python -m gefen_titan validate`` from
-    ``out``, with the recipe's absolute path and torchrun's launches."""
+    """The script from the checkout's root, or (``package``) ``python -m gefen_titan validate`` from
+    ``out`` with the recipe's absolute path; either way its ranks forked where the tests can fork
+    (torchrun's launches of the same runs are pinned bit-identical by
+    ``test_recipe_regression.py::test_forked_ranks_train_the_bits_torchrun_trains``)."""
     if package:
         ci_args = [str(ROOT / a) if a.endswith(".toml") else a for a in CI_ARGS]
-        cmd, cwd = [sys.executable, "-m", "gefen_titan", "validate", *ci_args], out
+        cmd, cwd = [sys.executable, "-m", "gefen_titan", "validate", *ci_args, *processes.validate_launcher()], out
     else:
         cmd, cwd = [sys.executable, str(SCRIPT), *CI_ARGS, *processes.validate_launcher()], ROOT
     cmd += ["--out", str(out), "--reference-cache", str(reference_cache(tmp_path_factory)), *args]
