@@ -50,7 +50,7 @@ shard from DTensor's own ``_compute_local_shape_and_global_offset``):
   results (``gather at rank 0``).
 * **GefenMuon's step** (``muon_plan``; ``--no-muon`` leaves it out): the
   muon recipe's hidden matrices (MoE: GefenMuonHybrid's; ``muon_specs``
-  asks the layout module, ``muon.layout``) with their real placements, scheduled as
+  asks the layout module, ``muon.matrices``) with their real placements, scheduled as
   the step schedules them (``optim.muon.schedule``, ``--muon-bucket-mib``):
   the busiest owner's Newton-Schulz FLOPs against the mean and the largest
   matrix, the serial sum every rank waited on before, exchange and
@@ -72,7 +72,7 @@ degrees: FSDP over every rank for the dense parameters, the routed experts
 cut by EP x efsdp as torchtitan's parallelize cuts them), the metadata
 extrapolated per kind of layer (``layer_kinds``: DeepSeek-V3's dense first
 layers and its MoE layers), GefenMuon's matrices those GefenMuonHybrid routes
-(one per routed expert of a grouped weight, from ``muon.layout.matrix_cuts``),
+(one per routed expert of a grouped weight, from ``muon.matrices.matrix_cuts``),
 and the rows' own figures from ``benchmarks.scale_moe`` (GefenMuonHybrid's
 state, torchtitan main's DistMuon beside it).
 
@@ -791,9 +791,9 @@ def is_muon(built: Built, p: Param) -> bool:
 def muon_specs(built: Built, rank: int = 0) -> list:
     """GefenMuon's matrices as rank ``rank``'s copy sees them, as the sharded step builds them.
 
-    The copy is ``muon.layout.shard_groups``' (the layout module's
+    The copy is ``muon.matrices.shard_groups``' (the layout module's
     ``copy_groups``) and each parameter's matrices and their holders' pieces
-    are ``muon.layout.matrix_cuts``' (a 2-D parameter one matrix; a grouped
+    are ``muon.matrices.matrix_cuts``' (a 2-D parameter one matrix; a grouped
     experts' weight one per expert, held by the members whose shard holds
     part of it): the plan computes no shard itself. Both are cached per mesh
     and layout, since the layers repeat; a cached parameter's matrices are
@@ -802,7 +802,7 @@ def muon_specs(built: Built, rank: int = 0) -> list:
     whole), an expert names its grouped weight as ``param``.
     """
     from gefen_titan.optim.muon import MatrixSpec
-    from gefen_titan.optim.muon.layout import matrix_cuts, shard_groups
+    from gefen_titan.optim.muon.matrices import matrix_cuts, shard_groups
 
     copies: dict[tuple, list] = {}
     cuts_by_layout: dict[tuple, tuple[str, list]] = {}

@@ -19,7 +19,7 @@ from torchtitan.components.checkpoint import MODEL, OPTIMIZER
 from gefen_titan.checkpoint import digests, schema, storage
 from gefen_titan.ckpt.saved_records import SavedRecords, codebook_summary, read_records
 from gefen_titan.ckpt.view import Checkpoint, CkptError, Entry, split_state_key
-from gefen_titan.optim.muon.layout import is_grouped
+from gefen_titan.optim.muon.matrices import is_grouped
 
 __all__ = ["inspect_checkpoint", "render"]
 

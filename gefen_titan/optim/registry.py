@@ -336,7 +336,7 @@ def build_gefen_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any) 
     if refused:
         raise ValueError("; ".join(f"GefenMuon option {k!r} is not supported: {gx.MUON_REFUSED[k]}" for k in refused)
                          + ". Remove it from optimizer.optimizer_factory_kwargs_by_name.GefenMuon")
-    # A 3-D parameter is a grouped experts' weight (E, out, in): one Muon matrix per expert (optim.muon.layout).
+    # A 3-D parameter is a grouped experts' weight (E, out, in): one Muon matrix per expert (optim.muon.matrices).
     not_matrices = [f"{name} {tuple(p.shape)}" for g in param_groups
                     for name, p in zip(g.get("param_names", ()), g["params"]) if p.dim() not in (2, 3)]
     if not_matrices:

@@ -111,7 +111,7 @@ class ShardedGefenMuon(GefenMuon, _Registration):
     sharded state.
 
     It also takes grouped experts' weights ``(E, out, in)`` (torchtitan's
-    MoE), which the sharded step runs as E matrices (``muon.layout``).
+    MoE), which the sharded step runs as E matrices (``muon.matrices``).
     gefen-x's GefenMuon refuses any parameter that is not 2-D because its own
     ``step()`` is per matrix; that step never runs here, and everything
     gefen-titan calls of it (the momentum, per block; Newton-Schulz and

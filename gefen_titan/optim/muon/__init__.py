@@ -6,7 +6,7 @@
 * ``layout``: shard groups and the indices each shard holds.
 """
 
-from gefen_titan.optim.muon.layout import MuonLayoutError, Piece, shard_groups, shard_indices
+from gefen_titan.optim.muon.matrices import MuonLayoutError, Piece, shard_groups, shard_indices
 from gefen_titan.optim.muon.schedule import DEFAULT_BUCKET_MIB, MatrixSpec, Schedule, build_schedule, ns_flops
 from gefen_titan.optim.muon.step import MuonStepStats, ShardedMuonStep
 

@@ -63,7 +63,7 @@ from gefen_titan.distributed import local, rank_and_world
 from gefen_titan.distributed.layout import LayoutError, local_box
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.muon.exchange import Exchange
-from gefen_titan.optim.muon.layout import MuonLayoutError, Piece, is_grouped, matrix_cuts, shard_groups
+from gefen_titan.optim.muon.matrices import MuonLayoutError, Piece, is_grouped, matrix_cuts, shard_groups
 from gefen_titan.optim.muon.schedule import MatrixSpec, Schedule, build_schedule
 
 __all__ = ["COPIES", "SLOTS", "MuonStepStats", "ShardedMuonStep"]

@@ -42,8 +42,8 @@ from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.quant.requant import Segment, block_mean_segments, dequantize_segments, requantize
 from gefen_titan.optim.state.adapter import StagedLoad, blocking_refusal
 from gefen_titan.optim.state.codebook_merge import K, merge_codebooks
-from gefen_titan.optim.state.layout import Region, UnsupportedLayout, param_region, target_period
 from gefen_titan.optim.state.load_context import LoadContext
+from gefen_titan.optim.state.per_rank_regions import Region, UnsupportedLayout, param_region, target_period
 
 __all__ = ["GefenPerRankAdapter"]
 

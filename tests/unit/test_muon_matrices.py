@@ -1,4 +1,4 @@
-"""``optim.muon.layout.shard_indices``: the global rows and columns each rank's shard of a GefenMuon matrix holds.
+"""``optim.muon.matrices.shard_indices``: the global rows and columns each rank's shard of a GefenMuon matrix holds.
 
 The sharded step takes them as the truth about what every member of a shard
 group holds (it gathers the shards into the matrix by them and sends each
@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from gefen_titan.optim.muon.layout import shard_indices
+from gefen_titan.optim.muon.matrices import shard_indices
 
 
 @contextlib.contextmanager
