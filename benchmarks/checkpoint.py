@@ -187,17 +187,18 @@ def _worker(args) -> None:
     def largest_shard() -> int:
         return max(p.to_local().nbytes for p in model.parameters())
 
-    def load_current(ckpt: str, bounds: bool = True) -> None:  # as GefenCheckpointManager.dcp_load reads it
+    def load_current(ckpt: str, bounds: bool = True, unchecked: bool = False) -> None:  # as the manager reads it
         import functools
 
         from gefen_titan.checkpoint import digests, storage
         from gefen_titan.checkpoint.reading import LoadChecks
 
         with digests.parsed_once():
-            # storage.load_reader's reader; bounds=False leaves out the metadata stage (method "checks").
-            reader = storage.storage_reader(ckpt, check_unread=True, load_checks=LoadChecks(
-                stray_bytes=functools.partial(storage.stray_bytes, ckpt),
-                bounds=functools.partial(storage.metadata_problems, ckpt) if bounds else None))
+            # The manager's reader (unchecked: checkpoint.load_without_digests, for method "digests"'s save
+            # without them); bounds=False: the same without the metadata stage (method "checks").
+            reader = storage.load_reader(ckpt, load_without_digests=unchecked) if bounds else storage.storage_reader(
+                ckpt, check_unread=True, load_checks=LoadChecks(stray_bytes=functools.partial(storage.stray_bytes,
+                                                                                              ckpt)))
             md = reader.checked_metadata()
             opt.prepare_load(ckpt, md, prefix="optimizer.")
             try:
@@ -289,7 +290,8 @@ def _worker(args) -> None:
         result["state_bytes_per_param"] = state_bytes / numel
         if args.method == "digests":
             # The same reader: a checkpoint without .digests is read unchecked.
-            result["paired_s"] = paired(lambda: load_current(args.ckpt + ".plain"), lambda: load_current(args.ckpt))
+            result["paired_s"] = paired(lambda: load_current(args.ckpt + ".plain", unchecked=True),
+                                        lambda: load_current(args.ckpt))
         elif args.method == "checks":  # the same checkpoint, the load's metadata stage left out / run
             result["paired_s"] = paired(lambda: load_current(args.ckpt, bounds=False), lambda: load_current(args.ckpt))
         digests, update = next_update()

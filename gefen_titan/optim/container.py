@@ -447,8 +447,9 @@ class GefenOptimizersContainer(OptimizersContainer):
 
     def step_stats(self, name: str) -> list[Any]:
         """Each optimizer of entry ``name``'s step statistics on this rank (its ``step_stats``; benchmarks)."""
-        spec = registry.get(name)
-        return [spec.step_stats(o) for o in self.optimizers_of(name)] if spec and spec.step_stats else []
+        optimizers = self.optimizers_of(name)  # raises for a name no entry has
+        stats = registry.get(name).step_stats
+        return [stats(o) for o in optimizers] if stats is not None else []
 
     @property
     def agreed_optimizers(self) -> list[Optimizer]:

@@ -16,6 +16,7 @@ the modules below is part of what the tests compare.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -162,7 +163,7 @@ def resumes(bases: list[str], fresh, step, save_step: int, steps: int, global_st
                 step(model, opt, sched, s)
                 res["params"][s] = full_params(model)
             ckpt.close()
-            out[base.rstrip("/").rsplit("/", 1)[-1]] = res
+            out[os.path.basename(base)] = res
     return out
 
 

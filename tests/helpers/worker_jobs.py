@@ -187,6 +187,8 @@ def rank_dumps(out: Path, tag: str) -> list[dict]:
     """What every rank of job ``tag`` wrote under ``out`` (``<tag>_r<rank>.pt``), in rank order."""
     ranks = sorted(out.glob(f"{tag}_r[0-9]*.pt"), key=lambda p: int(p.stem.rsplit("_r", 1)[1]))
     assert ranks, f"no dumps of {tag}"
+    # The workers' own files, written by this test session (they hold its plain objects, e.g. GefenMuon's
+    # schedules), never a checkpoint: the restricted reading is for what comes from elsewhere.
     return [torch.load(p, weights_only=False) for p in ranks]
 
 
