@@ -33,9 +33,9 @@ Stages, in the order a load meets them:
   codebooks, on the load's one small read of them
   (``optim.state.load_context``; refused after the model-aware checks, so a
   checkpoint of another model is named as such first) and on the tools'
-  (``ckpt.saved_records``). The per-kind functions live with the format
-  today; a kind's own description can supply them later without moving
-  this list.
+  (``ckpt.saved_records``). What each kind checks is its own
+  (``checkpoint.kinds.KindDescription.read``, registered with its registry
+  entry); the stage runs every registered kind's and names none.
 
 Cost: the metadata stage is one pass over ``.metadata``'s entries and items
 and one size per data file (rank 0, once per load): 4.6 ms for a 150M
@@ -90,7 +90,7 @@ CHECKS: tuple[Check, ...] = (
     Check("stored tensors", "entry", "a torch.saved tensor item of another dtype or shape than its chunk"),
     Check("step binding", "entry", "train_state.step other than the step its folder is named for"),
     Check(record_checks.RECORDS, "records", "records that do not parse, or whose counters, hyperparameters or "
-                                            "periods Gefen/GefenMuon cannot have"),
+                                            "periods their optimizer kind cannot have"),
     Check(record_checks.RECORD_TENSORS, "records", "a tensor a record implies missing or of another shape or "
                                                    "dtype, a state tensor of no record, or an entry of a kind "
                                                    "this version does not know"),

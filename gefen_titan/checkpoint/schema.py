@@ -59,7 +59,8 @@ __all__ = [
     "PARAM_TENSORS", "MUON_TENSORS", "FormatError", "Key", "Header", "ParamRecord", "OptimizerRecord",
     "header_key", "optimizer_key", "codebook_key", "codes_key", "qcodes_key", "magnitude_key", "vmean_key",
     "grid_key", "records_key", "blocks_key", "rank_codebook_key", "parse_key", "is_gefen_key", "is_raw_entry",
-    "is_raw_item", "param_tensor_keys", "param_tensor_specs", "pack_blocks", "unpack_blocks", "grid_shape",
+    "is_raw_item", "param_key_kinds", "param_tensor_keys", "param_tensor_specs", "pack_blocks", "unpack_blocks",
+    "grid_shape",
     "check_hyper", "check_codebook", "check_counters", "loads_json", "record_fields", "muon_optimizer_key",
     "muon_codebook_key", "muon_tensor_keys", "record_fqns", "optimizer_id", "SMALL_KINDS", "register_kinds",
     "entry_key",
@@ -283,6 +284,11 @@ def is_raw_item(flat_key: str, length: int, dtype: torch.dtype, sizes: tuple[int
 def param_tensor_keys(fqn: str, version: int = VERSION) -> dict[str, str]:
     """An agreed parameter's entries by ``PARAM_TENSORS[version]`` name."""
     return {name: PATTERNS[_TENSOR_KINDS[version][name]].format(fqn=fqn) for name in PARAM_TENSORS[version]}
+
+
+def param_key_kinds(version: int) -> tuple[str, ...]:
+    """The key kinds of an agreed parameter's entries in ``version`` (v3: qcodes, grid)."""
+    return tuple(_TENSOR_KINDS[version].values())
 
 
 def param_tensor_specs(fqn: str, shape: tuple[int, ...], period: int,

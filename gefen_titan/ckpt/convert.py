@@ -25,10 +25,11 @@ decay. So the state maps onto torch's AdamW one to one:
   ``step`` = ``vmean_step`` = AdamW's ``step``. The report gives the relative
   error of both moments.
 
-GefenMuon's state (``gefen/muon*``) is refused, before anything is written:
-its momentum is Muon's (orthogonalized by Newton-Schulz, with NorMuon's
-per-row second moment), which AdamW's moments cannot hold, and torch's
-Muon keeps no NorMuon rows.
+The state of any other kind whose description says why it cannot be
+converted (``checkpoint.kinds.KindDescription.convert_refusal``: GefenMuon's
+momentum is Muon's, orthogonalized by Newton-Schulz, with NorMuon's per-row
+second moment, which AdamW's moments cannot hold) is refused, before
+anything is written. This module is Gefen's own: its arithmetic is Gefen's.
 
 Every other entry (model, data loader, LR scheduler, train state, other
 optimizers' state) is copied unchanged, so ``train.py`` resumes the result
@@ -55,7 +56,7 @@ import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import OPTIMIZER
 from torchtitan.tools import filesystem
 
-from gefen_titan.checkpoint import digests, schema, storage
+from gefen_titan.checkpoint import digests, kinds, schema, storage
 from gefen_titan.checkpoint.errors import root_cause
 from gefen_titan.checkpoint.schema import HYPER, grid_shape
 from gefen_titan.ckpt.saved_records import codebook_summary, read_records
@@ -90,7 +91,7 @@ def convert(path: str, out: str, to: str, options: ConvertOptions = ConvertOptio
     if to not in ("adamw", "gefen"):
         raise CkptError(f"--to {to!r}: expected adamw or gefen")
     ck = Checkpoint(path)
-    _refuse_muon(ck)
+    _refuse_kinds(ck)
     _check_out(ck.path, out)
     if to == "adamw":
         entries, report, replaced = _to_adamw(ck, options)
@@ -116,17 +117,19 @@ def _check_out(source: str, out: str) -> None:
         raise CkptError(f"{out} exists: give a new folder (convert never overwrites a checkpoint)")
 
 
-def _refuse_muon(ck: Checkpoint) -> None:
+def _refuse_kinds(ck: Checkpoint) -> None:
+    """Refuse, before anything is written, a checkpoint holding state of a kind whose description says
+    convert cannot convert it (``KindDescription.convert_refusal``)."""
     saved = read_records(ck)
-    if saved is None or not (saved.muon_optimizers or saved.muon_codebooks):
-        return
-    fqns = [p.fqn for p in saved.muon_params]
-    raise CkptError(
-        f"convert handles Gefen <-> AdamW; {ck.path} holds GefenMuon state for {len(fqns)} parameters ("
-        + ", ".join(fqns[:3]) + (" ..." if len(fqns) > 3 else "") + "): GefenMuon's momentum (with NorMuon's "
-        "per-row second moment) has no AdamW equivalent. Resume it with a GefenMuon recipe (e.g. "
-        "recipes/llama_gefen_muon.toml), or start the optimizer fresh with checkpoint.exclude_from_loading = "
-        "[\"optimizer\"]. Nothing was written")
+    for desc in kinds.descriptions():
+        records = saved.kinds.get(desc.name) if saved is not None else None
+        if desc.convert_refusal is None or records is None or not (records.optimizers or records.codebooks):
+            continue
+        fqns = [p.fqn for p in records.params]
+        raise CkptError(
+            f"convert handles Gefen <-> AdamW; {ck.path} holds {desc.name} state for {len(fqns)} parameters ("
+            + ", ".join(fqns[:3]) + (" ..." if len(fqns) > 3 else "") + f"): {desc.convert_refusal}. Nothing was "
+            "written")
 
 
 def _nested(ck: Checkpoint, keys: list[str]) -> dict[str, Any]:
@@ -177,10 +180,11 @@ def _adamw_group(group: dict[str, float], implementation: str) -> dict[str, Any]
 
 def _to_adamw(ck: Checkpoint, options: ConvertOptions):
     saved = read_records(ck)
-    if saved is None:
-        kinds = sorted({split_state_key(n)[1] for n in ck.optimizer if split_state_key(n)})
-        raise CkptError(f"{ck.path} holds no Gefen state" + (f" (its optimizer state is {', '.join(kinds)})"
-                                                               if kinds else " (no optimizer state at all)")
+    gefen = saved.kinds.get("Gefen") if saved is not None else None
+    if gefen is None or not gefen.optimizers:
+        kinds_ = sorted({split_state_key(n)[1] for n in ck.optimizer if split_state_key(n)})
+        raise CkptError(f"{ck.path} holds no Gefen state" + (f" (its optimizer state is {', '.join(kinds_)})"
+                                                               if kinds_ else " (no optimizer state at all)")
                         + ": nothing to convert to AdamW")
     if saved.version not in schema.AGREED_VERSIONS:
         raise CkptError(f"{ck.path} is Gefen format v{saved.version} (per-rank blocking): convert reads formats "
@@ -190,11 +194,11 @@ def _to_adamw(ck: Checkpoint, options: ConvertOptions):
         name, what = saved.problems[0]
         raise CkptError(f"{ck.path}: the Gefen records are inconsistent ({name}: {what}); run "
                         "`gefen-titan ckpt verify` on it. Nothing was written")
-    codebook = next(iter(saved.codebooks.values()), None)
+    codebook = next(iter(gefen.codebooks.values()), None)
     opt = ck.optimizer
     entries: dict[str, Any] = {}
     steps, notes = Counter(), []
-    for p in saved.params:
+    for p in gefen.params:
         numel = math.prod(p.shape)
         if p.period:
             keys = schema.param_tensor_keys(p.fqn, saved.version)
@@ -216,8 +220,8 @@ def _to_adamw(ck: Checkpoint, options: ConvertOptions):
             entries[f"param_groups.{p.fqn}.{k}"] = v
     replaced = {e.key for n, e in opt.items() if schema.is_gefen_key(n)}
     report = {
-        "params": len(saved.params),
-        "elements": sum(math.prod(p.shape) for p in saved.params),
+        "params": len(gefen.params),
+        "elements": sum(math.prod(p.shape) for p in gefen.params),
         "steps": {str(k): v for k, v in sorted(steps.items())},
         "written": "state.{fqn}.exp_avg / exp_avg_sq / step, param_groups.{fqn}.* (AdamW)",
         "notes": notes,

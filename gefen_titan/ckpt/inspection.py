@@ -1,12 +1,14 @@
 """``gefen-titan ckpt inspect``: what a checkpoint holds, from its metadata and small entries.
 
-Reads the DCP metadata, the Gefen records and codebooks, the counters and
+Reads the DCP metadata, every kind's records and codebooks, the counters and
 the data loader's small values; never the large tensors. What it can say
 about the mesh the checkpoint was saved on is what the files record: the
 ranks that wrote data files, the data loader's per-rank entries (the
 data-parallel degree), and how each optimizer tensor was cut into chunks
 (DCP writes one chunk per distinct shard, so replicas, such as HSDP's, and
-pipeline stages are not visible as such).
+pipeline stages are not visible as such). Each optimizer kind's rows and
+their text are its own (``checkpoint.kinds.KindDescription.rows``,
+``render``); torch's flat optimizers' are this module's.
 """
 
 from __future__ import annotations
@@ -16,15 +18,12 @@ from typing import Any
 
 from torchtitan.components.checkpoint import MODEL, OPTIMIZER
 
-from gefen_titan.checkpoint import digests, schema, storage
+from gefen_titan.checkpoint import digests, kinds, schema, storage
+from gefen_titan.checkpoint import report_text as text
 from gefen_titan.ckpt.saved_records import SavedRecords, codebook_summary, read_records
 from gefen_titan.ckpt.view import Checkpoint, CkptError, Entry, split_state_key
-from gefen_titan.optim.muon.matrices import is_grouped
 
 __all__ = ["inspect_checkpoint", "render"]
-
-# GefenMuon's group keys the table shows (--json has every key the record holds).
-_MUON_SHOWN = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr_fn", "normuon")
 
 _TORCH_KINDS = {("exp_avg", "exp_avg_sq", "step"): "Adam/AdamW", ("momentum_buffer",): "SGD"}
 _COUNTERS = (("train_state", "step"), ("train_state", "ntokens_seen"), ("lr_scheduler", "last_epoch"),
@@ -63,6 +62,7 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         "counters": {},
         "optimizers": [],
         "problems": malformed,
+        "warnings": [],
     }
     if not malformed:
         try:  # the counters' read runs the load's entry stage (step binding among them)
@@ -70,9 +70,12 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         except CkptError as e:
             report["problems"].append(str(e))
     if saved is not None:
-        report["optimizers"] += _gefen_optimizers(ck, saved)
-        report["optimizers"] += _muon_optimizers(ck, saved)
-        report["problems"] += [f"{name}: {what}" for name, what in saved.problems]
+        report["optimizers"] += _kind_optimizers(ck, saved)
+        unknown = set(saved.unknown)
+        report["problems"] += [f"{name}: {what}" for check, name, what in saved.checked if (check, name, what)
+                               not in unknown]
+        # An entry of a kind this version does not know: a load and verify refuse it; inspect shows the rest.
+        report["warnings"] = [what for _, _, what in saved.unknown]
     if not malformed:
         report["optimizers"] += _torch_optimizers(ck)
     report["optimizer_totals"] = _totals(report["optimizers"])
@@ -114,93 +117,58 @@ def _format(saved: SavedRecords | None) -> dict[str, Any] | None:
             "blocking": saved.header.blocking or ("per_rank" if saved.version == schema.V1 else None)}
 
 
-def _gefen_optimizers(ck: Checkpoint, saved: SavedRecords) -> list[dict[str, Any]]:
-    opt = ck.optimizer
-    books = ck.load_names(OPTIMIZER, list(saved.codebooks)) if saved.codebooks else {}
-    out = []
-    for o in saved.optimizers:
-        params = []
-        for p in o.params:
-            if saved.version in schema.AGREED_VERSIONS:
-                names = list(schema.param_tensor_keys(p.fqn, saved.version).values())
-            else:
-                names = [schema.codes_key(p.fqn)]
-            entries = [opt[n] for n in names if n in opt]
-            row = {"fqn": p.fqn, "shape": list(p.shape), "period": p.period, "step": p.step,
-                   "vmean_step": p.vmean_step, "group": p.group,
-                   "bytes": sum(e.payload_bytes for e in entries if e.is_tensor),
-                   "stored_bytes": sum(e.stored_bytes for e in entries),
-                   "cuts": _cuts(entries[0]) if entries else []}
-            if saved.version in schema.AGREED_VERSIONS:
-                row["grid"] = list(p.grid) if p.grid else None
-            else:  # per source rank: its own period (v1)
-                row["periods_by_rank"] = {str(r): v.period for r, v in sorted(p.ranks.items())}
-                row["bytes"] += 8 * sum(v.nblocks for v in p.ranks.values())
-            params.append(row)
-        if saved.version in schema.AGREED_VERSIONS:
-            cb_names = [schema.codebook_key(o.opt)]
-        else:
-            cb_names = [schema.rank_codebook_key(o.opt, r) for r in range(o.nshards)]
-        cbs = {n: codebook_summary(books[n]) for n in cb_names if n in books}
-        shared = [schema.optimizer_key(o.opt)] + cb_names
-        if saved.version == schema.V1:
-            shared += [schema.records_key(o.opt, r) for r in range(o.nshards)] + \
-                      [schema.blocks_key(o.opt, r) for r in range(o.nshards)]
-        shared_bytes = sum(opt[n].stored_bytes for n in shared if n in opt)
-        extra = {"source_ranks": o.nshards} if saved.version == schema.V1 else {}
-        out.append(_optimizer_row("Gefen", o, saved.version, params, cbs, shared_bytes, extra))
-    return out
+class _View:
+    """What a kind's rows (``KindDescription.rows``) read through: ``checkpoint.kinds.InspectView``."""
+
+    def __init__(self, ck: Checkpoint) -> None:
+        self.ck = ck
+
+    def load(self, names: list[str]) -> dict[str, Any]:
+        return self.ck.load_names(OPTIMIZER, names)
+
+    def tensors(self, names: list[str]) -> dict[str, Any]:
+        entries = [self.ck.optimizer[n] for n in names if n in self.ck.optimizer]
+        return {"bytes": sum(e.payload_bytes for e in entries if e.is_tensor),
+                "stored_bytes": sum(e.stored_bytes for e in entries),
+                "cuts": _cuts(entries[0]) if entries else []}
+
+    def optimizer_row(self, kind: str, o: Any, params: list[dict[str, Any]], codebooks: list[str],
+                      shared: list[str], extra: dict[str, Any]) -> dict[str, Any]:
+        """One optimizer's row, whatever its kind: its parameters' rows and what they add up to."""
+        books = self.load(codebooks) if codebooks else {}
+        cbs = {n: codebook_summary(books[n]) for n in codebooks}
+        elements = sum(_numel(p.shape) for p in o.params)
+        stored = sum(r["stored_bytes"] for r in params) + sum(self.ck.optimizer[n].stored_bytes for n in shared
+                                                              if n in self.ck.optimizer)
+        return {
+            "kind": kind,
+            "id": o.opt,
+            "format_version": self.version,
+            "global_step": o.global_step,
+            "deterministic": o.deterministic,
+            **extra,
+            "hyperparameters": _unique_groups([p.group for p in o.params]),
+            "codebooks": cbs,
+            "params": params,
+            "elements": elements,
+            "bytes": sum(r["bytes"] for r in params) + 4 * 256 * len(cbs),
+            "stored_bytes": stored,
+            "stored_bytes_per_param": stored / elements if elements else None,
+        }
 
 
-def _optimizer_row(kind: str, o: Any, version: int, params: list[dict[str, Any]], cbs: dict[str, Any],
-                   shared_bytes: int, extra: dict[str, Any]) -> dict[str, Any]:
-    """One optimizer's row, whatever its kind: its parameters' rows and what they add up to."""
-    elements = sum(_numel(p.shape) for p in o.params)
-    stored = sum(r["stored_bytes"] for r in params) + shared_bytes
-    return {
-        "kind": kind,
-        "id": o.opt,
-        "format_version": version,
-        "global_step": o.global_step,
-        "deterministic": o.deterministic,
-        **extra,
-        "hyperparameters": _unique_groups([p.group for p in o.params]),
-        "codebooks": cbs,
-        "params": params,
-        "elements": elements,
-        "bytes": sum(r["bytes"] for r in params) + 4 * 256 * len(cbs),
-        "stored_bytes": stored,
-        "stored_bytes_per_param": stored / elements if elements else None,
-    }
-
-
-def _muon_optimizers(ck: Checkpoint, saved: SavedRecords) -> list[dict[str, Any]]:
-    """GefenMuon's records (``gefen/muon/{opt}``), as ``_gefen_optimizers`` shows Gefen's."""
-    opt = ck.optimizer
-    books = ck.load_names(OPTIMIZER, list(saved.muon_codebooks)) if saved.muon_codebooks else {}
-    out = []
-    for o in saved.muon_optimizers:
-        params = []
-        for p in o.params:
-            entries = [opt[n] for n in schema.muon_tensor_keys(p.fqn).values() if n in opt]
-            params.append({"fqn": p.fqn, "shape": list(p.shape), "period": p.period,
-                           "grid": list(p.grid) if p.period and p.shape and not p.shape[-1] % p.period else None,
-                           # Muon matrices: one, or one per expert of a grouped experts' weight (E, out, in)
-                           "matrices": p.shape[0] if is_grouped(tuple(p.shape)) else 1,
-                           "matrix_shape": list(p.shape[-2:]),
-                           "step": p.step, "rows_step": p.rows_step, "group": p.group,
-                           "bytes": sum(e.payload_bytes for e in entries if e.is_tensor),
-                           "stored_bytes": sum(e.stored_bytes for e in entries),
-                           "cuts": _cuts(entries[0]) if entries else []})
-        cb_names = [schema.muon_codebook_key(o.opt)]
-        cbs = {n: codebook_summary(books[n]) for n in cb_names if n in books}
-        shared_bytes = sum(opt[n].stored_bytes for n in [schema.muon_optimizer_key(o.opt), *cb_names] if n in opt)
-        out.append(_optimizer_row("GefenMuon", o, saved.version, params, cbs, shared_bytes, {}))
+def _kind_optimizers(ck: Checkpoint, saved: SavedRecords) -> list[dict[str, Any]]:
+    """Each described kind's rows (``checkpoint.kinds``), in registration order."""
+    view, out = _View(ck), []
+    view.version = saved.version
+    for desc in kinds.descriptions():
+        if desc.name in saved.kinds and desc.rows is not None:
+            out += desc.rows(view, saved.kinds[desc.name], saved.version)
     return out
 
 
 def _totals(optimizers: list[dict[str, Any]]) -> dict[str, Any]:
-    """Every optimizer's state together (Gefen, GefenMuon, torch's)."""
+    """Every optimizer's state together (every kind's, torch's)."""
     elements = sum(o["elements"] for o in optimizers)
     stored = sum(o["stored_bytes"] for o in optimizers)
     return {"kinds": [o["kind"] for o in optimizers], "params": sum(len(o["params"]) for o in optimizers),
@@ -317,55 +285,15 @@ def _digest_line(d: dict[str, Any]) -> str:
     return "none: loads read this checkpoint unchecked (`gefen-titan ckpt verify` checks its CRC32s)"
 
 
-def _n(x: int | None) -> str:
-    return "?" if x is None else f"{x:,}"
-
-
 def _mb(x: int | None) -> str:
     return "?" if x is None else f"{x / 1e6:.2f} MB" if x >= 1e5 else f"{x / 1e3:.1f} KB"
-
-
-def _shape(s) -> str:
-    return "x".join(str(v) for v in s) if s else "scalar"
-
-
-def _value(v: Any) -> str:
-    if isinstance(v, bool) or not isinstance(v, (int, float, list, tuple)):
-        return str(v)
-    if isinstance(v, (list, tuple)):
-        return "(" + ", ".join(_value(x) for x in v) + ")"
-    return f"{v:g}"
-
-
-def _group(g: dict) -> str:
-    if "beta1" in g:  # Gefen's records keep beta1/beta2; show them as torch's betas
-        g = {"lr": g.get("lr"), "betas": [g.get("beta1"), g.get("beta2")], "eps": g.get("eps"),
-             "weight_decay": g.get("weight_decay")}
-    return "  ".join(f"{k} {_value(v)}" for k, v in g.items())
-
-
-def _codebook_line(name: str, cb: dict) -> str:
-    if cb["smallest_positive"] is None or cb["largest_negative"] is None:
-        return f"  codebook {name}: {cb['entries']} entries ({cb['distinct']} distinct)"
-    return (f"  codebook {name}: {cb['entries']} entries ({cb['distinct']} distinct), [{cb['min']:g}, {cb['max']:g}], "
-            f"nearest zero {cb['largest_negative']:.3g} / {cb['smallest_positive']:.3g}")
-
-
-def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-
-    def line(cells: list[str]) -> str:
-        cols = (c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-        return (indent + "  ".join(cols)).rstrip()
-
-    return [line(header)] + [line(r) for r in rows]
 
 
 def render(report: dict[str, Any]) -> str:
     """The human-readable table of an ``inspect_checkpoint`` report."""
     f = report["format"]
     fmt_line = (f"{f['name']} v{f['version']} ({f['blocking']} blocking)" if f else
-                "no Gefen state" + (" (torch optimizer state)" if report["optimizers"] else ""))
+                "no gefen-titan state" + (" (torch optimizer state)" if report["optimizers"] else ""))
     c = report["counters"]
     counters = ", ".join(f"{k} {v}" for k, v in c.items() if k != "dataloader.world_size") or "none"
     lines = [
@@ -381,58 +309,29 @@ def render(report: dict[str, Any]) -> str:
     ]
     for o in report["optimizers"]:
         lines.append("")
-        if o["kind"] == "Gefen":
-            extra = f", {o['source_ranks']} source rank(s)" if "source_ranks" in o else ""
-            det = "" if o["deterministic"] is None else f", deterministic {str(o['deterministic']).lower()}"
-            lines.append(f"optimizer   Gefen (records {schema.optimizer_key(o['id'])}): {len(o['params'])} parameters, "
-                         f"global step {o['global_step']}{det}{extra}")
-            for g in o["hyperparameters"]:
-                lines.append(f"  {_group(g)}")
-            lines += [_codebook_line(name, cb) for name, cb in o["codebooks"].items()]
-            v2 = o["format_version"] in schema.AGREED_VERSIONS
-            head = ["parameter", "shape", "period" if v2 else "periods", "grid" if v2 else "", "step", "bytes",
-                    "chunks"]
-            rows = [[p["fqn"], _shape(p["shape"]),
-                     str(p["period"]) if v2 else ",".join(str(x) for x in sorted(set(p["periods_by_rank"].values()))),
-                     _shape(p["grid"]) if v2 and p["grid"] else ("-" if v2 else ""),
-                     str(p["step"]), _n(p["bytes"]), "x".join(map(str, p["cuts"])) or "1"] for p in o["params"]]
-            lines += _table(head, rows)
-        elif o["kind"] == "GefenMuon":
-            grouped = [p for p in o["params"] if len(p["shape"]) == 3]
-            matrices, expert = sum(p["matrices"] for p in o["params"]), sum(p["matrices"] for p in grouped)
-            experts = f" ({matrices} Muon matrices, {expert} of them experts of {len(grouped)} grouped weights)" \
-                if grouped else ""
-            lines.append(f"optimizer   GefenMuon (records {schema.muon_optimizer_key(o['id'])}): {len(o['params'])} "
-                         f"parameters{experts}, global step {o['global_step']}, "
-                         f"deterministic {str(o['deterministic']).lower()}")
-            for g in o["hyperparameters"]:
-                lines.append("  " + "  ".join(f"{k} {_value(g.get(k))}" for k in _MUON_SHOWN))
-            lines += [_codebook_line(name, cb) for name, cb in o["codebooks"].items()]
-            rows = [[p["fqn"], _shape(p["shape"]), str(p["period"]), _shape(p["grid"]) if p["grid"] else "-",
-                     str(p["step"]), str(p["rows_step"]), _n(p["bytes"]), "x".join(map(str, p["cuts"])) or "1"]
-                    + ([f"{p['matrices']} x {_shape(p['matrix_shape'])}"] if grouped else [])
-                    for p in o["params"]]
-            lines += _table(["parameter", "shape", "period", "grid", "step", "rows_step", "bytes", "chunks"]
-                            + (["Muon matrices"] if grouped else []), rows)
+        desc = next((d for d in kinds.descriptions() if d.name == o["kind"] and d.render), None)
+        if desc is not None:
+            lines += desc.render(o)
         else:
             steps = ", ".join(f"{s:g}" for s in o["steps"]) or "-"
             lines.append(f"optimizer   {o['kind']} (torch state): {len(o['params'])} parameters, step {steps}")
             for g in o["hyperparameters"]:
-                lines.append(f"  {_group(g)}")
-            rows = [[p["fqn"], _shape(p["shape"]), ", ".join(p["state"]), _n(p["bytes"]),
+                lines.append(f"  {text.hyper_line(g)}")
+            rows = [[p["fqn"], text.shape(p["shape"]), ", ".join(p["state"]), text.count(p["bytes"]),
                      "x".join(map(str, p["cuts"])) or "1"] for p in o["params"]]
-            lines += _table(["parameter", "shape", "state", "bytes", "chunks"], rows)
+            lines += text.table(["parameter", "shape", "state", "bytes", "chunks"], rows)
         per = o["stored_bytes_per_param"]
-        lines.append(f"  total {_n(o['elements'])} elements, {_n(o['bytes'])} bytes of state, "
-                     f"{_n(o['stored_bytes'])} on disk" + (f" = {per:.3f} bytes/param" if per else ""))
+        lines.append(f"  total {text.count(o['elements'])} elements, {text.count(o['bytes'])} bytes of state, "
+                     f"{text.count(o['stored_bytes'])} on disk" + (f" = {per:.3f} bytes/param" if per else ""))
     t = report["optimizer_totals"]
     if len(report["optimizers"]) > 1:
         per = t["stored_bytes_per_param"]
-        lines += ["", f"optimizers  {' + '.join(t['kinds'])}: {t['params']} parameters, {_n(t['elements'])} elements, "
-                      f"{_n(t['bytes'])} bytes of state, {_n(t['stored_bytes'])} on disk"
+        lines += ["", f"optimizers  {' + '.join(t['kinds'])}: {t['params']} parameters, "
+                      f"{text.count(t['elements'])} elements, "
+                      f"{text.count(t['bytes'])} bytes of state, {text.count(t['stored_bytes'])} on disk"
                       + (f" = {per:.3f} bytes/param" if per else "")]
     m = report["model"]
-    lines += ["", f"model       {m['tensors']} tensors, {_n(m['elements'])} elements "
+    lines += ["", f"model       {m['tensors']} tensors, {text.count(m['elements'])} elements "
                   f"({', '.join(f'{k} {v}' for k, v in m['dtypes'].items())}), {_mb(m['bytes'])}"]
     other = [f"{o['key']} ({_mb(o['stored_bytes'])})" for o in report["other"]
              if not o["key"].startswith(("train_state.", "lr_scheduler."))]
@@ -440,6 +339,8 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"other       {', '.join(other[:6])}" + (f" ... ({len(other)})" if len(other) > 6 else ""))
     if report.get("note"):
         lines.append(f"note        {report['note']}")
+    for w in report.get("warnings", [])[:5]:
+        lines.append(f"WARNING     {w} (a load and `gefen-titan ckpt verify` refuse this checkpoint)")
     for p in report.get("problems", [])[:5]:
         lines.append(f"PROBLEM     {p} (a load refuses this checkpoint; `gefen-titan ckpt verify` lists all)")
     return "\n".join(lines)

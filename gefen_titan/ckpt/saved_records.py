@@ -1,10 +1,11 @@
-"""Gefen's and GefenMuon's records in a checkpoint, read and checked offline (formats v3, v2 and v1).
+"""Every optimizer kind's records in a checkpoint, read and checked offline (formats v3, v2 and v1).
 
 The checks are the load's own, not a copy: ``checkpoint.record_checks``
-(the record stage of ``checkpoint.load_checks``), which the load runs on
-its one small read of the records (``optim.state.load_context``) and the
-tools run here on theirs. What is left to the load is what needs the live
-model (the parameters' shapes, the mesh's cuts, ``deterministic``).
+(the record stage of ``checkpoint.load_checks``, which runs each registered
+kind's description), which the load runs on its one small read of the
+records (``optim.state.load_context``) and the tools run here on theirs.
+What is left to the load is what needs the live model (the parameters'
+shapes, the mesh's cuts, ``deterministic``).
 """
 
 from __future__ import annotations
@@ -15,18 +16,10 @@ import torch
 from torchtitan.components.checkpoint import OPTIMIZER
 
 from gefen_titan.checkpoint import schema
-from gefen_titan.checkpoint.record_checks import (
-    GefenOptimizer,
-    GefenParam,
-    MuonOptimizer,
-    SavedRecords,
-    read_saved,
-    small_names,
-)
+from gefen_titan.checkpoint.record_checks import SavedRecords, read_saved, small_names
 from gefen_titan.ckpt.view import Checkpoint, CkptError
 
-__all__ = ["GefenParam", "GefenOptimizer", "MuonOptimizer", "SavedRecords", "read_records", "codebook_summary",
-           "optimizer_entries"]
+__all__ = ["SavedRecords", "read_records", "codebook_summary", "optimizer_entries"]
 
 
 def codebook_summary(cb: torch.Tensor) -> dict[str, Any]:
@@ -52,7 +45,7 @@ def optimizer_entries(ck: Checkpoint) -> dict[str, Any]:
 
 
 def read_records(ck: Checkpoint) -> SavedRecords | None:
-    """The checkpoint's Gefen state records (None: it holds no Gefen state).
+    """The checkpoint's records of every kind (None: it holds no ``gefen/`` state).
 
     Raises ``CkptError`` when the header is unreadable or of an unknown
     format; everything else wrong is collected in ``problems``.

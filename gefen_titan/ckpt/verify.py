@@ -20,14 +20,16 @@ the file it is in and the check:
    Then the load's entry stage: byte entries unpickled with the allowlists
    (a data loader's pickled state inside one too), a stored tensor against
    its chunk record, ``train_state.step`` against the folder's step. Beyond
-   the load: floating values must be finite (Gefen's magnitudes and
-   ``vmean``, GefenMuon's magnitudes and NorMuon rows, v1's blocks and
-   AdamW's ``exp_avg_sq`` also non-negative; the load checks that of Gefen's
-   and GefenMuon's state only, and not at all of the model's).
+   the load: floating values must be finite (the tensors each kind's
+   description names ``nonnegative`` and AdamW's ``exp_avg_sq`` also
+   non-negative; the load checks that of the kinds' state only, and not at
+   all of the model's).
 3. **Records.** The load's records stage (``checkpoint.record_checks``):
-   Gefen's and GefenMuon's records, codebooks and grids; and torch
-   optimizers' state (each parameter's ``exp_avg``/``exp_avg_sq`` of one
-   shape, with a ``step``).
+   every registered kind's records, codebooks and the tensors they imply
+   (its ``checkpoint.kinds.KindDescription``), an entry of a key kind no
+   description claims; and torch optimizers' state (each parameter's
+   ``exp_avg``/``exp_avg_sq`` of one shape, with a ``step``). The summary
+   has one field per kind with state (its description's ``report_key``).
 
 What it cannot know offline: whether the checkpoint fits the model and
 recipe of the run that will resume it (the load checks that, on every rank).
@@ -44,7 +46,7 @@ from typing import Any
 import torch
 from torchtitan.components.checkpoint import OPTIMIZER
 
-from gefen_titan.checkpoint import digests, load_checks, schema, storage, unpickling
+from gefen_titan.checkpoint import digests, kinds, load_checks, schema, storage, unpickling
 from gefen_titan.ckpt.saved_records import read_records
 from gefen_titan.ckpt.view import Checkpoint, CkptError, Entry, split_state_key
 
@@ -62,9 +64,11 @@ class Problem:
 
 
 def _nonnegative(e: Entry) -> bool:
+    """A tensor whose values are >= 0 in any state its kind makes (the kinds' ``nonnegative``, torch's second
+    moments)."""
     name = e.name
     key = schema.parse_key(name) if e.component == OPTIMIZER else None
-    if key is not None and key.kind in ("magnitude", "vmean", "blocks", "muon_magnitude", "muon_rows"):
+    if key is not None and any(key.kind in d.nonnegative for d in kinds.descriptions()):
         return True
     split = split_state_key(name) if e.component == OPTIMIZER else None
     return bool(split and split[1] in ("exp_avg_sq", "max_exp_avg_sq"))
@@ -240,13 +244,10 @@ class _Verifier:
             self.add(file_of(schema.header_key()), ck.optimizer_key(schema.header_key()), str(err), "records")
             saved = None
         if saved is not None:
-            summary["gefen"] = {"version": saved.version, "optimizers": len(saved.optimizers),
-                                "params": len(saved.params), "codebooks": len(saved.codebooks)}
-            if saved.muon_optimizers or saved.muon_codebooks:
-                summary["gefen_muon"] = {"version": saved.version, "optimizers": len(saved.muon_optimizers),
-                                         "params": len(saved.muon_params),
-                                         "stateful_params": sum(1 for p in saved.muon_params if p.period),
-                                         "codebooks": len(saved.muon_codebooks)}
+            for desc in kinds.descriptions():  # each kind's summary, by its description
+                records = saved.kinds.get(desc.name)
+                if records is not None and desc.summary is not None and (records.optimizers or records.codebooks):
+                    summary[desc.report_key] = desc.summary(records, saved.version)
             for check, n, what in saved.checked:
                 self.add(file_of(n), ck.optimizer_key(n), what, check)
         states: dict[str, dict[str, Entry]] = {}
@@ -371,16 +372,10 @@ def render(report: dict[str, Any]) -> str:
         if report["verdict"] != "verified":
             lines.append(f"        no {digests.FILE} (a format from before digests): every check passed, but its "
                          "bytes are not proven to be the save's")
-        g = report.get("gefen")
-        m = report.get("gefen_muon")
-        if g and (g["optimizers"] or not m):
-            what = "grids" if g["version"] in schema.AGREED_VERSIONS else "per-rank blocks tile every parameter"
-            lines.append(f"        Gefen v{g['version']}: {g['params']} parameters in {g['optimizers']} optimizer "
-                         f"record(s), {g['codebooks']} codebook(s): records, {what} and codebooks valid")
-        if m:
-            lines.append(f"        GefenMuon v{m['version']}: {m['params']} parameters in {m['optimizers']} record(s), "
-                         f"{m['codebooks']} codebook(s): records, group keys, counters, codes, magnitudes, "
-                         "NorMuon rows and codebooks valid")
+        for desc in kinds.descriptions():
+            s = report.get(desc.report_key)
+            if s is not None and desc.summary_line is not None:
+                lines.append(f"        {desc.summary_line(s)}")
         if report.get("torch_state_params"):
             lines.append(f"        torch optimizer state for {report['torch_state_params']} parameters: consistent")
     else:

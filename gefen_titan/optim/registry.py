@@ -39,7 +39,13 @@ variant is one ``register`` call plus its state type and records:
   agreed blocking (Gefen: count the steps of its empty local shards, which
   keep no state, so the records agree on every rank);
 * ``step_stats``: a built optimizer's step statistics on this rank (GefenMuon:
-  its sharded step's ``MuonStepStats``), for the container's ``step_stats``.
+  its sharded step's ``MuonStepStats``), for the container's ``step_stats``;
+* ``checkpoint``: the kind's description of its checkpoint state
+  (``checkpoint.kinds.KindDescription``, built by the kind's own files:
+  its key kinds, its records' checks, its rows in ``ckpt inspect``, its
+  ``verify`` summary and non-negative tensors, why ``convert`` refuses it).
+  ``register`` registers it with ``checkpoint.kinds``, where the load's
+  records stage and the offline tools find it.
 
 The container, the recipe checks and the load know an optimizer only
 through these fields: a new kind adds an entry, its state type and its
@@ -62,6 +68,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from gefen_titan.checkpoint import gefen_muon_records, gefen_records, kinds
+from gefen_titan.checkpoint.kinds import KindDescription
 from gefen_titan.distributed import local
 from gefen_titan.optim import cpu_step, hybrid
 from gefen_titan.optim import gefenx as gx
@@ -71,7 +79,7 @@ from gefen_titan.optim.state import GefenMuonShardedAdapter, GefenPerRankAdapter
 __all__ = ["GEFEN_OPTION_KEYS", "MUON_OPTION_KEYS", "SHORTHAND_KEYS", "CompositeSpec", "OptimizerSpec", "StateOptions",
            "build_gefen", "build_gefen_muon", "codebook_families", "codebook_family", "composite", "composite_names",
            "get", "names", "record_kinds",
-           "register", "register_composite", "spec_of", "specs"]
+           "register", "register_composite", "spec_of", "specs", "unregister"]
 
 # The [optimizer] shorthand hyperparameters a group can take as defaults.
 SHORTHAND_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -102,6 +110,7 @@ class OptimizerSpec:
     """A hint for a group key the optimizer does not read (where it goes instead)."""
     shorthand_keys: tuple[str, ...] = SHORTHAND_KEYS
     step_stats: Callable[[Optimizer], Any] | None = None
+    checkpoint: KindDescription | None = None
 
 
 @dataclass(frozen=True)
@@ -134,8 +143,17 @@ _COMPOSITES: dict[str, CompositeSpec] = {}
 def register(spec: OptimizerSpec) -> OptimizerSpec:
     if spec.name in _REGISTRY:
         raise ValueError(f"optimizer {spec.name!r} is already registered")
+    if spec.checkpoint is not None:
+        kinds.register(spec.checkpoint)
     _REGISTRY[spec.name] = spec
     return spec
+
+
+def unregister(name: str) -> None:
+    """Drop an entry and its checkpoint description (a test's kind, restored after)."""
+    spec = _REGISTRY.pop(name, None)
+    if spec is not None and spec.checkpoint is not None:
+        kinds.unregister(spec.checkpoint.name)
 
 
 def register_composite(spec: CompositeSpec) -> CompositeSpec:
@@ -315,6 +333,7 @@ register(OptimizerSpec(
     check_built=_check_gefen,
     after_agreed_step=_count_empty_shards,
     group_key_hint=_gefen_group_key_hint,
+    checkpoint=gefen_records.description(),
 ))
 
 # GefenMuon options the container fills in from [optimizer]: gefen-x's
@@ -394,6 +413,7 @@ register(OptimizerSpec(
     # eps is the Newton-Schulz normalisation floor here (default 1e-7), not Adam's.
     shorthand_keys=("lr", "weight_decay"),
     step_stats=lambda optim: gx.sharded_step(optim).stats,
+    checkpoint=gefen_muon_records.DESCRIPTION,
 ))
 
 register_composite(CompositeSpec(

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from gefen_titan.checkpoint import load_checks, schema, storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.ckpt.inspection import inspect_checkpoint
+from gefen_titan.ckpt.inspection import render as render_inspection
 from gefen_titan.ckpt.verify import verify_checkpoint
 from gefen_titan.optim import gefenx as gx
 from tests.helpers.bad_checkpoints import edited
@@ -272,8 +273,8 @@ def test_chunks_tile_their_tensor(chunks, why):
 def test_an_entry_of_no_known_kind_fails_verify_and_the_resume_and_inspect_flags_it(saved, tmp_path):
     """State in Gefen's namespace of a kind this version does not know (a later version's kind, or an
     edit) would be dropped without a word by a load that skips what it cannot parse: it is a problem
-    of the records stage (``record tensors``), for the resume and ``verify`` alike, and a line of
-    ``inspect``'s problems."""
+    of the records stage (``record tensors``), for the resume and ``verify`` alike, and a warning of
+    ``inspect`` (not one of its problems: the rest of the checkpoint is shown as it is)."""
     edited(saved, tmp_path / "case", STEP, lambda opt_sd: opt_sd.__setitem__("gefen/later_kind/0.weight",
                                                                              torch.ones(4)))
     step = tmp_path / "case" / "ckpt" / f"step-{STEP}"
@@ -283,4 +284,6 @@ def test_an_entry_of_no_known_kind_fails_verify_and_the_resume_and_inspect_flags
                                     for p in report["problems"]), report["problems"]
     with pytest.raises(GefenCheckpointError, match=re.escape(text)):
         resume(tmp_path / "case")
-    assert any(text in p for p in inspect_checkpoint(str(step))["problems"])
+    report = inspect_checkpoint(str(step))
+    assert any(text in w for w in report["warnings"]) and not any(text in p for p in report["problems"])
+    assert f"WARNING     {text}" in render_inspection(report)

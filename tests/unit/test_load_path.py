@@ -8,6 +8,7 @@ an LR scheduler beside the model and the optimizer), in one process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -16,8 +17,13 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from gefen import Gefen
 
-from gefen_titan.checkpoint import schema, storage
+from gefen_titan.checkpoint import gefen_records, kinds, schema, storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError
+from gefen_titan.ckpt.convert import convert
+from gefen_titan.ckpt.inspection import inspect_checkpoint
+from gefen_titan.ckpt.inspection import render as render_inspection
+from gefen_titan.ckpt.verify import verify_checkpoint
+from gefen_titan.ckpt.view import CkptError
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
@@ -150,15 +156,23 @@ def _variant(groups, **kw):
 
 @pytest.fixture
 def variant_registered(monkeypatch):
-    """The three things a kind adds: its records' keys (schema), its registry entry, its state type."""
+    """The things a kind adds: its records' keys (schema), its registry entry with its state type and
+    its checkpoint description (``checkpoint.kinds``: what the load's records stage and the offline
+    tools know of it), registered for this test and dropped after."""
     monkeypatch.setattr(schema, "PATTERNS", dict(schema.PATTERNS))
     monkeypatch.setattr(schema, "SMALL_KINDS", dict(schema.SMALL_KINDS))
     monkeypatch.setattr(schema, "_NAMED_KINDS", set(schema._NAMED_KINDS))
     schema.register_kinds({"variant": "record", "variant_codebook": "codebook"})
-    monkeypatch.setitem(registry._REGISTRY, "Variant", registry.OptimizerSpec(
+    described = dataclasses.replace(gefen_records.description("Variant", "variant", "variant_codebook",
+                                                               _VariantRecord),
+                                    convert_refusal="a Variant converts to nothing (a test's kind)")
+    registry.register(registry.OptimizerSpec(
         name="Variant", factory=_variant, owns=_VariantState.owns, group_keys=("lr",),
         state=lambda optimizers, options: _VariantState(optimizers), record_kind="variant",
-        agreed_blocking=True, codebook_family=registry.codebook_families()))  # a family of its own
+        agreed_blocking=True, codebook_family=registry.codebook_families(),  # a family of its own
+        checkpoint=described))
+    yield
+    registry.unregister("Variant")
 
 
 def test_a_third_kind_is_one_entry_one_state_type_and_its_records(tmp_path, monkeypatch, variant_registered):
@@ -168,7 +182,8 @@ def test_a_third_kind_is_one_entry_one_state_type_and_its_records(tmp_path, monk
     model = Net()
     opt = config.build(model_parts=[model])
     _train(opt, model)
-    keys = storage.read_metadata(_save(opt, model, tmp_path)).state_dict_metadata
+    step = _save(opt, model, tmp_path)
+    keys = storage.read_metadata(step).state_dict_metadata
     variant = next(o for o in opt.optimizers if type(o) is _Variant)
     assert "optimizer.gefen/variant/attn.weight" in keys and "optimizer.gefen/variant_codebook/attn.weight" in keys
     assert gx.read(variant, next(gx.named_params(variant))[1]) is not None  # it stepped
@@ -176,6 +191,25 @@ def test_a_third_kind_is_one_entry_one_state_type_and_its_records(tmp_path, monk
     (gefen,) = opt.optimizers_of("Gefen")
     assert gx.period(variant, model.attn.weight) > 1
     assert gx.codebook(variant) is not None and not torch.equal(gx.codebook(variant), gx.codebook(gefen))
+
+    # The offline tools know it by its description: inspect shows its rows, verify checks its records,
+    # convert refuses it with its own reason.
+    report = inspect_checkpoint(str(step))
+    assert [o["kind"] for o in report["optimizers"]] == ["Gefen", "Variant"] and not report["warnings"]
+    (row,) = [o for o in report["optimizers"] if o["kind"] == "Variant"]
+    assert [p["fqn"] for p in row["params"]] == ["attn.weight"] and row["params"][0]["period"] > 1
+    assert "optimizer   Variant (records gefen/variant/attn.weight): 1 parameters" in render_inspection(report)
+    checked = verify_checkpoint(str(step))
+    assert checked["ok"], checked["problems"]
+    assert checked["variant"] == {"version": schema.VERSION, "optimizers": 1, "params": 1, "codebooks": 1}
+    with pytest.raises(CkptError, match="holds Variant state for 1 parameters .*a Variant converts to nothing"):
+        convert(str(step), str(tmp_path / "converted"), "adamw")
+    assert not (tmp_path / "converted").exists()
+    # Without its description its keys are of no known kind: verify fails, inspect warns.
+    kinds.unregister("Variant")
+    assert "an entry of kind 'variant'" in str(verify_checkpoint(str(step))["problems"])
+    assert any("'variant'" in w for w in inspect_checkpoint(str(step))["warnings"])
+    kinds.register(registry.get("Variant").checkpoint)
 
     fresh_model = Net()
     fresh = config.build(model_parts=[fresh_model])
