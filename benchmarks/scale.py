@@ -348,19 +348,19 @@ def grid(shape: tuple[int, ...], period: int) -> tuple[int, ...]:
 
 def gefen_entries(built: Built, rule: str, periods: dict[str, int] | None = None, step: int = 1) -> list[Entry]:
     """The v3 entries (``ShardedAdapter._save_entries``'s order and records)."""
-    from gefen_titan.checkpoint import schema
+    from gefen_titan.checkpoint import schema, schema_records
 
     pre = "optimizer."
     out = [Entry(pre + schema.header_key(), "bytes",
-                 value=schema.Header.for_blocking("agreed").to_json())]
+                 value=schema_records.Header.for_blocking("agreed").to_json())]
     records = []
     for p in built.params:
         period = (periods or {}).get(p.fqn) or p.period(rule)
-        records.append(schema.ParamRecord(p.fqn, tuple(p.shape), period, step, step, dict(built.gefen_hyper)))
+        records.append(schema_records.ParamRecord(p.fqn, tuple(p.shape), period, step, step, dict(built.gefen_hyper)))
         for key, (dtype, shape) in schema.param_tensor_specs(p.fqn, tuple(p.shape), period).items():
             out.append(Entry(pre + key, "dtensor", dtype, shape, p, layer=p.layer))
     opt = built.params[0].fqn
-    record = schema.OptimizerRecord(built.deterministic, step, records)
+    record = schema_records.OptimizerRecord(built.deterministic, step, records)
     out.append(Entry(pre + schema.optimizer_key(opt), "bytes", value=record.to_json()))
     out.append(Entry(pre + schema.codebook_key(opt), "tensor", torch.float32, (256,)))
     return out

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gefen_titan.checkpoint import report_text as text
-from gefen_titan.checkpoint import schema, schema_v1
+from gefen_titan.checkpoint import schema, schema_records, schema_v1
 from gefen_titan.checkpoint.kinds import (
     CODEBOOKS,
     RECORD_TENSORS,
@@ -70,7 +70,7 @@ class GefenOptimizer:
 
 def _hyper_problem(fqn: str, group: dict[str, Any]) -> str | None:
     try:
-        schema.check_hyper(fqn, group)
+        schema_records.check_hyper(fqn, group)
     except schema.FormatError as e:
         return str(e)
     return None
@@ -110,7 +110,7 @@ def _read_agreed(inp: RecordsInput, problems: list[Problem], name: str, record_k
 
 def _check_agreed_param(entries: dict[str, Any], p: GefenParam, global_step: int,
                         version: int) -> list[tuple[str, str | None]]:
-    out = [(RECORDS, schema.check_counters(p.fqn, p.period, p.step, p.vmean_step, global_step)),
+    out = [(RECORDS, schema_records.check_counters(p.fqn, p.period, p.step, p.vmean_step, global_step)),
            (RECORDS, _hyper_problem(p.fqn, p.group))]
     if not p.period:
         return out
@@ -127,7 +127,7 @@ def _check_agreed_param(entries: dict[str, Any], p: GefenParam, global_step: int
 # ------------------------------------------------------------------ v1
 def _read(inp: RecordsInput, problems: list[Problem]) -> KindRecords:
     if inp.header.version in schema.AGREED_VERSIONS:
-        return _read_agreed(inp, problems, "Gefen", "optimizer", "codebook", schema.OptimizerRecord)
+        return _read_agreed(inp, problems, "Gefen", "optimizer", "codebook", schema_records.OptimizerRecord)
     out = KindRecords("Gefen", [])
     for name in inp.names_of("optimizer"):
         opt_id = inp.parsed[name].name
@@ -176,7 +176,7 @@ def _read_v1_rank(entries: dict[str, Any], values: dict[str, Any], o: GefenOptim
     for p, row in zip(o.params, rows, strict=True):
         p.ranks[label] = row
         for why in (row.check(p.fqn, label, block_rows),
-                    schema.check_counters(p.fqn, row.period, row.step, row.vmean_step, global_step)):
+                    schema_records.check_counters(p.fqn, row.period, row.step, row.vmean_step, global_step)):
             if why:
                 out.append((RECORDS, rk, why if why.startswith(f"{p.fqn}: source rank")
                             else f"source rank {label}: {why}"))
@@ -186,7 +186,7 @@ def _read_v1_rank(entries: dict[str, Any], values: dict[str, Any], o: GefenOptim
             out.append((CODEBOOKS, ck_name, f"codebook of source rank {label} for optimizer {o.opt} missing"))
         else:
             try:
-                codebooks[ck_name] = schema.check_codebook(values[ck_name], f"codebook {ck_name}")
+                codebooks[ck_name] = schema_records.check_codebook(values[ck_name], f"codebook {ck_name}")
             except schema.FormatError as e:
                 out.append((CODEBOOKS, ck_name, str(e)))
     return out
@@ -273,7 +273,7 @@ def _render(o: dict[str, Any]) -> list[str]:
 
 
 def description(name: str = "Gefen", record_kind: str = "optimizer", codebook_kind: str = "codebook",
-                record_type: Any = schema.OptimizerRecord) -> KindDescription:
+                record_type: Any = schema_records.OptimizerRecord) -> KindDescription:
     """Gefen's description; with other names, that of a kind keeping Gefen's state under records of
     its own (agreed blocking only: formats v2 and v3)."""
     if name == "Gefen":

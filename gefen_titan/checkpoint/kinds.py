@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint import schema, schema_records
 
 __all__ = ["RECORDS", "RECORD_TENSORS", "CODEBOOKS", "Problem", "RecordsInput", "KindRecords", "KindDescription",
            "InspectView", "register", "unregister", "descriptions", "described_key_kinds", "check_tensor",
@@ -51,7 +51,7 @@ class RecordsInput:
     entries: dict[str, Any]
     parsed: dict[str, schema.Key]
     values: dict[str, Any]
-    header: schema.Header
+    header: schema_records.Header
 
     def names_of(self, kind: str) -> list[str]:
         """The entries of one key kind, sorted."""
@@ -160,7 +160,7 @@ def check_codebooks(names: list[str], values: dict[str, Any], what: str, out: di
     """Each codebook valid, and all of them one (an agreed checkpoint has one codebook per kind for the job)."""
     for name in names:
         try:
-            out[name] = schema.check_codebook(values[name], f"{what} {name}")
+            out[name] = schema_records.check_codebook(values[name], f"{what} {name}")
         except schema.FormatError as e:
             problems.append((CODEBOOKS, name, str(e)))
     valid = list(out.items())

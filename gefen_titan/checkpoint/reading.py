@@ -9,7 +9,8 @@ manager's components planning their load, DCP's own ``read_metadata``)
 gets that same checked metadata, or that same refusal.
 
 **Items.** ``read_data`` reads every item this rank's plan needs, checks
-each digest, and only then deserializes them into the planner's targets. A
+each digest, and only then deserializes them into the planner's targets
+(the reading, checking and decoding of items: ``item_reads.ItemReads``). A
 damaged item raises on its rank before any of its targets is written, and
 DCP's own gather after the read step raises it on every rank, so a refusal
 costs no collective of ours. The targets must not be live state: a rank
@@ -49,17 +50,15 @@ import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-from torch.distributed.checkpoint._nested_dict import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.futures import Future
 from torchtitan.tools.logging import logger
 
 from gefen_titan.checkpoint import digests as dg
-from gefen_titan.checkpoint import load_checks, schema, unpickling
+from gefen_titan.checkpoint import load_checks, unpickling
 from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause, unreadable
-from gefen_titan.checkpoint.item_reads import read_framed, read_into, read_raw
+from gefen_titan.checkpoint.item_reads import ItemReads, load_bytes
 
 __all__ = ["CheckedFileSystemReader", "CheckedFsspecReader", "LoadChecks", "read_and_check_metadata"]
 
@@ -122,7 +121,7 @@ class _Found:
     digests: bool
 
 
-class _CheckedReading:
+class _CheckedReading(ItemReads):
     """Mixin over DCP's file system readers: checks ``.digests`` before anything is used (module docstring).
 
     ``metadata``/``digests``: already read (and checked) by the caller;
@@ -307,7 +306,7 @@ class _CheckedReading:
                 del staged[req.storage_index]  # hold each item only until its last use
             try:  # an item that does not decode is refused naming its file and entry
                 if req.type == LoadItemType.BYTE_IO:  # the entry stage of load_checks, then DCP's own use
-                    _load_bytes(planner, req, load_checks.read_byte_entry(
+                    load_bytes(planner, req, load_checks.read_byte_entry(
                         io.BytesIO(self._stream(req, data).read(-1)), req.storage_index.fqn, self._id()))
                     continue
                 stored = self._tensor(req, data)
@@ -327,63 +326,6 @@ class _CheckedReading:
         fut.set_result(None)
         return fut
 
-    def _is_raw(self, index: Any) -> bool:
-        return self._raw_layout(index) is not None
-
-    def _stream(self, req: Any, data: Any) -> Any:
-        return self._stream_of(req.storage_index, data, req)
-
-    def _stream_of(self, index: Any, data: Any, req: Any = None) -> Any:
-        info = self.storage_data[index]
-        return self.transforms.transform_load_stream(req, info.transform_descriptors or (), io.BytesIO(data))
-
-    def _is_byte_entry(self, index: Any) -> bool:
-        return isinstance(self._set_up.state_dict_metadata.get(index.fqn), BytesStorageMetadata)
-
-    def _tensor(self, req: Any, data: Any) -> torch.Tensor:
-        """The stored chunk: raw bytes viewed in place (no copy), else torch.load."""
-        layout = self._raw_layout(req.storage_index)
-        if layout is None:
-            stream = self._stream(req, data)
-            if not stream.seekable():
-                stream = io.BytesIO(stream.read(-1))
-            t = torch.load(stream, map_location="cpu", weights_only=True)
-            chunk = self._chunk(req.storage_index)
-            why = load_checks.stored_tensor_problem(req.storage_index.fqn, t, *chunk) if chunk else \
-                f"entry {req.storage_index.fqn}: its stored item is no chunk of the entry"
-            if why:
-                problem = load_checks.Problem("stored tensors", self.storage_data[req.storage_index].relative_path,
-                                              req.storage_index.fqn, why)
-                raise GefenCheckpointError(load_checks.refusal(self._id(), [problem]))
-            return t
-        dtype, sizes = layout
-        if not len(data):
-            return torch.empty(sizes, dtype=dtype)
-        return torch.frombuffer(data, dtype=dtype).view(sizes)
-
-    def _chunk(self, index: Any) -> tuple[torch.dtype, tuple[int, ...]] | None:
-        """(dtype, sizes) of a tensor item's chunk record in ``.metadata``; None if it is no chunk."""
-        md = self._set_up.state_dict_metadata.get(index.fqn)
-        if not isinstance(md, TensorStorageMetadata):
-            return None
-        chunks = self._chunks.get(index.fqn)
-        if chunks is None:
-            chunks = self._chunks[index.fqn] = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
-        sizes = chunks.get(tuple(index.offset or ()))
-        return None if sizes is None else (md.properties.dtype, sizes)
-
-    def _raw_layout(self, index: Any) -> tuple[torch.dtype, tuple[int, ...]] | None:
-        """(dtype, sizes) of a raw item (``schema.is_raw_item``); None for a framed one."""
-        if index in self._layouts:
-            return self._layouts[index]
-        layout = None
-        if schema.is_raw_entry(index.fqn) and not (self.storage_data[index].transform_descriptors or ()):
-            chunk = self._chunk(index)
-            if chunk is not None and schema.is_raw_item(index.fqn, self.storage_data[index].length, *chunk):
-                layout = chunk
-        self._layouts[index] = layout
-        return layout
-
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._load_checks is not None and self._verdict not in (None, _UNSET):  # read_metadata's refusal
             raise GefenCheckpointError(f"the checkpoint cannot be loaded: {self._verdict}")
@@ -391,106 +333,6 @@ class _CheckedReading:
         self._set_up = metadata
         self._layouts.clear()
         self._chunks.clear()
-
-    def _direct_targets(self, plan: LoadPlan, planner: Any) -> dict[Any, torch.Tensor]:
-        """Raw items whose one request takes the whole stored chunk into a
-        contiguous CPU target of its dtype: read into the target itself.
-
-        Raw entries are Gefen's state (v3's qcodes and grid), whose load
-        destinations are the adapters' staging tensors (``_load_destinations``:
-        fresh, installed only after every rank's checks agree), never live
-        state; so bytes that fail their check there are discarded with the
-        staging, and the copy of held bytes into the target is saved (at N
-        -> N, every item).
-        """
-        count: dict[Any, int] = {}
-        for req in plan.items:
-            count[req.storage_index] = count.get(req.storage_index, 0) + 1
-        out = {}
-        for req in plan.items:
-            index = req.storage_index
-            if count[index] != 1 or req.type == LoadItemType.BYTE_IO or not self._is_raw(index):
-                continue
-            dtype, sizes = self._raw_layout(index)
-            if any(req.storage_offsets) or tuple(req.lengths) != sizes:
-                continue
-            target = planner.resolve_tensor(req).detach()
-            if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
-                out[index] = target
-        return out
-
-    def _read_and_check(self, plan: LoadPlan, record: dg.Digests | None,
-                        direct: dict[Any, torch.Tensor]) -> tuple[dict[Any, Any], str | Exception | None]:
-        """This rank's items (those of its plan, and the unread ones it was handed), each checked
-        (against ``record``'s digests when there is one); ``direct``'s
-        read into their targets (the value staged is then the target).
-
-        Never raises: a failure is the returned message (``read_data``
-        raises it, DCP's gather raises it on every rank).
-        """
-        needed = {req.storage_index for req in plan.items}
-        wanted = list(needed) + [i for i in (plan.storage_data or []) if i not in needed]
-        per_file: dict[str, list[Any]] = {}
-        for index in wanted:
-            per_file.setdefault(self.storage_data[index].relative_path, []).append(index)
-        staged: dict[Any, Any] = {}
-        file, entry = dg.METADATA_FILE, None
-        try:
-            for file in sorted(per_file):
-                with self.fs.create_stream(self.fs.concat_path(self.path, file), "rb") as f:
-                    size = f.seek(0, io.SEEK_END)  # the file system's size bounds every buffer allocated below
-                    for index in sorted(per_file[file], key=lambda i: int(self.storage_data[i].offset)):
-                        entry = index.fqn
-                        info = self.storage_data[index]
-                        past = load_checks.item_past_end(file, entry, int(info.offset), int(info.length), size)
-                        if past:  # before its buffer is allocated
-                            return {}, load_checks.refusal(self._id(), [past])
-                        f.seek(int(info.offset))
-                        target = direct.get(index)
-                        hasher = None if record is None else record.new_hasher()
-                        if target is not None and target.nbytes == int(info.length):
-                            data = read_into(f, target, hasher)
-                        else:
-                            target = None
-                            data = (read_raw(f, int(info.length), hasher) if self._is_raw(index)
-                                    else read_framed(f, int(info.length), hasher))
-                        expected = None if record is None else record.item(file, info.offset, info.length)
-                        if len(data) != int(info.length):
-                            what = f"cannot read it: truncated, {len(data):,} of the item's {int(info.length):,} bytes"
-                        elif record is not None and expected is None:
-                            what = "no digest was recorded for this item (.digests is from another save?)"
-                        elif hasher is not None and hasher.hexdigest() != expected:
-                            what = f"{record.algorithm} digest mismatch: its bytes differ from what the save wrote"
-                        else:
-                            if index in needed:
-                                staged[index] = data if target is None else target
-                            elif self._is_byte_entry(index):  # one no rank reads: the entry stage all the same
-                                load_checks.read_byte_entry(io.BytesIO(self._stream_of(index, data).read(-1)),
-                                                            entry, self._id())
-                            continue
-                        return {}, dg.corrupt_message(self._id(), file, entry, what)
-        except dg.CorruptCheckpointError as e:  # the section of .digests for this file (Digests.item)
-            return {}, str(e)
-        except GefenCheckpointError as e:  # an entry-stage refusal (ForbiddenObjectError, StepMismatchError)
-            return {}, e
-        except Exception as e:  # OSError, a missing file: the same message shape
-            return {}, dg.corrupt_message(self._id(), file, entry, f"cannot read it ({root_cause(e)})")
-        return staged, None
-
-
-def _load_bytes(planner: Any, req: Any, value: Any) -> None:
-    """What ``DefaultLoadPlanner.load_bytes`` does with a byte entry once
-    unpickled, given the value read safely (it would ``torch.load`` it with
-    ``weights_only=False``); pinned by ``tests/unit/test_contract_dcp.py``.
-    Another planner reads bytes its own way, which cannot be made safe here."""
-    if not isinstance(planner, DefaultLoadPlanner) or type(planner).load_bytes is not DefaultLoadPlanner.load_bytes:
-        raise GefenCheckpointError(f"the load planner {type(planner).__name__} reads byte entries itself (it may "
-                                   "unpickle them unrestricted): load with DCP's DefaultLoadPlanner")
-    if planner.flatten_state_dict:
-        set_element(planner.original_state_dict, planner.mappings[req.dest_index.fqn], value)
-    else:
-        planner.state_dict[req.dest_index.fqn] = value
-
 
 class CheckedFileSystemReader(_CheckedReading, FileSystemReader):
     """DCP's ``FileSystemReader`` that checks ``.digests`` (module docstring)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gefen_titan.checkpoint import kinds, schema
+from gefen_titan.checkpoint import kinds, schema, schema_records
 from gefen_titan.checkpoint.kinds import CODEBOOKS, RECORD_TENSORS, RECORDS, KindRecords, Problem
 
 __all__ = ["RECORDS", "RECORD_TENSORS", "CODEBOOKS", "SavedRecords", "read_saved", "small_names"]
@@ -32,7 +32,7 @@ __all__ = ["RECORDS", "RECORD_TENSORS", "CODEBOOKS", "SavedRecords", "read_saved
 
 @dataclass
 class SavedRecords:
-    header: schema.Header
+    header: schema_records.Header
     kinds: dict[str, KindRecords]  # registry name -> its records, for each kind with state in the checkpoint
     checked: list[Problem]  # every problem found, (check, entry name inside "optimizer.", what)
     unknown: list[Problem] = field(default_factory=list)  # of them, the entries of no described key kind
@@ -59,7 +59,7 @@ def read_saved(entries: dict[str, Any], values: dict[str, Any]) -> SavedRecords 
     """
     if schema.header_key() not in values:
         return None
-    header = schema.Header.from_json(values[schema.header_key()])
+    header = schema_records.Header.from_json(values[schema.header_key()])
     parsed = {name: key for name in entries if (key := schema.parse_key(name)) is not None}
     inp = kinds.RecordsInput(entries, parsed, values, header)
     state = SavedRecords(header, {}, [])

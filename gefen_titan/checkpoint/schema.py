@@ -1,7 +1,9 @@
 """The Gefen checkpoint format (``gefen-titan``): its keys, records and checks.
 
-This module is the one definition of the format (with ``schema_v1`` for
-what only v1 writes and ``schema_muon`` for GefenMuon's records). Every
+This module is the one definition of the format's keys and tensors (with
+``schema_records`` for the records' JSON and the checks of their values,
+``schema_v1`` for what only v1 writes and ``schema_muon`` for GefenMuon's
+records). Every
 writer (the state adapters' saves, ``gefen-titan ckpt convert``) builds its
 entries, and every reader (loads, ``ckpt inspect`` / ``verify`` /
 ``convert``, the reshard validation) parses them, through the functions and
@@ -42,13 +44,9 @@ byte-for-byte what earlier versions wrote.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -56,13 +54,13 @@ from gefen_titan.checkpoint.errors import GefenCheckpointError
 
 __all__ = [
     "FORMAT", "VERSION", "V1", "V2", "VERSIONS", "AGREED_VERSIONS", "PREFIX", "K", "HYPER", "PATTERNS",
-    "PARAM_TENSORS", "MUON_TENSORS", "FormatError", "Key", "Header", "ParamRecord", "OptimizerRecord",
+    "PARAM_TENSORS", "MUON_TENSORS", "FormatError", "Key",
     "header_key", "optimizer_key", "codebook_key", "codes_key", "qcodes_key", "magnitude_key", "vmean_key",
     "grid_key", "records_key", "blocks_key", "rank_codebook_key", "parse_key", "is_gefen_key", "is_raw_entry",
     "is_raw_item", "param_key_kinds", "param_tensor_keys", "param_tensor_specs", "pack_blocks", "unpack_blocks",
     "grid_shape",
-    "check_hyper", "check_codebook", "check_counters", "loads_json", "record_fields", "muon_optimizer_key",
-    "muon_codebook_key", "muon_tensor_keys", "record_fqns", "optimizer_id", "SMALL_KINDS", "register_kinds",
+    "muon_optimizer_key",
+    "muon_codebook_key", "muon_tensor_keys", "optimizer_id", "SMALL_KINDS", "register_kinds",
     "entry_key",
 ]
 
@@ -334,148 +332,3 @@ def grid_shape(shape: tuple[int, ...], period: int) -> tuple[int, ...]:
     if shape[-1] % period:
         raise ValueError(f"period {period} does not divide the last dimension of shape {tuple(shape)}")
     return tuple(shape[:-1]) + (shape[-1] // period,)
-
-
-# ------------------------------------------------------------------ records
-def loads_json(raw: Any, what: str) -> Any:
-    """A record's JSON; FormatError for anything else."""
-    if not isinstance(raw, str):
-        raise FormatError(f"{what} is {type(raw).__name__}, not a JSON string")
-    try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise FormatError(f"{what} is not JSON ({e})") from None
-
-
-@contextlib.contextmanager
-def record_fields(what: str) -> Iterator[None]:
-    """Turn a missing or mistyped field of a parsed record into a FormatError."""
-    try:
-        yield
-    except FormatError:
-        raise
-    except KeyError as e:
-        raise FormatError(f"{what} is corrupt (field {e} missing)") from None
-    except (TypeError, ValueError, AttributeError) as e:
-        raise FormatError(f"{what} is corrupt ({e})") from None
-
-
-@dataclass(frozen=True)
-class Header:
-    """``gefen/format``: the format version and the blocking that wrote it."""
-
-    version: int
-    blocking: str | None  # "agreed" (v2, v3) | "per_rank" (v1; absent in early v1 writers)
-
-    @classmethod
-    def for_blocking(cls, blocking: str) -> Header:
-        return cls(VERSION, "agreed") if blocking == "agreed" else cls(V1, "per_rank")
-
-    @property
-    def implied_blocking(self) -> str:
-        return "agreed" if self.version in AGREED_VERSIONS else "per_rank"
-
-    def to_json(self) -> str:
-        return json.dumps({"format": FORMAT, "version": self.version, "blocking": self.blocking})
-
-    @classmethod
-    def from_json(cls, raw: Any) -> Header:
-        """Raises FormatError for anything but a gefen-titan v1, v2 or v3 header."""
-        data = loads_json(raw, f"the Gefen header {header_key()}")
-        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") not in VERSIONS:
-            raise FormatError(
-                f"checkpoint format {data} is not {FORMAT} v{V1}, v{V2} or v{VERSION}; it was written by another "
-                "gefen-titan version. Load it with that version or exclude the optimizer")
-        return cls(int(data["version"]), data.get("blocking"))
-
-
-def _group(raw: dict[str, Any]) -> dict[str, float]:
-    return {k: float(raw[k]) for k in HYPER}
-
-
-@dataclass
-class ParamRecord:
-    """v2, v3: one parameter's period, counters and group hyperparameters."""
-
-    fqn: str
-    shape: tuple[int, ...]
-    period: int  # 0: no state yet
-    step: int
-    vmean_step: int
-    group: dict[str, float]
-
-    @property
-    def grid(self) -> tuple[int, ...] | None:
-        return grid_shape(self.shape, self.period) if self.period else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"fqn": self.fqn, "shape": list(self.shape), "period": self.period, "step": self.step,
-                "vmean_step": self.vmean_step, "group": {k: float(self.group[k]) for k in HYPER}}
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ParamRecord:
-        # The group is kept as saved: check_hyper says what is wrong with it.
-        return cls(str(raw["fqn"]), tuple(int(s) for s in raw["shape"]), int(raw["period"]), int(raw["step"]),
-                   int(raw["vmean_step"]), dict(raw["group"]))
-
-
-@dataclass
-class OptimizerRecord:
-    """v2, v3: ``gefen/optimizer/{opt}``, one Gefen optimizer's parameters in order."""
-
-    deterministic: bool
-    global_step: int
-    params: list[ParamRecord] = field(default_factory=list)
-    blocking: str = "agreed"
-
-    def to_json(self) -> str:
-        return json.dumps({"blocking": self.blocking, "deterministic": self.deterministic,
-                           "global_step": self.global_step, "params": [p.to_dict() for p in self.params]},
-                          sort_keys=True)
-
-    @classmethod
-    def from_json(cls, raw: Any, opt: str) -> OptimizerRecord:
-        what = f"optimizer record {opt}"
-        data = loads_json(raw, what)
-        with record_fields(what):
-            if data.get("blocking") != "agreed":
-                raise FormatError(f"{what} is not an agreed-blocking record")
-            return cls(bool(data["deterministic"]), int(data["global_step"]),
-                       [ParamRecord.from_dict(p) for p in data["params"]])
-
-
-def record_fqns(raw: Any, what: str) -> list[str]:
-    """The parameter names of an optimizer record of any kind and version
-    (``gefen/optimizer/{opt}`` v1, v2 or v3, ``gefen/muon/{opt}``): which
-    optimizer kind saved each parameter."""
-    data = loads_json(raw, what)
-    with record_fields(what):
-        return [str(p["fqn"]) for p in data["params"]]
-
-
-# ------------------------------------------------------------------ checks
-def check_hyper(fqn: str, group: dict[str, Any]) -> None:
-    """Group hyperparameters that Gefen can represent (else FormatError)."""
-    for k in HYPER:
-        v = group.get(k)
-        if not isinstance(v, (int, float)) or not (v == v) or v < 0:
-            raise FormatError(f"{fqn}: hyperparameter {k}={v!r} in the checkpoint is invalid")
-    if not (group["beta1"] < 1 and group["beta2"] < 1 and group["eps"] > 0):
-        raise FormatError(f"{fqn}: checkpoint hyperparameters {group} cannot be represented by Gefen")
-
-
-def check_codebook(cb: torch.Tensor, what: str) -> torch.Tensor:
-    """Gefen's load validation: fp32 [256], finite, sorted, ends exactly -1 and +1."""
-    cb = cb.float()
-    if cb.numel() != K or not torch.isfinite(cb).all() or cb[0] != -1 or cb[-1] != 1 or (cb[1:] < cb[:-1]).any():
-        raise FormatError(f"{what} is corrupt (must be {K} sorted finite values from -1 to 1)")
-    return cb
-
-
-def check_counters(fqn: str, period: int, step: int, vmean_step: int, global_step: int | None = None) -> str | None:
-    """Why a parameter's period and counters cannot be Gefen's, or None."""
-    if period < 0 or step < 0 or vmean_step < 0 or vmean_step > step or (period == 0) != (step == 0):
-        return f"{fqn}: counters do not add up (period {period}, step {step}, vmean_step {vmean_step})"
-    if global_step is not None and step > global_step:
-        return f"{fqn}: global step {global_step} < parameter step {step}"
-    return None

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from gefen_titan.checkpoint.schema import FormatError, grid_shape, loads_json, muon_tensor_keys, record_fields
+from gefen_titan.checkpoint.schema import FormatError, grid_shape, muon_tensor_keys
+from gefen_titan.checkpoint.schema_records import loads_json, record_fields
 
 __all__ = ["KIND", "MUON_HYPER", "MuonParamRecord", "MuonOptimizerRecord", "muon_group", "muon_tensor_specs",
            "check_muon_hyper", "check_muon_counters"]

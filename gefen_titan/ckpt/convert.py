@@ -56,7 +56,7 @@ import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import OPTIMIZER
 from torchtitan.tools import filesystem
 
-from gefen_titan.checkpoint import digests, kinds, schema, storage
+from gefen_titan.checkpoint import digests, kinds, schema, schema_records, storage
 from gefen_titan.checkpoint.errors import root_cause
 from gefen_titan.checkpoint.schema import HYPER, grid_shape
 from gefen_titan.ckpt.saved_records import codebook_summary, read_records
@@ -260,7 +260,7 @@ def _gefen_group(fqn: str, group: dict[str, Any]) -> dict[str, float]:
         raise CkptError(f"{fqn}: Adam's coupled (L2) weight decay {out['weight_decay']} differs from Gefen's "
                         "decoupled one; only AdamW, or Adam with weight_decay 0, converts")
     try:
-        schema.check_hyper(fqn, out)
+        schema_records.check_hyper(fqn, out)
     except schema.FormatError as e:
         raise CkptError(str(e)) from e
     return {k: float(out[k]) for k in HYPER}
@@ -318,7 +318,7 @@ def _to_gefen(ck: Checkpoint, options: ConvertOptions):
     for fqn in states:
         shape = tuple(states[fqn]["exp_avg"].shape)
         period = periods.get(fqn, 0)
-        params.append(schema.ParamRecord(fqn, shape, period, steps[fqn], steps[fqn], groups[fqn]))
+        params.append(schema_records.ParamRecord(fqn, shape, period, steps[fqn], steps[fqn], groups[fqn]))
         if not period:
             continue
         m, v = moments(fqn)
@@ -335,8 +335,8 @@ def _to_gefen(ck: Checkpoint, options: ConvertOptions):
         err_v += float((back_v.double() - v.reshape(-1).double()).square().sum())
         norm_v += float(v.double().square().sum())
     opt_id = schema.optimizer_id(list(states))  # the one optimizer's first parameter, as a save names it
-    record = schema.OptimizerRecord(bool(options.deterministic), max(steps.values()), params)
-    entries[schema.header_key()] = schema.Header.for_blocking("agreed").to_json()
+    record = schema_records.OptimizerRecord(bool(options.deterministic), max(steps.values()), params)
+    entries[schema.header_key()] = schema_records.Header.for_blocking("agreed").to_json()
     entries[schema.optimizer_key(opt_id)] = record.to_json()
     if codebook is not None:
         entries[schema.codebook_key(opt_id)] = codebook.float().clone()

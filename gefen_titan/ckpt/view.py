@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, MODEL, OPTIMIZER, TRAIN_STATE
 
-from gefen_titan.checkpoint import load_checks, schema, storage
+from gefen_titan.checkpoint import load_checks, schema, schema_records, storage
 from gefen_titan.checkpoint.errors import root_cause
 from gefen_titan.checkpoint.unpickling import ForbiddenObjectError
 
@@ -196,12 +196,12 @@ class Checkpoint:
         values = self.load([entries[n].key for n in names])
         return {n: values[entries[n].key] for n in names}
 
-    def gefen_header(self) -> schema.Header | None:
+    def gefen_header(self) -> schema_records.Header | None:
         """The ``gefen/format`` header, None when the checkpoint holds no Gefen state."""
         key = schema.header_key()
         if key not in self.optimizer:
             return None
         try:
-            return schema.Header.from_json(self.load_names(OPTIMIZER, [key])[key])
+            return schema_records.Header.from_json(self.load_names(OPTIMIZER, [key])[key])
         except schema.FormatError as e:
             raise CkptError(f"{self.path}: {e}; run `gefen-titan ckpt verify` on it") from e

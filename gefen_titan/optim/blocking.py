@@ -287,7 +287,7 @@ class AgreedBlocking:
             return
         if self.family_of is None:
             raise TypeError("AgreedBlocking without family_of plans periods only; the container's agrees")
-        what = "cannot agree Gefen block periods and codebook on the first step"
+        what = "cannot agree block periods and codebooks on the first step"
         params, error = [], None
         try:
             params = self._params(optimizers)
@@ -300,7 +300,7 @@ class AgreedBlocking:
                 error = too_big[0]
             elif missing:
                 error = (
-                    f"{len(missing)} Gefen parameter(s) have no gradient on the first step "
+                    f"{len(missing)} parameter(s) of agreed blocking have no gradient on the first step "
                     f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); agreed blocking "
                     "learns every period from the first step's gradients. Freeze them out of the "
                     "optimizer, or set optimizer.blocking = \"per_rank\""
@@ -438,6 +438,6 @@ class AgreedBlocking:
                         payload[f].copy_(codebook_from_counts(c))
             except (ValueError, RuntimeError) as e:
                 message = f"{type(e).__name__}: {e}"
-        raise_on_any_rank(message, "cannot solve the job's Gefen codebook", BlockingError)
+        raise_on_any_rank(message, "cannot solve the job's codebooks", BlockingError)
         dist.broadcast(payload, src=0)
         return [payload[f].cpu() if present[f] else None for f in range(len(total))]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint import schema, schema_records
 from gefen_titan.validation.dumps import first_update, merge_global, rel_l2
 
 __all__ = ["compare_global_state"]
@@ -28,13 +28,13 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _records(state: dict[str, Any]) -> dict[str, tuple[str, schema.ParamRecord]]:
+def _records(state: dict[str, Any]) -> dict[str, tuple[str, schema_records.ParamRecord]]:
     """fqn -> (optimizer id, the saved v2/v3 record of a Gefen parameter)."""
     out = {}
     for key, value in state.items():
         parsed = schema.parse_key(key)
         if parsed is not None and parsed.kind == "optimizer":
-            for p in schema.OptimizerRecord.from_json(value, parsed.name).params:
+            for p in schema_records.OptimizerRecord.from_json(value, parsed.name).params:
                 out[p.fqn] = (parsed.name, p)
     return out
 
@@ -42,7 +42,7 @@ def _records(state: dict[str, Any]) -> dict[str, tuple[str, schema.ParamRecord]]
 def _record_difference(a: str, b: str, opt: str) -> str:
     """The first field in which two records of an optimizer differ."""
     try:
-        ra, rb = schema.OptimizerRecord.from_json(a, opt), schema.OptimizerRecord.from_json(b, opt)
+        ra, rb = schema_records.OptimizerRecord.from_json(a, opt), schema_records.OptimizerRecord.from_json(b, opt)
     except schema.FormatError as e:
         return str(e)
     for key in ("blocking", "deterministic", "global_step"):

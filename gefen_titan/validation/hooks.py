@@ -75,7 +75,7 @@ from gefen_titan.data.global_loader import GlobalOrderDataLoader
 from gefen_titan.distributed import all_gather_objects, local, rank_and_world
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry
-from gefen_titan.optim.state import GefenShardedAdapter
+from gefen_titan.optim.state.gefen_sharded import GefenShardedAdapter
 from gefen_titan.optim.state.per_rank_regions import param_region
 
 __all__ = ["DumpingCheckpointManager", "RecordingGlobalOrderDataLoader", "dump_state", "record_batches", "DUMP_VERSION"]

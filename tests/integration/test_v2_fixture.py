@@ -21,7 +21,7 @@ import torch
 from torchtitan.components.checkpoint import OPTIMIZER
 
 import gefen_titan.train
-from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint import schema, schema_records
 from gefen_titan.ckpt.view import Checkpoint
 from tests.helpers import processes
 
@@ -56,7 +56,7 @@ def _load(nproc: int, out: Path) -> dict:
 
 def _as_v3(v2: dict) -> dict:
     """The fixture's v2 entries as a v3 save writes the same state (schema's own layout functions)."""
-    out = {schema.header_key(): schema.Header.for_blocking("agreed").to_json()}
+    out = {schema.header_key(): schema_records.Header.for_blocking("agreed").to_json()}
     for name, value in v2.items():
         key = schema.parse_key(name)
         if key.kind == "magnitude":

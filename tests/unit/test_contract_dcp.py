@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _split_by_size_and_type, _StorageInfo
 
-from gefen_titan.checkpoint import schema, storage
+from gefen_titan.checkpoint import schema, schema_records, storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
 def state() -> dict:
     g = torch.Generator().manual_seed(0)
     return {"model.w": torch.randn(16, 8, generator=g), "step": torch.tensor(3),
-            "optimizer." + schema.header_key(): schema.Header.for_blocking("agreed").to_json(),
+            "optimizer." + schema.header_key(): schema_records.Header.for_blocking("agreed").to_json(),
             "optimizer." + schema.grid_key("w"): torch.rand(16, 2, 2, generator=g)}
 
 
@@ -58,7 +58,7 @@ def test_load_all_returns_every_entry(tmp_path):
 
 
 def test_default_load_planner_load_bytes_is_what_the_safe_reader_mirrors():
-    """``checkpoint.reading._load_bytes`` does what ``DefaultLoadPlanner.load_bytes`` does with a byte
+    """``checkpoint.item_reads.load_bytes`` does what ``DefaultLoadPlanner.load_bytes`` does with a byte
     entry, given a value unpickled with ``weights_only=True`` (DCP's would ``torch.load`` it unrestricted):
     if DCP changes where that value goes, the reader must change with it."""
     import inspect

@@ -213,7 +213,7 @@ def test_verify_and_the_resume_agree(saved, tmp_path, check):
 
 
 def test_a_reader_checks_each_item_against_its_file_before_allocating(saved, tmp_path):
-    """Pins the reader's own "items inside files" check (``reading._read_and_check``), which holds for a
+    """Pins the reader's own "items inside files" check (``item_reads.ItemReads._read_and_check``), which holds for a
     reader made without the whole load's checks (``storage.storage_reader``: ``read_small``, the tools)
     and for a file cut after the metadata stage ran: the 1 PiB item is refused by its file's size, not
     by a failed allocation."""

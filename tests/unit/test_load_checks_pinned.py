@@ -14,7 +14,7 @@ Checks pinned, one test (or parametrized set) each:
 * the items no rank's plan reads are checked too (``check_unread``);
 * an item without a row in ``.digests`` is refused;
 * a codebook is refused when a middle value is out of order, NaN or inf;
-* NaN or negative Gefen hyperparameters are refused (``schema.check_hyper``);
+* NaN or negative Gefen hyperparameters are refused (``schema_records.check_hyper``);
 * a parameter step above its optimizer's global step is refused (Gefen v3,
   GefenMuon, Gefen v1);
 * GefenMuon's group keys: present, ``normuon_eps > 0``, ``ns_steps`` and
@@ -234,7 +234,7 @@ def _set(value: float):
 @pytest.mark.parametrize("damage", [_unsorted, _set(float("nan")), _set(float("inf")), _set(-float("inf"))],
                          ids=["unsorted", "nan", "inf", "-inf"])
 def test_a_codebook_damaged_in_the_middle_is_refused(saved, tmp_path, kind, what, damage):
-    """Pins ``schema.check_codebook``'s sortedness and finiteness on load (Gefen's and GefenMuon's
+    """Pins ``schema_records.check_codebook``'s sortedness and finiteness on load (Gefen's and GefenMuon's
     codebooks): two middle entries swapped, or a middle entry NaN or infinite, with the ends still -1 and
     +1 and the size 256, are refused, naming the entry; nothing is loaded."""
     root, _, _ = saved
@@ -254,7 +254,7 @@ def test_a_codebook_damaged_in_the_middle_is_refused(saved, tmp_path, kind, what
 @pytest.mark.parametrize("key, value", [("lr", float("nan")), ("lr", -1e-3), ("weight_decay", float("nan")),
                                         ("weight_decay", -0.1), ("beta1", -0.5)])
 def test_nan_or_negative_gefen_hyperparameters_are_refused(saved, tmp_path, key, value):
-    """Pins ``schema.check_hyper``'s "not NaN, not negative": a Gefen record whose group holds a NaN or
+    """Pins ``schema_records.check_hyper``'s "not NaN, not negative": a Gefen record whose group holds a NaN or
     negative value that the representability check (betas below 1, eps above 0) lets through is refused,
     naming the parameter and the value; the live group keeps its own."""
     root, _, _ = saved
@@ -279,7 +279,7 @@ def _behind(rec):
 
 @pytest.mark.parametrize("kind", ["optimizer", "muon"])
 def test_a_parameter_step_above_the_global_step_is_refused(saved, tmp_path, kind):
-    """Pins the ``step > global_step`` check of ``schema.check_counters`` (Gefen, v3) and
+    """Pins the ``step > global_step`` check of ``schema_records.check_counters`` (Gefen, v3) and
     ``schema_muon.check_muon_counters`` (GefenMuon) on load: a record whose global step is below a
     parameter's step is refused, naming both."""
     root, _, _ = saved

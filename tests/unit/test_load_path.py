@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from gefen import Gefen
 
-from gefen_titan.checkpoint import gefen_records, kinds, schema, storage
+from gefen_titan.checkpoint import gefen_records, kinds, schema, schema_records, storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.ckpt.convert import convert
 from gefen_titan.ckpt.inspection import inspect_checkpoint
@@ -27,7 +27,7 @@ from gefen_titan.ckpt.view import CkptError
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
-from gefen_titan.optim.state import GefenShardedAdapter
+from gefen_titan.optim.state.gefen_sharded import GefenShardedAdapter
 from tests.helpers.tiny_checkpoint import manager
 
 
@@ -121,7 +121,7 @@ class _Variant(Gefen):
     """A Gefen variant with state of Gefen's shape and records of its own."""
 
 
-class _VariantRecord(schema.OptimizerRecord):
+class _VariantRecord(schema_records.OptimizerRecord):
     """Its records: Gefen's, with a kind (so neither kind's reader takes the other's)."""
 
     def to_json(self) -> str:
@@ -129,10 +129,10 @@ class _VariantRecord(schema.OptimizerRecord):
 
     @classmethod
     def from_json(cls, raw, opt):
-        data = schema.loads_json(raw, f"variant record {opt}")
+        data = schema_records.loads_json(raw, f"variant record {opt}")
         if data.pop("kind", None) != "Variant":
             raise schema.FormatError(f"variant record {opt} is not a Variant record")
-        rec = schema.OptimizerRecord.from_json(json.dumps(data), opt)
+        rec = schema_records.OptimizerRecord.from_json(json.dumps(data), opt)
         return cls(rec.deterministic, rec.global_step, rec.params)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from gefen_titan.checkpoint import digests, schema, storage
+from gefen_titan.checkpoint import digests, schema, schema_records, storage
 from gefen_titan.ckpt.verify import verify_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
@@ -30,11 +30,12 @@ def state(empty: bool = False) -> dict:
     (``empty``: and a zero-byte raw entry, as an empty shard writes, of a parameter without records)."""
     g = torch.Generator().manual_seed(0)
     mag, vmean = torch.rand(8, 4, generator=g), torch.rand(8, 4, generator=g)
-    record = schema.OptimizerRecord(False, 3, [schema.ParamRecord("layers.0.w", (8, 16), 4, 3, 3, GROUP)])
+    record = schema_records.OptimizerRecord(False, 3,
+                                            [schema_records.ParamRecord("layers.0.w", (8, 16), 4, 3, 3, GROUP)])
     sd = {"model.w": torch.randn(8, 16, generator=g),
           CODES: torch.randint(0, 256, (8, 16), dtype=torch.uint8, generator=g),
           GRID: schema.pack_blocks(mag, vmean),
-          "optimizer." + schema.header_key(): schema.Header.for_blocking("agreed").to_json(),
+          "optimizer." + schema.header_key(): schema_records.Header.for_blocking("agreed").to_json(),
           "optimizer." + schema.optimizer_key("layers.0.w"): record.to_json(),
           "optimizer." + schema.codebook_key("layers.0.w"): torch.linspace(-1, 1, schema.K),
           "step": torch.tensor(7)}

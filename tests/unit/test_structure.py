@@ -9,6 +9,7 @@ reaching for another module's underscore names.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,6 +25,19 @@ def _modules() -> list[Path]:
 def test_every_module_is_small():
     long = {str(p.relative_to(ROOT)): n for p in _modules() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
+
+
+# Issue 39 lowers the limit to 450; these folders are held to it now (the lead lowers MAX_LINES once every
+# branch is in). checkpoint/digests.py (465 lines) is not split yet.
+MAX_LINES_NOW = 450
+HELD_TO_IT = ("gefen_titan/checkpoint/", "gefen_titan/ckpt/")
+NOT_YET = {"gefen_titan/checkpoint/digests.py"}
+
+
+def test_the_checkpoint_and_tools_modules_are_at_most_450_lines():
+    long = {rel: n for p in _modules() if (rel := str(p.relative_to(ROOT))).startswith(HELD_TO_IT)
+            and rel not in NOT_YET and (n := len(p.read_text().splitlines())) > MAX_LINES_NOW}
+    assert not long, f"modules over {MAX_LINES_NOW} lines (split them by job): {long}"
 
 
 def test_few_modules_at_the_top_level():
@@ -75,3 +89,123 @@ def test_the_launcher_check_catches_what_it_is_for():
     assert _launches_ranks("mp.start_processes(fn, args=(), nprocs=2, join=True)") == ["start_processes"]
     assert _launches_ranks('cmd = [sys.executable, "-m", "torch.distributed.run"]') == ["torch.distributed.run"]
     assert _launches_ranks("processes.spawn(fn, (), 2, timeout=60)") == []
+
+
+# ------------------------------------------------------------------ optimizer kinds
+# A kind's knowledge lives in its own files and reaches everything else through its registry entry
+# (optim/registry.py, which may name every kind) and its checkpoint description (checkpoint/kinds.py):
+# a module outside a kind's files that names it is a place a new kind would have to be added by hand.
+# Names are code, not prose: identifiers and string constants (messages included), not docstrings or
+# comments, which may speak of the kinds.
+REGISTRY = "gefen_titan/optim/registry.py"
+KIND_FILES = {
+    "GefenMuon": (
+        "gefen_titan/optim/muon/",  # its sharded step (step, schedule, exchange, matrices)
+        "gefen_titan/optim/gefenx/muon.py",  # its accessors of gefen-x's private state
+        "gefen_titan/optim/state/gefen_muon_sharded.py",  # its state <-> checkpoint entries
+        "gefen_titan/checkpoint/schema_muon.py",  # its records in the format
+        "gefen_titan/checkpoint/gefen_muon_records.py",  # its checkpoint description
+    ),
+    "Gefen": (
+        "gefen_titan/optim/gefenx/gefen.py",
+        "gefen_titan/optim/state/gefen_sharded.py",
+        "gefen_titan/optim/state/gefen_per_rank.py",
+        "gefen_titan/optim/state/per_rank_regions.py",  # its per-rank (v1) state's regions
+        "gefen_titan/optim/quant/",  # its dequantize / re-block / requantize arithmetic
+        "gefen_titan/checkpoint/schema_records.py",
+        "gefen_titan/checkpoint/schema_v1.py",
+        "gefen_titan/checkpoint/gefen_records.py",  # its checkpoint description
+        "gefen_titan/ckpt/convert.py",  # Gefen <-> AdamW: its arithmetic is Gefen's
+    ),
+}
+# Shared by both kinds by what they are, so owned by both.
+BOTH = (
+    REGISTRY,
+    "gefen_titan/checkpoint/schema.py",  # the one definition of the format: every kind's keys
+    "gefen_titan/checkpoint/schema_doc.py",  # the format's key table, every kind's rows
+    "gefen_titan/optim/gefenx/__init__.py",  # the one importer of gefen-x: every kind's accessors
+    "gefen_titan/optim/gefenx/routing.py",
+    "gefen_titan/optim/cpu_step/",  # the CPU kernels: Gefen's step and GefenMuon's momentum
+    "gefen_titan/optim/hybrid.py",  # GefenMuonHybrid: a composite of the two
+)
+# Modules that still name a kind outside its files, each with why (keep this short; issue 39).
+NAMES_KIND_STILL = {
+    "gefen_titan/optim/container.py": "per-kind options on the container's Config (issue 39 item 2, branch "
+                                      "narrow-config)",
+    "gefen_titan/ckpt/cli.py": "the help of convert, whose conversion is Gefen <-> AdamW (ckpt/convert.py)",
+    "gefen_titan/validation/hooks.py": "the reshard validation dumps and compares Gefen's live state (periods, "
+                                       "codebooks, counters) element by element; it does not read the kinds' "
+                                       "descriptions yet",
+    "gefen_titan/validation/compare_rank.py": "as validation/hooks.py",
+    "gefen_titan/validation/compare_global.py": "as validation/hooks.py",
+}
+_KIND_NAMES = {
+    "GefenMuon": (re.compile(r"(?i)(?<!dist)muon"), re.compile(r"(?i)(?<!dist)muon")),  # not torchtitan's DistMuon
+    "Gefen": (re.compile(r"^(is_gefen|new_gefen|build_gefen)$|Gefen(Sharded|PerRank|Param\b|Optimizer\b)|"
+                         r"gefen_(sharded|per_rank|records)"), re.compile(r"\bGefen\b")),
+}
+
+
+def _code_names(source: str) -> list[tuple[int, str, bool]]:
+    """(line, identifier or string constant, whether an identifier) of the code, without docstrings."""
+    tree = ast.parse(source)
+    docs = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docs.add(id(first.value))
+        if isinstance(node, ast.ClassDef):  # attribute docstrings: a string statement after an assignment
+            docs |= {id(b.value) for b in node.body[1:]
+                     if isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    out = []
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Name):
+            out.append((line, node.id, True))
+        elif isinstance(node, ast.Attribute):
+            out.append((line, node.attr, True))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.append((line, node.name, True))
+        elif isinstance(node, ast.alias):
+            out += [(line, part, True) for part in (node.asname or node.name).split(".")]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out += [(line, part, True) for part in node.module.split(".")]
+        elif isinstance(node, (ast.arg, ast.keyword)) and node.arg:
+            out.append((line, node.arg, True))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            out.append((line, node.value, False))
+    return out
+
+
+def _names_kind(source: str, kind: str) -> list[str]:
+    ident, text = _KIND_NAMES[kind]
+    found = {(line, name[:40]) for line, name, is_id in _code_names(source)
+             if (ident if is_id else text).search(name)}
+    return [f"{line}: {name!r}" for line, name in sorted(found)]
+
+
+def _owned(path: str, kind: str) -> bool:
+    return any(path == f or (f.endswith("/") and path.startswith(f)) for f in KIND_FILES[kind] + BOTH)
+
+
+def test_no_module_outside_a_kinds_files_names_it():
+    offences = {}
+    for p in _modules():
+        rel = str(p.relative_to(ROOT))
+        if rel in NAMES_KIND_STILL:
+            continue
+        for kind in KIND_FILES:
+            if not _owned(rel, kind) and (found := _names_kind(p.read_text(), kind)):
+                offences[f"{rel} names {kind}"] = found[:4]
+    assert not offences, offences
+
+
+def test_the_kind_name_check_catches_what_it_is_for():
+    src = ('"""Gefen and GefenMuon in prose."""\n'
+           'from gefen_titan.optim.state import GefenMuonShardedAdapter\n'
+           'x = gx.is_gefen(o) or "GefenMuon state" or "Gefen state" or "DistMuon" or "gefen-titan"\n')
+    assert _names_kind(src, "GefenMuon") == ["2: 'GefenMuonShardedAdapter'", "3: 'GefenMuon state'"]
+    assert _names_kind(src, "Gefen") == ["3: 'Gefen state'", "3: 'is_gefen'"]
+    assert all(p in NAMES_KIND_STILL or (ROOT / p).exists() for p in NAMES_KIND_STILL)

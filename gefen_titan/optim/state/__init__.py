@@ -18,10 +18,7 @@ The entries' keys and records are defined in ``gefen_titan.checkpoint.schema``.
 """
 
 from gefen_titan.optim.state.adapter import StateAdapter
-from gefen_titan.optim.state.gefen_muon_sharded import GefenMuonShardedAdapter
-from gefen_titan.optim.state.gefen_per_rank import GefenPerRankAdapter
-from gefen_titan.optim.state.gefen_sharded import GefenShardedAdapter
 from gefen_titan.optim.state.load_context import FLAT_KIND, LoadContext, kinds_refusal, read_load_context
 
-__all__ = ["FLAT_KIND", "GefenMuonShardedAdapter", "GefenPerRankAdapter", "GefenShardedAdapter", "LoadContext",
-           "StateAdapter", "kinds_refusal", "read_load_context"]
+# The kinds' adapters are imported from their own modules (by the registry, which names every kind).
+__all__ = ["FLAT_KIND", "LoadContext", "StateAdapter", "kinds_refusal", "read_load_context"]

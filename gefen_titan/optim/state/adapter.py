@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 from torch.distributed.tensor import DTensor
 
-from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint import schema_records
 from gefen_titan.checkpoint.errors import GefenCheckpointError, Verdict
 from gefen_titan.distributed import all_gather_objects, is_distributed
 from gefen_titan.optim.state.load_context import LoadContext
@@ -58,7 +58,7 @@ class StateAdapter(Protocol):
     def abort_load(self) -> None: ...
 
 
-def blocking_refusal(header: schema.Header, blocking: str) -> str:
+def blocking_refusal(header: schema_records.Header, blocking: str) -> str:
     """Why a run of ``optimizer.blocking = blocking`` cannot load a checkpoint of the other blocking."""
     return (f"it was written with optimizer.blocking = \"{header.implied_blocking}\" (format v{header.version}) and "
             f"the recipe sets \"{blocking}\"; resume with optimizer.blocking = \"{header.implied_blocking}\" (or "
@@ -140,7 +140,7 @@ class StagedLoad(ABC):
         if ctx.header.version not in self.formats:
             raise GefenCheckpointError(self._format_refusal(ctx.header))
 
-    def _format_refusal(self, header: schema.Header) -> str:
+    def _format_refusal(self, header: schema_records.Header) -> str:
         return (f"the checkpoint is format v{header.version} ({header.implied_blocking} blocking), which holds "
                 f"no {self.kind} state")
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint import schema, schema_v1
+from gefen_titan.checkpoint import schema, schema_records, schema_v1
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.checkpoint.schema import HYPER
 from gefen_titan.distributed import like_param, local
@@ -121,7 +121,7 @@ class GefenPerRankAdapter(StagedLoad):
             return {}
         if self._unsupported:
             raise GefenCheckpointError(f"cannot checkpoint Gefen state: {self._unsupported}")
-        sd: dict[str, Any] = {schema.header_key(): schema.Header.for_blocking("per_rank").to_json()}
+        sd: dict[str, Any] = {schema.header_key(): schema_records.Header.for_blocking("per_rank").to_json()}
         for optim in self.optimizers:
             sd.update(self._save_optimizer(optim))
         return sd
@@ -164,7 +164,7 @@ class GefenPerRankAdapter(StagedLoad):
         return out
 
     # ------------------------------------------------------------------ load
-    def _format_refusal(self, header: schema.Header) -> str:
+    def _format_refusal(self, header: schema_records.Header) -> str:
         return blocking_refusal(header, "per_rank")
 
     def _plan_from(self, ctx: LoadContext) -> _Plan:
@@ -225,7 +225,7 @@ class GefenPerRankAdapter(StagedLoad):
                     f"{slot.fqn}: no record in the checkpoint (another model or optimizer grouping)")
             opt_id, index, rec, nshards, nparams = where[slot.fqn]
             params[slot.fqn] = rec
-            schema.check_hyper(slot.fqn, rec.group)
+            schema_records.check_hyper(slot.fqn, rec.group)
             srcs = []
             for label in range(nshards):
                 rk = schema.records_key(opt_id, label)
@@ -237,7 +237,7 @@ class GefenPerRankAdapter(StagedLoad):
                 bk = ours.get(schema.blocks_key(opt_id, label))
                 rows = bk.size[0] if bk is not None else -1
                 block_rows[(opt_id, label)] = rows
-                why = row.check(slot.fqn, label, rows) or schema.check_counters(
+                why = row.check(slot.fqn, label, rows) or schema_records.check_counters(
                     f"{slot.fqn}: source rank {label}", row.period, row.step, row.vmean_step)
                 if why:
                     raise GefenCheckpointError(why)
@@ -252,7 +252,8 @@ class GefenPerRankAdapter(StagedLoad):
                     ck = schema.rank_codebook_key(*key)
                     if ck not in small:
                         raise GefenCheckpointError(f"codebook of source rank {label} for optimizer {opt_id} missing")
-                    codebooks[key] = schema.check_codebook(small[ck], f"codebook of source rank {label} ({opt_id})")
+                    codebooks[key] = schema_records.check_codebook(small[ck],
+                                                                   f"codebook of source rank {label} ({opt_id})")
             srcs.sort(key=lambda s: s.start)
             pos = 0
             for src in srcs:

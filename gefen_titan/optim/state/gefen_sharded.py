@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint import schema, schema_records
 from gefen_titan.checkpoint.schema import HYPER, grid_shape
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.state.adapter import blocking_refusal
@@ -28,17 +28,17 @@ class GefenShardedAdapter(ShardedAdapter):
     kind = "Gefen"
     owns = staticmethod(gx.is_gefen)
     record_kind, codebook_kind, codebook_what = "optimizer", "codebook", "codebook"
-    record_type = schema.OptimizerRecord
+    record_type = schema_records.OptimizerRecord
 
-    def _format_refusal(self, header: schema.Header) -> str:
+    def _format_refusal(self, header: schema_records.Header) -> str:
         return blocking_refusal(header, "agreed")
 
     def _deterministic(self, optim: Optimizer) -> bool:
         return gx.options(optim)["deterministic"]
 
-    def _check_record(self, rec: schema.ParamRecord, global_step: int) -> None:
-        schema.check_hyper(rec.fqn, rec.group)
-        why = schema.check_counters(rec.fqn, rec.period, rec.step, rec.vmean_step, global_step)
+    def _check_record(self, rec: schema_records.ParamRecord, global_step: int) -> None:
+        schema_records.check_hyper(rec.fqn, rec.group)
+        why = schema_records.check_counters(rec.fqn, rec.period, rec.step, rec.vmean_step, global_step)
         if why:
             raise schema.FormatError(why)
 
@@ -46,10 +46,10 @@ class GefenShardedAdapter(ShardedAdapter):
         return schema.param_tensor_specs(fqn, shape, rec.period, version)
 
     # ------------------------------------------------------------------ save
-    def _save_param(self, s: Slot) -> tuple[schema.ParamRecord, dict[str, torch.Tensor]]:
+    def _save_param(self, s: Slot) -> tuple[schema_records.ParamRecord, dict[str, torch.Tensor]]:
         period, step, vstep = self._counters(s)
         shape = tuple(s.param.shape)
-        rec = schema.ParamRecord(s.fqn, shape, period, step, vstep, {k: float(s.group[k]) for k in HYPER})
+        rec = schema_records.ParamRecord(s.fqn, shape, period, step, vstep, {k: float(s.group[k]) for k in HYPER})
         if not period:
             return rec, {}
         local_shape = tuple(s.local.shape)
@@ -75,11 +75,12 @@ class GefenShardedAdapter(ShardedAdapter):
             return period, step, vstep
         return 0, 0, 0
 
-    def _optimizer_record(self, optim: Optimizer, params: list[schema.ParamRecord]) -> schema.OptimizerRecord:
-        return schema.OptimizerRecord(gx.options(optim)["deterministic"], gx.global_step(optim), params)
+    def _optimizer_record(self, optim: Optimizer,
+                          params: list[schema_records.ParamRecord]) -> schema_records.OptimizerRecord:
+        return schema_records.OptimizerRecord(gx.options(optim)["deterministic"], gx.global_step(optim), params)
 
     # ------------------------------------------------------------------ load
-    def _stage_param(self, s: Slot, rec: schema.ParamRecord, tensors: dict[str, torch.Tensor],
+    def _stage_param(self, s: Slot, rec: schema_records.ParamRecord, tensors: dict[str, torch.Tensor],
                      version: int) -> gx.ParamState:
         keys = schema.param_tensor_keys(s.fqn, version)
         by_name = {name: tensors[key] for name, key in keys.items()}
@@ -90,7 +91,7 @@ class GefenShardedAdapter(ShardedAdapter):
                              codes=by_name["codes"].reshape(-1, rec.period),
                              magnitude=mag.reshape(-1, 1).contiguous(), vmean=vmean.reshape(-1, 1).contiguous())
 
-    def _install(self, s: Slot, st: gx.ParamState | None, rec: schema.ParamRecord) -> None:
+    def _install(self, s: Slot, st: gx.ParamState | None, rec: schema_records.ParamRecord) -> None:
         if st is not None and st.codes.numel() == 0:
             # An empty local shard: Gefen keeps no tensors, only the agreed
             # period and counters (so later saves agree).

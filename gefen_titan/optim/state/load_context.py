@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gefen_titan.checkpoint import load_checks, schema
+from gefen_titan.checkpoint import load_checks, schema, schema_records
 from gefen_titan.checkpoint.errors import Verdict
 from gefen_titan.checkpoint.storage import read_small
 
@@ -40,7 +40,7 @@ class LoadContext:
     """Every entry of the optimizer (keys without the component prefix) -> its DCP metadata."""
     small: dict[str, Any]
     """Every small entry (``schema.SMALL_KINDS``), read: the header, records (JSON), codebooks."""
-    header: schema.Header | None
+    header: schema_records.Header | None
     """The parsed header; None where the checkpoint has no Gefen state."""
     records_refusal: str | None = None
     """The records stage's verdict (``load_checks.record_problems``): None, or the refusal the
@@ -68,7 +68,7 @@ def read_load_context(checkpoint_id: str, metadata: Any, prefix: str, verdict: V
     header, error = None, None
     if schema.header_key() in small:
         try:
-            header = schema.Header.from_json(small[schema.header_key()])
+            header = schema_records.Header.from_json(small[schema.header_key()])
         except schema.FormatError as e:
             error = str(e)
     verdict.refuse(error)
@@ -94,7 +94,7 @@ def kinds_refusal(ctx: LoadContext, live: dict[str, str], saved_by: dict[str, st
     error = None
     try:
         saved = {fqn: name for kind, name in saved_by.items() for k in ctx.keys_of(kind)
-                 for fqn in schema.record_fqns(ctx.small[k], f"optimizer record {k}")}
+                 for fqn in schema_records.record_fqns(ctx.small[k], f"optimizer record {k}")}
         saved.update({fqn: FLAT_KIND for fqn in live if fqn not in saved and f"param_groups.{fqn}.lr" in ctx.entries})
         moved: dict[tuple[str, str], list[str]] = {}
         for fqn, kind in live.items():

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint import schema, schema_records
 from gefen_titan.checkpoint.errors import GefenCheckpointError, refuse_on_any_rank
 from gefen_titan.distributed import like_param, local
 from gefen_titan.optim import gefenx as gx
@@ -151,7 +151,7 @@ class ShardedAdapter(StagedLoad):
     def _save_entries(self) -> dict[str, Any]:
         if not self.slots:
             return {}
-        sd: dict[str, Any] = {schema.header_key(): schema.Header.for_blocking("agreed").to_json()}
+        sd: dict[str, Any] = {schema.header_key(): schema_records.Header.for_blocking("agreed").to_json()}
         books = {id(o): gx.codebook(o) for o in self.optimizers}
         present = [b for b in books.values() if b is not None]
         if any(not torch.equal(present[0].cpu(), b.cpu()) for b in present[1:]):
@@ -184,7 +184,7 @@ class ShardedAdapter(StagedLoad):
                 records[p.fqn], source_opt[p.fqn] = p, opt_id
         codebook, books = None, ctx.keys_of(self.codebook_kind)
         for key in books:
-            cb = schema.check_codebook(ctx.small[key], f"{self.codebook_what} {key}")
+            cb = schema_records.check_codebook(ctx.small[key], f"{self.codebook_what} {key}")
             if codebook is not None and not torch.equal(codebook, cb):
                 raise GefenCheckpointError(
                     f"the checkpoint's {self.codebook_what}s disagree ({books[0]} != {key}); an agreed checkpoint "
