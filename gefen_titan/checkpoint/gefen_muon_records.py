@@ -76,8 +76,8 @@ def _read(inp: RecordsInput, problems: list[Problem]) -> KindRecords:
     books = inp.names_of(_CODEBOOK_KIND)
     check_codebooks(books, inp.values, f"{KIND} codebook", out.codebooks, problems)
     if any(p.period for p in out.params) and not books:
-        problems.append((CODEBOOKS, schema.header_key(), f"the checkpoint holds {KIND} state but no {KIND} "
-                                                         "codebook (truncated?)"))
+        problems.append((CODEBOOKS, schema.header_key(), f"the checkpoint holds {KIND} state but no codebook "
+                                                         "(truncated?)"))
     return out
 
 

@@ -64,7 +64,8 @@ from gefen_titan.checkpoint.errors import GefenCheckpointError
 
 __all__ = ["Check", "CHECKS", "Problem", "StepMismatchError", "metadata_problems", "allocation", "refusal",
            "item_past_end",
-           "read_byte_entry", "stored_tensor_problem", "folder_step", "record_problems", "is_loader_state"]
+           "read_byte_entry", "stored_tensor_problem", "folder_step", "read_records", "record_problems",
+           "is_loader_state"]
 
 
 @dataclass(frozen=True)
@@ -366,14 +367,20 @@ def stored_tensor_problem(key: str, value: Any, dtype: Any, sizes: tuple[int, ..
 
 
 # ------------------------------------------------------------------ records
-def record_problems(entries: dict[str, Any], small: dict[str, Any], prefix: str = "optimizer.") -> list[Problem]:
+def read_records(entries: dict[str, Any], small: dict[str, Any], prefix: str = "optimizer."
+                 ) -> tuple[record_checks.SavedRecords | None, list[Problem]]:
     """The records stage: ``entries`` the optimizer component's (names inside it -> DCP metadata),
-    ``small`` the values of its small entries (``record_checks.small_names``). An unreadable header is a
-    ``records`` problem too."""
+    ``small`` the values of its small entries (``record_checks.small_names``); the records it parsed
+    (None: no header, or an unreadable one, which is a ``records`` problem) and its problems."""
     try:
         saved = record_checks.read_saved(entries, small)
     except schema.FormatError as e:
-        return [Problem(record_checks.RECORDS, None, prefix + schema.header_key(), str(e))]
+        return None, [Problem(record_checks.RECORDS, None, prefix + schema.header_key(), str(e))]
     if saved is None:
-        return []
-    return [Problem(check, None, prefix + name, what) for check, name, what in saved.checked]
+        return None, []
+    return saved, [Problem(check, None, prefix + name, what) for check, name, what in saved.checked]
+
+
+def record_problems(entries: dict[str, Any], small: dict[str, Any], prefix: str = "optimizer.") -> list[Problem]:
+    """The records stage's problems (``read_records``)."""
+    return read_records(entries, small, prefix)[1]

@@ -142,7 +142,6 @@ class _VariantState(GefenShardedAdapter):
     kind = "Variant"
     owns = staticmethod(lambda o: type(o) is _Variant)
     record_kind, codebook_kind, codebook_what = "variant", "variant_codebook", "Variant codebook"
-    record_type = _VariantRecord
 
     def _optimizer_record(self, optim, params):
         return _VariantRecord(gx.options(optim)["deterministic"], gx.global_step(optim), params)

@@ -20,8 +20,6 @@ from gefen_titan.checkpoint.schema import grid_shape
 from gefen_titan.checkpoint.schema_muon import (
     MuonOptimizerRecord,
     MuonParamRecord,
-    check_muon_counters,
-    check_muon_hyper,
     muon_tensor_specs,
 )
 from gefen_titan.distributed import like_param_rows
@@ -37,16 +35,9 @@ class GefenMuonShardedAdapter(ShardedAdapter):
     kind = "GefenMuon"
     owns = staticmethod(gx.is_gefen_muon)
     record_kind, codebook_kind, codebook_what = "muon", "muon_codebook", "GefenMuon codebook"
-    record_type = MuonOptimizerRecord
 
     def _deterministic(self, optim: Optimizer) -> bool:
         return gx.muon_deterministic(optim)
-
-    def _check_record(self, rec: MuonParamRecord, global_step: int) -> None:
-        check_muon_hyper(rec.fqn, rec.group)
-        why = check_muon_counters(rec.fqn, rec.period, rec.step, rec.rows_step, global_step)
-        if why:
-            raise schema.FormatError(why)
 
     def _tensor_specs(self, fqn, shape, rec, version):
         return muon_tensor_specs(fqn, shape, rec.period, rec.rows_step > 0)

@@ -28,19 +28,12 @@ class GefenShardedAdapter(ShardedAdapter):
     kind = "Gefen"
     owns = staticmethod(gx.is_gefen)
     record_kind, codebook_kind, codebook_what = "optimizer", "codebook", "codebook"
-    record_type = schema_records.OptimizerRecord
 
     def _format_refusal(self, header: schema_records.Header) -> str:
         return blocking_refusal(header, "agreed")
 
     def _deterministic(self, optim: Optimizer) -> bool:
         return gx.options(optim)["deterministic"]
-
-    def _check_record(self, rec: schema_records.ParamRecord, global_step: int) -> None:
-        schema_records.check_hyper(rec.fqn, rec.group)
-        why = schema_records.check_counters(rec.fqn, rec.period, rec.step, rec.vmean_step, global_step)
-        if why:
-            raise schema.FormatError(why)
 
     def _tensor_specs(self, fqn, shape, rec, version):
         return schema.param_tensor_specs(fqn, shape, rec.period, version)

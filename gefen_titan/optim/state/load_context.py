@@ -47,6 +47,9 @@ class LoadContext:
     container notes after the model-aware checks (the kinds', the adapters' ``prepare_load``), so
     that a checkpoint of another model or recipe is named as such; what only the records stage
     sees (what ``ckpt verify`` also reports) refuses the load then, before anything is read."""
+    saved: Any = None
+    """The records stage's parsed records (``record_checks.SavedRecords``: every kind's, checked;
+    None without Gefen state): what the adapters plan from."""
 
     def keys_of(self, kind: str) -> list[str]:
         """The entries of one key kind (``schema.parse_key``), sorted."""
@@ -73,9 +76,9 @@ def read_load_context(checkpoint_id: str, metadata: Any, prefix: str, verdict: V
             error = str(e)
     verdict.refuse(error)
     # The records stage of load_checks: the same function ckpt verify runs; noted last (records_refusal).
-    problems = load_checks.record_problems(entries, small, prefix)
+    saved, problems = load_checks.read_records(entries, small, prefix)
     return LoadContext(checkpoint_id, entries, small, header,
-                       load_checks.refusal(checkpoint_id, problems) if problems else None)
+                       load_checks.refusal(checkpoint_id, problems) if problems else None, saved)
 
 
 def kinds_refusal(ctx: LoadContext, live: dict[str, str], saved_by: dict[str, str],

@@ -11,13 +11,15 @@ reading the bytes.
 
 ``ShardedAdapter`` is all of that which does not depend on the kind: the
 parameter slots, the save (the header, one record and one codebook per
-optimizer, checked and agreed), and the load's plan checks (the records
-cover every live parameter with its shape and ``deterministic``; codebooks
-agree; periods divide and fit every cut; every entry a record implies is
-present with its shape), its destinations and the commit of the codebook
-and global step. A kind (``GefenShardedAdapter``,
-``GefenMuonShardedAdapter``) supplies its record type, its tensors, and its
-hyperparameter and counter checks.
+optimizer, checked and agreed), and the load's plan checks that need the
+live model (the records cover every live parameter with its shape and
+``deterministic``; periods divide and fit every cut; every entry a record
+implies is present with its local shape), its destinations and the commit
+of the codebook and global step. The records themselves (parsed; counters,
+hyperparameters, codebooks valid and one) are the load's records stage's,
+run once by the kind's description (``checkpoint.kinds``) for the load and
+``ckpt verify`` alike: the plan reads them from ``LoadContext.saved``. A
+kind supplies its record kinds, its tensors and its save and install.
 """
 
 from __future__ import annotations
@@ -86,8 +88,6 @@ class ShardedAdapter(StagedLoad):
     codebook_what: ClassVar[str]
     """Its codebook in messages ("codebook", "GefenMuon codebook")."""
     owns: ClassVar[Callable[[Optimizer], bool]]
-    record_type: ClassVar[Any]
-    """Its optimizer record: ``from_json(raw, opt_id)`` with ``deterministic``, ``global_step``, ``params``."""
 
     def __init__(self, optimizers: list[Optimizer]) -> None:
         self.optimizers = [o for o in optimizers if type(self).owns(o)]
@@ -104,10 +104,6 @@ class ShardedAdapter(StagedLoad):
     @abstractmethod
     def _deterministic(self, optim: Optimizer) -> bool:
         """The live optimizer's ``deterministic`` (it changes the arithmetic: a resume must keep it)."""
-
-    @abstractmethod
-    def _check_record(self, rec: Any, global_step: int) -> None:
-        """Raise on a parameter record whose hyperparameters or counters cannot be the kind's."""
 
     @abstractmethod
     def _tensor_specs(self, fqn: str, shape: tuple[int, ...], rec: Any, version: int
@@ -175,24 +171,21 @@ class ShardedAdapter(StagedLoad):
 
     # ------------------------------------------------------------------ load
     def _plan_from(self, ctx: LoadContext) -> Plan:
+        # The records as the load's records stage parsed and checked them (checkpoint.record_checks,
+        # by the kind's description: counters, hyperparameters, codebooks; what ckpt verify runs), so
+        # none is parsed or checked twice. What it refuses it refuses after these model-aware checks
+        # (LoadContext.records_refusal); a check here that a record the stage dropped would fail
+        # names the stage's refusal instead.
         records, source_opt, global_steps, deterministic = {}, {}, {}, {}
-        for key in ctx.keys_of(self.record_kind):
-            opt_id = schema.parse_key(key).name
-            rec = self.record_type.from_json(ctx.small[key], opt_id)
-            global_steps[opt_id], deterministic[opt_id] = rec.global_step, rec.deterministic
-            for p in rec.params:
-                records[p.fqn], source_opt[p.fqn] = p, opt_id
-        codebook, books = None, ctx.keys_of(self.codebook_kind)
-        for key in books:
-            cb = schema_records.check_codebook(ctx.small[key], f"{self.codebook_what} {key}")
-            if codebook is not None and not torch.equal(codebook, cb):
-                raise GefenCheckpointError(
-                    f"the checkpoint's {self.codebook_what}s disagree ({books[0]} != {key}); an agreed checkpoint "
-                    f"has one {self.codebook_what} for the job: it is corrupt")
-            codebook = cb
+        mine = ctx.saved.kinds.get(self.kind) if ctx.saved is not None else None
+        for o in mine.optimizers if mine is not None else ():
+            global_steps[o.opt], deterministic[o.opt] = o.global_step, o.deterministic
+            for p in o.params:
+                records[p.fqn], source_opt[p.fqn] = p, o.opt
+        codebook = next(iter(mine.codebooks.values()), None) if mine is not None else None
         missing = [s.fqn for s in self.slots if s.fqn not in records]
         if missing:
-            raise GefenCheckpointError(
+            raise GefenCheckpointError(ctx.records_refusal or
                 f"the checkpoint has no {self.kind} state for {len(missing)} live parameter(s) "
                 f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}): it was written for "
                 "another model or optimizer grouping")
@@ -209,11 +202,11 @@ class ShardedAdapter(StagedLoad):
                     f"the checkpoint was written with optimizer.deterministic = {deterministic[src]} and "
                     f"the recipe sets {live_det}; they change {self.kind}'s arithmetic: resume with "
                     f"optimizer.deterministic = {str(deterministic[src]).lower()}")
-            self._check_record(rec, global_steps[src])
             if not rec.period:
                 continue
             if codebook is None:
-                raise GefenCheckpointError(f"the checkpoint holds {self.kind} state but no codebook (truncated?)")
+                raise GefenCheckpointError(ctx.records_refusal or
+                                           f"the checkpoint holds {self.kind} state but no codebook (truncated?)")
             if shape and shape[-1] % rec.period:
                 raise GefenCheckpointError(f"{s.fqn}: period {rec.period} does not divide the last dimension")
             why = check_period_fits(s.fqn, s.param, rec.period)
