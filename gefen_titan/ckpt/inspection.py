@@ -120,8 +120,8 @@ def _format(saved: SavedRecords | None) -> dict[str, Any] | None:
 class _View:
     """What a kind's rows (``KindDescription.rows``) read through: ``checkpoint.kinds.InspectView``."""
 
-    def __init__(self, ck: Checkpoint) -> None:
-        self.ck = ck
+    def __init__(self, ck: Checkpoint, version: int) -> None:
+        self.ck, self.version = ck, version
 
     def load(self, names: list[str]) -> dict[str, Any]:
         return self.ck.load_names(OPTIMIZER, names)
@@ -159,8 +159,7 @@ class _View:
 
 def _kind_optimizers(ck: Checkpoint, saved: SavedRecords) -> list[dict[str, Any]]:
     """Each described kind's rows (``checkpoint.kinds``), in registration order."""
-    view, out = _View(ck), []
-    view.version = saved.version
+    view, out = _View(ck, saved.version), []
     for desc in kinds.descriptions():
         if desc.name in saved.kinds and desc.rows is not None:
             out += desc.rows(view, saved.kinds[desc.name], saved.version)
