@@ -17,7 +17,8 @@ not cryptographic (it finds corruption, not tampering) and runs at memory
 speed, so the digest costs little next to the write or read it rides on.
 
 **With a key** (``checkpoint.digest_key_env`` names an environment variable
-holding it; ``key_from_env``) every digest of the file, the index line's on
+holding it; ``key_from_env``; the hashers and the key's scope are
+``digest_keys``', re-exported here) every digest of the file, the index line's on
 the header included, is keyed BLAKE2b-64 (``hashlib``; ``KEYED_ALGORITHM``)
 instead: a MAC, which only a holder of the key can make. The key is never
 written or logged. A load with the key refuses a file that is not keyed or
@@ -51,7 +52,6 @@ checkpoint manager's rule (``expects_digests``, ``docs/checkpoints.md``).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
@@ -59,10 +59,19 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-import xxhash
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint.digest_keys import (
+    ALGORITHM,
+    KEYED_ALGORITHM,
+    algorithm,
+    current_key,
+    hexdigest,
+    key_from_env,
+    keyed,
+    new_hasher,
+)
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 
 __all__ = ["FILE", "METADATA_FILE", "ALGORITHM", "KEYED_ALGORITHM", "MARKER", "PIECE", "key_from_env", "keyed",
@@ -71,8 +80,6 @@ __all__ = ["FILE", "METADATA_FILE", "ALGORITHM", "KEYED_ALGORITHM", "MARKER", "P
 
 FILE = ".digests"
 METADATA_FILE = ".metadata"  # DCP's name for it
-ALGORITHM = "xxh3_64"
-KEYED_ALGORITHM = "blake2b64_keyed"  # BLAKE2b with the key, 8-byte digests (16 hex digits, as xxh3-64's)
 # In .metadata's storage_meta.modules of every save that wrote .digests: such a checkpoint without one is refused.
 MARKER = "gefen-titan.digests"
 MAGIC = "gefen-digests"
@@ -98,57 +105,6 @@ class CorruptCheckpointError(GefenCheckpointError):
         self.file = file
         self.entry = entry
         self.what = what or message
-
-
-def new_hasher(key: bytes | None = None) -> Any:
-    """A streaming hasher (``update(bytes-like)``, ``hexdigest()``): xxh3-64, or keyed BLAKE2b-64 with ``key``."""
-    return xxhash.xxh3_64() if key is None else hashlib.blake2b(key=key, digest_size=8)
-
-
-def hexdigest(data: Any, key: bytes | None = None) -> str:
-    """The digest of one bytes-like object, as the file stores it (16 lower-case hex digits)."""
-    if key is None:
-        return xxhash.xxh3_64_hexdigest(data)
-    return hashlib.blake2b(data, key=key, digest_size=8).hexdigest()
-
-
-def algorithm(key: bytes | None) -> str:
-    return ALGORITHM if key is None else KEYED_ALGORITHM
-
-
-def key_from_env(name: str) -> bytes | None:
-    """The key held by environment variable ``name`` (``checkpoint.digest_key_env``); None when ``name`` is empty.
-
-    A named variable that is unset or empty is an error, not "no key": a
-    job meant to sign and check its checkpoints must not silently stop.
-    """
-    if not name:
-        return None
-    value = os.environ.get(name, "")
-    if not value:
-        raise GefenCheckpointError(
-            f"checkpoint.digest_key_env names {name}, which is not set in this process's environment: set it "
-            "(the same key the checkpoints were saved with) or clear checkpoint.digest_key_env")
-    key = value.encode()
-    if len(key) > 64:  # BLAKE2b's key limit: longer keys are hashed down first, as HMAC does
-        key = hashlib.blake2b(key).digest()
-    return key
-
-
-@contextlib.contextmanager
-def keyed(key: bytes | None) -> Iterator[None]:
-    """Within it, the readers made on this thread check digests with ``key`` (None: unkeyed)."""
-    outer = getattr(_scope, "key", None)
-    _scope.key = key
-    try:
-        yield
-    finally:
-        _scope.key = outer
-
-
-def current_key() -> bytes | None:
-    """The key of the innermost ``keyed`` scope on this thread (None outside one)."""
-    return getattr(_scope, "key", None)
 
 
 def expects_digests(metadata: Any) -> bool:
