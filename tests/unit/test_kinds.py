@@ -1,0 +1,72 @@
+"""The records stage's checks across kinds (``checkpoint.record_checks``) and the kinds' descriptions
+(``checkpoint.kinds``), on records built in memory: no checkpoint is written (milliseconds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+from gefen_titan.checkpoint import kinds, record_checks, schema, schema_records
+from gefen_titan.checkpoint.schema_muon import MuonOptimizerRecord, MuonParamRecord
+from gefen_titan.optim import registry
+
+GROUP = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.0}
+MUON_GROUP = {"lr": 0.02, "weight_decay": 0.0, "momentum": 0.95, "nesterov": True,
+              "ns_coefficients": [3.4445, -4.775, 2.0315], "ns_steps": 5, "eps": 1e-7, "adjust_lr_fn": None,
+              "normuon": False, "normuon_beta2": 0.95, "normuon_eps": 1e-8}
+
+
+def _tensor(shape, dtype=torch.float32):
+    return TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), [])
+
+
+def _records(header: schema_records.Header, gefen_fqns=(), muon_fqns=()):
+    """(entries, small values) of a checkpoint whose parameters (8 x 8) have no state yet."""
+    values = {schema.header_key(): header.to_json()}
+    if gefen_fqns:
+        rec = schema_records.OptimizerRecord(False, 0, [schema_records.ParamRecord(f, (8, 8), 0, 0, 0, GROUP)
+                                                        for f in gefen_fqns])
+        values[schema.optimizer_key(gefen_fqns[0])] = rec.to_json()
+    if muon_fqns:
+        rec = MuonOptimizerRecord(False, 0, [MuonParamRecord(f, (8, 8), 0, 0, 0, dict(MUON_GROUP)) for f in muon_fqns])
+        values[schema.muon_optimizer_key(muon_fqns[0])] = rec.to_json()
+    return {n: None for n in values}, values
+
+
+def _whats(entries, values):
+    saved = record_checks.read_saved(entries, values)
+    return [what for _, _, what in saved.checked], saved
+
+
+def test_sound_records_of_two_kinds_pass_and_each_kind_reads_its_own():
+    whats, saved = _whats(*_records(schema_records.Header.for_blocking("agreed"), ("a",), ("b",)))
+    assert whats == [] and sorted(saved.kinds) == ["Gefen", "GefenMuon"]
+    assert [p.fqn for p in saved.kinds["GefenMuon"].params] == ["b"]
+
+
+def test_a_parameter_with_records_of_two_kinds_is_refused():
+    whats, _ = _whats(*_records(schema_records.Header.for_blocking("agreed"), ("a", "b"), ("b",)))
+    assert whats == ["b has records in gefen/optimizer/a and gefen/muon/b"]
+
+
+def test_a_kinds_state_in_a_format_it_does_not_write_is_refused():
+    whats, saved = _whats(*_records(schema_records.Header.for_blocking("per_rank"), (), ("b",)))
+    assert whats == ["gefen/muon/b: GefenMuon state in a format v1 checkpoint (GefenMuon writes v2, v3)"]
+    assert "GefenMuon" not in saved.kinds
+
+
+def test_a_state_tensor_of_no_record_is_refused():
+    entries, values = _records(schema_records.Header.for_blocking("agreed"), ("a",))
+    entries[schema.grid_key("ghost")] = _tensor((8, 2, 2))
+    whats, _ = _whats(entries, values)
+    assert whats == ["gefen/grid/ghost belongs to no optimizer record"]
+
+
+def test_a_description_cannot_take_another_kinds_key_kinds():
+    gefen = registry.get("Gefen").checkpoint
+    with pytest.raises(ValueError, match="is described already"):
+        kinds.register(gefen)
+    with pytest.raises(ValueError, match=r"\['muon'\]"):
+        kinds.register(kinds.KindDescription("Other", frozenset({"muon"}), gefen.read, gefen.versions))
+    assert [d.name for d in kinds.descriptions()] == ["Gefen", "GefenMuon"]
