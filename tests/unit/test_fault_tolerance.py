@@ -392,7 +392,7 @@ def test_an_uncommitted_step_changes_nothing_and_runs_no_step_hook():
 # ------------------------------------------ a heal is installed on every rank of a group or on none
 
 
-class _Manager:
+class _HealManager:
     """torchft's Manager as ``ft.heal`` asks it: whether this rank's quorum failed, and its step."""
 
     def __init__(self, step: int, errored: str | None = None) -> None:
@@ -434,7 +434,7 @@ def _group_rank(rank: int, world: int, store: str, out: str, case: str) -> None:
         peer_model, peer_opts = _trained(seed=1)
         model = Net()
         opts = _container(model)
-        manager = _Manager(step=2, errored="cut stream" if (case == "one_cut" and rank == 1) else None)
+        manager = _HealManager(step=2, errored="cut stream" if (case == "one_cut" and rank == 1) else None)
         heal = HealState(model_parts=[model], optimizers=opts, lr_schedulers=_Stateful(last_epoch=1),
                          dataloader=None, train_state=_Stateful(step=2), manager=manager)
         payload = {"model": {k: v.detach().clone() for k, v in peer_model.state_dict().items()},
