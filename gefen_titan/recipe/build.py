@@ -65,7 +65,7 @@ from gefen_titan.recipe.errors import RecipeError
 from gefen_titan.recipe.files import merge_tables, read_recipe_tables
 
 __all__ = ["BUILTIN_PREFIX", "EXTRA_FLAVORS", "JOB_KEYS", "MODEL_KEYS", "Recipe", "build_recipe", "composite_refusal",
-           "finish_recipe", "load_recipe"]
+           "finish_recipe", "lift_flat_keys", "load_recipe"]
 
 JOB_KEYS = ("module", "base_config", "extends", "description", "dump_folder", "hf_assets_path")
 MODEL_KEYS = ("flavor", "attn_backend")
@@ -185,7 +185,7 @@ def _refuse_composite_keys(table: Any, path: str) -> None:
             raise RecipeError(f"{path}: [optimizer] {key}: {why}")
 
 
-def _lift_flat_keys(table: Any, path: str) -> None:
+def lift_flat_keys(table: Any, path: str) -> None:
     """Older recipes' flat [optimizer] keys of one optimizer kind (``muon_bucket_mib``,
     ``backup_optimizer``, ...) into that kind's table (``Config.flat_keys``), in place.
     A key set both ways is refused: neither could say which one was meant."""
@@ -278,7 +278,7 @@ def build_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] |
 
     config.optimizer = GefenOptimizersContainer.Config.from_torchtitan(config.optimizer)
     _refuse_composite_keys(data.get("optimizer"), path)
-    _lift_flat_keys(data.get("optimizer"), path)
+    lift_flat_keys(data.get("optimizer"), path)
     config.checkpoint = GefenCheckpointManager.Config.from_torchtitan(config.checkpoint)
     if fault_tolerance.SECTION in data:
         fault_tolerance.lift_components(config)
