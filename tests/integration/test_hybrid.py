@@ -101,7 +101,7 @@ def test_a_gefen_backup_resume_of_an_adamw_backup_checkpoint_is_refused_naming_t
     rc, log = runs["gefen"]
     assert rc != 0
     assert "GefenCheckpointError" in log and "were saved by AdamW and the recipe gives them to Gefen" in log
-    assert 'set optimizer.backup_optimizer = "adamw" (--optimizer.backup_optimizer adamw)' in log
+    assert 'set optimizer.hybrid.backup_optimizer = "adamw" (--optimizer.hybrid.backup_optimizer adamw)' in log
     assert not losses(log)  # refused before any step
 
 
