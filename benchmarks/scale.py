@@ -1068,7 +1068,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="build the metadata in full up to this many plan items, else extrapolate over layers")
     ap.add_argument("--recipe", default=RECIPE)
     ap.add_argument("--muon-bucket-mib", type=float, default=None,
-                    help="optimizer.muon_bucket_mib of the GefenMuon rows (default: its default)")
+                    help="optimizer.muon.bucket_mib of the GefenMuon rows (default: its default)")
     ap.add_argument("--no-muon", action="store_true", help="leave out the GefenMuon rows")
     ap.add_argument("--json", default="", help="also write every figure here")
     ap.add_argument("--from-json", default="", help="print the tables of an earlier --json run (builds nothing)")

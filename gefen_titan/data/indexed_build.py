@@ -27,7 +27,6 @@ always give the same bytes and a change of either gives a new build.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import multiprocessing
 import os
@@ -43,8 +42,9 @@ import numpy as np
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.tools.logging import logger
 
+from gefen_titan.data.build_inputs import describe, iter_documents, source_files
 from gefen_titan.data.cache import default_cache_dir, locked
-from gefen_titan.data.corpus import DEFAULT_TOKENIZER_PATH, GZIP_MAGIC
+from gefen_titan.data.corpus import DEFAULT_TOKENIZER_PATH
 from gefen_titan.data.indexed import (
     BUILD_INFO_FILE,
     FORMAT_VERSION,
@@ -63,7 +63,6 @@ __all__ = ["BuildResult", "build_indexed_dataset", "cached_dataset", "iter_docum
 
 PROGRESS_FILE = "progress.json"
 LENGTHS_FILE = "lengths.bin"
-_SUFFIXES = (".jsonl", ".jsonl.gz", ".txt")
 
 
 @dataclass
@@ -76,69 +75,6 @@ class BuildResult:
     """Documents already done by an earlier, interrupted run (0: a fresh build)."""
     built: bool = True
     """False when ``path`` already held this build and nothing was done."""
-
-
-# --------------------------------------------------------------- inputs ---
-
-
-def source_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """The input files, directories expanded (sorted, recursive)."""
-    files: list[Path] = []
-    for p in map(Path, paths):
-        if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(_SUFFIXES))
-            if not found:
-                raise IndexedDataError(f"{p}: no {', '.join(_SUFFIXES)} files in this directory")
-            files += found
-        elif p.is_file():
-            if not p.name.endswith(_SUFFIXES):
-                raise IndexedDataError(f"{p}: unsupported input (expected {', '.join(_SUFFIXES)} or a directory)")
-            files.append(p)
-        else:
-            raise IndexedDataError(f"{p}: no such file or directory")
-    if not files:
-        raise IndexedDataError("no input files")
-    return files
-
-
-def _describe(files: list[Path]) -> list[dict[str, Any]]:
-    """What a resume must find unchanged (content hashes would cost a full read)."""
-    out = []
-    for f in files:
-        st = f.stat()
-        out.append({"path": str(f.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-    return out
-
-
-def iter_documents(files: list[Path]) -> Iterator[tuple[str, int]]:
-    """``(text, bytes of the inputs read so far)`` for every document, in order.
-
-    Errors name the file and line, as ``gefen_titan.data.corpus.read_jsonl_texts``'s do.
-    """
-    done = 0
-    for path in files:
-        size = path.stat().st_size
-        if path.name.endswith(".txt"):
-            yield path.read_text(encoding="utf-8"), done + size
-            done += size
-            continue
-        with open(path, "rb") as raw:
-            gzipped = raw.read(2) == GZIP_MAGIC
-            raw.seek(0)
-            stream = gzip.GzipFile(fileobj=raw) if gzipped else raw
-            with stream:
-                for lineno, line in enumerate(stream, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                        raise IndexedDataError(f"{path}:{lineno}: not valid JSON ({e})") from None
-                    text = record.get("text") if isinstance(record, dict) else None
-                    if not isinstance(text, str):
-                        raise IndexedDataError(f"{path}:{lineno}: expected an object with a string 'text' field")
-                    yield text, done + raw.tell()
-        done += size
 
 
 # ---------------------------------------------------------------- build ---
@@ -166,7 +102,7 @@ def _plan(files: list[Path], tokenizer: Any) -> dict[str, Any]:
     sha, vocab, bos, eos = tokenizer_identity(tokenizer)
     return {
         "format_version": FORMAT_VERSION,
-        "sources": _describe(files),
+        "sources": describe(files),
         "tokenizer_sha256": sha,
         "tokenizer_path": str(getattr(tokenizer, "tokenizer_path", "") or type(tokenizer).__name__),
         "vocab_size": vocab,

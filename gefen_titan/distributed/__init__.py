@@ -4,7 +4,8 @@
   ``like_param`` (a local tensor presented as a DTensor with a parameter's
   placements, for DCP);
 * agreement: ``raise_on_any_rank`` raises the same error on every rank when
-  any rank has one, and ``any_rank`` ORs a flag over the world. A rank that
+  any rank has one, ``any_rank`` ORs a flag over the world and
+  ``max_over_ranks`` takes the worst of a graded verdict. A rank that
   raised alone would leave the others waiting in their next collective, so
   every check whose outcome can differ between ranks goes through these;
 * ``comm_device``: where a collective's tensors must live (the current CUDA
@@ -36,6 +37,7 @@ __all__ = [
     "like_param",
     "like_param_rows",
     "local",
+    "max_over_ranks",
     "rank_and_world",
     "raise_on_any_rank",
 ]
@@ -107,6 +109,16 @@ def any_rank(flag: bool) -> bool:
     t = torch.tensor([int(flag)], device=comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def max_over_ranks(value: int) -> int:
+    """The largest of every rank's ``value`` (collective; ``value`` alone): one verdict of a few
+    grades in one all-reduce."""
+    if not is_distributed():
+        return value
+    t = torch.tensor([value], device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def all_gather_objects(obj: Any) -> list[Any]:

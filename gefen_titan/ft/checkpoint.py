@@ -51,8 +51,11 @@ class GefenFTCheckpointManager(GefenCheckpointManager):
         self.heal = HealState(
             model_parts=kwargs["model_parts"], optimizers=kwargs["optimizers"], lr_schedulers=kwargs["lr_schedulers"],
             dataloader=kwargs.get("dataloader"), train_state=kwargs["states"]["train_state"],
-            transport=ft_manager.transport)
+            manager=self.ft_manager, transport=ft_manager.transport)
         self.ft_manager.register_state_dict_fn(HEAL_KEY, self.heal.load_state_dict, self.heal.state_dict)
+        # torchft hands each rank its heal on its own; the container's quorum calls this around each
+        # quorum, where every rank of the group installs its heal or none does (ft.heal).
+        self.heal.optimizers.quorum_listeners.append(self.heal)
         # With checkpoint.digest_key_env, heals are signed and checked with the checkpoints' key.
         ft_manager.transport.key = self._digest_key
 

@@ -19,13 +19,30 @@ the same mesh, so every piece is this rank's shard, copied as it is:
 
 ``state_dict`` builds the payload afresh on every call (never a cache:
 torchtitan #4422) and runs no collective (torchft #343). Nor does
-``load_state_dict``: torchft heals each rank on its own (at the step-0 sync
-rank 0 of a group may load from another group while rank 1 of the same
-group serves that group). It checks the model's and the optimizer's pieces
-before it copies them; a refusal raises on that rank, torchrun stops its
-group, and the live groups never see it. The schedulers load
-before the optimizer, whose param groups then carry the peer's LR exactly
-(torchtitan #4598: a stale LR after a heal).
+``load_state_dict``, because torchft calls it on a rank only when that
+rank's transfer succeeded, and picks each rank's source on its own: when
+the serving peer dies mid-transfer, one rank of a joining group may hold a
+whole heal (from another group) while another's stream was cut (seen in a
+3-group run: the group's ranks then held different states and ran the
+first step's agreement on one rank only). So a heal is installed on every
+rank of the group or on none:
+
+- ``load_state_dict`` only checks what arrived (model, optimizer) and
+  stages it;
+- ``after_quorum``, called on every rank of the group after each quorum
+  (``GefenFTOptimizersContainer.zero_grad``), agrees over the group's own
+  process group (one scalar all-reduce a step): a
+  refusal raises on every rank; a rank whose transfer failed (torchft
+  reported it: ``Manager.errored``) makes every rank discard what it staged
+  and put torchft's step back where ``before_quorum`` found it, so the step
+  is not committed (torchft's ``should_commit`` agrees on the failure) and
+  the next quorum heals the whole group again; otherwise each rank that
+  staged a heal installs it.
+
+A refusal therefore stops the group on all its ranks together; the live
+groups never see it. At install the schedulers load before the optimizer,
+whose param groups then carry the peer's LR exactly (torchtitan #4598: a
+stale LR after a heal).
 """
 
 from __future__ import annotations
@@ -37,10 +54,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torchtitan.tools.logging import logger
 
-from gefen_titan.distributed import local
+from gefen_titan.distributed import local, max_over_ranks, raise_on_any_rank
 from gefen_titan.optim.live_state import LiveStateError, payload_bytes
 
-__all__ = ["HealState", "HealStats", "Heals"]
+__all__ = ["HealState", "HealStats", "Heals", "TorchFTManager"]
 
 
 @runtime_checkable
@@ -49,10 +66,25 @@ class Heals(Protocol):
     whether torchft committed its last step (``GefenFTOptimizersContainer``)."""
 
     last_step_committed: bool
+    quorum_listeners: list[Any]  # called around each quorum (``HealState`` is one)
 
     def heal_state_dict(self) -> dict[str, Any]: ...
 
+    def check_heal_state_dict(self, state_dict: Any) -> str | None: ...
+
     def load_heal_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class TorchFTManager(Protocol):
+    """What the heal asks of torchft's ``Manager``: whether this rank's quorum failed (its transfer
+    among others), and its step, to put back when a heal is discarded."""
+
+    def errored(self) -> Any: ...
+
+    def state_dict(self) -> dict[str, int]: ...
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None: ...
 
 
 @dataclass
@@ -67,6 +99,10 @@ class HealStats:
     receive_seconds: float = 0.0
 
 
+# after_quorum's verdict, worst last.
+_FINE, _FAILED, _REFUSED = 0, 1, 2
+
+
 def _model_tensors(model_parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for part in model_parts:
@@ -79,7 +115,7 @@ class HealState:
     """The state torchft moves to a joining replica group (registered by ``GefenFTCheckpointManager``)."""
 
     def __init__(self, *, model_parts: list[torch.nn.Module], optimizers: Heals, lr_schedulers: Any,
-                 dataloader: Any, train_state: Any, transport: Any = None) -> None:
+                 dataloader: Any, train_state: Any, manager: TorchFTManager, transport: Any = None) -> None:
         if not isinstance(optimizers, Heals):
             raise TypeError(
                 f"fault tolerance needs gefen-titan's GefenFTOptimizersContainer, got {type(optimizers).__name__}: "
@@ -89,8 +125,12 @@ class HealState:
         self.lr_schedulers = lr_schedulers
         self.dataloader = dataloader
         self.train_state = train_state
+        self.manager = manager
         self.transport = transport  # ft.transport.SafeHTTPTransport: what the transfer took, for the log
         self.stats = HealStats()
+        self._staged: dict[str, Any] | None = None  # a heal this rank received and checked, not installed
+        self._refusal: str | None = None
+        self._manager_before: dict[str, int] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's live state as plain tensors and data. No collective, no copy."""
@@ -116,17 +156,52 @@ class HealState:
                         "the groups run on different meshes or models")
         return None
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        begin = time.perf_counter()
+    def _check(self, state_dict: Any) -> str | None:
         try:
-            error = self._check_model(state_dict["model"])
+            return self._check_model(state_dict["model"]) or self.optimizers.check_heal_state_dict(
+                state_dict["optimizer"])
         except (KeyError, TypeError) as e:
-            error = f"malformed heal payload ({type(e).__name__}: {e})"
-        if error:
-            raise LiveStateError(f"cannot heal from the live replica group: {error}")
-        # The optimizer checks all of its state before it copies any; the data
-        # loader checks its position's identity. The schedulers come before the optimizer's
-        # param groups, which then hold the peer's LR whatever the schedulers computed.
+            return f"malformed heal payload ({type(e).__name__}: {e})"
+
+    def before_quorum(self) -> None:
+        """Every rank, before the step's quorum: torchft's step as it is (a discarded heal puts it back)."""
+        self._staged, self._refusal = None, None
+        self._manager_before = dict(self.manager.state_dict())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torchft hands this rank the heal it received: check it and stage it; ``after_quorum`` installs it."""
+        self._refusal = self._check(state_dict)
+        self._staged = state_dict if self._refusal is None else None
+
+    def after_quorum(self) -> None:
+        """Every rank of the group, after the step's quorum: install the staged heals on all ranks or none.
+
+        Collective over the group's process group (the module docstring says why and what it costs).
+        """
+        staged, self._staged = self._staged, None
+        failed = self.manager.errored()
+        worst = max_over_ranks(_REFUSED if self._refusal else _FAILED if failed is not None else _FINE)
+        if worst == _REFUSED:  # on every rank: the ranks without a refusal join with None
+            raise_on_any_rank(self._refusal, "cannot heal from the live replica group", LiveStateError)
+        if worst == _FAILED:
+            if staged is not None:
+                # torchft set its step to the heal's when this rank received it: back to where the
+                # group is, so that the next quorum heals every rank of it again.
+                self.manager.load_state_dict(self._manager_before)
+                logger.warning(
+                    f"Discarded the heal for step {staged['train_state'].get('step')} this rank received: "
+                    "another rank of this replica group failed in the same quorum"
+                    f"{f' (here: {failed})' if failed is not None else ''}, so no rank installs its heal; the "
+                    "step is not committed and the next quorum heals the group again")
+            return
+        if staged is not None:
+            self._install(staged)
+
+    def _install(self, state_dict: dict[str, Any]) -> None:
+        begin = time.perf_counter()
+        # Checked when it arrived (``load_state_dict``). The data loader checks its position's
+        # identity. The schedulers come before the optimizer's param groups, which then hold
+        # the peer's LR whatever the schedulers computed.
         if self.dataloader is not None:
             self.dataloader.load_state_dict(state_dict["dataloader"])
         self.lr_schedulers.load_state_dict(state_dict["lr_scheduler"])

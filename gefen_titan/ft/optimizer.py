@@ -7,8 +7,11 @@ start-up to every joining group (torchtitan #4422). This one wraps
 ``GefenOptimizersContainer`` and does neither:
 
 - ``zero_grad`` starts torchft's quorum (synchronous: ``ft.manager``; a
-  heal is loaded before it returns), then tells the ``on_step_start``
-  listeners (the trainer snapshots what an uncommitted step must rewind);
+  heal arrives before it returns) between the ``quorum_listeners``'
+  ``before_quorum`` and ``after_quorum`` (``ft.heal.HealState``, which
+  installs a heal on every rank of the group or on none), then tells the
+  ``on_step_start`` listeners (the trainer snapshots what an uncommitted
+  step must rewind, the healed state included);
 - ``step`` asks torchft ``should_commit`` and steps only then, keeping the
   verdict in ``last_step_committed`` (the trainer and the checkpoint manager
   read it); the step hooks (the first step's agreement, the empty-shard
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.optim import Optimizer
@@ -36,7 +39,16 @@ from torchtitan.experiments.torchft.optimizer import TorchFTOptimizersContainer
 from gefen_titan.optim import live_state
 from gefen_titan.optim.container import GefenOptimizersContainer
 
-__all__ = ["GefenFTOptimizersContainer"]
+__all__ = ["GefenFTOptimizersContainer", "QuorumListener"]
+
+
+@runtime_checkable
+class QuorumListener(Protocol):
+    """Called on every rank of the group around each step's torchft quorum (``ft.heal.HealState``)."""
+
+    def before_quorum(self) -> None: ...
+
+    def after_quorum(self) -> None: ...
 
 
 def _own_step() -> Callable[..., Any]:
@@ -61,10 +73,15 @@ class GefenFTOptimizersContainer(GefenOptimizersContainer):
         self._manager = ft_manager.manager if ft_manager is not None and ft_manager.enabled else None
         self.last_step_committed = True
         self.on_step_start: list[Callable[[], None]] = []
+        self.quorum_listeners: list[QuorumListener] = []
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
         if self._manager is not None:
+            for listener in self.quorum_listeners:
+                listener.before_quorum()
             self._manager.start_quorum()
+            for listener in self.quorum_listeners:
+                listener.after_quorum()
         super().zero_grad(*args, **kwargs)
         for listener in self.on_step_start:
             listener()
@@ -89,11 +106,19 @@ class GefenFTOptimizersContainer(GefenOptimizersContainer):
             "agreement_needed": None if self.agreement is None else bool(self.agreement.needed),
         }
 
-    def load_heal_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def check_heal_state_dict(self, state_dict: Any) -> str | None:
+        """Why ``load_heal_state_dict`` would refuse ``state_dict``, or None (nothing changed)."""
+        if not isinstance(state_dict, dict) or "optimizers" not in state_dict:
+            return "malformed optimizer state from the peer"
         if (state_dict.get("agreement_needed") is None) != (self.agreement is None):
+            return "it runs another optimizer.blocking than this one"
+        return live_state.check(self.optimizers, state_dict["optimizers"])
+
+    def load_heal_state_dict(self, state_dict: dict[str, Any]) -> None:
+        error = self.check_heal_state_dict(state_dict)
+        if error:
             raise live_state.LiveStateError(
-                "cannot heal the optimizer state from the live replica group: it runs another "
-                "optimizer.blocking than this one")
+                f"cannot heal the optimizer state from the live replica group: {error}")
         live_state.restore(self.optimizers, state_dict["optimizers"])
         if self.agreement is not None:
             self.agreement.needed = bool(state_dict["agreement_needed"])

@@ -18,7 +18,11 @@ it (``ParamGroupConfig``: "no implicit defaults"): a key its
 AdamW and Adam, gefen-x's for Gefen and GefenMuon), unless the shorthand key
 was *set* (not None), which then stands for every group that leaves it out.
 So a torchtitan config moved to this container trains the same, and a set
-key that no group takes is reported (``unused_defaults``).
+key that no group takes is reported (``unused_defaults``). The Config holds
+only keys every optimizer kind shares; each kind's own options are a table
+of it (``[optimizer.gefen]``, ``[optimizer.muon]``, ``[optimizer.hybrid]``)
+that the kind's registry entry names, as torchtitan nests a component's
+options in its own Config.
 
 Checkpointing: each registered optimizer kind with state of its own shape
 (Gefen) is saved and loaded through its ``StateAdapter``
@@ -50,8 +54,9 @@ from gefen_titan.distributed import any_rank
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import param_groups, registry
 from gefen_titan.optim.blocking import AgreedBlocking
+from gefen_titan.optim.gefen_options import GefenOptions
 from gefen_titan.optim.hybrid import HybridOptions, RoutedGroup
-from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB
+from gefen_titan.optim.muon.options import MuonOptions
 from gefen_titan.optim.param_groups import GROUP_DEFAULTS, SHORTHAND_DEFAULTS
 from gefen_titan.optim.state import StateAdapter, kinds_refusal, read_load_context
 from gefen_titan.optim.state_size import state_bytes
@@ -62,10 +67,8 @@ __all__ = ["GefenOptimizersContainer", "GROUP_DEFAULTS", "SHORTHAND_DEFAULTS", "
 # the command line both list them): the registry's optimizers and composites.
 _REGISTERED = registry.names() + registry.composite_names()
 
-# Pinned off: FSDP2-sharded 2-D params always use the block second moment
-# (Gefen cannot factor a shard), and keeping one layout at every world size
-# (1 rank included) is what lets a checkpoint move between DP degrees.
-FACTORED_V_2D = False
+# The Config's per-kind tables (field -> options class), for ``flat_keys``.
+_TABLES = {"gefen": GefenOptions, "muon": MuonOptions, "hybrid": HybridOptions}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -87,7 +90,7 @@ class GefenOptimizersContainer(OptimizersContainer):
     """torchtitan's ``OptimizersContainer`` that also knows ``"Gefen"``."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(OptimizersContainer.Config, HybridOptions):
+    class Config(OptimizersContainer.Config):
         param_groups: list[ParamGroup] = field(default_factory=list)
         """Per-parameter-group optimizers, first matching pattern wins (as in
         torchtitan). Empty: one catch-all group of ``name`` with ``lr``,
@@ -115,30 +118,8 @@ class GefenOptimizersContainer(OptimizersContainer):
         Gefen and AdamW, coupled L2 for Adam), set or unset as lr (catch-all:
         0.1; torch's default: AdamW 0.01, Adam 0)."""
 
-        force_1d_period_one: bool = True
-        """Gefen: 1-D params (norm weights, biases) keep per-element state.
-        They are tiny and set the LR stability ceiling, so on by default."""
-
-        period_one_substrings: list[str] = field(default_factory=list)
-        """Gefen: name substrings whose params keep per-element state
-        (e.g. ``["tok_embeddings", "output"]``); costs 8 B/param on them."""
-
-        codebook_refresh_every: int = 0
-        """Gefen: relearn the codebook every N steps (0: learn once, step 1)."""
-
-        deterministic: bool = False
-        """Gefen: replica-exact arithmetic on CUDA at some speed cost."""
-
-        cpu_step: Literal["kernel", "gefen-x"] = "kernel"
-        """Gefen and GefenMuon on CPU tensors (CPU hosts, CPU offload): ``"kernel"``
-        runs gefen-titan's exact CPU kernel (``optim.cpu_step``: the same bits as
-        gefen-x's own step, at a few times fused AdamW's cost instead of about
-        100x), or gefen-x's own path where the kernel cannot run here (no C++
-        compiler, a CPU torch runs without AVX2: one warning says why);
-        ``"gefen-x"`` always runs gefen-x's own. The log names each optimizer's."""
-
         blocking: Literal["agreed", "per_rank"] = "agreed"
-        """How Gefen's block periods and codebook are chosen on the first step.
+        """How the block periods and codebook of Gefen-family kinds are chosen on the first step.
 
         ``"agreed"`` (default): from global statistics, the same on every rank
         (``gefen_titan.optim.blocking``), so the state is a function of the model
@@ -150,22 +131,25 @@ class GefenOptimizersContainer(OptimizersContainer):
         gefen-x would choose (a few hundredths of a byte per parameter).
         ``"per_rank"``: gefen-x's own behaviour, each rank learns from its
         shard (format v1); resumes at another layout requantize, and TP
-        layouts cannot be checkpointed."""
-
-        muon_bucket_mib: float = DEFAULT_BUCKET_MIB
-        """GefenMuon: the bytes (MiB) of dense momentum one bucket of its
-        step may put in flight on a rank (what the rank sends, plus the
-        whole matrices it orthogonalizes), raised to twice the largest
-        GefenMuon matrix. Two buckets are live at a time (the next one's
-        exchange overlaps this one's Newton-Schulz); fewer, larger buckets
-        mean fewer exchanges, smaller ones less memory (docs/gefen_muon.md)."""
+        layouts cannot be checkpointed. Container-wide: one agreement sets
+        every kind's periods, and it picks every kind's checkpoint format."""
 
         max_tensor_parallel_degree: int = 1
         """Agreed blocking: the largest tensor-parallel degree a checkpoint of
         this run must resume at. Blocks then never cross the last-dim cut of
         any TP degree that divides it (the live layout's cuts always count).
         A resume at a TP degree not declared here is refused unless the
-        periods happen to fit."""
+        periods happen to fit. Container-wide, as ``blocking``."""
+
+        # Each kind's own options: a table per kind, which its registry entry
+        # names (``OptimizerSpec.options``); flat [optimizer] keys of older
+        # recipes are read into them by the recipe layer (``flat_keys``).
+        gefen: GefenOptions = field(default_factory=GefenOptions)
+        """Gefen's options (``optim.gefen_options``), for every Gefen optimizer."""
+        muon: MuonOptions = field(default_factory=MuonOptions)
+        """GefenMuon's options (``optim.muon.options``), for every GefenMuon optimizer."""
+        hybrid: HybridOptions = field(default_factory=HybridOptions)
+        """``name = "GefenMuonHybrid"``'s options (``optim.hybrid``)."""
 
         def __post_init__(self) -> None:
             if registry.get(self.name) is None and registry.composite(self.name) is None:
@@ -173,29 +157,21 @@ class GefenOptimizersContainer(OptimizersContainer):
                     f"optimizer.name must be one of {list(_REGISTERED)}, "
                     f"got {self.name!r}"
                 )
-            if self.backup_optimizer not in ("gefen", "adamw"):
-                raise ValueError(
-                    f"optimizer.backup_optimizer must be 'gefen' or 'adamw', got {self.backup_optimizer!r}")
-            if self.codebook_refresh_every < 0:
-                raise ValueError("optimizer.codebook_refresh_every must be >= 0")
-            if self.cpu_step not in ("kernel", "gefen-x"):
-                raise ValueError(f"optimizer.cpu_step must be 'kernel' or 'gefen-x', got {self.cpu_step!r}")
             if self.blocking not in ("agreed", "per_rank"):
                 raise ValueError(f"optimizer.blocking must be 'agreed' or 'per_rank', got {self.blocking!r}")
-            if not self.muon_bucket_mib > 0:
-                raise ValueError(f"optimizer.muon_bucket_mib must be > 0, got {self.muon_bucket_mib!r}")
             if self.max_tensor_parallel_degree < 1:
                 raise ValueError("optimizer.max_tensor_parallel_degree must be >= 1")
-            if self.blocking == "agreed" and self.codebook_refresh_every > 0:
-                raise ValueError(
-                    "optimizer.codebook_refresh_every > 0 relearns the codebook on each rank from its own "
-                    "gradient shard, which breaks agreed blocking; set it to 0, or set "
-                    "optimizer.blocking = \"per_rank\"")
-            if self.blocking == "agreed" and not self.force_1d_period_one:
-                raise ValueError(
-                    "optimizer.force_1d_period_one = false lets gefen-x block 1-D parameters across FSDP "
-                    "shard cuts, which agreed blocking cannot align; keep it true, or set "
-                    "optimizer.blocking = \"per_rank\"")
+            self.gefen.check_blocking(self.blocking)
+
+        @staticmethod
+        def flat_keys() -> dict[str, list[str]]:
+            """A flat ``[optimizer]`` key of recipes written before the kinds' tables -> the
+            ``table.field`` places it sets (``deterministic`` and ``cpu_step``: Gefen's and GefenMuon's)."""
+            places: dict[str, list[str]] = {}
+            for table, options in _TABLES.items():
+                for old, new in options.FLAT_KEYS.items():
+                    places.setdefault(old, []).append(f"{table}.{new}")
+            return places
 
         @classmethod
         def from_torchtitan(cls, stock: OptimizersContainer.Config) -> GefenOptimizersContainer.Config:
@@ -212,8 +188,9 @@ class GefenOptimizersContainer(OptimizersContainer):
             """
             if isinstance(stock, cls):
                 return stock
-            if isinstance(stock, GefenOptimizersContainer.Config):
-                return cls(**{f.name: getattr(stock, f.name) for f in dataclasses.fields(stock) if f.init})
+            if isinstance(stock, GefenOptimizersContainer.Config):  # its kinds' tables copied, not shared
+                return cls(**{f.name: dataclasses.replace(v) if dataclasses.is_dataclass(v := getattr(stock, f.name))
+                              else v for f in dataclasses.fields(stock) if f.init})
             values: dict[str, Any] = {
                 "implementation": stock.implementation,
                 "optimizer_factory_kwargs_by_name": dict(stock.optimizer_factory_kwargs_by_name),
@@ -227,19 +204,6 @@ class GefenOptimizersContainer(OptimizersContainer):
             else:
                 values["param_groups"] = groups
             return cls(**values)
-
-        def optimizer_options(self) -> dict[str, Any]:
-            """Optimizer-wide constructor options by key; each registered
-            optimizer takes its ``option_keys`` of them (Gefen: all)."""
-            return {
-                "factored_v_2d": FACTORED_V_2D,
-                "force_1d_period_one": self.force_1d_period_one,
-                "period_one_substrings": tuple(self.period_one_substrings),
-                "codebook_refresh_every": self.codebook_refresh_every,
-                "deterministic": self.deterministic,
-                "muon_bucket_mib": self.muon_bucket_mib,
-                "cpu_step": self.cpu_step,
-            }
 
         # The resolution of the groups lives in ``optim.param_groups`` (each method is its function).
         def shorthand(self) -> dict[str, Any]:
@@ -267,15 +231,14 @@ class GefenOptimizersContainer(OptimizersContainer):
             param_groups.check_param_groups(self, GefenOptimizersContainer._resolve_optimizer_factory)
 
     def __init__(self, config: Config, *, model_parts: list[torch.nn.Module]) -> None:
-        options = config.optimizer_options()
-        # Optimizer-wide options come from the [optimizer] section even when
-        # the recipe spells out param_groups, so every group of an optimizer
-        # agrees on them.
+        # Optimizer-wide options come from the kind's own table even when the
+        # recipe spells out param_groups, so every group of an optimizer agrees on them.
         groups = []
         for g in config.resolved_param_groups():
             spec = registry.get(g.optimizer_name)
             kwargs = dict(g.optimizer_kwargs)
-            if spec is not None and spec.option_keys:
+            if spec is not None and spec.options is not None:
+                options = getattr(config, spec.options).kwargs()
                 kwargs = {**{k: options[k] for k in spec.option_keys}, **kwargs}
             groups.append(dataclasses.replace(g, optimizer_kwargs=kwargs))
         # A composite name (GefenMuonHybrid) routes by module: exact-name patterns from the parts.

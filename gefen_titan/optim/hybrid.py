@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch.nn as nn
 from torchtitan.components.checkpointer.utils import canonical_fqn
@@ -68,8 +68,8 @@ BACKUPS = {"gefen": "Gefen", "adamw": "AdamW"}
 # The model's block container (torchtitan's Decoder.layers).
 BLOCKS = "layers"
 
-# The [optimizer] fields only the hybrid reads, named as gefen-x's
-# GefenMuonHybrid keywords, with gefen-x's defaults (the container's Config).
+# The [optimizer.hybrid] fields (``HybridOptions``), named as gefen-x's
+# GefenMuonHybrid keywords, with gefen-x's defaults.
 OPTION_KEYS = ("backup_optimizer", "muon_lr", "backup_lr", "muon_weight_decay", "backup_weight_decay",
                "no_decay_substrings", "momentum", "nesterov", "ns_steps", "ns_schedule", "adjust_lr_fn",
                "normuon", "normuon_beta2", "normuon_eps")
@@ -91,24 +91,29 @@ REFUSED = {
     "backup_substrings": "gefen-titan routes by module, not by name substrings: the nn.Linear weights inside the "
                          "model's transformer blocks go to GefenMuon, everything else to the backup; for another "
                          "split, spell out [[optimizer.param_groups]]",
-    "backup_1d_period_one": "Gefen's 1-D parameters keep per-element state through optimizer.force_1d_period_one "
-                            "(on by default, and agreed blocking needs it on)",
+    "backup_1d_period_one": "Gefen's 1-D parameters keep per-element state through "
+                            "optimizer.gefen.force_1d_period_one (on by default, and agreed blocking needs it on)",
     "backup_2d_period_one": "name the backup's 2-D parameters that should keep per-element state in "
-                            "optimizer.period_one_substrings",
+                            "optimizer.gefen.period_one_substrings",
     "fused": "set optimizer.implementation (torchtitan's; Gefen's fused path is CUDA-only)",
-    "deterministic": "set optimizer.deterministic (it applies to every Gefen and GefenMuon group)",
+    "deterministic": "set optimizer.gefen.deterministic and optimizer.muon.deterministic (each applies to every "
+                     "optimizer of its kind)",
     "verbose": "gefen-titan logs through torchtitan's logger",
     **{k: v for k, v in gx.MUON_REFUSED.items() if k != "ns_schedule"},
 }
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class HybridOptions:
-    """The ``[optimizer]`` fields of GefenMuonHybrid (``OPTION_KEYS``), a base
-    of ``GefenOptimizersContainer.Config``: gefen-x's GefenMuonHybrid
+    """``[optimizer.hybrid]``, GefenMuonHybrid's options (``OPTION_KEYS``), a
+    table of ``GefenOptimizersContainer.Config``: gefen-x's GefenMuonHybrid
     keywords with its defaults, read only with ``name = "GefenMuonHybrid"``
     and no param_groups (the shorthand's lr, betas, eps and weight_decay are
-    its shared values: ``SHARED_KEYS``)."""
+    its shared values: ``SHARED_KEYS``). Older recipes set them as flat
+    ``[optimizer]`` keys (``FLAT_KEYS``), which the recipe layer still reads."""
+
+    # The flat [optimizer] key of older recipes -> this table's field.
+    FLAT_KEYS: ClassVar[dict[str, str]] = {k: k for k in OPTION_KEYS}
 
     backup_optimizer: Literal["gefen", "adamw"] = "gefen"
     """GefenMuonHybrid: the optimizer of everything but the hidden matrices
@@ -142,6 +147,11 @@ class HybridOptions:
     """GefenMuonHybrid: NorMuon's beta2."""
     normuon_eps: float = 1e-8
     """GefenMuonHybrid: NorMuon's eps."""
+
+    def __post_init__(self) -> None:
+        if self.backup_optimizer not in BACKUPS:
+            raise ValueError(f"optimizer.hybrid.backup_optimizer must be 'gefen' or 'adamw', "
+                             f"got {self.backup_optimizer!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -190,7 +200,7 @@ def route(model: nn.Module) -> tuple[list[str], list[str]]:
 
 
 def _options(config: Any) -> dict[str, Any]:
-    return {k: getattr(config, k) for k in OPTION_KEYS}
+    return {k: getattr(config.hybrid, k) for k in OPTION_KEYS}
 
 
 def param_groups(config: Any) -> list[ParamGroupConfig]:
@@ -198,11 +208,10 @@ def param_groups(config: Any) -> list[ParamGroupConfig]:
     patterns unbound: GefenMuon's, then the backup's (no-decay first when
     ``no_decay_substrings`` is set)."""
     o, shorthand = _options(config), config.shorthand()
-    if o["backup_optimizer"] not in BACKUPS:
-        raise ValueError(f"optimizer.backup_optimizer must be one of {list(BACKUPS)}, got {o['backup_optimizer']!r}")
     schedule = o["ns_schedule"]
     if schedule not in gx.ns_schedule_names():
-        raise ValueError(f"optimizer.ns_schedule must be one of {list(gx.ns_schedule_names())}, got {schedule!r}")
+        raise ValueError(f"optimizer.hybrid.ns_schedule must be one of {list(gx.ns_schedule_names())}, "
+                         f"got {schedule!r}")
     muon = {
         "lr": shorthand["lr"] if o["muon_lr"] is None else o["muon_lr"],
         "weight_decay": shorthand["weight_decay"] if o["muon_weight_decay"] is None else o["muon_weight_decay"],
@@ -235,12 +244,12 @@ def check(config: Any) -> None:
     used = OPTION_KEYS if config.name == NAME and not config.param_groups else ()
     defaults = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
                 for f in dataclasses.fields(HybridOptions)}
-    unused = [k for k in OPTION_KEYS if k not in used and getattr(config, k) != defaults[k]]
+    unused = [k for k in OPTION_KEYS if k not in used and getattr(config.hybrid, k) != defaults[k]]
     if unused:
         why = ("[[optimizer.param_groups]] are given, and are used as they are" if config.param_groups
                else f"optimizer.name is {config.name!r}")
         raise ValueError(
-            f"{', '.join(unused)}: {'has' if len(unused) == 1 else 'have'} no effect: "
+            f"{', '.join('hybrid.' + k for k in unused)}: {'has' if len(unused) == 1 else 'have'} no effect: "
             f"{'it is a key' if len(unused) == 1 else 'they are keys'} of name = \"{NAME}\" without "
             f"param_groups, and {why}")
     if used:
@@ -299,11 +308,11 @@ def kind_hint(config: Any, was: str, now: str) -> str:
     in_hybrid = config.name == NAME and not config.param_groups
     backup = {v: k for k, v in BACKUPS.items()}
     if in_hybrid and now != "GefenMuon" and was in backup:
-        return (f"set optimizer.backup_optimizer = \"{backup[was]}\" (--optimizer.backup_optimizer "
+        return (f"set optimizer.hybrid.backup_optimizer = \"{backup[was]}\" (--optimizer.hybrid.backup_optimizer "
                 f"{backup[was]}), as in the run that wrote it")
     if not in_hybrid and was == "GefenMuon":
         return (f"if the run that wrote it was [optimizer] name = \"{NAME}\", set that (--optimizer.name {NAME}, "
-                "and its backup_optimizer)")
+                "and its hybrid.backup_optimizer)")
     if in_hybrid:
         return f"if the run that wrote it was not {NAME}, set its [optimizer] name (e.g. --optimizer.name {was})"
     return ""

@@ -21,11 +21,12 @@ Constraints a reader would otherwise re-break:
   and dicts, so the joiner unpickles it with ``weights_only=True``
   (``ft.transport``). DTensor values travel as their local shard plus the
   global shape.
-- ``restore`` checks everything before it changes anything, and makes no
-  collective either: torchft heals each rank on its own, and at a step-0
-  sync rank 0 of a group may load from another group while rank 1 of the
-  same group serves it (seen here). A refusal raises on the rank it concerns;
-  torchrun then stops that rank's group.
+- ``check`` and ``restore`` make no collective: torchft hands each rank its
+  heal on its own, and at a step-0 sync rank 0 of a group may load from
+  another group while rank 1 of the same group serves it (seen here).
+  ``restore`` checks everything before it changes anything; ``ft.heal``
+  runs ``check`` when a heal arrives and ``restore`` only once every rank of
+  the group has its heal, so the group installs on all of its ranks or none.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from torch.optim import Optimizer
 from gefen_titan.distributed import like_param, local
 from gefen_titan.optim import gefenx as gx
 
-__all__ = ["LiveStateError", "capture", "payload_bytes", "restore"]
+__all__ = ["LiveStateError", "capture", "check", "payload_bytes", "restore"]
 
 _PLAIN = (str, int, float, bool, type(None))
 _NOT_VALUES = ("params", "param_names")  # a group's parameters: the live ones stay
@@ -144,13 +145,20 @@ def _copy(value: Any, device: torch.device) -> Any:
     return value.to(device, copy=True) if isinstance(value, torch.Tensor) else value
 
 
+def check(optimizers: list[Optimizer], peer: Any) -> str | None:
+    """Why ``restore(optimizers, peer)`` would refuse ``peer``, or None: the same checks, nothing copied.
+    A heal is checked when it arrives and installed only once every rank of the group has one
+    (``ft.heal``), so a refusal must be known before any rank installs."""
+    try:
+        return _check(optimizers, peer)
+    except (KeyError, TypeError, AttributeError) as e:
+        return f"malformed optimizer state from the peer ({type(e).__name__}: {e})"
+
+
 def restore(optimizers: list[Optimizer], peer: Any) -> None:
     """Make this rank's optimizers hold exactly ``peer`` (``capture`` on the same rank of
     another replica group). Checked first, then copied. No collective."""
-    try:
-        error = _check(optimizers, peer)
-    except (KeyError, TypeError, AttributeError) as e:
-        error = f"malformed optimizer state from the peer ({type(e).__name__}: {e})"
+    error = check(optimizers, peer)
     if error:
         raise LiveStateError(f"cannot heal the optimizer state from the live replica group: {error}")
     for optim, entry in zip(optimizers, peer, strict=True):

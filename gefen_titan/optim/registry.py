@@ -16,7 +16,10 @@ variant is one ``register`` call plus its state type and records:
   (torch and gefen-x keep unknown group keys without a word, so the recipe
   checks refuse any other);
 * ``option_keys``: optimizer-wide constructor options the container fills in
-  from ``[optimizer]`` for every group of this optimizer;
+  for every group of this optimizer, from its ``options``;
+* ``options``: the ``[optimizer]`` table of its own options (``optimizer.gefen``,
+  ``optimizer.muon``: an attribute of the container's Config, a dataclass whose
+  ``kwargs()`` are the ``option_keys``), None for none;
 * ``shorthand_keys``: the ``[optimizer]`` shorthand hyperparameters (lr,
   betas, eps, weight_decay) that are defaults of its groups (GefenMuon takes
   lr and weight_decay; Adam's betas and eps mean nothing to it);
@@ -102,6 +105,7 @@ class OptimizerSpec:
     owns: Callable[[Optimizer], bool]
     group_keys: tuple[str, ...]
     option_keys: tuple[str, ...] = ()
+    options: str | None = None
     state: Callable[[list[Optimizer], StateOptions], StateAdapter] | None = None
     record_kind: str | None = None
     agreed_blocking: bool = False
@@ -131,12 +135,14 @@ class CompositeSpec:
     """Refuses (ValueError) an ``[optimizer]`` config whose keys of this name
     have no effect or no valid value (the recipe checks call it)."""
     option_keys: tuple[str, ...]
-    """The ``[optimizer]`` fields only this name reads."""
+    """The fields of its ``options`` table, which only this name reads."""
     refused_keys: dict[str, str]
     """Options of the optimizer it stands for that have no field here -> why."""
     kind_hint: Callable[[Any, str, str], str]
     """(``[optimizer]`` config, kind that saved a parameter, kind the config
     gives it) -> the setting that resumes it, for the kinds check ("" if none)."""
+    options: str | None = None
+    """The ``[optimizer]`` table of its options (``option_keys``; an attribute of the Config)."""
 
 
 _REGISTRY: dict[str, OptimizerSpec] = {}
@@ -214,7 +220,7 @@ def spec_of(optim: Optimizer) -> OptimizerSpec | None:
 
 # ------------------------------------------------------------------ built-ins
 # Gefen constructor options that apply to the whole optimizer (the container
-# fills them in from [optimizer] for every Gefen group); ``cpu_step`` is
+# fills them in from [optimizer.gefen] for every Gefen group); ``cpu_step`` is
 # gefen-titan's (which path runs the step on CPU tensors: ``optim.cpu_step``).
 GEFEN_OPTION_KEYS = ("factored_v_2d", "force_1d_period_one", "period_one_substrings", "codebook_refresh_every",
                      "deterministic", "cpu_step")
@@ -280,7 +286,7 @@ def build_gefen(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Op
 
 def _gefen_group_key_hint(key: str) -> str:
     if key in GEFEN_OPTION_KEYS:
-        return f"; it applies to every Gefen group: set optimizer.{key}"
+        return f"; it applies to every Gefen group: set optimizer.gefen.{key}"
     if key in ("beta1", "beta2"):
         return "; set betas = [beta1, beta2]"
     if key == "foreach":
@@ -329,6 +335,7 @@ register(OptimizerSpec(
     # other key along unread; build_gefen turns ``fused`` into the constructor argument.
     group_keys=("lr", "betas", "eps", "weight_decay", "fused"),
     option_keys=GEFEN_OPTION_KEYS,
+    options="gefen",
     state=_gefen_state,
     record_kind=GefenShardedAdapter.record_kind,
     agreed_blocking=True,
@@ -339,9 +346,9 @@ register(OptimizerSpec(
     checkpoint=gefen_records.description(),
 ))
 
-# GefenMuon options the container fills in from [optimizer]: gefen-x's
+# GefenMuon options the container fills in from [optimizer.muon]: gefen-x's
 # ``deterministic``, the sharded step's bucket size and ``cpu_step`` (not gefen-x's).
-MUON_OPTION_KEYS = ("deterministic", "muon_bucket_mib", "cpu_step")
+MUON_OPTION_KEYS = ("deterministic", "bucket_mib", "cpu_step")
 
 
 def build_gefen_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Optimizer:
@@ -369,10 +376,10 @@ def build_gefen_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any) 
             f"{' ...' if len(not_matrices) > 3 else ''}): narrow the GefenMuon "
             "pattern in [[optimizer.param_groups]], or match those parameters in an earlier group for Gefen")
     groups, options = _split_options(param_groups, MUON_OPTION_KEYS, "GefenMuon")
-    bucket_mib = options.pop("muon_bucket_mib", DEFAULT_BUCKET_MIB)
+    bucket_mib = options.pop("bucket_mib", DEFAULT_BUCKET_MIB)
     mode = options.pop("cpu_step", "kernel")
     if not bucket_mib > 0:
-        raise ValueError(f"optimizer.muon_bucket_mib must be > 0, got {bucket_mib!r}")
+        raise ValueError(f"optimizer.muon.bucket_mib must be > 0, got {bucket_mib!r}")
     optim = gx.new_gefen_muon(groups, lambda o: ShardedMuonStep(o, bucket_bytes=int(bucket_mib * 2**20)),
                               **options, **factory_kwargs)
     cpu_step.install(optim, mode, "GefenMuon")
@@ -383,7 +390,7 @@ def _muon_group_key_hint(key: str) -> str:
     if key in gx.MUON_REFUSED:
         return f"; it is refused: {gx.MUON_REFUSED[key]}"
     if key in MUON_OPTION_KEYS:
-        return f"; it applies to the whole optimizer: set optimizer.{key}"
+        return f"; it applies to the whole optimizer: set optimizer.muon.{key}"
     if key in ("betas", "beta1", "beta2"):
         return "; GefenMuon's momentum coefficient is 'momentum'"
     return ""
@@ -403,6 +410,7 @@ register(OptimizerSpec(
     owns=gx.is_gefen_muon,
     group_keys=(*gx.MUON_GROUP_KEYS, "fused"),
     option_keys=MUON_OPTION_KEYS,
+    options="muon",
     state=lambda optimizers, options: GefenMuonShardedAdapter(optimizers),
     record_kind=GefenMuonShardedAdapter.record_kind,
     agreed_blocking=True,
@@ -427,4 +435,5 @@ register_composite(CompositeSpec(
     option_keys=hybrid.OPTION_KEYS,
     refused_keys=hybrid.REFUSED,
     kind_hint=hybrid.kind_hint,
+    options="hybrid",
 ))

@@ -65,7 +65,7 @@ from gefen_titan.recipe.errors import RecipeError
 from gefen_titan.recipe.files import merge_tables, read_recipe_tables
 
 __all__ = ["BUILTIN_PREFIX", "EXTRA_FLAVORS", "JOB_KEYS", "MODEL_KEYS", "Recipe", "build_recipe", "composite_refusal",
-           "finish_recipe", "load_recipe"]
+           "finish_recipe", "lift_flat_keys", "load_recipe"]
 
 JOB_KEYS = ("module", "base_config", "extends", "description", "dump_folder", "hf_assets_path")
 MODEL_KEYS = ("flavor", "attn_backend")
@@ -161,22 +161,49 @@ def _rebuild_model_spec(
 
 
 def composite_refusal(key: str) -> str | None:
-    """Why an [optimizer] key is refused: an option of the optimizer a
-    composite name stands for (gefen-x's GefenMuonHybrid keywords) with no
-    field here; None for any other key."""
-    if key in {f.name for f in dataclasses.fields(GefenOptimizersContainer.Config)}:
+    """Why an [optimizer] key (``name``, or ``table.name`` in a kind's table)
+    is refused: an option of the optimizer a composite name stands for
+    (gefen-x's GefenMuonHybrid keywords) with no field here, set flat or in
+    the composite's table; None for any other key."""
+    table, _, name = key.rpartition(".")
+    config = GefenOptimizersContainer.Config
+    if not table and (name in {f.name for f in dataclasses.fields(config)} or name in config.flat_keys()):
         return None
-    for name in optimizers.composite_names():
-        why = optimizers.composite(name).refused_keys.get(key)
+    for composite in map(optimizers.composite, optimizers.composite_names()):
+        why = composite.refused_keys.get(name) if table in ("", composite.options) else None
         if why is not None:
-            return f"gefen-x's {name} option is not supported: {why}"
+            return f"gefen-x's {composite.name} option is not supported: {why}"
     return None
 
 
 def _refuse_composite_keys(table: Any, path: str) -> None:
-    for key in table if isinstance(table, dict) else ():
+    if not isinstance(table, dict):
+        return
+    keys = [*table, *(f"{k}.{n}" for k, v in table.items() if isinstance(v, dict) for n in v)]  # and its tables'
+    for key in keys:
         if (why := composite_refusal(key)) is not None:
             raise RecipeError(f"{path}: [optimizer] {key}: {why}")
+
+
+def lift_flat_keys(table: Any, path: str) -> None:
+    """Older recipes' flat [optimizer] keys of one optimizer kind (``muon_bucket_mib``,
+    ``backup_optimizer``, ...) into that kind's table (``Config.flat_keys``), in place.
+    A key set both ways is refused: neither could say which one was meant."""
+    if not isinstance(table, dict):
+        return
+    for old, places in GefenOptimizersContainer.Config.flat_keys().items():
+        if old not in table:
+            continue
+        value = table.pop(old)
+        for place in places:
+            kind, _, key = place.partition(".")
+            nested = table.setdefault(kind, {})
+            if isinstance(nested, dict) and key in nested:
+                raise RecipeError(
+                    f"{path}: [optimizer] {old} and [optimizer.{kind}] {key} are both set: {old} is the older "
+                    f"spelling of {place}; keep only [optimizer.{kind}] {key}")
+            if isinstance(nested, dict):
+                nested[key] = value
 
 
 def _base_config(module: str, base_config: str, path: str) -> Any:
@@ -251,6 +278,7 @@ def build_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] |
 
     config.optimizer = GefenOptimizersContainer.Config.from_torchtitan(config.optimizer)
     _refuse_composite_keys(data.get("optimizer"), path)
+    lift_flat_keys(data.get("optimizer"), path)
     config.checkpoint = GefenCheckpointManager.Config.from_torchtitan(config.checkpoint)
     if fault_tolerance.SECTION in data:
         fault_tolerance.lift_components(config)

@@ -38,7 +38,7 @@ import tyro
 from torchtitan.config.manager import ConfigManager
 
 from gefen_titan.data.registry import loader_names
-from gefen_titan.optim.container import GROUP_DEFAULTS
+from gefen_titan.optim.container import GROUP_DEFAULTS, GefenOptimizersContainer
 from gefen_titan.recipe.build import JOB_KEYS, MODEL_KEYS, Recipe, build_recipe, composite_refusal, finish_recipe
 from gefen_titan.recipe.coerce import type_hints
 from gefen_titan.recipe.errors import RecipeError
@@ -134,7 +134,42 @@ def parse_cli(argv: list[str]) -> CommandLine:
             overrides.setdefault(section, {})[key] = value
     if path is None and not help_:
         raise RecipeError("command line: --job.config PATH (a TOML recipe, e.g. recipes/llama_gefen.toml) is required")
-    return CommandLine(path, overrides, args, help_)
+    return CommandLine(path, overrides, _lift_flat_flags(args), help_)
+
+
+def _lift_flat_flags(args: list[str]) -> list[str]:
+    """Older flat optimizer flags (``--optimizer.backup_optimizer adamw``, ``--optimizer.deterministic``,
+    ``--optimizer.muon_bucket_mib 64``) as their kinds' (``--optimizer.hybrid.backup_optimizer adamw``, ...;
+    ``Config.flat_keys``), as the recipe layer reads the TOML keys. A place set both ways is refused."""
+    flat, defaults = GefenOptimizersContainer.Config.flat_keys(), GefenOptimizersContainer.Config()
+    out: list[str] = []
+    lifted: dict[str, str] = {}  # place -> the flat flag that set it
+    given: set[str] = set()  # optimizer keys set by their own flags (a bool's no- form as the key)
+    i = 0
+    while i < len(args):
+        arg, i = args[i], i + 1
+        name, eq, value = arg.partition("=")
+        section, _, key = name[2:].replace("-", "_").partition(".") if name.startswith("--") else ("", "", "")
+        prefix, dot, last = key.rpartition(".")
+        last = last[3:] if last.startswith("no_") else last
+        if section != "optimizer" or dot or last not in flat:
+            given.add(f"{prefix}{dot}{last}")
+            out.append(arg)
+            continue
+        table, _, field_ = flat[last][0].partition(".")
+        is_bool = isinstance(getattr(getattr(defaults, table), field_), bool)
+        takes_next = not eq and i < len(args) and not args[i].startswith("--")
+        values = [args[i]] if takes_next and (not is_bool or args[i] in _TRUE + _FALSE) else []
+        i += len(values)
+        for place in flat[last]:
+            lifted[place] = name
+            kind, _, new = place.partition(".")
+            out += [f"--optimizer.{kind}.{'no_' if key != last else ''}{new}{eq}{value}", *values]
+    for place, flag in lifted.items():
+        if place in given:
+            raise RecipeError(f"command line: {flag} and --optimizer.{place} both given: {flag} is the older "
+                              f"spelling of --optimizer.{place}; give only --optimizer.{place}")
+    return out
 
 
 def load_cli(argv: list[str], *, world_size: int | None = None) -> Recipe:

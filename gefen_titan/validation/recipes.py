@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gefen_titan.recipe.build import build_recipe, load_recipe
+from gefen_titan.recipe.build import build_recipe, lift_flat_keys, load_recipe
 from gefen_titan.recipe.cli import load_cli, parse_cli, parse_flags
 from gefen_titan.recipe.files import declared_world_size, merge_tables, read_recipe_tables
 
@@ -51,6 +51,7 @@ def merged_tables(recipe: str, overrides: list[str]) -> tuple[dict[str, Any], li
     data = read_recipe_tables(recipe)
     cl = parse_cli(["--job.config", recipe, *overrides])
     merge_tables(data, cl.overrides, recipe)
+    lift_flat_keys(data.get("optimizer"), recipe)  # an older recipe's flat keys: the same run as the tables'
     return data, cl.args
 
 

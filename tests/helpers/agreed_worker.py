@@ -52,6 +52,7 @@ from tests.helpers import worker_jobs
 patches.apply_all()  # CPU / gloo FSDP2
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.container import GefenOptimizersContainer
+from gefen_titan.optim.gefen_options import GefenOptions
 from tests.helpers import small_model as sm
 
 # A 2-row gate: an empty shard at W=3.
@@ -182,7 +183,10 @@ def job(args, rank: int, world: int) -> None:
         config = {}
         for item in overrides:
             key, value = item.split("=")
-            config[key] = value if key == "blocking" else bool(int(value)) if key == "deterministic" else int(value)
+            if key == "deterministic":  # Gefen's own option, in its [optimizer.gefen] table
+                config["gefen"] = GefenOptions(deterministic=bool(int(value)))
+            else:
+                config[key] = value if key == "blocking" else int(value)
         results["cases"][os.path.basename(base) + "".join(overrides)] = sm.bad_checkpoint_case(
             base, lambda: fresh(**config), step, S, snapshot)
     if args.tamper_save:

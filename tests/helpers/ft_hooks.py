@@ -11,11 +11,13 @@ for a subclass which writes, with ``torch.save``, into ``dir``:
   checkpoint of that step was written from (only the writing group);
 * ``end-g<replica>-r<rank>.pt``: the rank's live state after the last step.
 
-``<step>`` is the trainer step the payload carries. ``fail_heals`` makes a
-live rank's first heals (after step 1) fail, to test that a heal that fails
-midway is retried; ``tamper_heals`` changes them on the wire after the
+``<step>`` is the trainer step the payload carries. ``tamper_heals``
+changes a live rank's first heals (after step 1) on the wire after the
 transport signed them, to test that a keyed joiner refuses them and heals
-again. Comparing ``healed``
+again; ``die_serving_heal`` (a byte count) makes the first live rank of the
+run (one process in all, by a marker file ``died-mid-heal`` in ``dir``)
+that streams a heal after step 1 SIGKILL itself once that many bytes went
+out: a serving peer that dies mid-transfer. Comparing ``healed``
 with the matching ``sent`` checks that a heal leaves the joiner exactly at
 its peer; comparing the ``end`` files of two groups (and of two runs) checks
 lockstep and the uninterrupted run. Used as::
@@ -53,16 +55,15 @@ class DumpingFTCheckpointManager(GefenFTCheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(GefenFTCheckpointManager.Config):
         dump_dir: str = ""
-        fail_heals: int = 0
-        """The first this many heals this rank serves after step 1 raise instead (a peer that fails
-        during a heal: torchft reports it, no group commits the step, the next quorum heals again)."""
         tamper_heals: int = 0
         """The first this many heals this rank serves after step 1 are changed after the transport
         signed them (one model element + 1, on the wire): with a key the joiner must refuse them."""
+        die_serving_heal: int = 0
+        """Bytes: the run's first heal served after step 1 kills its server's process (SIGKILL, no
+        exception) once this many bytes of it went out (module docstring). 0: off."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         self._dump_dir = config.dump_dir
-        self._fail_heals = config.fail_heals
         self._tamper_heals = config.tamper_heals
         super().__init__(config, **kwargs)
         if config.tamper_heals:
@@ -70,26 +71,27 @@ class DumpingFTCheckpointManager(GefenFTCheckpointManager):
         os.makedirs(self._dump_dir, exist_ok=True)
         replica = kwargs["ft_manager"].replica_id
         self._tag = f"g{replica}-r{dist.get_rank()}"
+        if config.die_serving_heal:
+            self._die_serving(config.die_serving_heal)
         heal = self.heal
-        send, load = heal.state_dict, heal.load_state_dict
+        send, settle = heal.state_dict, heal.after_quorum
 
         def sent() -> dict[str, Any]:
             payload = send()
-            if payload["train_state"]["step"] > 1 and self._fail_heals > 0:
-                self._fail_heals -= 1
-                raise RuntimeError("injected: the live peer failed while serving a heal")
             self._write(f"sent-{self._tag}-s{payload['train_state']['step']}.pt", payload)
             return payload
 
-        def loaded(state_dict: dict[str, Any]) -> None:
-            load(state_dict)
-            self._write(f"healed-{self._tag}-s{state_dict['train_state']['step']}.pt", send())
+        def settled() -> None:  # a heal is installed here, on every rank of the group or none (ft.heal)
+            heals = heal.stats.heals
+            settle()
+            if heal.stats.heals > heals:
+                self._write(f"healed-{self._tag}-s{heal.train_state.step}.pt", send())
 
         # torchft keeps the functions registered in __init__: swap them in its tables.
         ft = self.ft_manager
         key = next(k for k in ft._user_state_dicts)
         ft._user_state_dicts[key] = sent
-        ft._load_state_dict_fns[key] = loaded
+        heal.after_quorum = settled  # the container calls it on the object it holds
 
     def _tamper(self, transport: Any) -> None:
         """Once the transport has signed and staged a heal, and before it serves it, swap in a copy with
@@ -113,6 +115,31 @@ class DumpingFTCheckpointManager(GefenFTCheckpointManager):
 
         transport.allow_checkpoint = tampered
 
+    def _die_serving(self, cut: int) -> None:
+        """Serve the run's first heal after step 1 through a stream that SIGKILLs this process after
+        ``cut`` bytes (torchft's HTTP server streams the staged payload with ``_streaming_save``)."""
+        import torchft.checkpointing.http_transport as http_transport
+
+        from tests.helpers.dying_heal_server import DyingStream
+
+        save, marker = http_transport._streaming_save, os.path.join(self._dump_dir, "died-mid-heal")
+
+        def streaming_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+            user = obj.get("user", {}) if isinstance(obj, dict) else {}
+            step = user.get(HEAL_KEY, {}).get("train_state", {}).get("step", 0)
+            if step > 1:
+                try:  # the first server of the run, and only it
+                    fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileExistsError:
+                    return save(obj, f, *args, **kwargs)
+                os.write(fd, f"{self._tag} s{step}".encode())
+                os.close(fd)
+                print(f"injected: {self._tag} dies after {cut} bytes of the heal for step {step}", flush=True)
+                f = DyingStream(f, cut)
+            return save(obj, f, *args, **kwargs)
+
+        http_transport._streaming_save = streaming_save
+
     def _write(self, name: str, payload: dict[str, Any]) -> None:
         torch.save(_cpu(payload), os.path.join(self._dump_dir, name))
 
@@ -127,6 +154,6 @@ class DumpingFTCheckpointManager(GefenFTCheckpointManager):
 
 @override(target=GefenFTCheckpointManager.Config, exact=True,
           description="tests: dump heal payloads and end states")
-def dump_ft(cfg: GefenFTCheckpointManager.Config, *, dir: str, fail_heals: int = 0, tamper_heals: int = 0):
-    return derive(cfg, DumpingFTCheckpointManager.Config, dump_dir=dir, fail_heals=fail_heals,
-                  tamper_heals=tamper_heals)
+def dump_ft(cfg: GefenFTCheckpointManager.Config, *, dir: str, tamper_heals: int = 0, die_serving_heal: int = 0):
+    return derive(cfg, DumpingFTCheckpointManager.Config, dump_dir=dir, tamper_heals=tamper_heals,
+                  die_serving_heal=die_serving_heal)

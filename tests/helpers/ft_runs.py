@@ -23,11 +23,22 @@ import torch.multiprocessing as mp
 
 from tests.helpers.processes import PRELOAD, ROOT, free_port
 
-# What every fault-tolerance test run sets on top of its recipe: a group that loses its peer
-# waits for it (and retries its step); checkpoints at step 6; sequences of 128 tokens (half the
-# recipe's 256: the runs are what the suite's time goes to).
-SETTINGS = ["--fault_tolerance.min_replica_size", "2", "--checkpoint.interval", "6", "--training.seq_len", "128"]
+# What every fault-tolerance test run sets on top of its recipe: checkpoints at step 6; sequences of
+# 128 tokens (half the recipe's 256: the runs are what the suite's time goes to). FTRun adds
+# min_replica_size = its number of groups: a group that loses a peer waits for it (and retries
+# its step), so every committed step is every group's and a faulted run can equal an
+# uninterrupted one bit for bit.
+SETTINGS = ["--checkpoint.interval", "6", "--training.seq_len", "128"]
 STEPS = 8
+# GefenMuon's runs are shorter: on this CPU (AVX2, no bf16 GEMM) its bf16 Newton-Schulz takes ~90x
+# fp32's time, ~13 s a step at the debug model, and its FT run was the suite's slowest test (140 s
+# at 8 steps). 5 steps still kill after step 3, heal at step 4 and train one step past the heal.
+STEPS_OF = {"recipes/llama_gefen_muon_ft.toml": 5}
+
+
+def steps_of(recipe: str) -> int:
+    """The steps a fault-tolerance test runs ``recipe`` for (and its stored curve holds)."""
+    return STEPS_OF.get(recipe, STEPS)
 LOSS = re.compile(r"step:\s+(\d+)\s+\x1b\[32mloss:\s+([0-9.]+)")
 RECIPE = "recipes/llama_gefen_ft.toml"
 SDPA = "gefen_titan.patches.sdpa_attention.sdpa_attention"
@@ -104,8 +115,8 @@ class FTRun:
     steps: int = STEPS
     recipe: str = RECIPE
     extra: list[str] = field(default_factory=list)
-    fail_heals: int = 0  # ft_hooks: the live ranks' first heals after step 1 fail
     tamper_heals: int = 0  # ft_hooks: the live ranks' first heals after step 1 are changed after signing
+    die_serving_heal: int = 0  # ft_hooks: the run's first heal after step 1 kills its server after these bytes
     env: dict[str, str] = field(default_factory=dict)  # more environment for every rank (a key)
     started: list[Group] = field(default_factory=list)
 
@@ -114,7 +125,7 @@ class FTRun:
 
         # min_replicas = the runs' min_replica_size: a group that lost its peer then waits in the
         # quorum for it, instead of failing quorum after quorum of one (and using up max_retries).
-        self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=2000,
+        self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=self.groups, join_timeout_ms=2000,
                                            quorum_tick_ms=50, heartbeat_timeout_ms=2000)
         (self.base / "dumps").mkdir(parents=True, exist_ok=True)
 
@@ -126,9 +137,12 @@ class FTRun:
         return ["--job.config", self.recipe, "--job.dump_folder", str(self.base / "out"),
                 "--training.steps", str(self.steps), "--fault_tolerance.replica_id", str(replica),
                 "--fault_tolerance.group_size", str(self.groups),
+                "--fault_tolerance.min_replica_size", str(self.groups),
+                # local 2 x 2 ranks x the groups: a group's batches do not depend on the number of groups
+                "--training.global_batch_size", str(4 * self.groups),
                 "--override.imports", SDPA,
-                f'tests.helpers.ft_hooks.dump_ft={{"dir": "{self.dumps}", "fail_heals": {self.fail_heals}, '
-                f'"tamper_heals": {self.tamper_heals}}}',
+                f'tests.helpers.ft_hooks.dump_ft={{"dir": "{self.dumps}", '
+                f'"tamper_heals": {self.tamper_heals}, "die_serving_heal": {self.die_serving_heal}}}',
                 *self.extra]
 
     def start(self, replica: int, attempt: int = 0) -> Group:
@@ -176,30 +190,49 @@ def load_dump(path: Path) -> dict:
     return torch.load(path, weights_only=True)
 
 
-def uninterrupted(base: Path, recipe: str, extra: tuple[str, ...] = ()) -> FTRun:
-    """Two groups, start to end: the reference a faulted run is compared with."""
-    run = FTRun(base, recipe=recipe, extra=[*SETTINGS, *extra])
+def uninterrupted(base: Path, recipe: str, extra: tuple[str, ...] = (), groups: int = 2) -> FTRun:
+    """``groups`` groups, start to end: the reference a faulted run is compared with."""
+    run = FTRun(base, groups=groups, recipe=recipe, steps=steps_of(recipe), extra=[*SETTINGS, *extra])
     try:
-        groups = [run.start(0), run.start(1)]
-        for g in groups:
+        started = [run.start(g) for g in range(groups)]
+        for g in started:
             g.wait(400)
     finally:
         run.close()
     return run
 
 
-def faulted(base: Path, recipe: str, kill_after: int, extra: tuple[str, ...] = (), fail_heals: int = 0,
-            tamper_heals: int = 0, env: dict[str, str] | None = None) -> FTRun:
-    """Two groups; group 1 SIGKILLed (both ranks: a lost machine) after ``kill_after`` and restarted."""
-    run = FTRun(base, recipe=recipe, extra=[*SETTINGS, *extra], fail_heals=fail_heals, tamper_heals=tamper_heals,
-                env=env or {})
+DIED = "died-mid-heal"  # ft_hooks' marker: "g<replica>-r<rank> s<step>"
+
+
+def faulted(base: Path, recipe: str, kill_after: int, extra: tuple[str, ...] = (), tamper_heals: int = 0,
+            env: dict[str, str] | None = None, groups: int = 2,
+            die_serving_heal: int = 0) -> FTRun:
+    """``groups`` groups; the last one SIGKILLed (both ranks: a lost machine) after ``kill_after`` and
+    restarted. With ``die_serving_heal`` the group that serves its heal dies part-way through (one
+    rank SIGKILLs itself: ft_hooks); the test then kills that group's other rank and restarts it
+    too, as a job scheduler would, and it heals like the first."""
+    run = FTRun(base, groups=groups, recipe=recipe, steps=steps_of(recipe), extra=[*SETTINGS, *extra],
+                tamper_heals=tamper_heals, die_serving_heal=die_serving_heal, env=env or {})
     try:
-        g0, g1 = run.start(0), run.start(1)
-        g1.wait_for_step(kill_after, 300)
-        g1.kill()
-        g1 = run.start(1, attempt=1)
-        g0.wait(400)
-        g1.wait(400)
+        live = [run.start(g) for g in range(groups)]
+        live[-1].wait_for_step(kill_after, 300)
+        live[-1].kill()
+        live[-1] = run.start(groups - 1, attempt=1)
+        if die_serving_heal:
+            marker = run.dumps / DIED
+            deadline = time.monotonic() + 300
+            while not marker.exists() or not marker.read_text():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no live group served a heal:\n" + live[-1].text()[-6000:])
+                time.sleep(0.2)
+            server = int(marker.read_text().split("-")[0][1:])
+            while live[server].procs[int(marker.read_text().split("-r")[1].split()[0])].exitcode is None:
+                time.sleep(0.05)  # it killed itself mid-transfer
+            live[server].kill()  # its other rank, wherever it waits
+            live[server] = run.start(server, attempt=1)
+        for g in live:
+            g.wait(400)
     finally:
         run.close()
     return run

@@ -54,6 +54,7 @@ from torchtitan.trainer import Trainer
 
 from gefen_titan.distributed.layout import local_box
 from gefen_titan.optim.container import ParamGroup
+from gefen_titan.optim.muon.options import MuonOptions
 from gefen_titan.recipe.moe_flavors import qwen3_moe
 from tests.helpers import small_model as sm
 
@@ -138,7 +139,7 @@ def set_grads(model: nn.Module, step: int) -> None:
 def build(layout: str, world: int, experts: int):
     model = build_model(layout, world, experts)
     shard(model, layout, world)
-    opt = sm.optimizer(model, max_tensor_parallel_degree=2, muon_bucket_mib=MUON_BUCKET_MIB, param_groups=[
+    opt = sm.optimizer(model, max_tensor_parallel_degree=2, muon=MuonOptions(bucket_mib=MUON_BUCKET_MIB), param_groups=[
         ParamGroup(pattern=MUON_PATTERN, optimizer_name="GefenMuon", optimizer_kwargs=dict(MUON_KWARGS)),
         ParamGroup(pattern=".*")])
     return model, opt

@@ -37,6 +37,7 @@ from gefen_titan.checkpoint.schema import grid_shape
 from gefen_titan.distributed import like_param, like_param_rows, local
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
+from gefen_titan.optim.muon.options import MuonOptions
 from tests.helpers import agreed_worker as aw  # applies gefen_titan's CPU patches
 from tests.helpers import small_model as sm
 from tests.helpers import worker_jobs
@@ -55,7 +56,7 @@ def groups(gefen_only: bool) -> dict:
     return {"param_groups": [ParamGroup(pattern=MUON_PATTERN, optimizer_name="GefenMuon",
                                         optimizer_kwargs=dict(MUON_KWARGS)),
                              ParamGroup(pattern=".*")],
-            "muon_bucket_mib": MUON_BUCKET_MIB}
+            "muon": MuonOptions(bucket_mib=MUON_BUCKET_MIB)}
 
 
 def schedule(opt: GefenOptimizersContainer) -> dict:

@@ -133,10 +133,11 @@ def _write_ft(recipe: Path, out: Path, check: bool) -> bool:
         return bool(problems)
     data = {
         "recipe": recipe_name(recipe),
-        "groups": 2, "nproc_per_group": 2, "steps": ft_runs.STEPS,
+        "groups": 2, "nproc_per_group": 2, "steps": ft_runs.steps_of(recipe_name(recipe)),
         "command": f"lighthouse + 2 x torchrun --nproc_per_node=2 train.py --job.config {recipe_name(recipe)} "
-                   f"--training.steps {ft_runs.STEPS} " + " ".join(ft_runs.SETTINGS)
-                   + " --fault_tolerance.replica_id {0,1} (tests/helpers/ft_runs.py)",
+                   f"--training.steps {ft_runs.steps_of(recipe_name(recipe))} " + " ".join(ft_runs.SETTINGS)
+                   + " --fault_tolerance.min_replica_size 2 --fault_tolerance.replica_id {0,1}"
+                   " (tests/helpers/ft_runs.py)",
         "tolerance": TOLERANCE,
         "losses_by_group": {str(g): {str(s): v for s, v in sorted(losses.items())} for g, losses in got.items()},
         "generated_with": versions(),

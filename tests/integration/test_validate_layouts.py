@@ -21,8 +21,8 @@ model, 8 routed experts) with the global-order loader
 (``--set dataloader.loader=global_order``, so that the parameters are
 compared too): ``--pairs 2@ep2:2,2@ep2:1``, EP 2 -> EP 1 on 2 ranks and EP 2
 -> 1 rank, each with the state bit-exact after the load and the parameters
-3 steps later within the reduction-order band of the uninterrupted run at
-the target.
+2 steps later within the reduction-order band of the uninterrupted run at
+the target (saved at step 2).
 
 With ``CI_SETTINGS`` (save at 4, 3 more steps, global batch 8 of local 2).
 The reference at 2 ranks and the same-size rerun of the dense recipe are
@@ -49,9 +49,10 @@ RECIPE = "recipes/llama_gefen_global_order.toml"
 MOE = "recipes/dsv3_gefen.toml"
 
 
-def validate(reference_cache: Path, out: Path, *args: str, recipe: str = RECIPE) -> tuple[object, dict]:
+def validate(reference_cache: Path, out: Path, *args: str, recipe: str = RECIPE,
+             steps: tuple[int, int] = (CI["steps_before"], CI["steps_after"])) -> tuple[object, dict]:
     cmd = [sys.executable, str(SCRIPT), "--recipe", recipe, "--backend", "gloo",
-           "--steps-before", str(CI["steps_before"]), "--steps-after", str(CI["steps_after"]),
+           "--steps-before", str(steps[0]), "--steps-after", str(steps[1]),
            "--global-batch", str(CI["global_batch"]), "--local-batch", str(CI["local_batch"]),
            "--out", str(out), "--reference-cache", str(reference_cache), *processes.validate_launcher(), *args]
     proc = processes.run(cmd, cwd=ROOT, timeout=850)  # below pytest-timeout's 900 s: a hang fails here, ranks stopped
@@ -130,8 +131,10 @@ def test_a_broken_resume_fails_the_parameter_check(fsdp_to_tp, reference_cache, 
 @pytest.fixture(scope="module")
 def ep_change(reference_cache, tmp_path_factory):
     out = tmp_path_factory.mktemp("validate_ep")
+    # Save at 2, 2 more steps (not CI_SETTINGS' 4 + 3): its 4 references and 2 resumes share no run
+    # with another test, and were the suite's third slowest fixture (78 s in CI).
     proc, report = validate(reference_cache, out, "--pairs", "2@ep2:2,2@ep2:1",
-                            "--set", "dataloader.loader=global_order", recipe=MOE)
+                            "--set", "dataloader.loader=global_order", recipe=MOE, steps=(2, 2))
     return proc, report, out
 
 

@@ -277,7 +277,7 @@ def test_blocking_option_reaches_every_run():
     assert "--optimizer.blocking" not in runs.Settings(recipe="recipes/llama_gefen.toml", **CI).overrides(2)
 
 
-def test_equal_runs_share_one_identity():
+def test_equal_runs_share_one_identity(tmp_path):
     s = runs.Settings(recipe="recipes/llama_gefen.toml", **CI)
     base2 = identity.run_identity("recipes/llama_gefen.toml", 2, s.overrides(2))
     assert base2 == identity.run_identity("recipes/llama_gefen_dp2.toml", 2, s.overrides(2))
@@ -286,6 +286,12 @@ def test_equal_runs_share_one_identity():
     assert base2 != identity.run_identity("recipes/llama_gefen.toml", 2, s.overrides(2) + ["--optimizer.lr", "1e-3"])
     v1 = runs.Settings(recipe="recipes/llama_gefen.toml", blocking="per_rank", **CI)
     assert base2 != identity.run_identity("recipes/llama_gefen.toml", 2, v1.overrides(2))
+    # An older recipe's flat [optimizer] key is the same run as its kind's table.
+    base = f'[job]\nextends = "{Path("recipes/llama_gefen.toml").resolve()}"\n'
+    (tmp_path / "flat.toml").write_text(base + "[optimizer]\nmuon_bucket_mib = 64\n")
+    (tmp_path / "table.toml").write_text(base + "[optimizer.muon]\nbucket_mib = 64\n")
+    flat, table = (identity.run_identity(str(tmp_path / n), 2, s.overrides(2)) for n in ("flat.toml", "table.toml"))
+    assert flat == table != base2
 
 
 def test_identity_holds_the_code_and_the_library_versions(tmp_path):

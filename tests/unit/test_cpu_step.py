@@ -31,6 +31,8 @@ from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.container import GefenOptimizersContainer
 from gefen_titan.optim.cpu_step import build, codebook
 from gefen_titan.optim.cpu_step.steps import GefenStep, MuonMomentum, splits_across_threads
+from gefen_titan.optim.gefen_options import GefenOptions
+from gefen_titan.optim.muon.options import MuonOptions
 from gefen_titan.optim.quant.requant import nearest_codes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -368,19 +370,21 @@ def _container(**kw) -> GefenOptimizersContainer:
 def test_the_recipe_key_picks_the_path_and_the_log_names_it(lib, caplog):
     with caplog.at_level(logging.INFO):
         default = _container()
-        own = _container(cpu_step="gefen-x")
+        own = _container(gefen=GefenOptions(cpu_step="gefen-x"))
     (opt_default,), (opt_own,) = default.optimizers, own.optimizers
     assert isinstance(cpu_step.routed_step(opt_default), GefenStep)
     assert cpu_step.routed_step(opt_own) is None
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Gefen (cpu parameters)")]
     assert len(lines) == 2 and "exact CPU kernel" in lines[0] and 'cpu_step = "gefen-x"' in lines[1]
-    with pytest.raises(ValueError, match="cpu_step must be"):
-        GefenOptimizersContainer.Config(name="Gefen", cpu_step="fast")
+    with pytest.raises(ValueError, match="optimizer.gefen.cpu_step must be"):
+        GefenOptions(cpu_step="fast")
+    with pytest.raises(ValueError, match="optimizer.muon.cpu_step must be"):
+        MuonOptions(cpu_step="fast")
 
 
 def test_the_container_steps_through_the_kernel(lib):
     torch.manual_seed(0)
-    routed, own = _container(), _container(cpu_step="gefen-x")
+    routed, own = _container(), _container(gefen=GefenOptions(cpu_step="gefen-x"))
     models = []
     for opt in (routed, own):
         (optim,) = opt.optimizers

@@ -387,3 +387,101 @@ def test_an_uncommitted_step_changes_nothing_and_runs_no_step_hook():
     assert calls == ["pre", "post"]
     assert _same_state(after, live_state.capture(opts.optimizers)) == []
     assert manager.quorums == 1
+
+
+# ------------------------------------------ a heal is installed on every rank of a group or on none
+
+
+class _HealManager:
+    """torchft's Manager as ``ft.heal`` asks it: whether this rank's quorum failed, and its step."""
+
+    def __init__(self, step: int, errored: str | None = None) -> None:
+        self.step, self._errored = step, errored
+
+    def errored(self):
+        return self._errored
+
+    def state_dict(self):
+        return {"step": self.step, "batches_committed": 2 * self.step}
+
+    def load_state_dict(self, state_dict):
+        self.step = state_dict["step"]
+
+
+class _Stateful:
+    def __init__(self, **state) -> None:
+        self.__dict__.update(state)
+
+    def state_dict(self):
+        return dict(self.__dict__)
+
+    def load_state_dict(self, state_dict):
+        self.__dict__.update(state_dict)
+
+
+def _group_rank(rank: int, world: int, store: str, out: str, case: str) -> None:
+    """One rank of a joining group in one quorum, torchft's part played as torchft plays it: a rank
+    whose transfer succeeded gets torchft's step set to the heal's and ``load_state_dict``; a rank
+    whose transfer failed gets neither, and its manager reports the error."""
+    import json
+
+    from gefen_titan.ft.heal import HealState
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        peer_model, peer_opts = _trained(seed=1)
+        model = Net()
+        opts = _container(model)
+        manager = _HealManager(step=2, errored="cut stream" if (case == "one_cut" and rank == 1) else None)
+        heal = HealState(model_parts=[model], optimizers=opts, lr_schedulers=_Stateful(last_epoch=1),
+                         dataloader=None, train_state=_Stateful(step=2), manager=manager)
+        payload = {"model": {k: v.detach().clone() for k, v in peer_model.state_dict().items()},
+                   "optimizer": _roundtrip(peer_opts.heal_state_dict()), "lr_scheduler": {"last_epoch": 5},
+                   "dataloader": {}, "train_state": {"step": 6}}
+        if case == "one_refused" and rank == 1:
+            payload["model"]["w1.weight"] = payload["model"]["w1.weight"][:, :3]
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        heal.before_quorum()
+        if manager.errored() is None:  # this rank's transfer succeeded
+            manager.step = 6
+            heal.load_state_dict(payload)
+        error = None
+        try:
+            heal.after_quorum()
+        except live_state.LiveStateError as e:
+            error = str(e)
+        same_as = ("peer" if all(torch.equal(v, payload["model"][k]) for k, v in model.state_dict().items())
+                   else "before" if all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) else "?")
+        with open(os.path.join(out, f"{case}-{rank}.json"), "w") as f:
+            json.dump({"model": same_as, "step": heal.train_state.step, "torchft_step": manager.step,
+                       "heals": heal.stats.heals, "error": error}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _group_cases(rank: int, world: int, store: str, out: str) -> None:
+    for case in ("both", "one_cut", "one_refused"):
+        _group_rank(rank, world, f"{store}-{case}", out, case)
+
+
+def test_a_heal_is_installed_on_every_rank_of_the_group_or_on_none(tmp_path):
+    """torchft hands each rank its heal on its own and picks each rank's source on its own: when the
+    serving peer dies mid-transfer, one rank may hold a whole heal while the other's stream was cut
+    (a 3-group run diverged so). 2 gloo ranks of one joining group: both receive -> both install;
+    one's transfer fails -> neither installs, and torchft's step goes back so the next quorum heals
+    the group again; one receives a payload that does not fit -> both raise, naming it."""
+    import json
+
+    from tests.helpers import processes
+
+    processes.spawn(_group_cases, (2, str(tmp_path / "store"), str(tmp_path)), 2, timeout=300, fork_server=True)
+    got = {(c, r): json.loads((tmp_path / f"{c}-{r}.json").read_text())
+           for c in ("both", "one_cut", "one_refused") for r in (0, 1)}
+    for r in (0, 1):
+        assert got["both", r] == {"model": "peer", "step": 6, "torchft_step": 6, "heals": 1, "error": None}
+        assert got["one_cut", r] == {"model": "before", "step": 2, "torchft_step": 2, "heals": 0, "error": None}
+        refused = got["one_refused", r]
+        assert refused["model"] == "before" and refused["heals"] == 0 and refused["step"] == 2
+        assert "cannot heal from the live replica group: w1.weight: the peer's shard" in refused["error"]

@@ -22,6 +22,7 @@ from gefen_titan.checkpoint.schema_muon import (
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
+from gefen_titan.optim.muon.options import MuonOptions
 
 
 class Net(nn.Module):
@@ -101,17 +102,17 @@ def test_gefen_x_step_cannot_be_reached():
 
 # ------------------------------------------------------------------ owners
 def test_the_bucket_size_reaches_the_sharded_step_and_a_bad_one_is_refused():
-    opt = _config(muon_bucket_mib=3).build(model_parts=[Net()])
+    opt = _config(muon=MuonOptions(bucket_mib=3)).build(model_parts=[Net()])
     (muon,) = opt.optimizers_of("GefenMuon")
     assert gx.sharded_step(muon).bucket_bytes == 3 * 2**20
     (default,) = _config().build(model_parts=[Net()]).optimizers_of("GefenMuon")
     assert gx.sharded_step(default).bucket_bytes == 512 * 2**20
     for bad in (0, -1.0):
-        with pytest.raises(ValueError, match="muon_bucket_mib must be > 0"):
-            _config(muon_bucket_mib=bad)
-        with pytest.raises(ValueError, match="muon_bucket_mib must be > 0"):  # the factory's own check
+        with pytest.raises(ValueError, match="optimizer.muon.bucket_mib must be > 0"):
+            MuonOptions(bucket_mib=bad)
+        with pytest.raises(ValueError, match="optimizer.muon.bucket_mib must be > 0"):  # the factory's own check
             registry.build_gefen_muon([{"params": [nn.Parameter(torch.zeros(4, 4))], "param_names": ["w"],
-                                        "muon_bucket_mib": bad}])
+                                        "bucket_mib": bad}])
 
 
 # ------------------------------------------------------------------ records

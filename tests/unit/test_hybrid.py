@@ -27,6 +27,7 @@ from gefen_titan.recipe import RecipeError, load_recipe
 from gefen_titan.recipe.cli import load_cli
 
 Config = GefenOptimizersContainer.Config
+H = hybrid.HybridOptions
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -165,7 +166,7 @@ def test_every_gefen_x_keyword_is_a_field_with_its_default_a_shared_key_or_refus
     assert sum(len(c) for c in classes) == len(keywords), "a keyword is in two classes"
     config = Config()
     for key in hybrid.OPTION_KEYS:
-        ours = getattr(config, key)
+        ours = getattr(config.hybrid, key)
         assert (tuple(ours) if isinstance(ours, list) else ours) == keywords[key], key
     assert set(hybrid.REFUSED) >= set(gx.MUON_REFUSED) - {"ns_schedule"}
 
@@ -175,7 +176,7 @@ def test_tuned3_becomes_its_coefficient_list():
     assert gx.ns_schedule_coefficients("tuned3") == tuned3 and len(tuned3) == 3
     (muon, *_) = Config(name="GefenMuonHybrid").resolved_param_groups()
     assert muon.optimizer_kwargs["ns_coefficients"] == tuned3 and muon.optimizer_kwargs["ns_steps"] == 3
-    (muon, *_) = Config(name="GefenMuonHybrid", ns_schedule="standard", ns_steps=4).resolved_param_groups()
+    (muon, *_) = Config(name="GefenMuonHybrid", hybrid=H(ns_schedule="standard", ns_steps=4)).resolved_param_groups()
     assert "ns_coefficients" not in muon.optimizer_kwargs and muon.optimizer_kwargs["ns_steps"] == 4
 
 
@@ -189,7 +190,7 @@ def test_groups_equal_gefen_xs_own_hybrid(backup):
     params = dict(model.named_parameters())
     theirs = GefenMuonHybrid([(n, params[n]) for n in muon], [(n, params[n]) for n in rest], fused=False,
                              backup_optimizer=backup, backup_lr=1e-3, **shared)
-    ours = Config(name="GefenMuonHybrid", backup_optimizer=backup, backup_lr=1e-3, implementation="for-loop",
+    ours = Config(name="GefenMuonHybrid", hybrid=H(backup_optimizer=backup, backup_lr=1e-3), implementation="for-loop",
                   **shared).build(model_parts=[model])
     ours_muon, ours_backup = ours.optimizers
     keys = [k for k in gx.MUON_GROUP_KEYS if k != "ns_coefficients"]
@@ -205,8 +206,8 @@ def test_groups_equal_gefen_xs_own_hybrid(backup):
 
 def test_weight_decay_split_and_no_decay_substrings():
     model = Net()
-    config = Config(name="GefenMuonHybrid", weight_decay=0.1, muon_weight_decay=0.2, backup_lr=5e-4,
-                    no_decay_substrings=["NORM", "bias"], implementation="for-loop")
+    config = Config(name="GefenMuonHybrid", weight_decay=0.1, implementation="for-loop",
+                    hybrid=H(muon_weight_decay=0.2, backup_lr=5e-4, no_decay_substrings=["NORM", "bias"]))
     muon, backup = config.build(model_parts=[model]).optimizers
     assert muon.param_groups[0]["weight_decay"] == 0.2
     no_decay, decay = backup.param_groups
@@ -218,7 +219,7 @@ def test_weight_decay_split_and_no_decay_substrings():
 
 
 def test_adamw_backup():
-    muon, backup = Config(name="GefenMuonHybrid", backup_optimizer="adamw", implementation="for-loop").build(
+    muon, backup = Config(name="GefenMuonHybrid", hybrid=H(backup_optimizer="adamw"), implementation="for-loop").build(
         model_parts=[Net()]).optimizers
     assert gx.is_gefen_muon(muon) and type(backup) is torch.optim.AdamW
 
@@ -236,17 +237,17 @@ def test_explicit_param_groups_win():
     # A group without optimizer_name cannot be "GefenMuonHybrid"; hybrid keys do nothing beside groups.
     with pytest.raises(ValueError, match=r"param_groups\[0\]: GefenMuonHybrid is no optimizer of a param group"):
         Config(name="GefenMuonHybrid", param_groups=[ParamGroup(pattern=".*")]).check_param_groups()
-    with pytest.raises(ValueError, match="muon_lr: has no effect.*param_groups"):
-        Config(name="GefenMuonHybrid", param_groups=groups, muon_lr=1e-3).check_param_groups()
-    with pytest.raises(ValueError, match="backup_optimizer, normuon: have no effect.*'Gefen'"):
-        Config(name="Gefen", backup_optimizer="adamw", normuon=False).check_param_groups()
+    with pytest.raises(ValueError, match="hybrid.muon_lr: has no effect.*param_groups"):
+        Config(name="GefenMuonHybrid", param_groups=groups, hybrid=H(muon_lr=1e-3)).check_param_groups()
+    with pytest.raises(ValueError, match="hybrid.backup_optimizer, hybrid.normuon: have no effect.*'Gefen'"):
+        Config(name="Gefen", hybrid=H(backup_optimizer="adamw", normuon=False)).check_param_groups()
 
 
 def test_bad_keys_are_refused_with_the_reason(tmp_path):
-    with pytest.raises(ValueError, match="backup_optimizer must be 'gefen' or 'adamw', got 'sgd'"):
-        Config(name="GefenMuonHybrid", backup_optimizer="sgd")
+    with pytest.raises(ValueError, match="optimizer.hybrid.backup_optimizer must be 'gefen' or 'adamw', got 'sgd'"):
+        H(backup_optimizer="sgd")
     with pytest.raises(ValueError, match=r"ns_schedule must be one of \['standard', 'tuned3', 'tuned4'\]"):
-        Config(name="GefenMuonHybrid", ns_schedule="tuned9").check_param_groups()
+        Config(name="GefenMuonHybrid", hybrid=H(ns_schedule="tuned9")).check_param_groups()
     with pytest.raises(ValueError, match="needs optimizer.blocking"):
         Config(name="GefenMuonHybrid", blocking="per_rank").check_param_groups()
     base = f'[job]\nextends = "{ROOT / "recipes" / "llama_gefen.toml"}"\n[optimizer]\nname = "GefenMuonHybrid"\n'
@@ -254,8 +255,9 @@ def test_bad_keys_are_refused_with_the_reason(tmp_path):
         'backup_optimizer = "sgd"': r"backup_optimizer: must be one of \['gefen', 'adamw'\], got 'sgd'",
         "fp8_ns = true": "fp8_ns: gefen-x's GefenMuonHybrid option is not supported: fp8 Newton-Schulz",
         'backup_substrings = ["head"]': "gefen-titan routes by module, not by name substrings",
-        "backup_1d_period_one = true": "optimizer.force_1d_period_one",
+        "backup_1d_period_one = true": "optimizer.gefen.force_1d_period_one",
         "fused = false": "optimizer.implementation",
+        "[optimizer.hybrid]\ncautious = true": "hybrid.cautious: gefen-x's GefenMuonHybrid option is not supported",
     }
     for i, (line, message) in enumerate(cases.items()):
         path = tmp_path / f"r{i}.toml"
@@ -270,7 +272,7 @@ def test_bad_keys_are_refused_with_the_reason(tmp_path):
 
 def test_kind_hints_name_the_setting():
     hybrid_gefen = Config(name="GefenMuonHybrid")
-    hybrid_adamw = Config(name="GefenMuonHybrid", backup_optimizer="adamw")
+    hybrid_adamw = Config(name="GefenMuonHybrid", hybrid=H(backup_optimizer="adamw"))
     assert 'backup_optimizer = "gefen"' in hybrid.kind_hint(hybrid_adamw, "Gefen", "AdamW")
     assert 'backup_optimizer = "adamw"' in hybrid.kind_hint(hybrid_gefen, "AdamW", "Gefen")
     assert 'name = "GefenMuonHybrid"' in hybrid.kind_hint(Config(name="Gefen"), "GefenMuon", "Gefen")
@@ -296,12 +298,12 @@ def test_kinds_check_refuses_the_other_backup_naming_backup_optimizer(saved_back
     else:
         flat = ["param_groups.norm.weight.lr", "state.norm.weight.exp_avg"]
     ctx = state.LoadContext("ckpt", {k: None for k in [*records, *flat]}, records, None)
-    config = Config(name="GefenMuonHybrid", backup_optimizer=live_backup)
+    config = Config(name="GefenMuonHybrid", hybrid=H(backup_optimizer=live_backup))
     live = {"layers.0.w1.weight": "GefenMuon", "norm.weight": hybrid.BACKUPS[live_backup]}
     was, now = hybrid.BACKUPS[saved_backup], hybrid.BACKUPS[live_backup]
     refusal = state.kinds_refusal(ctx, live, registry.record_kinds(), hint=lambda w, n: hybrid.kind_hint(config, w, n))
     assert re.search(rf"1 parameter\(s\) \(norm.weight\) were saved by {was} and the recipe gives them to {now}: "
-                     rf'set optimizer.backup_optimizer = "{saved_backup}"', refusal), refusal
+                     rf'set optimizer.hybrid.backup_optimizer = "{saved_backup}"', refusal), refusal
     same = {**live, "norm.weight": was}  # the backup that wrote it: nothing to refuse
     assert state.kinds_refusal(ctx, same, registry.record_kinds(),
                                hint=lambda w, n: hybrid.kind_hint(config, w, n)) is None

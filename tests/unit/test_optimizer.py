@@ -13,6 +13,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, ParamGroupCon
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
+from gefen_titan.optim.gefen_options import GefenOptions
 
 
 class Block(nn.Module):  # no forward: these tests never step
@@ -63,7 +64,7 @@ def test_mixed_gefen_and_adamw_groups():
             ParamGroupConfig(pattern=r".*", optimizer_name="Gefen",
                              optimizer_kwargs={"lr": 3e-3, "betas": (0.9, 0.95)}),
         ],
-        period_one_substrings=["out"],
+        gefen=GefenOptions(period_one_substrings=["out"]),
     )
     opt = config.build(model_parts=[model])
     kinds = {type(o).__name__: o for o in opt.optimizers}
@@ -183,15 +184,17 @@ def test_a_registered_variant_is_one_entry(monkeypatch):
     spec = registry.OptimizerSpec(name="GefenVariant", factory=factory,
                                   owns=lambda o: type(o) is _GefenVariant,
                                   group_keys=("lr", "betas", "eps", "weight_decay"),
-                                  option_keys=("deterministic",), state=_RecordingState)
+                                  option_keys=("deterministic",), options="gefen", state=_RecordingState)
     monkeypatch.setitem(registry._REGISTRY, spec.name, spec)
     config = _config(param_groups=[ParamGroup(pattern="attn", optimizer_name="GefenVariant",
                                               optimizer_kwargs={"lr": 0.5}),
-                                   ParamGroup(pattern=".*", optimizer_name="AdamW")], deterministic=True)
+                                   ParamGroup(pattern=".*", optimizer_name="AdamW")],
+                     gefen=GefenOptions(deterministic=True))
     config.check_param_groups()
     opt = config.build(model_parts=[Block()])
     assert [type(o).__name__ for o in opt.optimizers] == ["_GefenVariant", "AdamW"]
-    assert built["groups"][0]["deterministic"] is True  # the [optimizer] option, for the variant's groups
+    # the option_keys of the table it names ([optimizer.gefen]), for the variant's groups
+    assert built["groups"][0]["deterministic"] is True and "cpu_step" not in built["groups"][0]
     (variant_state,) = [s for s in opt._states if isinstance(s, _RecordingState)]
     assert variant_state.optimizers == [opt.optimizers[0]] and variant_state.options.blocking == "agreed"
     sd = opt.state_dict()

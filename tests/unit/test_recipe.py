@@ -112,6 +112,25 @@ def test_bad_recipes_name_file_and_key(tmp_path, extra, overrides, message):
     assert message in str(info.value)
 
 
+def test_flat_optimizer_keys_of_older_recipes_set_their_kinds_tables(tmp_path):
+    """[optimizer] muon_bucket_mib, deterministic, backup_optimizer, ... (before the kinds' tables) are
+    read into [optimizer.muon] / .gefen / .hybrid; a key set both ways is refused, naming both."""
+    flat = {"muon_bucket_mib": 3, "deterministic": True, "cpu_step": "gefen-x", "period_one_substrings": ["out"],
+            "backup_optimizer": "adamw", "normuon": False, "name": "GefenMuonHybrid"}
+    opt = load_recipe(DEBUG, {"optimizer": flat}, world_size=2).config.optimizer
+    assert (opt.muon.bucket_mib, opt.muon.deterministic, opt.muon.cpu_step) == (3.0, True, "gefen-x")
+    assert (opt.gefen.deterministic, opt.gefen.cpu_step, opt.gefen.period_one_substrings) == (True, "gefen-x", ["out"])
+    assert (opt.hybrid.backup_optimizer, opt.hybrid.normuon) == ("adamw", False)
+    table = load_recipe(_write(tmp_path, "[optimizer.muon]\nbucket_mib = 4\n"), world_size=2).config.optimizer
+    assert table.muon.bucket_mib == 4.0 and table.gefen.deterministic is False
+    both = _write(tmp_path, "[optimizer.muon]\ndeterministic = false\n")
+    with pytest.raises(RecipeError, match=r"\[optimizer\] deterministic and \[optimizer.muon\] deterministic are both "
+                       r"set: deterministic is the older spelling of muon.deterministic"):
+        load_recipe(both, {"optimizer": {"deterministic": True}}, world_size=2)
+    with pytest.raises(RecipeError, match=r"\[optimizer\] gefen: optimizer.gefen.codebook_refresh_every must be >= 0"):
+        load_recipe(DEBUG, {"optimizer": {"codebook_refresh_every": -1}}, world_size=2)
+
+
 def test_not_toml_and_missing_file(tmp_path):
     bad = tmp_path / "x.toml"
     bad.write_text("[job\n")

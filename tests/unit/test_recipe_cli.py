@@ -84,6 +84,9 @@ def test_help_lists_the_recipes_sections_keys_types_and_values(capsys):
         "--optimizer.lr {None}|FLOAT",  # None: unset (catch-all 8e-4; groups keep their optimizer's)
         "(default: 0.002)",
         "--optimizer.blocking {agreed,per_rank}",
+        "--optimizer.gefen.cpu-step {kernel,gefen-x}",  # each kind's own table
+        "--optimizer.muon.bucket-mib FLOAT",
+        "--optimizer.hybrid.backup-optimizer {gefen,adamw}",
         "--parallelism.data-parallel-shard-degree INT",
         "--checkpoint.enable, --checkpoint.no-enable",
         "parallelism options",
@@ -122,6 +125,8 @@ def test_train_main_prints_help():
         (["--training.stepz", "3"], "Unrecognized options: --training.stepz"),
         (["--checkpoint.enable", "maybe"], "Unrecognized options: maybe"),
         (["--optimizer.codebook_refresh_every", "1"], "codebook_refresh_every > 0 relearns the codebook"),
+        (["--optimizer.gefen.codebook-refresh-every", "1"], "codebook_refresh_every > 0 relearns the codebook"),
+        (["--optimizer.muon.bucket_mib", "0"], "optimizer.muon.bucket_mib must be > 0"),
         (["--job.extends", "x.toml"], "--job.extends: not a recipe flag"),
         (["--model.flavor"], "--model.flavor needs a value"),
         (["--model.flavor", "13B"], "[model] flavor: unknown flavor '13B'"),
@@ -208,7 +213,7 @@ def test_shorthand_that_no_group_takes_is_refused(tmp_path, key, value):
         ({"pattern": ".*", "optimizer_kwargs": {"stochastic_round": True}},
          "Gefen does not read 'stochastic_round' in a param group (it reads lr, betas, eps, weight_decay, fused); "
          "Gefen constructor options go in optimizer.optimizer_factory_kwargs_by_name.Gefen"),
-        ({"pattern": ".*", "optimizer_kwargs": {"deterministic": True}}, "set optimizer.deterministic"),
+        ({"pattern": ".*", "optimizer_kwargs": {"deterministic": True}}, "set optimizer.gefen.deterministic"),
         ({"pattern": ".*", "optimizer_name": "SGD"}, "param_groups[0]: unknown optimizer 'SGD'"),
         ({"pattern": ".*", "optimizer_kwargs": {"lr": 1e-3}, "optimizer_nam": "Gefen"},
          "param_groups[0].optimizer_nam: unknown key"),
@@ -231,3 +236,17 @@ def test_global_order_dataset_name_beside_a_path_is_refused():
     load_recipe(path, {"dataloader": {"dataset_path": "data/x"}}, world_size=2)  # the default name: fine
     with pytest.raises(RecipeError, match=r"\[dataloader\]: dataloader.dataset = 'c4' is not read when"):
         load_recipe(path, {"dataloader": {"dataset": "c4", "dataset_path": "data/x"}}, world_size=2)
+
+
+def test_flat_optimizer_flags_of_older_commands_set_their_kinds_tables():
+    """``--optimizer.backup_optimizer adamw`` (README), ``--optimizer.deterministic true``, ... still work, as
+    the kinds' flags; one given both ways is refused."""
+    hybrid = str(ROOT / "recipes" / "llama_gefen_muon_hybrid.toml")
+    opt = _cli("--optimizer.backup_optimizer", "adamw", "--optimizer.deterministic", "true", "--optimizer.no-normuon",
+               "--optimizer.muon-bucket-mib=3", "--optimizer.cpu_step", "gefen-x", recipe=hybrid).optimizer
+    assert (opt.hybrid.backup_optimizer, opt.hybrid.normuon, opt.muon.bucket_mib) == ("adamw", False, 3.0)
+    assert opt.gefen.deterministic and opt.muon.deterministic and opt.gefen.cpu_step == opt.muon.cpu_step == "gefen-x"
+    per_rank = _cli("--optimizer.no_force_1d_period_one", "--optimizer.blocking", "per_rank").optimizer
+    assert per_rank.gefen.force_1d_period_one is False
+    with pytest.raises(RecipeError, match="--optimizer.deterministic and --optimizer.gefen.deterministic both given"):
+        _cli("--optimizer.deterministic", "--optimizer.gefen.no-deterministic")

@@ -11,7 +11,7 @@ block row, with every rounding torch makes (``docs/cpu_step.md``);
 * ``codebook``: a codebook's nearest-codeword rule as thresholds and a table;
 * ``steps``: the per-parameter steps the kernel takes and those it hands back;
 * ``install(optim, mode)``: what the registry's factories call on every Gefen
-  and GefenMuon they build. ``mode`` is ``[optimizer] cpu_step``: ``"kernel"``
+  and GefenMuon they build. ``mode`` is the kind's ``cpu_step`` option: ``"kernel"``
   (the default) or ``"gefen-x"`` (gefen-x's own path, always).
 
 CPU offload (``--training.enable_cpu_offload``) runs the step on the host,

@@ -3,7 +3,8 @@
 * ``step``: ``ShardedMuonStep``, momentum on the shards, Newton-Schulz on every owner at once;
 * ``schedule``: the pure plan: buckets and owners, balanced by Newton-Schulz cost;
 * ``exchange``: one packed point-to-point exchange per bucket and direction;
-* ``layout``: shard groups and the indices each shard holds.
+* ``layout``: shard groups and the indices each shard holds;
+* ``options``: ``[optimizer.muon]``, GefenMuon's own options (``MuonOptions``).
 """
 
 from gefen_titan.optim.muon.matrices import MuonLayoutError, Piece, shard_groups, shard_indices

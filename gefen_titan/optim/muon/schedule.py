@@ -59,7 +59,7 @@ __all__ = ["DEFAULT_BUCKET_MIB", "MOMENTUM_BYTES", "UPDATE_BYTES", "Bucket", "Ma
 MOMENTUM_BYTES = 4
 UPDATE_BYTES = 2
 
-# [optimizer] muon_bucket_mib's default: at 70B (the largest matrix 0.94 GB
+# [optimizer.muon] bucket_mib's default: at 70B (the largest matrix 0.94 GB
 # fp32) the limit is already twice the largest matrix, so the default only
 # decides for models whose matrices are smaller than 256 MiB, where it keeps
 # several buckets (the next one's exchange overlaps this one's compute).

@@ -1,0 +1,83 @@
+"""Gefen's own options, ``[optimizer.gefen]``: the constructor options of every Gefen the container builds.
+
+They are the kind's, not the container's: ``GefenOptimizersContainer.Config``
+keeps what every optimizer kind shares (the shorthand, the blocking, torchtitan's
+keys) and holds one options table per kind, which the kind's registry entry
+names (``OptimizerSpec.options``); the container gives each optimizer of the
+kind ``kwargs()`` as its constructor options, so every group of it agrees.
+Recipes written before the split set these as flat ``[optimizer]`` keys
+(``FLAT_KEYS``); the recipe layer still reads them into this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from gefen_titan.optim.cpu_step import MODES
+
+__all__ = ["FACTORED_V_2D", "GefenOptions"]
+
+# Pinned off: FSDP2-sharded 2-D params always use the block second moment
+# (Gefen cannot factor a shard), and keeping one layout at every world size
+# (1 rank included) is what lets a checkpoint move between DP degrees.
+FACTORED_V_2D = False
+
+
+@dataclass(kw_only=True, slots=True)
+class GefenOptions:
+    """``[optimizer.gefen]``: what every Gefen optimizer of the run is built with."""
+
+    # The flat [optimizer] key of older recipes -> this table's field.
+    FLAT_KEYS: ClassVar[dict[str, str]] = {k: k for k in (
+        "force_1d_period_one", "period_one_substrings", "codebook_refresh_every", "deterministic", "cpu_step")}
+
+    force_1d_period_one: bool = True
+    """1-D params (norm weights, biases) keep per-element state. They are
+    tiny and set the LR stability ceiling, so on by default."""
+
+    period_one_substrings: list[str] = field(default_factory=list)
+    """Name substrings whose params keep per-element state
+    (e.g. ``["tok_embeddings", "output"]``); costs 8 B/param on them."""
+
+    codebook_refresh_every: int = 0
+    """Relearn the codebook every N steps (0: learn once, step 1)."""
+
+    deterministic: bool = False
+    """Replica-exact arithmetic on CUDA at some speed cost."""
+
+    cpu_step: Literal["kernel", "gefen-x"] = "kernel"
+    """On CPU tensors (CPU hosts, CPU offload): ``"kernel"`` runs gefen-titan's
+    exact CPU kernel (``optim.cpu_step``: the same bits as gefen-x's own step,
+    at a few times fused AdamW's cost instead of about 100x), or gefen-x's own
+    path where the kernel cannot run here (no C++ compiler, a CPU torch runs
+    without AVX2: one warning says why); ``"gefen-x"`` always runs gefen-x's
+    own. The log names each optimizer's."""
+
+    def __post_init__(self) -> None:
+        if self.codebook_refresh_every < 0:
+            raise ValueError("optimizer.gefen.codebook_refresh_every must be >= 0")
+        if self.cpu_step not in MODES:
+            raise ValueError(f"optimizer.gefen.cpu_step must be 'kernel' or 'gefen-x', got {self.cpu_step!r}")
+
+    def check_blocking(self, blocking: str) -> None:
+        """Refuse the options that agreed blocking (``optimizer.blocking``, the container's) cannot keep."""
+        if blocking != "agreed":
+            return
+        if self.codebook_refresh_every > 0:
+            raise ValueError(
+                "optimizer.gefen.codebook_refresh_every > 0 relearns the codebook on each rank from its own "
+                "gradient shard, which breaks agreed blocking; set it to 0, or set "
+                "optimizer.blocking = \"per_rank\"")
+        if not self.force_1d_period_one:
+            raise ValueError(
+                "optimizer.gefen.force_1d_period_one = false lets gefen-x block 1-D parameters across FSDP "
+                "shard cuts, which agreed blocking cannot align; keep it true, or set "
+                "optimizer.blocking = \"per_rank\"")
+
+    def kwargs(self) -> dict[str, Any]:
+        """The constructor options (the registry entry's ``option_keys``)."""
+        return {"factored_v_2d": FACTORED_V_2D, "force_1d_period_one": self.force_1d_period_one,
+                "period_one_substrings": tuple(self.period_one_substrings),
+                "codebook_refresh_every": self.codebook_refresh_every, "deterministic": self.deterministic,
+                "cpu_step": self.cpu_step}
