@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gefen_titan.ckpt import cli as ckpt_cli
+from gefen_titan.ckpt_tools import cli as ckpt_cli
 from gefen_titan.validation import command as validation
 
 

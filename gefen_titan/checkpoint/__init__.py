@@ -20,7 +20,7 @@
 * ``quant`` / ``kernels``: Gefen's dequantize/requantize arithmetic, the
   pure-torch reference and its Triton kernels.
 
-Nothing here knows the optimizer container: ``gefen_titan.optim.state``
+Nothing here knows the optimizer container: ``gefen_titan.optim.checkpointing``
 builds the entries of Gefen's state from this schema.
 """
 

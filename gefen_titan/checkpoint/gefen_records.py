@@ -8,7 +8,7 @@ is present with the shape and dtype the period implies, codebooks are valid,
 one for the job in v2 and v3, v1's source shards tile each parameter), its
 rows in ``ckpt inspect`` and its line in ``ckpt verify``. What needs the
 live model (the parameters' shapes, the mesh's cuts, ``deterministic``) stays
-with its state adapters (``optim.state``). A kind whose state is Gefen's
+with its state adapters (``optim.checkpointing``). A kind whose state is Gefen's
 under records of its own (a test's third kind) builds its description here
 with its own names.
 """

@@ -9,7 +9,7 @@ tools call the same functions. ``tests/unit/test_load_checks.py`` plants one
 violation for every name in ``CHECKS`` and shows that ``verify`` and the
 resume give the same verdict; a new check without a planted case fails it.
 What needs the live model (the parameters' shapes, the mesh's cuts, the
-recipe) stays with the load (``optim.state``).
+recipe) stays with the load (``optim.checkpointing``).
 
 Stages, in the order a load meets them:
 
@@ -20,7 +20,7 @@ Stages, in the order a load meets them:
   file sizes, before any buffer is allocated or any read issued. A load
   runs it once (rank 0 of the manager's reader, ``reading.LoadChecks``; the
   verdict is agreed on every rank), ``storage.load_all`` (``export``) and the
-  offline view (``ckpt.view.Checkpoint``: ``inspect`` flags, ``convert``
+  offline view (``ckpt_tools.view.Checkpoint``: ``inspect`` flags, ``convert``
   refuses, ``verify`` lists) before they read. The reader also checks each
   item against its file's size before it allocates the item's buffer.
 * ``entry`` (``read_byte_entry``, ``stored_tensor_problem``): each stored item
@@ -31,9 +31,9 @@ Stages, in the order a load meets them:
   its plan and on the byte items no rank reads (``check_unread``).
 * ``records`` (``checkpoint.record_checks``): the optimizer's records and
   codebooks, on the load's one small read of them
-  (``optim.state.load_context``; refused after the model-aware checks, so a
+  (``optim.checkpointing.load_context``; refused after the model-aware checks, so a
   checkpoint of another model is named as such first) and on the tools'
-  (``ckpt.saved_records``). What each kind checks is its own
+  (``ckpt_tools.saved_records``). What each kind checks is its own
   (``checkpoint.kinds.KindDescription.read``, registered with its registry
   entry); the stage runs every registered kind's and names none.
 

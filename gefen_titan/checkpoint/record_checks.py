@@ -1,8 +1,8 @@
 """The records stage of ``load_checks``: every kind's records parsed and checked without a live model.
 
 The load runs it on its one small read of the records
-(``optim.state.load_context``) and the offline tools on theirs
-(``ckpt.saved_records``), so both give the same verdict. The header parses;
+(``optim.checkpointing.load_context``) and the offline tools on theirs
+(``ckpt_tools.saved_records``), so both give the same verdict. The header parses;
 each registered kind (``kinds.descriptions()``: Gefen, GefenMuon, ...) reads
 and checks its own records, codebooks and the tensors they imply; this
 module adds what no one kind can see: a parameter with records of two
@@ -11,7 +11,7 @@ state in a format it does not write, and an entry in Gefen's namespace of a
 key kind no description claims (state of a later version's kind, or an
 edit: loading on without it would drop it without a word). What needs the
 live model (the parameters' shapes, the mesh's cuts, ``deterministic``)
-stays with the state adapters (``optim.state``).
+stays with the state adapters (``optim.checkpointing``).
 
 Input: the optimizer component's entries (names without ``optimizer.`` ->
 DCP metadata) and the values of its small entries (``schema.SMALL_KINDS``).

@@ -111,7 +111,7 @@ MUON_TENSORS = ("codes", "magnitude", "rows")
 # checkpoint has a framed item under one of them.
 _RAW_KINDS = ("qcodes", "grid")
 
-# The small entries a load reads before DCP reads the state (``gefen_titan.optim.state.load_context``):
+# The small entries a load reads before DCP reads the state (``gefen_titan.optim.checkpointing.load_context``):
 # kind -> "str" (a record's JSON) or "tensor" (a codebook, v1's rank table). Everything else is a
 # parameter's state tensor, read by DCP into the load's destinations.
 SMALL_KINDS: dict[str, str] = {"header": "str", "optimizer": "str", "muon": "str", "codebook": "tensor",

@@ -164,7 +164,7 @@ def block_variance_limbs(grad: torch.Tensor, periods: list[int], unit: int, expo
 def block_variance_sums(grad: torch.Tensor, periods: list[int], unit: int) -> torch.Tensor:
     """fp64 [len(periods)]: the sum over a whole tensor's blocks of var(grad²) per block.
 
-    The agreement's arithmetic on one tensor (``gefen_titan.ckpt.convert``
+    The agreement's arithmetic on one tensor (``gefen_titan.ckpt_tools.convert``
     scores an AdamW second moment with it): the same numbers a job's
     agreement computes for that tensor at any layout.
     """

@@ -140,7 +140,7 @@ def period_from_sums(candidates: list[int], sums: torch.Tensor, numel: int, unit
     Gefen's error of a candidate is sqrt(mean over blocks of the within-block
     variance of grad²); its own scoring (``gefenx.finalize_period``) and
     memory-safe fallback (the whole row unit) pick the period. Shared by the
-    agreement and by ``gefen_titan.ckpt.convert`` (which scores the AdamW
+    agreement and by ``gefen_titan.ckpt_tools.convert`` (which scores the AdamW
     second moment instead of a gradient's square).
     """
     results = [(p, math.sqrt(float(sums[i]) / (numel // p))) for i, p in enumerate(candidates)]

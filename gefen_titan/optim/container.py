@@ -26,7 +26,7 @@ options in its own Config.
 
 Checkpointing: each registered optimizer kind with state of its own shape
 (Gefen) is saved and loaded through its ``StateAdapter``
-(``gefen_titan.optim.state``); every other optimizer keeps torchtitan's flat
+(``gefen_titan.optim.checkpointing``); every other optimizer keeps torchtitan's flat
 FQN-keyed state. The container is a ``LoadPreparer``: ``GefenCheckpointManager``
 hands it the checkpoint's metadata before DCP reads.
 """
@@ -54,11 +54,11 @@ from gefen_titan.distributed import any_rank
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import param_groups, registry
 from gefen_titan.optim.blocking import AgreedBlocking
+from gefen_titan.optim.checkpointing import StateAdapter, kinds_refusal, read_load_context
 from gefen_titan.optim.gefen_options import GefenOptions
 from gefen_titan.optim.hybrid import HybridOptions, RoutedGroup
 from gefen_titan.optim.muon.options import MuonOptions
 from gefen_titan.optim.param_groups import GROUP_DEFAULTS, SHORTHAND_DEFAULTS
-from gefen_titan.optim.state import StateAdapter, kinds_refusal, read_load_context
 from gefen_titan.optim.state_size import state_bytes
 
 __all__ = ["GefenOptimizersContainer", "GROUP_DEFAULTS", "SHORTHAND_DEFAULTS", "ParamGroup"]

@@ -9,7 +9,7 @@ the default) or ``AdamW`` (``"adamw"``) for everything else. A checkpoint of
 the hybrid is therefore made of exactly those optimizers' records: it reshards
 bit-exactly like theirs, ``gefen-titan ckpt inspect`` names them, and a
 recipe that gives the parameters to other optimizers is refused by the kind
-check (``gefen_titan.optim.state.kinds_refusal``).
+check (``gefen_titan.optim.checkpointing.kinds_refusal``).
 
 Why routing is by module (``route``), not by name: gefen-x's heuristics match
 name substrings (``embed``, ``lm_head``, ...), which send a head or an

@@ -76,11 +76,11 @@ from gefen_titan.checkpoint.kinds import KindDescription
 from gefen_titan.distributed import local
 from gefen_titan.optim import cpu_step, hybrid
 from gefen_titan.optim import gefenx as gx
+from gefen_titan.optim.checkpointing import StateAdapter
+from gefen_titan.optim.checkpointing.gefen_muon_sharded import GefenMuonShardedAdapter
+from gefen_titan.optim.checkpointing.gefen_per_rank import GefenPerRankAdapter
+from gefen_titan.optim.checkpointing.gefen_sharded import GefenShardedAdapter
 from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB, ShardedMuonStep
-from gefen_titan.optim.state import StateAdapter
-from gefen_titan.optim.state.gefen_muon_sharded import GefenMuonShardedAdapter
-from gefen_titan.optim.state.gefen_per_rank import GefenPerRankAdapter
-from gefen_titan.optim.state.gefen_sharded import GefenShardedAdapter
 
 __all__ = ["GEFEN_OPTION_KEYS", "MUON_OPTION_KEYS", "SHORTHAND_KEYS", "CompositeSpec", "OptimizerSpec", "StateOptions",
            "build_gefen", "build_gefen_muon", "codebook_families", "codebook_family", "composite", "composite_names",

@@ -2,7 +2,7 @@
 
 Under format v1 each rank has its own codebook and periods, so a load at
 another layout re-blocks and requantizes. The v1 adapter
-(``gefen_titan.optim.state.gefen_per_rank``) promises a bit-exact state where a
+(``gefen_titan.optim.checkpointing.gefen_per_rank``) promises a bit-exact state where a
 target shard lies on whole blocks of one source rank whose codebook it
 adopts, and its own error bounds elsewhere
 (``TOL_MOMENTUM``, ``TOL_VMEAN``, ``TOL_UPDATE``). Parameters, step counters,

@@ -37,7 +37,7 @@ import torch
 
 import gefen_titan.train
 from gefen_titan.checkpoint import digests
-from gefen_titan.ckpt.verify import verify_checkpoint
+from gefen_titan.ckpt_tools.verify import verify_checkpoint
 from tests.helpers import processes
 from tests.helpers.integrity_worker import resume_flipped
 from tests.helpers.untrusted import Payload, plant_in_metadata, replace_item, rewrite_digests
@@ -177,7 +177,7 @@ def test_untrusted_folders_are_refused_on_every_rank_and_run_nothing(saved, tmp_
     """Issue 27's acceptance on a real 2-rank checkpoint: each damage is refused on both ranks by the
     resume (live state unchanged) and fails ``ckpt verify``; the planted payload runs nowhere, in the
     resume, ``ckpt inspect``, ``verify`` or ``convert``."""
-    from gefen_titan.ckpt import convert, inspection
+    from gefen_titan.ckpt_tools import convert, inspection
 
     sentinel = tmp_path / "pwned"
     copies = _untrusted_copies(saved, tmp_path / "copies", sentinel)

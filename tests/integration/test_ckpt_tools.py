@@ -36,8 +36,8 @@ import torch.distributed.checkpoint as dcp
 
 import gefen_titan.train
 from gefen_titan.checkpoint import schema, storage
-from gefen_titan.ckpt import cli
-from gefen_titan.ckpt.view import Checkpoint
+from gefen_titan.ckpt_tools import cli
+from gefen_titan.ckpt_tools.view import Checkpoint
 from tests.helpers import processes
 from tests.helpers.bad_checkpoints import drop_entry, edited, set_entry
 
@@ -399,8 +399,8 @@ def test_convert_refuses_what_it_cannot_do(runs, capsys, tmp_path):
 
 
 def test_to_gefen_refuses_adam_variants_gefen_cannot_represent():
-    from gefen_titan.ckpt.convert import _gefen_group
-    from gefen_titan.ckpt.view import CkptError
+    from gefen_titan.ckpt_tools.convert import _gefen_group
+    from gefen_titan.ckpt_tools.view import CkptError
 
     adamw = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
              "maximize": False, "decoupled_weight_decay": True}

@@ -56,7 +56,7 @@ def test_hybrid_recipe_saved_at_2_resumes_at_3(tmp_path, capsys):
     assert st["exact"] and st["params_exact"] and not st["problems"] and st["entries_differ"] == [], st
     assert sorted(int(s) for s in pair["resumed_losses"]) == [3]
     # The checkpoint is GefenMuon's and Gefen's records, as gefen-titan ckpt inspect names them.
-    from gefen_titan.ckpt import cli
+    from gefen_titan.ckpt_tools import cli
 
     capsys.readouterr()
     assert cli.main(["inspect", str(out / "ref-2" / "checkpoint" / "step-2"), "--json"]) == 0

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from gefen_titan.ckpt.view import Checkpoint
+from gefen_titan.ckpt_tools.view import Checkpoint
 from gefen_titan.validation import runs
 from tests.helpers import reference_curves as urc
 

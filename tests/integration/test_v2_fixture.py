@@ -22,7 +22,7 @@ from torchtitan.components.checkpoint import OPTIMIZER
 
 import gefen_titan.train
 from gefen_titan.checkpoint import schema, schema_records
-from gefen_titan.ckpt.view import Checkpoint
+from gefen_titan.ckpt_tools.view import Checkpoint
 from tests.helpers import processes
 
 ROOT = Path(__file__).resolve().parents[2]

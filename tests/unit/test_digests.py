@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from gefen_titan.checkpoint import digests, storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError
-from gefen_titan.ckpt.verify import verify_checkpoint
+from gefen_titan.ckpt_tools.verify import verify_checkpoint
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "checkpoint_format.md").read_text()
 pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")

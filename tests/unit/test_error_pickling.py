@@ -30,7 +30,7 @@ EXAMPLES = {
     "gefen_titan.checkpoint.schema.FormatError": lambda m: m.FormatError("bad record"),
     "gefen_titan.checkpoint.unpickling.ForbiddenObjectError":
         lambda m: m.ForbiddenObjectError("entry train_state.step", "builtins.eval", "/ckpt/step-4"),
-    "gefen_titan.ckpt.view.CkptError": lambda m: m.CkptError("cannot read"),
+    "gefen_titan.ckpt_tools.view.CkptError": lambda m: m.CkptError("cannot read"),
     "gefen_titan.data.elastic_dataset.DataLoaderReshardError": lambda m: m.DataLoaderReshardError("no"),
     "gefen_titan.data.global_loader.DataOrderError": lambda m: m.DataOrderError("no"),
     "gefen_titan.data.indexed.IndexedDataError": lambda m: m.IndexedDataError("no"),
@@ -40,7 +40,7 @@ EXAMPLES = {
     "gefen_titan.optim.blocking.BlockingError": lambda m: m.BlockingError("no"),
     "gefen_titan.optim.live_state.LiveStateError": lambda m: m.LiveStateError("no"),
     "gefen_titan.optim.muon.matrices.MuonLayoutError": lambda m: m.MuonLayoutError("no"),
-    "gefen_titan.optim.state.per_rank_regions.UnsupportedLayout": lambda m: m.UnsupportedLayout("no"),
+    "gefen_titan.optim.checkpointing.per_rank_regions.UnsupportedLayout": lambda m: m.UnsupportedLayout("no"),
     "gefen_titan.recipe.errors.RecipeError": lambda m: m.RecipeError("no"),
     "gefen_titan.validation.layouts.LayoutError": lambda m: m.LayoutError("no"),
     "gefen_titan.ft.transport.HealRefused": lambda m: m.HealRefused("heal payload for step 5: its MAC does not match"),

@@ -289,7 +289,7 @@ def test_kinds_check_refuses_the_other_backup_naming_backup_optimizer(saved_back
     import json
 
     from gefen_titan.checkpoint import schema
-    from gefen_titan.optim import state
+    from gefen_titan.optim import checkpointing
 
     records = {schema.muon_optimizer_key("0"): json.dumps({"params": [{"fqn": "layers.0.w1.weight"}]})}
     flat = []
@@ -297,30 +297,31 @@ def test_kinds_check_refuses_the_other_backup_naming_backup_optimizer(saved_back
         records[schema.optimizer_key("1")] = json.dumps({"params": [{"fqn": "norm.weight"}]})
     else:
         flat = ["param_groups.norm.weight.lr", "state.norm.weight.exp_avg"]
-    ctx = state.LoadContext("ckpt", {k: None for k in [*records, *flat]}, records, None)
+    ctx = checkpointing.LoadContext("ckpt", {k: None for k in [*records, *flat]}, records, None)
     config = Config(name="GefenMuonHybrid", hybrid=H(backup_optimizer=live_backup))
     live = {"layers.0.w1.weight": "GefenMuon", "norm.weight": hybrid.BACKUPS[live_backup]}
     was, now = hybrid.BACKUPS[saved_backup], hybrid.BACKUPS[live_backup]
-    refusal = state.kinds_refusal(ctx, live, registry.record_kinds(), hint=lambda w, n: hybrid.kind_hint(config, w, n))
+    refusal = checkpointing.kinds_refusal(ctx, live, registry.record_kinds(),
+                                          hint=lambda w, n: hybrid.kind_hint(config, w, n))
     assert re.search(rf"1 parameter\(s\) \(norm.weight\) were saved by {was} and the recipe gives them to {now}: "
                      rf'set optimizer.hybrid.backup_optimizer = "{saved_backup}"', refusal), refusal
     same = {**live, "norm.weight": was}  # the backup that wrote it: nothing to refuse
-    assert state.kinds_refusal(ctx, same, registry.record_kinds(),
-                               hint=lambda w, n: hybrid.kind_hint(config, w, n)) is None
+    assert checkpointing.kinds_refusal(ctx, same, registry.record_kinds(),
+                                       hint=lambda w, n: hybrid.kind_hint(config, w, n)) is None
 
 
 def test_kinds_check_refuses_a_hybrid_checkpoint_in_a_gefen_recipe():
     import json
 
     from gefen_titan.checkpoint import schema
-    from gefen_titan.optim import state
+    from gefen_titan.optim import checkpointing
 
     records = {schema.muon_optimizer_key("0"): json.dumps({"params": [{"fqn": "layers.0.w1.weight"}]}),
                schema.optimizer_key("1"): json.dumps({"params": [{"fqn": "norm.weight"}]})}
-    ctx = state.LoadContext("ckpt", {k: None for k in records}, records, None)
+    ctx = checkpointing.LoadContext("ckpt", {k: None for k in records}, records, None)
     config = Config(name="Gefen")
-    refusal = state.kinds_refusal(ctx, {"layers.0.w1.weight": "Gefen", "norm.weight": "Gefen"},
-                                  registry.record_kinds(), hint=lambda w, n: hybrid.kind_hint(config, w, n))
+    refusal = checkpointing.kinds_refusal(ctx, {"layers.0.w1.weight": "Gefen", "norm.weight": "Gefen"},
+                                          registry.record_kinds(), hint=lambda w, n: hybrid.kind_hint(config, w, n))
     assert re.search(r"\(layers.0.w1.weight\) were saved by GefenMuon and the recipe gives them to Gefen: if the "
                      r'run that wrote it was \[optimizer\] name = "GefenMuonHybrid", set that', refusal), refusal
 

@@ -38,9 +38,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gefen_titan.checkpoint import load_checks, schema, storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError
-from gefen_titan.ckpt.inspection import inspect_checkpoint
-from gefen_titan.ckpt.inspection import render as render_inspection
-from gefen_titan.ckpt.verify import verify_checkpoint
+from gefen_titan.ckpt_tools.inspection import inspect_checkpoint
+from gefen_titan.ckpt_tools.inspection import render as render_inspection
+from gefen_titan.ckpt_tools.verify import verify_checkpoint
 from gefen_titan.optim import gefenx as gx
 from tests.helpers.bad_checkpoints import edited
 from tests.helpers.tiny_checkpoint import STEP, Loader, build, edit_metadata, manager, resume, save

@@ -19,15 +19,15 @@ from gefen import Gefen
 
 from gefen_titan.checkpoint import gefen_records, kinds, schema, schema_records, storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError
-from gefen_titan.ckpt.convert import convert
-from gefen_titan.ckpt.inspection import inspect_checkpoint
-from gefen_titan.ckpt.inspection import render as render_inspection
-from gefen_titan.ckpt.verify import verify_checkpoint
-from gefen_titan.ckpt.view import CkptError
+from gefen_titan.ckpt_tools.convert import convert
+from gefen_titan.ckpt_tools.inspection import inspect_checkpoint
+from gefen_titan.ckpt_tools.inspection import render as render_inspection
+from gefen_titan.ckpt_tools.verify import verify_checkpoint
+from gefen_titan.ckpt_tools.view import CkptError
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry
+from gefen_titan.optim.checkpointing.gefen_sharded import GefenShardedAdapter
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
-from gefen_titan.optim.state.gefen_sharded import GefenShardedAdapter
 from tests.helpers.tiny_checkpoint import manager
 
 

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 
 from gefen_titan.checkpoint import digests, load_checks, storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError
-from gefen_titan.ckpt.verify import verify_checkpoint
+from gefen_titan.ckpt_tools.verify import verify_checkpoint
 from gefen_titan.optim import gefenx as gx
 from tests.helpers.tiny_checkpoint import STEP, build, edit_metadata, manager, save
 from tests.helpers.untrusted import digest_rows

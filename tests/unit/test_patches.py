@@ -55,7 +55,8 @@ def test_importing_the_package_patches_nothing():
         before = (tu.device_type, getattr(dist, "set_timeout", None))
         import gefen_titan
         from gefen_titan import GefenCheckpointManager, GefenOptimizersContainer, patches
-        import gefen_titan.train, gefen_titan.recipe.build, gefen_titan.optim.state, gefen_titan.validation.command
+        import gefen_titan.train, gefen_titan.recipe.build, gefen_titan.validation.command
+        import gefen_titan.optim.checkpointing
         assert patches.applied() == {}, patches.applied()
         assert (tu.device_type, getattr(dist, "set_timeout", None)) == before
         assert "gefen_tiny" not in text_datasets.DATASETS

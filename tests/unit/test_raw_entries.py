@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from gefen_titan.checkpoint import digests, schema, schema_records, storage
-from gefen_titan.ckpt.verify import verify_checkpoint
+from gefen_titan.ckpt_tools.verify import verify_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
 

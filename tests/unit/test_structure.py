@@ -96,20 +96,20 @@ KIND_FILES = {
     "GefenMuon": (
         "gefen_titan/optim/muon/",  # its sharded step (step, schedule, exchange, matrices)
         "gefen_titan/optim/gefenx/muon.py",  # its accessors of gefen-x's private state
-        "gefen_titan/optim/state/gefen_muon_sharded.py",  # its state <-> checkpoint entries
+        "gefen_titan/optim/checkpointing/gefen_muon_sharded.py",  # its state <-> checkpoint entries
         "gefen_titan/checkpoint/schema_muon.py",  # its records in the format
         "gefen_titan/checkpoint/gefen_muon_records.py",  # its checkpoint description
     ),
     "Gefen": (
         "gefen_titan/optim/gefenx/gefen.py",
-        "gefen_titan/optim/state/gefen_sharded.py",
-        "gefen_titan/optim/state/gefen_per_rank.py",
-        "gefen_titan/optim/state/per_rank_regions.py",  # its per-rank (v1) state's regions
+        "gefen_titan/optim/checkpointing/gefen_sharded.py",
+        "gefen_titan/optim/checkpointing/gefen_per_rank.py",
+        "gefen_titan/optim/checkpointing/per_rank_regions.py",  # its per-rank (v1) state's regions
         "gefen_titan/optim/quant/",  # its dequantize / re-block / requantize arithmetic
         "gefen_titan/checkpoint/schema_records.py",
         "gefen_titan/checkpoint/schema_v1.py",
         "gefen_titan/checkpoint/gefen_records.py",  # its checkpoint description
-        "gefen_titan/ckpt/convert.py",  # Gefen <-> AdamW: its arithmetic is Gefen's
+        "gefen_titan/ckpt_tools/convert.py",  # Gefen <-> AdamW: its arithmetic is Gefen's
     ),
 }
 # Shared by both kinds by what they are, so owned by both.
@@ -126,7 +126,7 @@ BOTH = (
 NAMES_KIND_STILL = {
     "gefen_titan/optim/container.py": "the kinds' option tables: one field of the Config per kind (gefen, "
                                       "muon, hybrid), which is how tyro's command line reaches them",
-    "gefen_titan/ckpt/cli.py": "the help of convert, whose conversion is Gefen <-> AdamW (ckpt/convert.py)",
+    "gefen_titan/ckpt_tools/cli.py": "the help of convert, whose conversion is Gefen <-> AdamW (ckpt_tools/convert.py)",
     "gefen_titan/validation/hooks.py": "the reshard validation dumps and compares Gefen's live state (periods, "
                                        "codebooks, counters) element by element; it does not read the kinds' "
                                        "descriptions yet",
@@ -201,7 +201,7 @@ def test_no_module_outside_a_kinds_files_names_it():
 
 def test_the_kind_name_check_catches_what_it_is_for():
     src = ('"""Gefen and GefenMuon in prose."""\n'
-           'from gefen_titan.optim.state import GefenMuonShardedAdapter\n'
+           'from gefen_titan.optim.checkpointing import GefenMuonShardedAdapter\n'
            'x = gx.is_gefen(o) or "GefenMuon state" or "Gefen state" or "DistMuon" or "gefen-titan"\n')
     assert _names_kind(src, "GefenMuon") == ["2: 'GefenMuonShardedAdapter'", "3: 'GefenMuon state'"]
     assert _names_kind(src, "Gefen") == ["3: 'Gefen state'", "3: 'is_gefen'"]

@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 from gefen_titan.checkpoint import digests, storage, unpickling
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
-from gefen_titan.ckpt.verify import verify_checkpoint
-from gefen_titan.ckpt.view import Checkpoint, CkptError
+from gefen_titan.ckpt_tools.verify import verify_checkpoint
+from gefen_titan.ckpt_tools.view import Checkpoint, CkptError
 from tests.helpers.loader_checkpoint import Blob
 from tests.helpers.untrusted import Payload, as_pre_digest, plant_in_metadata, rewrite_digests
 
@@ -152,7 +152,7 @@ def test_a_checkpoint_from_before_digests_loads_with_a_warning_and_verifies_unch
 
 
 def _cli_verify(step: Path, *extra: str, env: dict | None = None) -> int:
-    return subprocess.run([sys.executable, "-m", "gefen_titan.ckpt", "verify", str(step), *extra], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "gefen_titan.ckpt_tools", "verify", str(step), *extra], cwd=ROOT,
                           capture_output=True, env={**os.environ, **(env or {})}, timeout=300).returncode
 
 

@@ -59,8 +59,8 @@ from torchtitan.tools import filesystem
 from gefen_titan.checkpoint import digests, kinds, schema, schema_records, storage
 from gefen_titan.checkpoint.errors import root_cause
 from gefen_titan.checkpoint.schema import HYPER, grid_shape
-from gefen_titan.ckpt.saved_records import codebook_summary, read_records
-from gefen_titan.ckpt.view import Checkpoint, CkptError, split_state_key
+from gefen_titan.ckpt_tools.saved_records import codebook_summary, read_records
+from gefen_titan.ckpt_tools.view import Checkpoint, CkptError, split_state_key
 from gefen_titan.optim.blocking import (
     HIST_BINS,
     block_variance_sums,

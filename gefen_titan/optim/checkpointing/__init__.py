@@ -17,8 +17,8 @@ adapter's two-step load (``adapter``):
 The entries' keys and records are defined in ``gefen_titan.checkpoint.schema``.
 """
 
-from gefen_titan.optim.state.adapter import StateAdapter
-from gefen_titan.optim.state.load_context import FLAT_KIND, LoadContext, kinds_refusal, read_load_context
+from gefen_titan.optim.checkpointing.adapter import StateAdapter
+from gefen_titan.optim.checkpointing.load_context import FLAT_KIND, LoadContext, kinds_refusal, read_load_context
 
 # The kinds' adapters are imported from their own modules (by the registry, which names every kind).
 __all__ = ["FLAT_KIND", "LoadContext", "StateAdapter", "kinds_refusal", "read_load_context"]

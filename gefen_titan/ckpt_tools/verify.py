@@ -47,8 +47,8 @@ import torch
 from torchtitan.components.checkpoint import OPTIMIZER
 
 from gefen_titan.checkpoint import digests, kinds, load_checks, schema, storage, unpickling
-from gefen_titan.ckpt.saved_records import read_records
-from gefen_titan.ckpt.view import Checkpoint, CkptError, Entry, split_state_key
+from gefen_titan.ckpt_tools.saved_records import read_records
+from gefen_titan.ckpt_tools.view import Checkpoint, CkptError, Entry, split_state_key
 
 __all__ = ["Problem", "verify_checkpoint", "render"]
 

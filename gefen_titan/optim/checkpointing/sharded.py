@@ -37,8 +37,8 @@ from gefen_titan.checkpoint.errors import GefenCheckpointError, refuse_on_any_ra
 from gefen_titan.distributed import like_param, local
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.blocking import check_period_fits
-from gefen_titan.optim.state.adapter import StagedLoad, check_replicated
-from gefen_titan.optim.state.load_context import LoadContext
+from gefen_titan.optim.checkpointing.adapter import StagedLoad, check_replicated
+from gefen_titan.optim.checkpointing.load_context import LoadContext
 
 __all__ = ["Plan", "ShardedAdapter", "Slot", "check_finite_nonnegative"]
 

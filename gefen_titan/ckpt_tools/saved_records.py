@@ -3,7 +3,7 @@
 The checks are the load's own, not a copy: ``checkpoint.record_checks``
 (the record stage of ``checkpoint.load_checks``, which runs each registered
 kind's description), which the load runs on its one small read of the
-records (``optim.state.load_context``) and the tools run here on theirs.
+records (``optim.checkpointing.load_context``) and the tools run here on theirs.
 What is left to the load is what needs the live model (the parameters'
 shapes, the mesh's cuts, ``deterministic``).
 """
@@ -17,7 +17,7 @@ from torchtitan.components.checkpoint import OPTIMIZER
 
 from gefen_titan.checkpoint import schema
 from gefen_titan.checkpoint.record_checks import SavedRecords, read_saved, small_names
-from gefen_titan.ckpt.view import Checkpoint, CkptError
+from gefen_titan.ckpt_tools.view import Checkpoint, CkptError
 
 # The registry registers every kind's description with checkpoint.kinds (OptimizerSpec.checkpoint): what the
 # records stage and the tools iterate over. Imported here so the tools never run with none registered.

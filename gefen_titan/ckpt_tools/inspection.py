@@ -20,8 +20,8 @@ from torchtitan.components.checkpoint import MODEL, OPTIMIZER
 
 from gefen_titan.checkpoint import digests, kinds, schema, storage
 from gefen_titan.checkpoint import report_text as text
-from gefen_titan.ckpt.saved_records import SavedRecords, codebook_summary, read_records
-from gefen_titan.ckpt.view import Checkpoint, CkptError, Entry, split_state_key
+from gefen_titan.ckpt_tools.saved_records import SavedRecords, codebook_summary, read_records
+from gefen_titan.ckpt_tools.view import Checkpoint, CkptError, Entry, split_state_key
 
 __all__ = ["inspect_checkpoint", "render"]
 

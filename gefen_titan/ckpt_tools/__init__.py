@@ -12,9 +12,9 @@ through ``gefen_titan.checkpoint.storage`` (local folders and fsspec URLs):
   checkpoint that ``train.py`` resumes.
 
 ``cli`` is the command line (``gefen-titan ckpt ...``, ``python -m
-gefen_titan.ckpt ...``); docs/ckpt_tools.md describes the commands.
+gefen_titan.ckpt_tools ...``); docs/ckpt_tools.md describes the commands.
 """
 
-from gefen_titan.ckpt.view import Checkpoint, CkptError
+from gefen_titan.ckpt_tools.view import Checkpoint, CkptError
 
 __all__ = ["Checkpoint", "CkptError"]

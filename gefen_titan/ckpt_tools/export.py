@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from gefen_titan.checkpoint import storage
-from gefen_titan.ckpt.view import CkptError
+from gefen_titan.ckpt_tools.view import CkptError
 
 __all__ = ["export", "render"]
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from gefen_titan.checkpoint import digests
 from gefen_titan.checkpoint.errors import GefenCheckpointError
-from gefen_titan.ckpt import convert, export, inspection, verify
-from gefen_titan.ckpt.view import CkptError
+from gefen_titan.ckpt_tools import convert, export, inspection, verify
+from gefen_titan.ckpt_tools.view import CkptError
 
 DESCRIPTION = ("Inspect, verify, convert or export a gefen-titan / torchtitan DCP checkpoint "
                "(one step-N folder).")

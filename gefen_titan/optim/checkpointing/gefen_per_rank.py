@@ -39,11 +39,11 @@ from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.checkpoint.schema import HYPER
 from gefen_titan.distributed import like_param, local
 from gefen_titan.optim import gefenx as gx
+from gefen_titan.optim.checkpointing.adapter import StagedLoad, blocking_refusal
+from gefen_titan.optim.checkpointing.codebook_merge import K, merge_codebooks
+from gefen_titan.optim.checkpointing.load_context import LoadContext
+from gefen_titan.optim.checkpointing.per_rank_regions import Region, UnsupportedLayout, param_region, target_period
 from gefen_titan.optim.quant.requant import Segment, block_mean_segments, dequantize_segments, requantize
-from gefen_titan.optim.state.adapter import StagedLoad, blocking_refusal
-from gefen_titan.optim.state.codebook_merge import K, merge_codebooks
-from gefen_titan.optim.state.load_context import LoadContext
-from gefen_titan.optim.state.per_rank_regions import Region, UnsupportedLayout, param_region, target_period
 
 __all__ = ["GefenPerRankAdapter"]
 

@@ -24,7 +24,7 @@ from gefen_titan.checkpoint.schema_muon import (
 )
 from gefen_titan.distributed import like_param_rows
 from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim.state.sharded import ShardedAdapter, Slot, check_finite_nonnegative
+from gefen_titan.optim.checkpointing.sharded import ShardedAdapter, Slot, check_finite_nonnegative
 
 __all__ = ["GefenMuonShardedAdapter"]
 

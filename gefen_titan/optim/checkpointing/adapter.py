@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from gefen_titan.checkpoint import schema_records
 from gefen_titan.checkpoint.errors import GefenCheckpointError, Verdict
 from gefen_titan.distributed import all_gather_objects, is_distributed
-from gefen_titan.optim.state.load_context import LoadContext
+from gefen_titan.optim.checkpointing.load_context import LoadContext
 
 __all__ = ["StagedLoad", "StateAdapter", "blocking_refusal", "check_replicated"]
 

@@ -1,0 +1,7 @@
+"""``python -m gefen_titan.ckpt_tools inspect|verify|convert ...`` (the same as ``gefen-titan ckpt ...``)."""
+
+import sys
+
+from gefen_titan.ckpt_tools.cli import main
+
+sys.exit(main(prog="python -m gefen_titan.ckpt_tools"))
