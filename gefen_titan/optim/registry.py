@@ -48,7 +48,9 @@ variant is one ``register`` call plus its state type and records:
   its key kinds, its records' checks, its rows in ``ckpt inspect``, its
   ``verify`` summary and non-negative tensors, why ``convert`` refuses it).
   ``register`` registers it with ``checkpoint.kinds``, where the load's
-  records stage and the offline tools find it.
+  records stage and the offline tools find it;
+* ``validation``: its part of the reshard validation (``optim.kind_validation``:
+  live facts, dense state, per-rank comparison); None: compared as entries only.
 
 The container, the recipe checks and the load know an optimizer only
 through these fields: a new kind adds an entry, its state type and its
@@ -80,6 +82,8 @@ from gefen_titan.optim.checkpointing import StateAdapter
 from gefen_titan.optim.checkpointing.gefen_muon_sharded import GefenMuonShardedAdapter
 from gefen_titan.optim.checkpointing.gefen_per_rank import GefenPerRankAdapter
 from gefen_titan.optim.checkpointing.gefen_sharded import GefenShardedAdapter
+from gefen_titan.optim.checkpointing.gefen_validation import VALIDATION as GEFEN_VALIDATION
+from gefen_titan.optim.kind_validation import KindValidation
 from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB, ShardedMuonStep
 
 __all__ = ["GEFEN_OPTION_KEYS", "MUON_OPTION_KEYS", "SHORTHAND_KEYS", "CompositeSpec", "OptimizerSpec", "StateOptions",
@@ -118,6 +122,7 @@ class OptimizerSpec:
     shorthand_keys: tuple[str, ...] = SHORTHAND_KEYS
     step_stats: Callable[[Optimizer], Any] | None = None
     checkpoint: KindDescription | None = None
+    validation: KindValidation | None = None
 
 
 @dataclass(frozen=True)
@@ -344,6 +349,7 @@ register(OptimizerSpec(
     after_agreed_step=_count_empty_shards,
     group_key_hint=_gefen_group_key_hint,
     checkpoint=gefen_records.description(),
+    validation=GEFEN_VALIDATION,
 ))
 
 # GefenMuon options the container fills in from [optimizer.muon]: gefen-x's

@@ -91,7 +91,6 @@ import torch
 
 from gefen_titan.validation import launchers, layouts, params
 from gefen_titan.validation.bands import LOG_RESOLUTION, LOSS_FLOOR, LOSS_K, loss_band, order_band, pair_loss_band
-from gefen_titan.validation.compare_rank import TOL_MOMENTUM, TOL_UPDATE, TOL_VMEAN
 from gefen_titan.validation.dumps import dumps_params
 from gefen_titan.validation.layouts import LayoutError, Side
 from gefen_titan.validation.preflight import check_pairs
@@ -326,9 +325,10 @@ def _summary(results: list[PairResult], band: dict[str, Any], used: list[str], r
                          "checkpoint entry and parameter gathered to global tensors, and every rank's periods, "
                          "codebook, counters and hyperparameters, equal to the save's")
         elif b == "per_rank":
+            bounds = ", ".join(f"{k.removesuffix('_rel_l2').replace('_', ' ')} <= {v:g}"
+                               for k, v in TOLERANCES["per_rank"].items())
             lines.append(f"state after load (per-rank blocking, format v1; relative L2 where not bit-exact): "
-                         f"momentum <= {TOL_MOMENTUM:g}, vmean <= {TOL_VMEAN:g}, first update <= {TOL_UPDATE:g}; "
-                         "parameters and step counters exact")
+                         f"{bounds}; parameters and step counters exact")
     return lines
 
 

@@ -1,4 +1,4 @@
-"""The state dumps of ``gefen_titan.validation.hooks``, read back, and the figures both comparisons share.
+"""The state dumps of ``gefen_titan.validation.hooks``, read back.
 
 A load or save is dumped either per rank (per-rank blocking, format v1:
 ``<kind>-<step>-rank<r>.pt``, one per rank) or as the global state (agreed
@@ -11,10 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
-__all__ = ["dumps_blocking", "dumps_complete", "dumps_params", "dumps_seconds", "first_update", "merge_global",
-           "rel_l2"]
+__all__ = ["dumps_blocking", "dumps_complete", "dumps_params", "dumps_seconds", "merge_global"]
 
 
 def merge_global(dumps: list[dict]) -> dict[str, Any]:
@@ -58,16 +55,3 @@ def dumps_params(dumps: list[dict]) -> int | None:
     if dumps_blocking(dumps) == "agreed":
         return sum(t.numel() for t in merge_global(dumps)["params"].values())
     return sum(math.prod(rec["shape"]) for rec in dumps[0]["params"].values())
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    """|a - b| / |b|; where b is 0, 1 if a differs and 0 if not."""
-    den = float(b.norm())
-    return float((a - b).norm()) / den if den > 0 else float((a - b).norm() > 0)
-
-
-def first_update(m: torch.Tensor, v: torch.Tensor, hyper: dict[str, float], vstep: int) -> torch.Tensor:
-    """The update of a zero new gradient: m' = b1 m, v' = b2 v, one more step
-    for the bias correction; the constant b1 / bc1 cancels in relative errors."""
-    bc2 = 1 - hyper["beta2"] ** vstep
-    return m / ((hyper["beta2"] * v / bc2).clamp_min(0).sqrt() + hyper["eps"])

@@ -10,25 +10,24 @@ load and after the saves of chosen steps, writes the raw training state to
 * **agreed** (checkpoint format v3): the *global* state, so that a load at
   another layout can be compared with the save bit for bit. Every entry of
   the optimizer container's ``state_dict()`` (what the checkpoint stores:
-  Gefen's codes, magnitudes and ``vmean`` as DTensors with the parameter's
-  placements, its JSON records and codebook, and the flat state of any other
-  optimizer, e.g. the AdamW groups of mixed recipes) is gathered with
-  ``full_tensor()``, and so is every parameter; besides, every rank's live
-  facts (each Gefen parameter's period, step counters and hyperparameters,
-  each Gefen optimizer's codebook and global step) are gathered from all
-  ranks. One rank per distinct set of entries writes
+  each kind's tensors as DTensors with the parameter's placements, its JSON
+  records and codebooks, and the flat state of torch's optimizers, e.g. the
+  AdamW groups of mixed recipes) is gathered with ``full_tensor()``, and so
+  is every parameter; besides, every rank's live facts of each kind that
+  has them (its registry entry's ``validation.live_facts``: Gefen's periods,
+  counters, hyperparameters, codebooks and global steps) are gathered from
+  all ranks. One rank per distinct set of entries writes
   ``<kind>-<step>-global-rank<r>.pt`` (rank 0 only, unless pipeline stages
   hold different parameters). This is collective: every rank takes part.
 * **per_rank** (format v1): each rank's own picture,
   ``<kind>-<step>-rank<r>.pt``: every parameter's local shard and where it
   lies in the flattened parameter (``gefen_titan.optim.checkpointing.per_rank_regions.param_region``),
-  every Gefen parameter's state as the optimizer holds it plus each Gefen
-  optimizer's codebook and global step, and the tensors of any other
-  optimizer's state.
+  each kind's own picture of its state (its ``validation.rank_state``),
+  and the tensors of torch's optimizers' state.
 
 Both record the wall time of the save or load (DCP call included, the dump
-excluded). Gefen's private state is read through ``gefen_titan.optim.gefenx``
-only.
+excluded). The kinds are found through the registry
+(``gefen_titan.optim.registry``), which is how this module names none.
 
 Nothing is active unless a run lists it (torchtitan's command-line form: one
 token per target, ``target=<json>`` for its arguments), e.g.::
@@ -68,14 +67,10 @@ from torchtitan.components.optimizer.utils import get_flat_optim_state_dict
 from torchtitan.config import override
 from torchtitan.config.override import derive
 
-from gefen_titan.checkpoint import schema
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
-from gefen_titan.checkpoint.schema import HYPER
 from gefen_titan.data.global_loader import GlobalOrderDataLoader
 from gefen_titan.distributed import all_gather_objects, local, rank_and_world
-from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry
-from gefen_titan.optim.checkpointing.gefen_sharded import GefenShardedAdapter
 from gefen_titan.optim.checkpointing.per_rank_regions import param_region
 
 __all__ = ["DumpingCheckpointManager", "RecordingGlobalOrderDataLoader", "dump_state", "record_batches", "DUMP_VERSION"]
@@ -84,17 +79,13 @@ __all__ = ["DumpingCheckpointManager", "RecordingGlobalOrderDataLoader", "dump_s
 # a reference cache never hands old dumps to a new validator). 3: global-order
 # runs also record their batches (``record_batches``). 4: one batch record per
 # global rank (TP/PP/CP ranks of a data shard no longer share a file).
-DUMP_VERSION = 4
+# 5: live facts and per-rank pictures by kind (each kind's ``validation``).
+DUMP_VERSION = 5
 
 
 def _region(fqn: str, p: torch.Tensor) -> tuple[int, int]:
     region, _ = param_region(fqn, p)
     return region.start, region.length
-
-
-def _opt_id(optim: Any) -> str:
-    """A Gefen optimizer's name in the checkpoint (``schema.optimizer_id``)."""
-    return schema.optimizer_id([name for name, _, _ in gx.named_params(optim)])
 
 
 class DumpingCheckpointManager(GefenCheckpointManager):
@@ -189,8 +180,9 @@ class DumpingCheckpointManager(GefenCheckpointManager):
             start, length = _region(fqn, p)
             out["params"][fqn] = {"shape": tuple(p.shape), "start": start, "length": length,
                                   "local": local(p).detach().reshape(-1).float().cpu().clone()}
-        out["gefen"], out["codebooks"] = _rank_gefen_state(container)
-        out["other_optim"] = _rank_other_state(container)
+        out["kinds"] = {spec.name: spec.validation.rank_state(opts) for spec, opts in _validated(container)
+                        if spec.validation.rank_state is not None}
+        out["other_optim"] = _rank_other_state([o for o in _optimizers(container) if not _pictured(o)])
         torch.save(out, os.path.join(self._dump_dir, f"{kind}-{step}-rank{rank}.pt"))
 
 
@@ -198,88 +190,65 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
 
-def _gefen_optimizers(container: Any) -> list[Any]:
-    return [] if container is None else [o for o in container.optimizers if gx.is_gefen(o)]
+def _optimizers(container: Any) -> list[Any]:
+    return [] if container is None else list(container.optimizers)
 
 
-def _other_optimizers(container: Any) -> list[Any]:
-    return [] if container is None else [o for o in container.optimizers if not gx.is_gefen(o)]
+def _validated(container: Any) -> list[tuple[registry.OptimizerSpec, list[Any]]]:
+    """(entry, its optimizers) of every kind with a ``validation`` and optimizers here, in registry order."""
+    if container is None:
+        return []
+    return [(spec, opts) for spec in registry.specs()
+            if spec.validation is not None and (opts := container.optimizers_of(spec.name))]
+
+
+def _pictured(optim: Any) -> bool:
+    """Whether the optimizer's kind dumps its own per-rank picture (else its torch state is dumped)."""
+    spec = registry.spec_of(optim)
+    return spec is not None and spec.validation is not None and spec.validation.rank_state is not None
+
+
+def _flat(optim: Any) -> bool:
+    """Whether the optimizer is checkpointed as torchtitan's flat state dict (no state adapter)."""
+    spec = registry.spec_of(optim)
+    return spec is None or spec.state is None
 
 
 def _optimizer_entries(container: Any) -> dict[str, Any]:
     """What a checkpoint of the optimizer holds now: the container's ``state_dict()``.
 
-    Collective (the Gefen part checks that the ranks agree). Where another
-    optimizer holds no state yet (its state was not loaded), the container
-    would create it with a zero-gradient step; the dump must change nothing,
-    so then the entries are built from those optimizers that hold state plus
-    the Gefen adapter's own entries, which is what ``state_dict()`` returns
-    less the state it would create.
+    Collective (a kind's adapter may check that the ranks agree). Where a
+    flat optimizer holds no state yet (its state was not loaded), the
+    container would create it with a zero-gradient step; the dump must
+    change nothing, so then the entries are built from those flat optimizers
+    that hold state plus each kind's adapter's own entries, which is what
+    ``state_dict()`` returns less the state it would create.
     """
     if container is None:
         return {}
-    others = _other_optimizers(container)
-    if all(o.state for o in others):
+    flat = [o for o in container.optimizers if _flat(o)]
+    if all(o.state for o in flat):
         return container.state_dict()
     sd: dict[str, Any] = {}
-    for optim in others:
+    for optim in flat:
         if optim.state:
             sd.update(get_flat_optim_state_dict(optim))
-    gefen = registry.get("Gefen")
-    sd.update(GefenShardedAdapter([o for o in container.optimizers if gefen.owns(o)]).state_dict())
+    options = registry.StateOptions(blocking=container.blocking)
+    for spec in registry.specs():
+        if spec.state is not None and (opts := container.optimizers_of(spec.name)):
+            sd.update(spec.state(opts, options).state_dict())
     return sd
 
 
 def _live_facts(container: Any) -> dict[str, Any]:
-    """This rank's live Gefen facts: per parameter its period, counters and
-    hyperparameters; per optimizer its codebook and global step."""
-    params: dict[str, dict[str, Any]] = {}
-    optimizers: dict[str, dict[str, Any]] = {}
-    for optim in _gefen_optimizers(container):
-        opt_id = _opt_id(optim)
-        cb = gx.codebook(optim)
-        optimizers[opt_id] = {"codebook": None if cb is None else cb.detach().float().cpu().clone(),
-                              "global_step": gx.global_step(optim)}
-        for fqn, p, group in gx.named_params(optim):
-            st = gx.read(optim, p)
-            if st is not None:
-                period, step, vstep, has_state = st.period, st.step, st.vmean_step, True
-            else:  # never stepped, or an empty local shard (counters kept by gefen_titan)
-                period = gx.period(optim, p) or 0
-                step, vstep = gx.empty_shard_counters(optim, p)
-                has_state = False
-            params[fqn] = {"optimizer": opt_id, "period": int(period), "step": int(step), "vmean_step": int(vstep),
-                           "has_state": has_state, "local_numel": local(p).numel(),
-                           "hyper": {k: float(group[k]) for k in HYPER}}
-    return {"params": params, "optimizers": optimizers}
+    """This rank's live facts, by kind (each kind's ``validation.live_facts``)."""
+    return {spec.name: spec.validation.live_facts(opts) for spec, opts in _validated(container)}
 
 
-def _rank_gefen_state(container: Any) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-    state, codebooks = {}, {}
-    for optim in _gefen_optimizers(container):
-        opt_id = _opt_id(optim)
-        cb = gx.codebook(optim)
-        codebooks[opt_id] = {"codebook": None if cb is None else cb.detach().float().cpu().clone(),
-                             "global_step": gx.global_step(optim)}
-        for fqn, p, group in gx.named_params(optim):
-            start, length = _region(fqn, p)
-            rec: dict[str, Any] = {"shape": tuple(p.shape), "start": start, "length": length, "optimizer": opt_id,
-                                   "hyper": {k: float(group[k]) for k in ("lr", "beta1", "beta2", "eps")}}
-            st = gx.read(optim, p)
-            if st is not None:
-                rec.update(
-                    period=st.period, step=st.step, vmean_step=st.vmean_step,
-                    codes=st.codes.reshape(-1).cpu().clone(),
-                    magnitude=st.magnitude.reshape(-1).float().cpu().clone(),
-                    vmean=st.vmean.reshape(-1).float().cpu().clone(),
-                )
-            state[fqn] = rec
-    return state, codebooks
-
-
-def _rank_other_state(container: Any) -> dict[str, dict[str, Any]]:
+def _rank_other_state(optimizers: list[Any]) -> dict[str, dict[str, Any]]:
+    """Torch's per-parameter state of these optimizers on this rank, where each local shard lies."""
     out = {}
-    for optim in _other_optimizers(container):
+    for optim in optimizers:
         for group in optim.param_groups:
             names = group.get("param_names") or [None] * len(group["params"])
             for name, p in zip(names, group["params"]):

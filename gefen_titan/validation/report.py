@@ -21,7 +21,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from gefen_titan.validation.compare_global import compare_global_state
-from gefen_titan.validation.compare_rank import TOL_MOMENTUM, TOL_UPDATE, TOL_VMEAN, compare_state
+from gefen_titan.validation.compare_rank import compare_state, tolerances
 from gefen_titan.validation.dumps import dumps_blocking, dumps_complete, dumps_seconds
 from gefen_titan.validation.layouts import Side, as_side
 from gefen_titan.validation.runs import Run, Settings, checkpoint_bytes
@@ -29,11 +29,11 @@ from gefen_titan.validation.runs import Run, Settings, checkpoint_bytes
 __all__ = ["TOLERANCES", "PairResult", "compare_batches", "evaluate", "final_params_verdict", "plot",
            "state_verdict", "table"]
 
-# The state figures' tolerances by blocking. Per-rank (format v1): the v1
-# adapter's bounds where it does not promise bit-exactness. Agreed (format
+# The state figures' tolerances by blocking. Per-rank (format v1): the kinds'
+# own bounds where they do not promise bit-exactness (compare_rank.tolerances). Agreed (format
 # v2): none, every figure must be 0 and every entry equal.
 TOLERANCES = {
-    "per_rank": {"momentum_rel_l2": TOL_MOMENTUM, "vmean_rel_l2": TOL_VMEAN, "first_update_rel_l2": TOL_UPDATE},
+    "per_rank": {"momentum_rel_l2": 0.0, "vmean_rel_l2": 0.0, "first_update_rel_l2": 0.0} | tolerances(),
     "agreed": {"momentum_rel_l2": 0.0, "vmean_rel_l2": 0.0, "first_update_rel_l2": 0.0},
 }
 

@@ -89,6 +89,6 @@ def test_v2_fixture_loads_bit_exactly(saved, nproc, tmp_path):
     # The live optimizer on every rank holds the fixture's codebook.
     codebook = saved["gefen/codebook/tok_embeddings.weight"]
     for live in dump["live"]:
-        for opt in live["optimizers"].values():
+        for opt in live["Gefen"]["optimizers"].values():
             assert torch.equal(opt["codebook"], codebook)
             assert opt["global_step"] == STEP

@@ -151,7 +151,7 @@ def test_ep2_resumes_at_ep1_on_2_ranks_and_at_1_rank(ep_change, reference_cache)
         # Every checkpoint entry (the experts' grouped weights' codes and grids
         # among them) and every parameter, gathered, equal to the EP 2 save's.
         assert st["exact"] and st["params_exact"] and st["entries_differ"] == [] and not st["problems"], st
-        assert st["gefen_elements"] == report["parameters"]
+        assert st["dense_elements"] == report["parameters"]
     # Each side trained at its layout: the reference at EP 2, the resume at EP 1
     # (the recipe sets disable_cuda_graphs itself: no flag added).
     ref = next(d for d in reference_cache.glob("ref-2@ep2-*")

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from gefen_titan.optim.checkpointing.gefen_validation import TOL_MOMENTUM, TOL_UPDATE, TOL_VMEAN
 from gefen_titan.validation import bands, compare_global, identity, recipes, runs
-from gefen_titan.validation.compare_rank import TOL_MOMENTUM, TOL_UPDATE, TOL_VMEAN
 from tests.helpers import processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,7 +121,7 @@ def test_state_after_every_load_is_bit_exact(standard):
         assert st["blocking"] == "agreed" and st["exact"] and st["params_exact"], (p["pair"], st)
         assert not st["problems"] and st["entries_differ"] == [], (p["pair"], st)
         assert st["momentum_rel_l2"] == st["vmean_rel_l2"] == st["first_update_rel_l2"] == 0.0
-        assert st["gefen_elements"] == report["parameters"]  # every parameter is Gefen's in this recipe
+        assert st["dense_elements"] == report["parameters"]  # every parameter is Gefen's in this recipe
         assert st["entries"] > 2 * 45  # v3: codes and grid of every parameter, records, codebook
     # ~1 byte/param of optimizer state on disk (AdamW: 8): a code per element
     # and 8 B per block, stored raw (format v3), plus the framed records
@@ -230,7 +230,7 @@ def _global_dump(world=2):
                              "local_numel": 16, "hyper": hyper}},
             "optimizers": {"w": {"codebook": codebook.clone(), "global_step": 4}}}
     return {"kind": "save", "step": 4, "rank": 0, "world": world, "blocking": "agreed", "dump_version": 2,
-            "seconds": [0.1] * world, "live": [copy.deepcopy(live) for _ in range(world)],
+            "seconds": [0.1] * world, "live": [{"Gefen": copy.deepcopy(live)} for _ in range(world)],
             "covers": list(range(world)), "params": {"w": torch.randn(4, 8, generator=g)}, "state": state}
 
 
@@ -252,12 +252,13 @@ def test_global_comparison_is_bit_exact_and_names_what_differs():
     assert compare_global.compare_global_state([ref], [res])["problems"] == ["parameters differ after load (1: w)"]
 
     res = copy.deepcopy(ref)
-    res["live"][1]["optimizers"]["w"]["codebook"][7] += 1e-7  # one rank's live codebook
+    res["live"][1]["Gefen"]["optimizers"]["w"]["codebook"][7] += 1e-7  # one rank's live codebook
     assert "the live codebook differs" in compare_global.compare_global_state([ref], [res])["problems"][0]
 
     res = copy.deepcopy(ref)
     res["state"]["state.n.exp_avg"][0] += 1  # another optimizer's state
-    assert "non-Gefen optimizer state differs" in compare_global.compare_global_state([ref], [res])["problems"][0]
+    problem = compare_global.compare_global_state([ref], [res])["problems"][0]
+    assert "the flat state of the other optimizers differs" in problem
 
     res = copy.deepcopy(ref)
     del res["state"][schema.vmean_key("w")]
@@ -268,6 +269,60 @@ def test_global_comparison_is_bit_exact_and_names_what_differs():
     res = copy.deepcopy(ref)
     res["covers"] = [0]  # a writer's dump lost
     assert "do not cover every rank" in compare_global.compare_global_state([ref], [res])["problems"][0]
+
+
+def test_state_comparisons_ask_each_kind_through_its_entry():
+    """The comparisons name no kind: a kind's live facts and per-rank picture reach its own
+    ``validation`` through its registry entry (a third kind's too), what no kind reads is a
+    problem, and a kind's record names the field that differs."""
+    import torch
+
+    from gefen_titan.checkpoint import schema
+    from gefen_titan.optim import registry
+    from gefen_titan.optim.kind_validation import KindValidation
+    from gefen_titan.validation import compare_rank
+
+    ref = _global_dump()
+    res = copy.deepcopy(ref)
+    rec = json.loads(res["state"][schema.optimizer_key("w")])
+    rec["params"][0]["period"] = 8  # one field of Gefen's record
+    res["state"][schema.optimizer_key("w")] = json.dumps(rec, sort_keys=True)
+    st = compare_global.compare_global_state([ref], [res])
+    assert st["entries_differ"] == [f"{schema.optimizer_key('w')} (params w period 8 != saved 4)"]
+    assert any("have no optimizer state" in p for p in st["problems"])  # its blocks no longer fit the record
+
+    seen = []
+
+    def problems(saved, resumed):
+        seen.append((saved, resumed))
+        return [] if saved == resumed else ["the third kind's facts differ"]
+
+    def per_rank(saved, resumed):
+        return {"problems": [], "exact": saved == resumed, "third_figure": 0.5}
+
+    third = registry.OptimizerSpec(
+        name="ThirdKind", factory=torch.optim.SGD, owns=lambda o: False, group_keys=("lr",),
+        validation=KindValidation(live_facts=lambda opts: {}, live_problems=problems, compare_rank=per_rank))
+    ref = _global_dump()
+    for r, live in enumerate(ref["live"]):
+        live["ThirdKind"] = {"rank": r}
+    res = copy.deepcopy(ref)
+    res["live"][1]["ThirdKind"]["rank"] = 0
+    rank_dumps = [{"params": {}, "other_optim": {}, "kinds": {"ThirdKind": {"r": r}}} for r in range(2)]
+    registry.register(third)
+    try:
+        assert compare_global.compare_global_state([ref], [copy.deepcopy(ref)])["exact"]
+        assert compare_global.compare_global_state([ref], [res])["problems"] == ["the third kind's facts differ"]
+        assert seen[-1] == ([{"rank": 0}, {"rank": 1}], [{"rank": 0}, {"rank": 0}])
+        st = compare_rank.compare_state(rank_dumps, copy.deepcopy(rank_dumps))
+        assert st["exact"] and st["third_figure"] == 0.5 and not st["problems"]
+        assert not compare_rank.compare_state(rank_dumps, rank_dumps[::-1])["exact"]
+    finally:
+        registry.unregister("ThirdKind")
+    assert compare_global.compare_global_state([ref], [res])["problems"] == [
+        "the dumps hold live facts of ThirdKind, which no registered kind reads"]
+    assert compare_rank.compare_state(rank_dumps, rank_dumps)["problems"] == [
+        "the dumps hold per-rank state of ThirdKind, which no registered kind reads"]
 
 
 def test_blocking_option_reaches_every_run():

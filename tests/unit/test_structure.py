@@ -105,6 +105,7 @@ KIND_FILES = {
         "gefen_titan/optim/checkpointing/gefen_sharded.py",
         "gefen_titan/optim/checkpointing/gefen_per_rank.py",
         "gefen_titan/optim/checkpointing/per_rank_regions.py",  # its per-rank (v1) state's regions
+        "gefen_titan/optim/checkpointing/gefen_validation.py",  # its part of the reshard validation
         "gefen_titan/optim/quant/",  # its dequantize / re-block / requantize arithmetic
         "gefen_titan/checkpoint/schema_records.py",
         "gefen_titan/checkpoint/schema_v1.py",
@@ -127,11 +128,6 @@ NAMES_KIND_STILL = {
     "gefen_titan/optim/container.py": "the kinds' option tables: one field of the Config per kind (gefen, "
                                       "muon, hybrid), which is how tyro's command line reaches them",
     "gefen_titan/ckpt_tools/cli.py": "the help of convert, whose conversion is Gefen <-> AdamW (ckpt_tools/convert.py)",
-    "gefen_titan/validation/hooks.py": "the reshard validation dumps and compares Gefen's live state (periods, "
-                                       "codebooks, counters) element by element; it does not read the kinds' "
-                                       "descriptions yet",
-    "gefen_titan/validation/compare_rank.py": "as validation/hooks.py",
-    "gefen_titan/validation/compare_global.py": "as validation/hooks.py",
 }
 _KIND_NAMES = {
     "GefenMuon": (re.compile(r"(?i)(?<!dist)muon"), re.compile(r"(?i)(?<!dist)muon")),  # not torchtitan's DistMuon
