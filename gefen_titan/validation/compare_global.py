@@ -174,7 +174,10 @@ def compare_global_state(ref_dumps: list[dict], res_dumps: list[dict]) -> dict[s
             problems.append(f"{name} state after the load is not bit-exact (format v3 promises it): {len(mine)} "
                             f"of {sum(owners[k] == name for k in rs)} checkpoint entries differ, e.g. "
                             f"{', '.join(mine[:3])}")
-    others = [what for key, what in differ if owners[key] is None]
+    shared = [what for key, what in differ if owners[key] is None and schema.parse_key(key) is not None]
+    if shared:  # the format's own entries (the header), no kind's
+        problems.append(f"the checkpoint format's shared entries differ after load ({', '.join(shared[:3])})")
+    others = [what for key, what in differ if owners[key] is None and schema.parse_key(key) is None]
     if others:
         problems.append(f"the flat state of the other optimizers differs after load ({', '.join(others[:3])})")
     return {

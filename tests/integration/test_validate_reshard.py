@@ -261,6 +261,10 @@ def test_global_comparison_is_bit_exact_and_names_what_differs():
     assert "the flat state of the other optimizers differs" in problem
 
     res = copy.deepcopy(ref)
+    res["state"][schema.header_key()] = res["state"][schema.header_key()].replace("agreed", "per_rank")
+    assert "format's shared entries differ" in compare_global.compare_global_state([ref], [res])["problems"][0]
+
+    res = copy.deepcopy(ref)
     del res["state"][schema.vmean_key("w")]
     st = compare_global.compare_global_state([ref], [res])
     assert f"{schema.vmean_key('w')} (missing)" in st["entries_differ"]
