@@ -62,9 +62,9 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
                         "(the recipe's optimizer.max_tensor_parallel_degree; default 1)")
     p.add_argument("--period-one-substrings", default="", metavar="A,B",
                    help="--to gefen: parameter name substrings kept at period 1 (the recipe's "
-                        "optimizer.period_one_substrings)")
+                        "optimizer.gefen.period_one_substrings)")
     p.add_argument("--deterministic", action="store_true",
-                   help="--to gefen: mark the state for optimizer.deterministic = true")
+                   help="--to gefen: mark the state for optimizer.gefen.deterministic = true")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     _key_option(p)
 

@@ -360,7 +360,7 @@ def _to_gefen(ck: Checkpoint, options: ConvertOptions):
         "resume": "--optimizer.name Gefen (agreed blocking, the default)"
                   + (f" with optimizer.max_tensor_parallel_degree = {options.max_tensor_parallel_degree}"
                      if options.max_tensor_parallel_degree > 1 else "")
-                  + (" and optimizer.deterministic = true" if options.deterministic else ""),
+                  + (" and optimizer.gefen.deterministic = true" if options.deterministic else ""),
         "notes": [],
     }
     return entries, report, replaced
