@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from gefen_titan import patches
 from gefen_titan.data import corpus as data
+from tests.helpers import suite_cache
 
 # In-process tests build torchtitan components on CPU: what train.py does first.
 patches.apply_all()
@@ -42,10 +43,22 @@ class TinyBlock(nn.Module):
 INTEGRATION = Path(__file__).resolve().parent / "integration"
 
 
+# Modules that share a session fixture run in one worker (``runs`` of
+# tests/integration/conftest.py: the format-v1 reshard runs).
+SHARED_GROUPS = {"test_reshard_fail_closed": "test_reshard"}
+
+
 def pytest_collection_modifyitems(config, items):
+    # Parallel workers (the README's ``-n 2``) take whole modules
+    # (``--dist loadgroup``): a module's fixtures (its reference runs, its
+    # launches) are then built once, not once per worker that runs one of its tests.
+    grouped = config.pluginmanager.hasplugin("xdist")
     for item in items:
         if INTEGRATION in item.path.parents:
             item.add_marker(pytest.mark.integration)
+        if grouped:
+            stem = item.path.stem
+            item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(stem, f"{item.path.parent.name}/{stem}")))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -59,11 +72,11 @@ def token_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference_cache(tmp_path_factory) -> Path:
-    """The session's cache of CI reference runs (``gefen_titan.validation.runs.reference_run``):
-    a run of the same identity (recipe, processes, settings) is trained once
-    and reused by every test that asks for it (recipe regression, reshard
-    validation, meshes)."""
-    return tmp_path_factory.getbasetemp() / "reshard_reference_cache"
+    """The suite run's cache of CI reference runs (``gefen_titan.validation.runs.reference_run``):
+    a run of the same identity (recipe, processes, settings) is trained once,
+    by whichever worker asks first, and reused by every test that asks for it
+    (recipe regression, reshard validation, meshes)."""
+    return suite_cache.reference_cache(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

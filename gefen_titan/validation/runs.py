@@ -15,6 +15,7 @@ identity (``gefen_titan.validation.identity``).
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import os
@@ -265,8 +266,20 @@ def reference_run(settings: Settings, side: Side | int, *, out: Path, cache: Pat
     overrides = settings.overrides(side)
     identity = run_identity(settings.recipe, side.nproc, overrides)
     folder = (cache / f"{tag}-{side.label}-{identity}") if cache else (out / f"{tag}-{side.label}")
+    if not cache:
+        return _train_reference(settings, side, folder, identity, tag, quiet)
+    # Callers in other processes share the cache (validate commands, the
+    # suite's parallel workers): the first trains a run while the others wait
+    # on its lock, then read it, so no run is trained twice or read half-written.
+    (cache / ".locks").mkdir(parents=True, exist_ok=True)
+    with open(cache / ".locks" / folder.name, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _cached_reference(settings, side, folder, identity, tag, quiet)
+
+
+def _cached_reference(settings: Settings, side: Side, folder: Path, identity: str, tag: str, quiet: bool) -> Run:
     done = folder / "run.json"
-    if cache and done.exists():
+    if done.exists():
         run = Run(**{k: v for k, v in json.loads(done.read_text()).items() if k in Run.__dataclass_fields__})
         run.losses = {int(k): v for k, v in run.losses.items()}
         # The cache key is the run's config, not its spelling: a run cached
@@ -276,6 +289,11 @@ def reference_run(settings: Settings, side: Side | int, *, out: Path, cache: Pat
         if not quiet:
             print(f"  reference at {side.ranks()}: reusing {folder}", flush=True)
         return run
+    return _train_reference(settings, side, folder, identity, tag, quiet)
+
+
+def _train_reference(settings: Settings, side: Side, folder: Path, identity: str, tag: str, quiet: bool) -> Run:
+    done = folder / "run.json"
     if folder.exists():
         shutil.rmtree(folder)
     if not quiet:

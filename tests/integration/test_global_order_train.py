@@ -25,7 +25,7 @@ import pytest
 
 from gefen_titan.validation import bands, runs
 from gefen_titan.validation.report import compare_batches
-from tests.helpers import processes
+from tests.helpers import processes, suite_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "validate_reshard.py"
@@ -48,7 +48,7 @@ def validated(tmp_path_factory):
            "--steps-before", str(CI["steps_before"]), "--steps-after", str(CI["steps_after"]),
            "--global-batch", str(CI["global_batch"]), "--local-batch", str(CI["local_batch"]),
            "--pairs", "2:1", "--out", str(out), *processes.validate_launcher(),
-           "--reference-cache", str(tmp_path_factory.getbasetemp() / "reshard_reference_cache")]
+           "--reference-cache", str(suite_cache.reference_cache(tmp_path_factory))]
     proc = processes.run(cmd, cwd=ROOT, timeout=850)  # below pytest-timeout's 900 s: a hang fails here, ranks stopped
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
     return proc, report, out

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import processes
+from tests.helpers import processes, suite_cache
 from tests.helpers import reference_curves as urc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ def runs_dir(tmp_path_factory):
 def test_cpu_recipe_matches_stored_curve(recipe, runs_dir, tmp_path_factory):
     stored = json.loads(urc.curve_path(recipe).read_text())
     assert stored["recipe"] == f"recipes/{recipe.name}" and stored["tolerance"] == urc.TOLERANCE
-    cache = tmp_path_factory.getbasetemp() / "reshard_reference_cache"
+    cache = suite_cache.reference_cache(tmp_path_factory)
     _, nproc, run = urc.run_recipe(recipe, out=runs_dir, cache=cache, stored=stored)
     assert nproc == stored["nproc"]
     dev, problems = urc.compare(stored, run.losses)
@@ -95,7 +95,7 @@ def test_forked_ranks_train_the_bits_torchrun_trains(runs_dir, tmp_path_factory)
         pytest.skip(launchers.can_fork())  # then every run here is torchrun's: nothing to compare
     recipe = ROOT / "recipes" / "llama_gefen.toml"
     stored = json.loads(urc.curve_path(recipe).read_text())
-    cache = tmp_path_factory.getbasetemp() / "reshard_reference_cache"
+    cache = suite_cache.reference_cache(tmp_path_factory)
     settings, nproc, forked = urc.run_recipe(recipe, out=runs_dir, cache=cache, stored=stored)
     assert settings.launcher == "fork"
     settings.launcher = "torchrun"

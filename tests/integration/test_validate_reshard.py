@@ -31,7 +31,7 @@ import pytest
 
 from gefen_titan.optim.checkpointing.gefen_validation import TOL_MOMENTUM, TOL_UPDATE, TOL_VMEAN
 from gefen_titan.validation import bands, compare_global, identity, recipes, runs
-from tests.helpers import processes
+from tests.helpers import processes, suite_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "validate_reshard.py"
@@ -56,7 +56,7 @@ CI_ARGS = ["--recipe", "recipes/llama_gefen.toml", "--backend", "gloo",
 
 
 def reference_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.getbasetemp() / "reshard_reference_cache"
+    return suite_cache.reference_cache(tmp_path_factory)
 
 
 def validate(tmp_path_factory, out: Path, *args: str,

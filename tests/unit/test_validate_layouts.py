@@ -311,3 +311,37 @@ def test_the_fork_launcher_is_refused_before_any_run_where_it_cannot_start_ranks
     assert not (tmp_path / "v").exists()  # nothing ran, nothing written
     with pytest.raises(ValueError, match="launcher must be one of"):
         launchers.launch_ranks("mpirun", 1, [], log=tmp_path / "log", env={}, port=0)
+
+
+def test_callers_sharing_a_reference_cache_train_each_run_once(monkeypatch, tmp_path):
+    """The suite's parallel workers and concurrent validate commands share one
+    cache: a caller that finds a run being trained waits for it and reads it,
+    it does not train it again nor read it half-written (the cache's lock)."""
+    import multiprocessing
+    import time
+
+    trained, cache = tmp_path / "trained", tmp_path / "cache"
+
+    def fake_launch(settings, side, folder, extra, save_steps, env, quiet=False):
+        with open(trained, "a") as f:
+            f.write(f"{folder}\n")
+        time.sleep(1.0)  # the other caller arrives while the run trains
+        folder.mkdir(parents=True)
+        run = runs.Run(folder=str(folder), nproc=side.nproc, losses={1: 1.0}, seconds=1.0)
+        (folder / "run.json").write_text(json.dumps(runs.asdict(run)))
+        return run
+
+    def caller(i: int) -> None:
+        run = runs.reference_run(runs.Settings(recipe=DEBUG, **CI), 1, out=tmp_path, cache=cache, quiet=True)
+        (tmp_path / f"got-{i}").write_text(json.dumps([run.folder, run.losses]))
+
+    monkeypatch.setattr(runs, "launch", fake_launch)
+    # Processes, as the suite's workers are (torchtitan's config registry is not thread-safe).
+    callers = [multiprocessing.get_context("fork").Process(target=caller, args=(i,)) for i in range(2)]
+    for c in callers:
+        c.start()
+    for c in callers:
+        c.join(60)
+    assert [c.exitcode for c in callers] == [0, 0]
+    assert len(trained.read_text().splitlines()) == 1
+    assert json.loads((tmp_path / "got-0").read_text()) == json.loads((tmp_path / "got-1").read_text())
