@@ -160,7 +160,7 @@ def variant_registered(monkeypatch):
     tools know of it), registered for this test and dropped after."""
     monkeypatch.setattr(schema, "PATTERNS", dict(schema.PATTERNS))
     monkeypatch.setattr(schema, "SMALL_KINDS", dict(schema.SMALL_KINDS))
-    monkeypatch.setattr(schema, "_NAMED_KINDS", set(schema._NAMED_KINDS))
+    monkeypatch.setattr(schema, "_NAMED_KINDS", dict(schema._NAMED_KINDS))
     schema.register_kinds({"variant": "record", "variant_codebook": "codebook"})
     described = dataclasses.replace(gefen_records.description("Variant", "variant", "variant_codebook",
                                                                _VariantRecord),
