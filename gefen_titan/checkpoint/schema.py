@@ -78,12 +78,14 @@ K = 256  # codebook entries (gefen-x: num_codebooks=256)
 HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
 
 # The key patterns, by kind (``Key.kind``: the name code uses; the pattern is what is on disk). A
-# kind's keys sit under the path segment its row names, which need not be its name: renaming a
-# segment would be a format step (a new version and a reader of the old one), renaming a kind is
-# not. ``parse_key`` and ``entry_key`` go through the rows, never through the kind's name.
+# kind's keys sit under the path segment its row names, not under its name: Gefen's records are kind
+# "gefen" (as GefenMuon's are "muon") under the segment "optimizer", which every version (v1 on) has
+# written them under. Renaming that segment would be a format step (a new version and a reader of the
+# old one), so the row keeps it; ``parse_key`` and ``entry_key`` go through the rows, never through
+# the kind's name.
 PATTERNS = {
     "header": "gefen/format",
-    "optimizer": "gefen/optimizer/{opt}",
+    "gefen": "gefen/optimizer/{opt}",
     "codebook": "gefen/codebook/{opt}",
     "codes": "gefen/codes/{fqn}",
     "qcodes": "gefen/qcodes/{fqn}",
@@ -117,7 +119,7 @@ _RAW_KINDS = ("qcodes", "grid")
 # The small entries a load reads before DCP reads the state (``gefen_titan.optim.checkpointing.load_context``):
 # kind -> "str" (a record's JSON) or "tensor" (a codebook, v1's rank table). Everything else is a
 # parameter's state tensor, read by DCP into the load's destinations.
-SMALL_KINDS: dict[str, str] = {"header": "str", "optimizer": "str", "muon": "str", "codebook": "tensor",
+SMALL_KINDS: dict[str, str] = {"header": "str", "gefen": "str", "muon": "str", "codebook": "tensor",
                                "muon_codebook": "tensor", "records": "tensor", "rank_codebook": "tensor"}
 
 
@@ -129,7 +131,7 @@ def _segment(kind: str) -> str:
 # Kinds keyed by one name (an optimizer id or a fqn), by their keys' segment: ``gefen/{segment}/{name}``
 # -> kind (``parse_key``'s map; one segment per kind, one kind per segment).
 _NAMED_KINDS: dict[str, str] = {_segment(kind): kind for kind in (
-    "optimizer", "codebook", "muon", "muon_codebook",
+    "gefen", "codebook", "muon", "muon_codebook",
     "codes", "magnitude", "vmean", "qcodes", "grid", "muon_codes", "muon_magnitude", "muon_rows")}
 
 
@@ -140,7 +142,8 @@ def register_kinds(kinds: dict[str, str]) -> None:
     with every other kind's in a load's one small read; its tensors are DCP entries like Gefen's.
 
     A registered kind's segment is its name, so the name must be neither a kind nor the segment of
-    one (``format`` is the header's): two kinds under one segment would each parse as the other.
+    one (``optimizer`` is Gefen's records' segment, ``format`` the header's): two kinds under one
+    segment would each parse as the other.
     """
     segments = {_segment(k) for k in PATTERNS}
     for kind, role in kinds.items():
@@ -158,7 +161,7 @@ def register_kinds(kinds: dict[str, str]) -> None:
 
 def entry_key(kind: str, name: str) -> str:
     """The key of ``name`` (an optimizer id or a parameter's fqn) of a kind keyed by one name, from the
-    kind's ``PATTERNS`` row (``entry_key("muon", opt)`` is ``gefen/muon/{opt}``)."""
+    kind's ``PATTERNS`` row (``entry_key("gefen", opt)`` is ``gefen/optimizer/{opt}``)."""
     if kind not in _NAMED_KINDS.values():
         raise ValueError(f"{kind!r} is no key kind keyed by one name")
     return PATTERNS[kind].format(opt=name, fqn=name)
@@ -180,7 +183,8 @@ def header_key() -> str:
 
 
 def optimizer_key(opt: str) -> str:
-    return PATTERNS["optimizer"].format(opt=opt)
+    """A Gefen optimizer's record (kind ``gefen``)."""
+    return PATTERNS["gefen"].format(opt=opt)
 
 
 def codebook_key(opt: str) -> str:
@@ -244,7 +248,8 @@ def rank_codebook_key(opt: str, rank: int) -> str:
 class Key:
     """A parsed Gefen key: what the entry is, and whose.
 
-    ``kind`` is one of ``header``, ``optimizer``, ``codebook`` (v2/v3), ``codes``,
+    ``kind`` is one of ``header``, ``gefen`` (Gefen's records, keyed
+    ``gefen/optimizer/{opt}``), ``codebook`` (v2/v3), ``codes``,
     ``magnitude``, ``vmean`` (v2), ``qcodes``, ``grid`` (v3), ``records``,
     ``blocks``, ``rank_codebook`` (v1), ``muon``, ``muon_codebook``,
     ``muon_codes``, ``muon_magnitude``, ``muon_rows`` (GefenMuon): a

@@ -30,6 +30,17 @@ def test_key_builders_use_the_table():
     assert f"`gefen-titan` v{schema.VERSION}" in DOC
 
 
+def test_gefens_records_keep_their_key_as_kind_gefen():
+    """Gefen's records are key kind "gefen" in code (as GefenMuon's are "muon") and keep the key every
+    version wrote, ``gefen/optimizer/{its first parameter}``: the kind's name is not the key's segment."""
+    assert schema.optimizer_key("tok_embeddings.weight") == "gefen/optimizer/tok_embeddings.weight"
+    assert schema.entry_key("gefen", "tok_embeddings.weight") == "gefen/optimizer/tok_embeddings.weight"
+    assert schema.parse_key("gefen/optimizer/tok_embeddings.weight") == schema.Key("gefen", "tok_embeddings.weight")
+    assert schema.parse_key("gefen/gefen/tok_embeddings.weight") is None
+    with pytest.raises(ValueError, match="no key kind keyed by one name"):
+        schema.entry_key("optimizer", "tok_embeddings.weight")
+
+
 def test_every_kind_keyed_by_one_name_parses_back_from_its_pattern():
     named = [kind for kind, pattern in schema.PATTERNS.items() if pattern.count("{") == 1]
     assert len(named) == 12, named
@@ -46,15 +57,15 @@ def kinds_restored(monkeypatch):
     monkeypatch.setattr(schema, "_NAMED_KINDS", dict(schema._NAMED_KINDS))
 
 
-@pytest.mark.parametrize("kind", ["format", "a/b", ""])
+@pytest.mark.parametrize("kind", ["optimizer", "format", "a/b", ""])
 def test_a_kind_whose_keys_would_be_another_kinds_cannot_be_registered(kinds_restored, kind):
-    """A registered kind's keys are ``gefen/{kind}/...``: "format" (the header's segment) would parse
-    as the header, "a/b" or "" as no key."""
+    """A registered kind's keys are ``gefen/{kind}/...``: "optimizer" (Gefen's records' segment) or
+    "format" (the header's) would parse as that kind, "a/b" or "" as no key."""
     before = dict(schema.PATTERNS)
     with pytest.raises(ValueError, match=f"cannot register key kind {kind!r}: its keys"):
         schema.register_kinds({kind: "record"})
     assert schema.PATTERNS == before
-    assert schema.parse_key("gefen/format") == schema.Key("header")
+    assert schema.parse_key("gefen/optimizer/a.b") == schema.Key("gefen", "a.b")
 
 
 def test_a_registered_kind_is_keyed_by_its_name(kinds_restored):
