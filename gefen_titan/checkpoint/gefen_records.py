@@ -127,9 +127,9 @@ def _check_agreed_param(entries: dict[str, Any], p: GefenParam, global_step: int
 # ------------------------------------------------------------------ v1
 def _read(inp: RecordsInput, problems: list[Problem]) -> KindRecords:
     if inp.header.version in schema.AGREED_VERSIONS:
-        return _read_agreed(inp, problems, "Gefen", "optimizer", "codebook", schema_records.OptimizerRecord)
+        return _read_agreed(inp, problems, "Gefen", "gefen", "codebook", schema_records.OptimizerRecord)
     out = KindRecords("Gefen", [])
-    for name in inp.names_of("optimizer"):
+    for name in inp.names_of("gefen"):
         opt_id = inp.parsed[name].name
         try:
             meta = schema_v1.V1OptimizerRecord.from_json(inp.values[name], opt_id)
@@ -272,7 +272,7 @@ def _render(o: dict[str, Any]) -> list[str]:
     return lines + text.table(head, rows)
 
 
-def description(name: str = "Gefen", record_kind: str = "optimizer", codebook_kind: str = "codebook",
+def description(name: str = "Gefen", record_kind: str = "gefen", codebook_kind: str = "codebook",
                 record_type: Any = schema_records.OptimizerRecord) -> KindDescription:
     """Gefen's description; with other names, that of a kind keeping Gefen's state under records of
     its own (agreed blocking only: formats v2 and v3)."""

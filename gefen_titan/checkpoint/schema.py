@@ -77,10 +77,15 @@ K = 256  # codebook entries (gefen-x: num_codebooks=256)
 # optimizers restore theirs the same way; the LR scheduler then resets lr).
 HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
 
-# The key patterns, by kind (``Key.kind``).
+# The key patterns, by kind (``Key.kind``: the name code uses; the pattern is what is on disk). A
+# kind's keys sit under the path segment its row names, not under its name: Gefen's records are kind
+# "gefen" (as GefenMuon's are "muon") under the segment "optimizer", which every version (v1 on) has
+# written them under. Renaming that segment would be a format step (a new version and a reader of the
+# old one), so the row keeps it; ``parse_key`` and ``entry_key`` go through the rows, never through
+# the kind's name.
 PATTERNS = {
     "header": "gefen/format",
-    "optimizer": "gefen/optimizer/{opt}",
+    "gefen": "gefen/optimizer/{opt}",
     "codebook": "gefen/codebook/{opt}",
     "codes": "gefen/codes/{fqn}",
     "qcodes": "gefen/qcodes/{fqn}",
@@ -114,11 +119,20 @@ _RAW_KINDS = ("qcodes", "grid")
 # The small entries a load reads before DCP reads the state (``gefen_titan.optim.checkpointing.load_context``):
 # kind -> "str" (a record's JSON) or "tensor" (a codebook, v1's rank table). Everything else is a
 # parameter's state tensor, read by DCP into the load's destinations.
-SMALL_KINDS: dict[str, str] = {"header": "str", "optimizer": "str", "muon": "str", "codebook": "tensor",
+SMALL_KINDS: dict[str, str] = {"header": "str", "gefen": "str", "muon": "str", "codebook": "tensor",
                                "muon_codebook": "tensor", "records": "tensor", "rank_codebook": "tensor"}
-# Kinds keyed by one name (an optimizer id or a fqn): ``gefen/{kind}/{name}``.
-_NAMED_KINDS = {"optimizer", "codebook", "muon", "muon_codebook", *("codes", "magnitude", "vmean", "qcodes", "grid",
-                                                                    "muon_codes", "muon_magnitude", "muon_rows")}
+
+
+def _segment(kind: str) -> str:
+    """The path segment of a kind's keys (``gefen/{segment}/...``), from its ``PATTERNS`` row."""
+    return PATTERNS[kind][len(PREFIX):].partition("/")[0]
+
+
+# Kinds keyed by one name (an optimizer id or a fqn), by their keys' segment: ``gefen/{segment}/{name}``
+# -> kind (``parse_key``'s map; one segment per kind, one kind per segment).
+_NAMED_KINDS: dict[str, str] = {_segment(kind): kind for kind in (
+    "gefen", "codebook", "muon", "muon_codebook",
+    "codes", "magnitude", "vmean", "qcodes", "grid", "muon_codes", "muon_magnitude", "muon_rows")}
 
 
 def register_kinds(kinds: dict[str, str]) -> None:
@@ -126,22 +140,31 @@ def register_kinds(kinds: dict[str, str]) -> None:
     ``gefen/{kind}/{opt}``), "codebook" (a codebook, ``gefen/{kind}/{opt}``) or "tensor" (a
     parameter's state tensor, ``gefen/{kind}/{fqn}``). A kind's records and codebooks are then read
     with every other kind's in a load's one small read; its tensors are DCP entries like Gefen's.
+
+    A registered kind's segment is its name, so the name must be neither a kind nor the segment of
+    one (``optimizer`` is Gefen's records' segment, ``format`` the header's): two kinds under one
+    segment would each parse as the other.
     """
+    segments = {_segment(k) for k in PATTERNS}
     for kind, role in kinds.items():
         if kind in PATTERNS or role not in ("record", "codebook", "tensor"):
             raise ValueError(f"cannot register key kind {kind!r} as {role!r}: taken, or not record/codebook/tensor")
+        if kind in segments or not kind or "/" in kind:
+            raise ValueError(f"cannot register key kind {kind!r}: its keys gefen/{kind}/... would be another "
+                             "kind's (or no key); name it otherwise")
     for kind, role in kinds.items():
         PATTERNS[kind] = f"{PREFIX}{kind}/{{{'fqn' if role == 'tensor' else 'opt'}}}"
-        _NAMED_KINDS.add(kind)
+        _NAMED_KINDS[kind] = kind
         if role != "tensor":
             SMALL_KINDS[kind] = "str" if role == "record" else "tensor"
 
 
 def entry_key(kind: str, name: str) -> str:
-    """``gefen/{kind}/{name}`` of a kind keyed by one name (an optimizer id or a parameter's fqn)."""
-    if kind not in _NAMED_KINDS:
+    """The key of ``name`` (an optimizer id or a parameter's fqn) of a kind keyed by one name, from the
+    kind's ``PATTERNS`` row (``entry_key("gefen", opt)`` is ``gefen/optimizer/{opt}``)."""
+    if kind not in _NAMED_KINDS.values():
         raise ValueError(f"{kind!r} is no key kind keyed by one name")
-    return f"{PREFIX}{kind}/{name}"
+    return PATTERNS[kind].format(opt=name, fqn=name)
 
 
 def optimizer_id(param_names: list[str] | tuple[str, ...]) -> str:
@@ -160,7 +183,8 @@ def header_key() -> str:
 
 
 def optimizer_key(opt: str) -> str:
-    return PATTERNS["optimizer"].format(opt=opt)
+    """A Gefen optimizer's record (kind ``gefen``)."""
+    return PATTERNS["gefen"].format(opt=opt)
 
 
 def codebook_key(opt: str) -> str:
@@ -224,12 +248,14 @@ def rank_codebook_key(opt: str, rank: int) -> str:
 class Key:
     """A parsed Gefen key: what the entry is, and whose.
 
-    ``kind`` is one of ``header``, ``optimizer``, ``codebook`` (v2/v3),
-    ``codes``, ``magnitude``, ``vmean`` (v2), ``qcodes``, ``grid`` (v3), ``records``,
+    ``kind`` is one of ``header``, ``gefen`` (Gefen's records, keyed
+    ``gefen/optimizer/{opt}``), ``codebook`` (v2/v3), ``codes``,
+    ``magnitude``, ``vmean`` (v2), ``qcodes``, ``grid`` (v3), ``records``,
     ``blocks``, ``rank_codebook`` (v1), ``muon``, ``muon_codebook``,
-    ``muon_codes``, ``muon_magnitude``, ``muon_rows`` (GefenMuon); ``name``
-    is the optimizer id or the parameter's fqn (empty for the header);
-    ``rank`` the source rank of a v1 entry.
+    ``muon_codes``, ``muon_magnitude``, ``muon_rows`` (GefenMuon): a
+    ``PATTERNS`` row's name, not the key's segment; ``name`` is the
+    optimizer id or the parameter's fqn (empty for the header); ``rank``
+    the source rank of a v1 entry.
     """
 
     kind: str
@@ -255,12 +281,11 @@ def parse_key(key: str) -> Key | None:
     if m:
         kind = "rank_codebook" if m.group(1) == "codebook" else m.group(1)
         return Key(kind, m.group(2), int(m.group(3)))
-    kind, sep, name = rest.partition("/")
+    segment, sep, name = rest.partition("/")
     if not sep or not name or "/" in name:
         return None
-    if kind in _NAMED_KINDS:
-        return Key(kind, name)
-    return None
+    kind = _NAMED_KINDS.get(segment)
+    return Key(kind, name) if kind is not None else None
 
 
 def is_gefen_key(key: str) -> bool:

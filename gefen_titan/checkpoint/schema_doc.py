@@ -33,7 +33,7 @@ _RAW = " Stored as raw bytes (little-endian, no framing; see *Raw entries*)."
 KEYS: dict[int, list[tuple[str, str, str]]] = {
     3: [(schema.PATTERNS[kind], value, by) for kind, value, by in [
         ("header", 'str (json) {"format": "gefen-titan", "version": 3, "blocking": "agreed"}', "every rank (same)"),
-        ("optimizer", _RECORD, "every rank of the optimizer (same)"),
+        ("gefen", _RECORD, "every rank of the optimizer (same)"),
         ("codebook", "fp32 [256], sorted, ends -1 and +1; one codebook for the whole job",
          "every rank of the optimizer (same)"),
         ("qcodes", "uint8, the parameter's shape and placements." + _RAW, "DTensor: each its shard"),
@@ -44,7 +44,7 @@ KEYS: dict[int, list[tuple[str, str, str]]] = {
     ]],
     2: [(schema.PATTERNS[kind], value, by) for kind, value, by in [
         ("header", 'str (json) {"format": "gefen-titan", "version": 2, "blocking": "agreed"}', "every rank (same)"),
-        ("optimizer", _RECORD, "every rank of the optimizer (same)"),
+        ("gefen", _RECORD, "every rank of the optimizer (same)"),
         ("codebook", "fp32 [256], sorted, ends -1 and +1; one codebook for the whole job",
          "every rank of the optimizer (same)"),
         ("codes", "uint8, the parameter's shape and placements", "DTensor: each its shard"),
@@ -56,7 +56,7 @@ KEYS: dict[int, list[tuple[str, str, str]]] = {
     1: [(schema.PATTERNS[kind], value, by) for kind, value, by in [
         ("header", 'str (json) {"format": "gefen-titan", "version": 1} (newer writers add '
          '"blocking": "per_rank")', "every rank (same)"),
-        ("optimizer", "str (json): nshards, and per parameter in order: fqn, global shape, "
+        ("gefen", "str (json): nshards, and per parameter in order: fqn, global shape, "
          "group hyperparameters", "every rank of the optimizer (same)"),
         ("codes", "uint8, the parameter's global shape and placements", "DTensor: each its shard"),
         ("records", "int64 [1 + P, 7]: row 0 = global step, P; row 1 + i = parameter i's "

@@ -103,7 +103,7 @@ def checkpoint(step_dir: str, built) -> dict:
     md = FileSystemReader(step_dir).read_metadata()
     prefix = "optimizer."
     name = next(k[len(prefix):] for k in md.state_dict_metadata if k.startswith(prefix)
-                and (key := schema.parse_key(k[len(prefix):])) is not None and key.kind == "optimizer")
+                and (key := schema.parse_key(k[len(prefix):])) is not None and key.kind == "gefen")
     raw = read_small(step_dir, md, prefix, [], [name])[name]
     record = schema_records.OptimizerRecord.from_json(raw, schema.parse_key(name).name)
     built = dataclasses.replace(built, gefen_hyper=record.params[0].group)

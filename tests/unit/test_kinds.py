@@ -1,16 +1,20 @@
 """The records stage's checks across kinds (``checkpoint.record_checks``) and the kinds' descriptions
-(``checkpoint.kinds``), on records built in memory: no checkpoint is written (milliseconds)."""
+(``checkpoint.kinds``), on records built in memory and on the stored v2 checkpoint's (tests/fixtures):
+no checkpoint is written (milliseconds)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
-from gefen_titan.checkpoint import kinds, record_checks, schema, schema_records
+from gefen_titan.checkpoint import kinds, record_checks, schema, schema_records, storage
 from gefen_titan.checkpoint.schema_muon import MuonOptimizerRecord, MuonParamRecord
 from gefen_titan.optim import registry
 
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v2_debug_fsdp2_step3"
 GROUP = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.0}
 MUON_GROUP = {"lr": 0.02, "weight_decay": 0.0, "momentum": 0.95, "nesterov": True,
               "ns_coefficients": [3.4445, -4.775, 2.0315], "ns_steps": 5, "eps": 1e-7, "adjust_lr_fn": None,
@@ -70,3 +74,23 @@ def test_a_description_cannot_take_another_kinds_key_kinds():
     with pytest.raises(ValueError, match=r"\['muon'\]"):
         kinds.register(kinds.KindDescription("Other", frozenset({"muon"}), gefen.read, gefen.versions))
     assert [d.name for d in kinds.descriptions()] == ["Gefen", "GefenMuon"]
+
+
+@pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
+def test_the_stored_checkpoints_gefen_record_is_key_kind_gefen():
+    """The v2 checkpoint that earlier code wrote (tests/fixtures; never regenerated) keeps Gefen's record
+    under ``gefen/optimizer/{its first parameter}``: that key is key kind "gefen", and Gefen's description
+    reads it as before (every parameter, no problem, nothing unknown)."""
+    md = storage.read_metadata(FIXTURE)
+    entries = {k.partition(".")[2]: v for k, v in md.state_dict_metadata.items() if k.startswith("optimizer.")}
+    names = record_checks.small_names(entries)
+    record = "gefen/optimizer/tok_embeddings.weight"
+    assert names == ["gefen/codebook/tok_embeddings.weight", "gefen/format", record]
+    assert schema.parse_key(record) == schema.Key("gefen", "tok_embeddings.weight")
+    strings = [n for n in names if schema.SMALL_KINDS[schema.parse_key(n).kind] == "str"]
+    values = storage.read_small(str(FIXTURE), md, "optimizer.", [n for n in names if n not in strings], strings)
+    whats, saved = _whats(entries, values)
+    assert whats == [] and list(saved.kinds) == ["Gefen"], whats
+    (o,) = saved.kinds["Gefen"].optimizers
+    assert o.opt == "tok_embeddings.weight" and o.params[0].fqn == o.opt and len(o.params) == 45
+    assert set(saved.kinds["Gefen"].owner.values()) == {record}

@@ -106,7 +106,7 @@ def _int32(md) -> None:  # the same item size, another dtype: only the stored te
 
 
 def _records(opt_sd) -> None:
-    for key in [k for k in opt_sd if schema.parse_key(k) and schema.parse_key(k).kind == "optimizer"]:
+    for key in [k for k in opt_sd if schema.parse_key(k) and schema.parse_key(k).kind == "gefen"]:
         rec = json.loads(opt_sd[key])
         rec["global_step"] = 0  # below its parameters' step (1)
         opt_sd[key] = json.dumps(rec)

@@ -127,7 +127,7 @@ def entries(opt_sd: dict, kind: str) -> list[str]:
 
 
 def edit_records(kind: str, change: Callable[[dict], None]) -> Callable[[dict], None]:
-    """An edit of every record of ``kind`` ("optimizer": Gefen's, "muon": GefenMuon's): ``change(record dict)``."""
+    """An edit of every record of ``kind`` ("gefen": Gefen's, "muon": GefenMuon's): ``change(record dict)``."""
     def edit(opt_sd):
         for key in entries(opt_sd, kind):
             rec = json.loads(opt_sd[key])
@@ -262,7 +262,7 @@ def test_nan_or_negative_gefen_hyperparameters_are_refused(saved, tmp_path, key,
     def change(rec):
         rec["params"][0]["group"][key] = value
 
-    edited(root, tmp_path, STEP, edit_records("optimizer", change))
+    edited(root, tmp_path, STEP, edit_records("gefen", change))
     fqn = next(gx.named_params(next(o for o in saved[2].optimizers if gx.is_gefen(o))))[0]  # params[0]
     opt = refused(tmp_path, re.escape(f"{fqn}: hyperparameter {key}={value!r} in the checkpoint is invalid"))
     gefen = next(o for o in opt.optimizers if gx.is_gefen(o))
@@ -277,7 +277,7 @@ def _behind(rec):
     rec["global_step"] = top - 1
 
 
-@pytest.mark.parametrize("kind", ["optimizer", "muon"])
+@pytest.mark.parametrize("kind", ["gefen", "muon"])
 def test_a_parameter_step_above_the_global_step_is_refused(saved, tmp_path, kind):
     """Pins the ``step > global_step`` check of ``schema_records.check_counters`` (Gefen, v3) and
     ``schema_muon.check_muon_counters`` (GefenMuon) on load: a record whose global step is below a

@@ -107,7 +107,12 @@ def test_a_load_reads_every_kinds_records_in_one_collective_read(tmp_path, monke
     assert len(reads) == 1, reads
     (small,) = reads
     kinds = {schema.parse_key(k.partition(".")[2]).kind for k in small}
-    assert kinds == {"header", "optimizer", "codebook", "muon", "muon_codebook"}
+    assert kinds == {"header", "gefen", "codebook", "muon", "muon_codebook"}
+    # Gefen's record keeps the key every version wrote: gefen/optimizer/{its first parameter}, key kind "gefen".
+    gefen_first = schema.optimizer_id([fqn for fqn, _, _ in gx.named_params(opt.optimizers_of("Gefen")[0])])
+    assert gefen_first == "norm.weight"
+    assert [k for k in small if schema.parse_key(k.partition(".")[2]).kind == "gefen"] == [
+        "optimizer.gefen/optimizer/norm.weight"]
     gefen_live, gefen_loaded = opt.optimizers_of("Gefen")[0], fresh.optimizers_of("Gefen")[0]
     _same_state(gefen_live, gefen_loaded)
     muon_live, muon_loaded = opt.optimizers_of("GefenMuon")[0], fresh.optimizers_of("GefenMuon")[0]
@@ -160,7 +165,7 @@ def variant_registered(monkeypatch):
     tools know of it), registered for this test and dropped after."""
     monkeypatch.setattr(schema, "PATTERNS", dict(schema.PATTERNS))
     monkeypatch.setattr(schema, "SMALL_KINDS", dict(schema.SMALL_KINDS))
-    monkeypatch.setattr(schema, "_NAMED_KINDS", set(schema._NAMED_KINDS))
+    monkeypatch.setattr(schema, "_NAMED_KINDS", dict(schema._NAMED_KINDS))
     schema.register_kinds({"variant": "record", "variant_codebook": "codebook"})
     described = dataclasses.replace(gefen_records.description("Variant", "variant", "variant_codebook",
                                                                _VariantRecord),

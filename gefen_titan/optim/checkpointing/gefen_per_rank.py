@@ -213,7 +213,7 @@ class GefenPerRankAdapter(StagedLoad):
         where: dict[str, tuple[str, int, schema_v1.V1ParamRecord, int, int]] = {}
         for key, value in small.items():
             pk = schema.parse_key(key)
-            if pk and pk.kind == "optimizer":
+            if pk and pk.kind == "gefen":
                 meta = schema_v1.V1OptimizerRecord.from_json(value, pk.name)
                 for i, rec in enumerate(meta.params):
                     where[rec.fqn] = (pk.name, i, rec, meta.nshards, len(meta.params))

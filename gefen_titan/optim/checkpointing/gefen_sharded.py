@@ -27,7 +27,7 @@ class GefenShardedAdapter(ShardedAdapter):
 
     kind = "Gefen"
     owns = staticmethod(gx.is_gefen)
-    record_kind, codebook_kind, codebook_what = "optimizer", "codebook", "codebook"
+    record_kind, codebook_kind, codebook_what = "gefen", "codebook", "codebook"
 
     def _format_refusal(self, header: schema_records.Header) -> str:
         return blocking_refusal(header, "agreed")

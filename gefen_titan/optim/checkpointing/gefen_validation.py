@@ -145,7 +145,7 @@ def dense(entries: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
     out = {}
     for key, value in entries.items():
         parsed = schema.parse_key(key)
-        if parsed is None or parsed.kind != "optimizer":
+        if parsed is None or parsed.kind != "gefen":
             continue
         codebook = entries.get(schema.codebook_key(parsed.name))
         try:
