@@ -4,6 +4,8 @@
   holds after a step on a tiny model, per parameter and per optimizer (``optim.state_size``'s count).
 * ``optim.state_size`` counts a kind's per-optimizer tensors through its entry: a third kind's buffer is
   counted while its entry names it, and not once the entry is gone.
+* Gefen's planned checkpoint entries (``checkpoint.kinds.PlannedEntries``) are the ones its state adapter
+  writes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from gefen_titan.checkpoint import kinds, schema
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry, state_size
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
@@ -87,3 +90,24 @@ def test_state_size_counts_a_kinds_own_tensors_through_its_entry(buffered_regist
     assert state_size.state_bytes([optim]) == (momentum + 7 * 4, 15)  # the entry names its buffer
     registry.unregister("Buffered")
     assert state_size.state_bytes([optim]) == (momentum, 15)  # no entry: its per-parameter state alone
+
+
+def test_gefens_planned_entries_are_what_its_adapter_writes():
+    opt = _stepped([ParamGroup(pattern=r".*", optimizer_name="Gefen", optimizer_kwargs={"lr": 1e-3})])
+    (optim,) = opt.optimizers_of("Gefen")
+    written = opt.state_dict()
+    planned = registry.get("Gefen").checkpoint.planned_entries
+    params = [kinds.PlannedParam(fqn, tuple(p.shape), gx.period(optim, p), 1, group)
+              for fqn, p, group in gx.named_params(optim)]
+    want = {}
+    for p in params:
+        want.update(planned.param_tensors(p))
+    opt_id = params[0].fqn
+    extra = planned.optimizer_entries(opt_id, params, gx.global_step(optim), gx.options(optim)["deterministic"])
+    mine = {k: v for k, v in written.items() if schema.parse_key(k) and k != schema.header_key()}
+    assert list(mine) == list(want) + list(extra)  # the adapter's order
+    for key, (dtype, shape) in want.items():
+        assert (mine[key].dtype, tuple(mine[key].shape)) == (dtype, shape), key
+    (record, codebook) = extra
+    assert mine[record] == extra[record]  # the record's JSON, byte for byte
+    assert (mine[codebook].dtype, tuple(mine[codebook].shape)) == extra[codebook]
