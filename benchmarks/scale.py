@@ -11,7 +11,9 @@ checkpointing) and our optimizer container. From the parameters' real
 global shapes and placements it computes, for every rank (each rank's
 shard from DTensor's own ``_compute_local_shape_and_global_offset``):
 
-* **Gefen state bytes** per rank, as the optimizer holds them: 1 B per
+* **Gefen state bytes** per rank, as the optimizer holds them, by the rule
+  of its registry entry (``cost``, ``optim.state_cost.StateCost``, which
+  ``state_bytes`` reads for any kind): 1 B per
   element (codes) + 16 B per block (fp32 magnitude and ``vmean``, and
   gefen-x's per-step scratch ``stepsize`` and ``_h_buf``, which live in the
   state but are not checkpointed) + the 1 KiB codebook; period-1 parameters
@@ -24,10 +26,11 @@ shard from DTensor's own ``_compute_local_shape_and_global_offset``):
   block-variance scores find no block structure (gefen-x measures that as
   the usual case on SwiGLU/GQA models). The finest period the rule can pick
   (the smallest candidate >= 8: a winner below 8 becomes the fallback)
-  bounds the state from above ("finest"). AdamW: ``exp_avg`` and
-  ``exp_avg_sq`` (fp32) + a scalar ``step`` per parameter.
+  bounds the state from above ("finest"). AdamW (its entry's rule too):
+  ``exp_avg`` and ``exp_avg_sq`` (fp32) + a scalar ``step`` per parameter.
 * **Checkpoint**: the DCP entries of the optimizer, as the container's
-  ``state_dict()`` gives them (format v3 keys from ``checkpoint.schema``; AdamW's
+  ``state_dict()`` gives them (Gefen's: format v3, as its entry's checkpoint
+  description plans them, ``checkpoint.kinds.PlannedEntries``; AdamW's
   flat keys taken from a real torchtitan container on a small model), and
   every rank's write items, deduplicated with the same greedy rule as
   DCP's ``dedup_save_plans`` (replicated chunks, the shared records and
@@ -340,29 +343,30 @@ class Entry:
     layer: int | None = None
 
 
-def grid(shape: tuple[int, ...], period: int) -> tuple[int, ...]:
-    from gefen_titan.checkpoint.schema import grid_shape
-
-    return grid_shape(shape, period)
-
-
-def gefen_entries(built: Built, rule: str, periods: dict[str, int] | None = None, step: int = 1) -> list[Entry]:
-    """The v3 entries (``ShardedAdapter._save_entries``'s order and records)."""
+def optimizer_entries(built: Built, name: str, rule: str = "fallback", periods: dict[str, int] | None = None,
+                      step: int = 1) -> list[Entry]:
+    """The v3 entries of one optimizer of kind ``name`` over the plan's parameters: the header, then what its
+    registry entry's description plans (``checkpoint.kinds.PlannedEntries``: Gefen's are
+    ``ShardedAdapter._save_entries``' order and records)."""
     from gefen_titan.checkpoint import schema, schema_records
+    from gefen_titan.checkpoint.kinds import PlannedParam
+    from gefen_titan.optim import registry
 
+    planned = registry.get(name).checkpoint.planned_entries
     pre = "optimizer."
     out = [Entry(pre + schema.header_key(), "bytes",
                  value=schema_records.Header.for_blocking("agreed").to_json())]
-    records = []
+    params = []
     for p in built.params:
         period = (periods or {}).get(p.fqn) or p.period(rule)
-        records.append(schema_records.ParamRecord(p.fqn, tuple(p.shape), period, step, step, dict(built.gefen_hyper)))
-        for key, (dtype, shape) in schema.param_tensor_specs(p.fqn, tuple(p.shape), period).items():
+        params.append(PlannedParam(p.fqn, tuple(p.shape), period, step, dict(built.gefen_hyper)))
+        for key, (dtype, shape) in planned.param_tensors(params[-1]).items():
             out.append(Entry(pre + key, "dtensor", dtype, shape, p, layer=p.layer))
-    opt = built.params[0].fqn
-    record = schema_records.OptimizerRecord(built.deterministic, step, records)
-    out.append(Entry(pre + schema.optimizer_key(opt), "bytes", value=record.to_json()))
-    out.append(Entry(pre + schema.codebook_key(opt), "tensor", torch.float32, (256,)))
+    for key, value in planned.optimizer_entries(built.params[0].fqn, params, step, built.deterministic).items():
+        if isinstance(value, tuple):  # a plain tensor: (dtype, shape)
+            out.append(Entry(pre + key, "tensor", value[0], value[1]))
+        else:
+            out.append(Entry(pre + key, "bytes", value=value))
     return out
 
 
@@ -727,36 +731,19 @@ def metadata_estimate(entries: list[Entry], world: int, chunks: Chunks, checkpoi
 
 
 # ------------------------------------------------------------------- plan
-CODEBOOK_BYTES = 256 * 4  # one fp32 [256] codebook per Gefen optimizer
+def state_bytes(built: Built, name: str, rule: str = "fallback", periods: dict[str, int] | None = None) -> list[int]:
+    """Per rank: the state of one optimizer of kind ``name`` over the plan's parameters, by its registry entry's
+    rule (``optim.state_cost.StateCost``), periods by ``rule`` or the given ``periods``."""
+    from gefen_titan.optim import registry
 
-
-# fp32 per block in live state: magnitude and vmean (checkpointed), and
-# gefen-x 0.5.0's per-step scratch ``stepsize`` and ``_h_buf``, which it keeps
-# in the state between steps (docs/gefen_internals.md; not checkpointed).
-LIVE_BLOCK_FLOATS = 4
-
-
-def gefen_param_bytes(numel: int, period: int) -> int:
-    """Gefen's live state for one parameter shard: a uint8 code per element and 4 fp32 per block.
-
-    An empty shard holds nothing (Gefen keeps no tensors for it).
-    """
-    return numel + 4 * LIVE_BLOCK_FLOATS * (numel // period) if numel else 0
-
-
-def state_bytes(built: Built, rule: str | None, periods: dict[str, int] | None = None) -> list[int]:
-    """Per rank: Gefen state bytes under ``rule``'s periods, or the given ``periods`` (None: AdamW's)."""
+    cost = registry.get(name).cost
     chunks = Chunks()
-    out = [CODEBOOK_BYTES if rule is not None else 0] * built.mesh.world
+    out = [cost.optimizer_bytes] * built.mesh.world
     for p in built.params:
-        period = ((periods or {}).get(p.fqn) or p.period(rule)) if rule is not None else 0
+        period = (periods or {}).get(p.fqn) or p.period(rule)
         elem = torch._utils._element_size(p.dtype)
         for r, (sizes, _) in enumerate(chunks.per_rank(p.shape, p)):
-            n = math.prod(sizes)
-            if rule is None:
-                out[r] += 2 * n * elem + 4  # exp_avg, exp_avg_sq, fp32 step
-            else:
-                out[r] += gefen_param_bytes(n, period)
+            out[r] += cost.param_bytes(tuple(sizes), period, elem)
     return out
 
 
@@ -863,10 +850,10 @@ def plan(built: Built, exact_items: int = 100_000, muon_bucket_mib: float | None
     w = built.mesh.world
     row: dict[str, Any] = {"flavor": built.flavor, "mesh": built.mesh.name, "label": built.mesh.label, "world": w,
                            "numel": built.numel}
-    row["gefen_state"] = max(state_bytes(built, "fallback"))
-    row["gefen_state_finest"] = max(state_bytes(built, "finest"))
-    row["adamw_state"] = max(state_bytes(built, None))
-    for name, entries in (("gefen", gefen_entries(built, "fallback")), ("adamw", adamw_entries(built))):
+    row["gefen_state"] = max(state_bytes(built, "Gefen", "fallback"))
+    row["gefen_state_finest"] = max(state_bytes(built, "Gefen", "finest"))
+    row["adamw_state"] = max(state_bytes(built, "AdamW"))
+    for name, entries in (("gefen", optimizer_entries(built, "Gefen")), ("adamw", adamw_entries(built))):
         acc = account(entries, w, chunks)
         md = metadata_estimate(entries, w, chunks, built.checkpoint_id, acc.items, exact_items)
         row[name] = {"entries": acc.entries, "chunks": acc.chunks, "plan_items": acc.items,

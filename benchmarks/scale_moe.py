@@ -13,8 +13,8 @@ routed expert of each grouped weight) and, from here:
 
 * **GefenMuonHybrid's state per rank**: GefenMuon on its matrices (1 B per
   element of codes, an fp32 magnitude per block, NorMuon's fp32 per row of
-  the shard: ``muon_param_bytes``) and Gefen on the rest
-  (``scale.gefen_param_bytes``), a codebook each; periods as the plan's
+  the shard) and Gefen on the rest, a codebook each, by each kind's registry
+  entry (``cost``: ``optim.state_cost.StateCost``); periods as the plan's
   Gefen rows take them (the row unit).
 * **DistMuon** (torchtitan main, ``torchtitan/distributed/flex_shard/
   dist_muon.py``; not in 0.3.0, CUDA only; modelled from its design, never
@@ -42,19 +42,12 @@ from typing import Any
 
 import torch
 
-from benchmarks.scale import CODEBOOK_BYTES, Built, Chunks, Param, gefen_param_bytes, is_muon
+from benchmarks.scale import Built, Chunks, Param, is_muon
 
-__all__ = ["MOE_FIGURES", "distmuon_plan", "moe_figures", "moe_table", "muon_param_bytes", "rank_local_placeholders",
-           "report_moe", "state_per_rank"]
+__all__ = ["MOE_FIGURES", "distmuon_plan", "moe_figures", "moe_table", "rank_local_placeholders", "report_moe",
+           "state_per_rank"]
 
-NORMUON_ROW_BYTES = 4  # NorMuon's fp32 second moment per row (normuon_v)
 DISTMUON_ELEMENT_BYTES = 4  # DistMuon's momentum_buffer: zeros_like(grad), the fp32 parameter's dtype
-
-
-def muon_param_bytes(numel: int, rows: int, period: int) -> int:
-    """GefenMuon's state for one parameter shard: a uint8 code per element, an fp32 magnitude per
-    block, NorMuon's fp32 per row (``gefenx.muon``: m_codebook, m_magnitude, normuon_v)."""
-    return numel + 4 * (numel // period) + NORMUON_ROW_BYTES * rows if numel else 0
 
 
 def rank_local_placeholders(params: list[Param], world: int) -> int:
@@ -77,25 +70,26 @@ def state_per_rank(built: Built, optimizer: str, periods: dict[str, int] | None 
     momentum on them, AdamW on the rest)."""
     if optimizer not in ("hybrid", "distmuon"):
         raise ValueError(f"unknown optimizer {optimizer!r}")
+    from gefen_titan.optim import registry
+
+    gefen, gefen_muon, adamw = (registry.get(name).cost for name in ("Gefen", "GefenMuon", "AdamW"))
     chunks = Chunks()
     w = built.mesh.world
     out = [0] * w
     if optimizer == "hybrid":
         muon = [p for p in built.params if is_muon(built, p)]
         rest = [p for p in built.params if not is_muon(built, p)]
-        out = [sum(CODEBOOK_BYTES + rank_local_placeholders(ps, w) for ps in (muon, rest) if ps)] * w
+        out = [sum(cost.optimizer_bytes + rank_local_placeholders(ps, w)
+                   for cost, ps in ((gefen_muon, muon), (gefen, rest)) if ps)] * w
     for p in built.params:
         muon = is_muon(built, p)
         period = (periods or {}).get(p.fqn) or p.period("fallback")
-        elem = DISTMUON_ELEMENT_BYTES if muon else 2 * torch._utils._element_size(p.dtype)
+        elem = torch._utils._element_size(p.dtype)
         for r, (sizes, _) in enumerate(chunks.per_rank(p.shape, p)):
-            n = math.prod(sizes)
-            if optimizer == "distmuon":
-                out[r] += n * elem + (0 if muon else 4)  # momentum; or exp_avg, exp_avg_sq, fp32 step
-            elif muon:
-                out[r] += muon_param_bytes(n, n // sizes[-1] if n else 0, period)
+            if optimizer == "distmuon":  # momentum; or AdamW's state
+                out[r] += math.prod(sizes) * DISTMUON_ELEMENT_BYTES if muon else adamw.param_bytes(sizes, period, elem)
             else:
-                out[r] += gefen_param_bytes(n, period)
+                out[r] += (gefen_muon if muon else gefen).param_bytes(sizes, period, elem)
     return out
 
 

@@ -6,7 +6,8 @@ entry's ``checkpoint``): its records parsed and checked without a live model
 represent, periods divide the last dimension, every tensor a record implies
 is present with the shape and dtype the period implies, codebooks are valid,
 one for the job in v2 and v3, v1's source shards tile each parameter), its
-rows in ``ckpt inspect`` and its line in ``ckpt verify``. What needs the
+rows in ``ckpt inspect``, its line in ``ckpt verify`` and the entries an
+optimizer writes (``kinds.PlannedEntries``, the scale plan's). What needs the
 live model (the parameters' shapes, the mesh's cuts, ``deterministic``) stays
 with its state adapters (``optim.checkpointing``). A kind whose state is Gefen's
 under records of its own (a test's third kind) builds its description here
@@ -31,6 +32,8 @@ from gefen_titan.checkpoint.kinds import (
     InspectView,
     KindDescription,
     KindRecords,
+    PlannedEntries,
+    PlannedParam,
     Problem,
     RecordsInput,
     check_codebooks,
@@ -272,6 +275,16 @@ def _render(o: dict[str, Any]) -> list[str]:
     return lines + text.table(head, rows)
 
 
+def _planned(record_kind: str, codebook_kind: str, record_type: Any) -> PlannedEntries:
+    """``GefenShardedAdapter``'s entries: per parameter its codes and block grid, then the optimizer's record
+    (every parameter's period and counters, ``vmean_step`` = ``step``) and its codebook."""
+    def optimizer_entries(opt: str, params: list[PlannedParam], step: int, deterministic: bool) -> dict[str, Any]:
+        records = [schema_records.ParamRecord(p.fqn, p.shape, p.period, p.step, p.step, p.group) for p in params]
+        return {schema.entry_key(record_kind, opt): record_type(deterministic, step, records).to_json(),
+                schema.entry_key(codebook_kind, opt): (torch.float32, (schema.K,))}
+    return PlannedEntries(lambda p: schema.param_tensor_specs(p.fqn, p.shape, p.period), optimizer_entries)
+
+
 def description(name: str = "Gefen", record_kind: str = "gefen", codebook_kind: str = "codebook",
                 record_type: Any = schema_records.OptimizerRecord) -> KindDescription:
     """Gefen's description; with other names, that of a kind keeping Gefen's state under records of
@@ -288,4 +301,5 @@ def description(name: str = "Gefen", record_kind: str = "gefen", codebook_kind: 
         name=name, key_kinds=own, read=read, versions=versions,
         nonnegative=frozenset({"magnitude", "vmean", "blocks"}) if name == "Gefen" else frozenset(),
         report_key=name.lower(), summary=_summary, summary_line=_summary_line(name),
-        rows=_rows(name, record_kind, codebook_kind), render=_render)
+        rows=_rows(name, record_kind, codebook_kind), render=_render,
+        planned_entries=_planned(record_kind, codebook_kind, record_type))

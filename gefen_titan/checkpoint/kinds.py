@@ -6,8 +6,10 @@ build: the key kinds it writes (``schema.parse_key``), how its records are
 parsed and checked without a live model (the records stage of
 ``load_checks``: the load runs it on its one small read, ``ckpt verify`` on
 its own), which of its tensors ``verify`` requires to be non-negative, its
-rows and lines in ``ckpt inspect`` and in ``verify``'s summary, and why
-``ckpt convert`` cannot convert it (if it cannot). The registry entry of the
+rows and lines in ``ckpt inspect`` and in ``verify``'s summary, why
+``ckpt convert`` cannot convert it (if it cannot), and the entries one of its
+optimizers writes, from its parameters alone (``PlannedEntries``: the scale
+plan, ``benchmarks/scale.py``, plans a checkpoint it never writes). The registry entry of the
 kind (``optim.registry.OptimizerSpec.checkpoint``) carries it and
 ``optim.registry.register`` registers it here, so the records stage (this
 layer, below the optimizers) and the tools (above them) iterate over the
@@ -32,8 +34,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from gefen_titan.checkpoint import schema, schema_records
 
 __all__ = ["RECORDS", "RECORD_TENSORS", "CODEBOOKS", "Problem", "RecordsInput", "KindRecords", "KindDescription",
-           "InspectView", "register", "unregister", "descriptions", "described_key_kinds", "check_tensor",
-           "check_codebooks"]
+           "InspectView", "PlannedParam", "PlannedEntries", "register", "unregister", "descriptions",
+           "described_key_kinds", "check_tensor", "check_codebooks"]
 
 # The checks of the records stage, by their name in load_checks.CHECKS.
 RECORDS = "records"  # the header and every record parse; counters, hyperparameters, one record per parameter
@@ -88,6 +90,29 @@ class InspectView(Protocol):
 
 
 @dataclass(frozen=True)
+class PlannedParam:
+    """One parameter of an optimizer as a plan sees it: no live optimizer, the state it would have."""
+
+    fqn: str
+    shape: tuple[int, ...]  # global
+    period: int
+    step: int
+    group: dict[str, Any]  # its param group's keys
+
+
+@dataclass(frozen=True)
+class PlannedEntries:
+    """What one optimizer of the kind writes in a checkpoint of format ``schema.VERSION``, from its parameters
+    alone, in the order its state adapter writes them (after the header, which every kind shares)."""
+
+    param_tensors: Callable[[PlannedParam], dict[str, tuple[torch.dtype, tuple[int, ...]]]]
+    """A stateful parameter's tensors: key -> (dtype, global shape), each sharded like the parameter."""
+    optimizer_entries: Callable[[str, list[PlannedParam], int, bool], dict[str, Any]]
+    """(optimizer id, its parameters, global step, deterministic) -> its own entries, written after its
+    parameters' on every rank: key -> a record's value (as saved) or a plain tensor's (dtype, shape)."""
+
+
+@dataclass(frozen=True)
 class KindDescription:
     """Everything the records stage and the offline tools know of one kind's checkpoint state."""
 
@@ -114,6 +139,8 @@ class KindDescription:
     """One of its rows as ``inspect``'s text (without the totals line)."""
     convert_refusal: str | None = None
     """Why ``ckpt convert`` refuses a checkpoint holding its state and what to do instead (None: it converts)."""
+    planned_entries: PlannedEntries | None = None
+    """The entries one of its optimizers writes, for a plan (None: no plan of its checkpoint)."""
 
 
 _DESCRIPTIONS: dict[str, KindDescription] = {}

@@ -50,7 +50,9 @@ variant is one ``register`` call plus its state type and records:
   ``register`` registers it with ``checkpoint.kinds``, where the load's
   records stage and the offline tools find it;
 * ``validation``: its part of the reshard validation (``optim.kind_validation``:
-  live facts, dense state, per-rank comparison); None: compared as entries only.
+  live facts, dense state, per-rank comparison); None: compared as entries only;
+* ``cost``: what its state costs (``optim.state_cost.StateCost``: bytes per parameter
+  shard and per optimizer, by rule and live), read by ``optim.state_size`` and the scale plan.
 
 The container, the recipe checks and the load know an optimizer only
 through these fields: a new kind adds an entry, its state type and its
@@ -85,11 +87,11 @@ from gefen_titan.optim.checkpointing.gefen_sharded import GefenShardedAdapter
 from gefen_titan.optim.checkpointing.gefen_validation import VALIDATION as GEFEN_VALIDATION
 from gefen_titan.optim.kind_validation import KindValidation
 from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB, ShardedMuonStep
+from gefen_titan.optim.state_cost import StateCost, dense
 
 __all__ = ["GEFEN_OPTION_KEYS", "MUON_OPTION_KEYS", "SHORTHAND_KEYS", "CompositeSpec", "OptimizerSpec", "StateOptions",
            "build_gefen", "build_gefen_muon", "codebook_families", "codebook_family", "composite", "composite_names",
-           "get", "names", "record_kinds",
-           "register", "register_composite", "spec_of", "specs", "unregister"]
+           "get", "names", "record_kinds", "register", "register_composite", "spec_of", "specs", "unregister"]
 
 # The [optimizer] shorthand hyperparameters a group can take as defaults.
 SHORTHAND_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -123,6 +125,7 @@ class OptimizerSpec:
     step_stats: Callable[[Optimizer], Any] | None = None
     checkpoint: KindDescription | None = None
     validation: KindValidation | None = None
+    cost: StateCost | None = None
 
 
 @dataclass(frozen=True)
@@ -299,13 +302,9 @@ def _gefen_group_key_hint(key: str) -> str:
     return "; Gefen constructor options go in optimizer.optimizer_factory_kwargs_by_name.Gefen"
 
 
-def _torch_optimizer(cls: type[Optimizer]) -> OptimizerSpec:
-    return OptimizerSpec(
-        name=cls.__name__,
-        factory=cls,
-        owns=lambda optim: type(optim) is cls,
-        group_keys=tuple(n for n in inspect.signature(cls).parameters if n != "params"),
-    )
+def _torch_optimizer(cls: type[Optimizer], cost: StateCost) -> OptimizerSpec:
+    return OptimizerSpec(name=cls.__name__, factory=cls, owns=lambda optim: type(optim) is cls,
+                         group_keys=tuple(n for n in inspect.signature(cls).parameters if n != "params"), cost=cost)
 
 
 def _gefen_state(optimizers: list[Optimizer], options: StateOptions) -> StateAdapter:
@@ -350,6 +349,7 @@ register(OptimizerSpec(
     group_key_hint=_gefen_group_key_hint,
     checkpoint=gefen_records.description(),
     validation=GEFEN_VALIDATION,
+    cost=gx.STATE_COST,
 ))
 
 # GefenMuon options the container fills in from [optimizer.muon]: gefen-x's
@@ -408,8 +408,9 @@ def _check_gefen_muon(optim: Optimizer) -> None:
         raise ValueError("; ".join(f"GefenMuon {k} is not supported: {gx.MUON_REFUSED[k]}" for k in refused))
 
 
-register(_torch_optimizer(torch.optim.AdamW))
-register(_torch_optimizer(torch.optim.Adam))
+# exp_avg and exp_avg_sq like the parameter, and an fp32 step (amsgrad's max_exp_avg_sq is not counted).
+register(_torch_optimizer(torch.optim.AdamW, dense(2, 4)))
+register(_torch_optimizer(torch.optim.Adam, dense(2, 4)))
 register(OptimizerSpec(
     name="GefenMuon",
     factory=build_gefen_muon,
@@ -431,6 +432,7 @@ register(OptimizerSpec(
     shorthand_keys=("lr", "weight_decay"),
     step_stats=lambda optim: gx.sharded_step(optim).stats,
     checkpoint=gefen_muon_records.DESCRIPTION,
+    cost=gx.MUON_STATE_COST,
 ))
 
 register_composite(CompositeSpec(

@@ -108,7 +108,7 @@ def checkpoint(step_dir: str, built) -> dict:
     record = schema_records.OptimizerRecord.from_json(raw, schema.parse_key(name).name)
     built = dataclasses.replace(built, gefen_hyper=record.params[0].group)
     periods = {p.fqn: p.period for p in record.params}
-    entries = scale.gefen_entries(built, "fallback", periods=periods, step=record.global_step)
+    entries = scale.optimizer_entries(built, "Gefen", periods=periods, step=record.global_step)
     chunks = scale.Chunks()
     world = built.mesh.world
     acc = scale.account(entries, world, chunks, keep_assignment=True)
@@ -136,7 +136,7 @@ def checkpoint(step_dir: str, built) -> dict:
 
 def extrapolation(built) -> dict:
     out = {}
-    for name, entries in (("gefen", scale.gefen_entries(built, "fallback")), ("adamw", scale.adamw_entries(built))):
+    for name, entries in (("gefen", scale.optimizer_entries(built, "Gefen")), ("adamw", scale.adamw_entries(built))):
         chunks = scale.Chunks()
         w = built.mesh.world
         full = scale.metadata_estimate(entries, w, chunks, built.checkpoint_id, items=0, exact_items=1)
@@ -146,10 +146,12 @@ def extrapolation(built) -> dict:
 
 
 def hand(built) -> dict:
+    from gefen_titan.optim import registry
+
     p = next(q for q in built.params if q.fqn == "tok_embeddings.weight")
     return {"shape": list(p.shape), "unit": p.unit, "fallback": p.period("fallback"), "finest": p.period("finest"),
             "chunks": scale.Chunks().per_rank(p.shape, p),
-            "state": scale.gefen_param_bytes(1024 * 256, p.period("fallback"))}
+            "state": registry.get("Gefen").cost.param_bytes((1024, 256), p.period("fallback"), 4)}
 
 
 def planned_and_real(planned: list, optimizers) -> dict:
@@ -193,7 +195,7 @@ def moe_checkpoint(base: str) -> dict:
         expert = next(p for p in built.params if len(p.shape) == 3)
         out[tag] = {
             "placements": str(expert.placements), "checkpoint": checkpoint(step_dir, built),
-            "gefen_plan": scale.state_bytes(built, "fallback", periods=real[0][tag]["gefen"]["periods"]),
+            "gefen_plan": scale.state_bytes(built, "Gefen", periods=real[0][tag]["gefen"]["periods"]),
             "gefen_real": [real[r][tag]["gefen"]["state_bytes"] for r in range(world)],
             "hybrid_plan": scale_moe.state_per_rank(with_muon, "hybrid", periods=real[0][tag]["hybrid"]["periods"]),
             "hybrid_real": [real[r][tag]["hybrid"]["state_bytes"] for r in range(world)],
@@ -216,7 +218,7 @@ def moe_muon() -> dict:
         built = scale.build("DSv3-debug", mesh, max_tp=2)
         planned = scale.muon_specs(built)
         w1 = next(p for p in built.params if p.fqn.endswith("w1_EFD"))
-        gefen = scale.gefen_entries(built, "fallback")
+        gefen = scale.optimizer_entries(built, "Gefen")
         row = {"placements": str(w1.placements), "w1": {"shape": list(w1.shape),
                                                          "chunks": scale.Chunks().per_rank(w1.shape, w1)},
                "kinds": scale.layer_kinds(gefen), "extrapolation": extrapolation(built)}

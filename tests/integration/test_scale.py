@@ -236,13 +236,15 @@ def test_distmuon_does_not_apply_to_a_matrix_cut_over_two_mesh_dims():
 
 def test_state_formula_matches_real_gefen(gefen_stepped):
     from gefen_titan.optim import gefenx as gx
+    from gefen_titan.optim import registry
 
     _, opt, _ = gefen_stepped
+    cost = registry.get("Gefen").cost  # the rule the plan's state_bytes reads
     total = 0
     for optim in opt.optimizers_of("Gefen"):
-        total += scale.CODEBOOK_BYTES
+        total += cost.optimizer_bytes
         for _, p, _ in gx.named_params(optim):
-            total += scale.gefen_param_bytes(p.numel(), gx.period(optim, p))
+            total += cost.param_bytes(tuple(p.shape), gx.period(optim, p), p.element_size())
     assert total == opt.state_bytes()[0]
 
 

@@ -27,10 +27,13 @@ from __future__ import annotations
 
 from gefen_titan.optim.gefenx.gefen import (
     FQNS_KEY,
+    LIVE_BLOCK_FLOATS,
+    STATE_COST,
     K,
     ParamState,
     clear,
     codebook,
+    codebook_tensors,
     count_empty_shard_step,
     empty_shard_counters,
     fallback_enabled,
@@ -54,7 +57,9 @@ from gefen_titan.optim.gefenx.gefen import (
 from gefen_titan.optim.gefenx.muon import (
     MUON_GROUP_KEYS,
     MUON_REFUSED,
+    MUON_STATE_COST,
     MUON_UPDATE_DTYPE,
+    NORMUON_ROW_BYTES,
     MuonState,
     ShardedGefenMuon,
     ShardedStep,
@@ -85,7 +90,8 @@ __all__ = [
     "write",
     "clear", "has_state", "period", "set_period", "codebook", "set_codebook", "global_step", "set_global_step",
     "count_empty_shard_step", "empty_shard_counters", "set_empty_shard_counters", "finalize_period",
-    "fallback_enabled", "state_tensors", "MUON_GROUP_KEYS", "MUON_REFUSED",
+    "fallback_enabled", "state_tensors", "codebook_tensors", "LIVE_BLOCK_FLOATS", "STATE_COST",
+    "MUON_STATE_COST", "NORMUON_ROW_BYTES", "MUON_GROUP_KEYS", "MUON_REFUSED",
     "MUON_UPDATE_DTYPE", "MuonState", "ShardedGefenMuon", "new_gefen_muon", "ShardedStep", "sharded_step",
     "is_gefen_muon", "muon_defaults", "muon_refused", "muon_deterministic", "muon_read", "muon_write", "muon_rows",
     "muon_set_rows", "muon_momentum", "muon_orthogonalize", "muon_normuon", "muon_apply", "muon_restore_group",

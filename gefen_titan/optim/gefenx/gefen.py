@@ -5,12 +5,14 @@ per parameter ``automatic_period``, ``step``, ``vmean_step``, ``m_codebook``
 (uint8 ``[blocks, period]``), ``m_magnitude`` and ``vmean`` (fp32
 ``[blocks, 1]``) in ``optim.state[p]``, and per optimizer ``_gefen_codebook``
 (fp32 ``[256]``), its per-device caches and ``_gefen_global_step`` as
-attributes; the period search's scoring; the codebook families.
+attributes; the period search's scoring; the codebook families; what that
+state costs (``STATE_COST``, the registry entry's ``cost``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +21,14 @@ from gefen import Gefen, partitioning
 from torch.optim import Optimizer
 
 from gefen_titan.checkpoint import schema
+from gefen_titan.optim.state_cost import StateCost
 
 __all__ = [
     "FQNS_KEY", "K", "ParamState", "is_gefen", "is_gefen_family", "new_gefen", "named_params", "options", "read",
     "write",
     "clear", "has_state", "period", "set_period", "codebook", "set_codebook", "global_step", "set_global_step",
     "count_empty_shard_step", "empty_shard_counters", "set_empty_shard_counters", "finalize_period",
-    "fallback_enabled", "state_tensors",
+    "fallback_enabled", "state_tensors", "LIVE_BLOCK_FLOATS", "STATE_COST", "codebook_tensors",
 ]
 
 K = schema.K  # codebook entries (gefen-x: num_codebooks=256)
@@ -205,6 +208,30 @@ def set_empty_shard_counters(optim: Optimizer, p: torch.Tensor, step: int, vmean
     st["vmean_step"] = int(vmean_step)
 
 
+def codebook_tensors(optim: Optimizer) -> Iterable[torch.Tensor]:
+    """The tensors a Gefen-family optimizer keeps outside ``optim.state``: its codebook, once it has one."""
+    cb = optim._gefen_codebook
+    return (cb,) if isinstance(cb, torch.Tensor) else ()
+
+
+# fp32 per block in live state: magnitude and vmean (checkpointed), and
+# gefen-x 0.5.0's per-step scratch ``stepsize`` and ``_h_buf``, which it keeps
+# in the state between steps (docs/gefen_internals.md; not checkpointed).
+LIVE_BLOCK_FLOATS = 4
+
+
+def _param_bytes(sizes: tuple[int, ...], period: int, element_size: int) -> int:
+    """Gefen's live state for one parameter shard: a uint8 code per element and ``LIVE_BLOCK_FLOATS`` fp32
+    per block. An empty shard holds nothing (Gefen keeps no tensors for it)."""
+    numel = math.prod(sizes)
+    return numel + 4 * LIVE_BLOCK_FLOATS * (numel // period) if numel else 0
+
+
+# What Gefen's state costs (its registry entry's ``cost``): the parameters' state, and the one fp32 [256]
+# codebook per optimizer.
+STATE_COST = StateCost(_param_bytes, optimizer_bytes=K * 4, optimizer_tensors=codebook_tensors)
+
+
 def state_tensors(optim: Optimizer) -> Iterator[torch.Tensor]:
     """Every tensor the optimizer holds as state (for size accounting)."""
     for group in optim.param_groups:
@@ -212,9 +239,7 @@ def state_tensors(optim: Optimizer) -> Iterator[torch.Tensor]:
             for value in optim.state.get(p, {}).values():
                 if isinstance(value, torch.Tensor):
                     yield value
-    cb = optim._gefen_codebook
-    if isinstance(cb, torch.Tensor):
-        yield cb
+    yield from codebook_tensors(optim)
 
 
 # ------------------------------------------------------------ period search

@@ -5,12 +5,14 @@ per parameter ``automatic_period``, ``step``, ``m_codebook``,
 ``m_magnitude``, NorMuon's ``normuon_v`` and ``normuon_step`` (no
 ``vmean``); the momentum update, Newton-Schulz, NorMuon and the apply that
 ``gefen_titan.optim.muon`` runs on shards; GefenMuonHybrid's defaults and
-Newton-Schulz schedules (read, never built).
+Newton-Schulz schedules (read, never built); what its state costs
+(``MUON_STATE_COST``, the registry entry's ``cost``).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -22,13 +24,15 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gefen_titan.checkpoint.schema_muon import MUON_HYPER
+from gefen_titan.optim.gefenx.gefen import K, codebook_tensors
+from gefen_titan.optim.state_cost import StateCost
 
 __all__ = [
     "MUON_GROUP_KEYS", "MUON_REFUSED", "MUON_UPDATE_DTYPE", "MuonState", "ShardedGefenMuon", "ShardedStep",
     "new_gefen_muon", "sharded_step", "is_gefen_muon", "muon_defaults", "muon_refused", "muon_deterministic",
     "muon_read", "muon_write", "muon_rows", "muon_set_rows", "muon_momentum", "muon_orthogonalize", "muon_normuon",
     "muon_apply", "muon_restore_group", "advance_global_step", "hybrid_defaults", "ns_schedule_names",
-    "ns_schedule_coefficients",
+    "ns_schedule_coefficients", "NORMUON_ROW_BYTES", "MUON_STATE_COST",
 ]
 
 # ------------------------------------------------------------------ GefenMuon
@@ -165,6 +169,23 @@ def new_gefen_muon(param_groups: list[dict[str, Any]], sharded_step: Callable[[O
 def sharded_step(optim: Optimizer) -> Any:
     """The step object a ``ShardedGefenMuon`` runs (its constructor's)."""
     return optim._sharded_step
+
+
+NORMUON_ROW_BYTES = 4  # NorMuon's fp32 second moment per row (normuon_v)
+
+
+def _muon_param_bytes(sizes: tuple[int, ...], period: int, element_size: int) -> int:
+    """GefenMuon's state for one parameter shard: a uint8 code per element (``m_codebook``), an fp32
+    magnitude per block (``m_magnitude``), NorMuon's fp32 per row of the shard (``normuon_v``, with
+    ``normuon`` on as GefenMuonHybrid and the muon recipes have it; gefen-x defaults it off, which keeps
+    no rows). An empty shard holds nothing."""
+    numel = math.prod(sizes)
+    return numel + 4 * (numel // period) + NORMUON_ROW_BYTES * (numel // sizes[-1]) if numel else 0
+
+
+# What GefenMuon's state costs (its registry entry's ``cost``): the parameters' state, and the one fp32 [256]
+# codebook per optimizer (Gefen's attribute).
+MUON_STATE_COST = StateCost(_muon_param_bytes, optimizer_bytes=K * 4, optimizer_tensors=codebook_tensors)
 
 
 def is_gefen_muon(optim: Optimizer) -> bool:
