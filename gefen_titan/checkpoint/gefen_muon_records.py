@@ -16,20 +16,8 @@ from typing import Any
 
 import torch
 
+from gefen_titan.checkpoint import kinds, schema
 from gefen_titan.checkpoint import report_text as text
-from gefen_titan.checkpoint import schema
-from gefen_titan.checkpoint.kinds import (
-    CODEBOOKS,
-    RECORD_TENSORS,
-    RECORDS,
-    InspectView,
-    KindDescription,
-    KindRecords,
-    Problem,
-    RecordsInput,
-    check_codebooks,
-    check_tensor,
-)
 from gefen_titan.checkpoint.schema_muon import (
     KIND,
     MuonOptimizerRecord,
@@ -58,25 +46,25 @@ class MuonOptimizer:
     deterministic: bool
 
 
-def _read(inp: RecordsInput, problems: list[Problem]) -> KindRecords:
-    out = KindRecords(KIND, [], tensor_kinds=_TENSOR_KINDS)
+def _read(inp: kinds.RecordsInput, problems: list[kinds.Problem]) -> kinds.KindRecords:
+    out = kinds.KindRecords(KIND, [], tensor_kinds=_TENSOR_KINDS)
     for name in inp.names_of(_RECORD_KIND):
         opt_id = inp.parsed[name].name
         try:
             rec = MuonOptimizerRecord.from_json(inp.values[name], opt_id)
         except schema.FormatError as e:
-            problems.append((RECORDS, name, str(e)))
+            problems.append((kinds.RECORDS, name, str(e)))
             continue
         out.optimizers.append(MuonOptimizer(opt_id, rec.params, rec.global_step, rec.deterministic))
         for p in rec.params:
             if p.fqn in out.owner:
-                problems.append((RECORDS, name, f"{p.fqn} has records in {out.owner[p.fqn]} and {name}"))
+                problems.append((kinds.RECORDS, name, f"{p.fqn} has records in {out.owner[p.fqn]} and {name}"))
             out.owner[p.fqn] = name
             problems += [(c, name, w) for c, w in _check_param(inp.entries, p, rec.global_step) if w]
     books = inp.names_of(_CODEBOOK_KIND)
-    check_codebooks(books, inp.values, f"{KIND} codebook", out.codebooks, problems)
+    kinds.check_codebooks(books, inp.values, f"{KIND} codebook", out.codebooks, problems)
     if any(p.period for p in out.params) and not books:
-        problems.append((CODEBOOKS, schema.header_key(), f"the checkpoint holds {KIND} state but no codebook "
+        problems.append((kinds.CODEBOOKS, schema.header_key(), f"the checkpoint holds {KIND} state but no codebook "
                                                          "(truncated?)"))
     return out
 
@@ -88,21 +76,21 @@ def _check_param(entries: dict[str, Any], p: MuonParamRecord, global_step: int) 
     except schema.FormatError as e:
         hyper = str(e)
     counters = check_muon_counters(p.fqn, p.period, p.step, p.rows_step, global_step)
-    out = [(RECORDS, counters), (RECORDS, hyper)]
+    out = [(kinds.RECORDS, counters), (kinds.RECORDS, hyper)]
     if not p.period or counters:
         return out
     if len(p.shape) < 2 or p.shape[-1] % p.period:
-        return out + [(RECORDS, f"{p.fqn}: period {p.period} does not fit the {KIND} matrix of shape {p.shape}")]
+        return out + [(kinds.RECORDS, f"{p.fqn}: period {p.period} does not fit the {KIND} matrix of shape {p.shape}")]
     rows_key = schema.muon_tensor_keys(p.fqn)["rows"]
     for key, (dtype, shape) in muon_tensor_specs(p.fqn, p.shape, p.period, p.rows_step > 0).items():
         why = (f"the shape of {p.fqn}" if dtype == torch.uint8 else
                f"rows_step {p.rows_step} of {p.fqn}" if key == rows_key else f"period {p.period} of {p.fqn}")
-        out.append((RECORD_TENSORS, check_tensor(entries, key, shape, dtype, why)))
+        out.append((kinds.RECORD_TENSORS, kinds.check_tensor(entries, key, shape, dtype, why)))
     return out
 
 
 # ------------------------------------------------------------------ the offline tools
-def _summary(state: KindRecords, version: int) -> dict[str, Any]:
+def _summary(state: kinds.KindRecords, version: int) -> dict[str, Any]:
     return {"version": version, "optimizers": len(state.optimizers), "params": len(state.params),
             "stateful_params": sum(1 for p in state.params if p.period), "codebooks": len(state.codebooks)}
 
@@ -116,7 +104,7 @@ def _grouped(shape) -> bool:
     return len(shape) == 3  # a grouped experts' weight (E, out, in): one Muon matrix per expert
 
 
-def _rows(view: InspectView, state: KindRecords, version: int) -> list[dict[str, Any]]:
+def _rows(view: kinds.InspectView, state: kinds.KindRecords, version: int) -> list[dict[str, Any]]:
     books = view.load(list(state.codebooks)) if state.codebooks else {}
     out = []
     for o in state.optimizers:
@@ -149,7 +137,7 @@ def _render(o: dict[str, Any]) -> list[str]:
                               + (["Muon matrices"] if grouped else []), rows)
 
 
-DESCRIPTION = KindDescription(
+DESCRIPTION = kinds.KindDescription(
     name=KIND, key_kinds=_TENSOR_KINDS | {_RECORD_KIND, _CODEBOOK_KIND}, read=_read,
     versions=frozenset(schema.AGREED_VERSIONS), nonnegative=frozenset({"muon_magnitude", "muon_rows"}),
     report_key="gefen_muon", summary=_summary, summary_line=_summary_line, rows=_rows, render=_render,

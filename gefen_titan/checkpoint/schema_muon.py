@@ -19,15 +19,14 @@ values normalized to JSON types).
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from gefen_titan.checkpoint.schema import FormatError, grid_shape, muon_tensor_keys
-from gefen_titan.checkpoint.schema_records import loads_json, record_fields
+from gefen_titan.checkpoint.schema_records import KindOptimizerRecord, KindParamRecord
 
 __all__ = ["KIND", "MUON_HYPER", "MuonParamRecord", "MuonOptimizerRecord", "muon_group", "muon_tensor_specs",
            "check_muon_hyper", "check_muon_counters"]
@@ -57,55 +56,34 @@ def muon_group(group: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass
-class MuonParamRecord:
+class MuonParamRecord(KindParamRecord):
     """One GefenMuon parameter's period, counters and group keys."""
 
-    fqn: str
-    shape: tuple[int, ...]
-    period: int  # 0: no state yet
-    step: int
+    COUNTER: ClassVar[str] = "rows_step"
+
     rows_step: int  # NorMuon's counter; 0: no rows saved
     group: dict[str, Any]
 
-    @property
-    def grid(self) -> tuple[int, ...] | None:
-        return grid_shape(self.shape, self.period) if self.period else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"fqn": self.fqn, "shape": list(self.shape), "period": self.period, "step": self.step,
-                "rows_step": self.rows_step, "group": muon_group(self.group)}
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> MuonParamRecord:
-        # The group is kept as saved: check_muon_hyper says what is wrong with it.
-        return cls(str(raw["fqn"]), tuple(int(s) for s in raw["shape"]), int(raw["period"]), int(raw["step"]),
-                   int(raw["rows_step"]), dict(raw["group"]))
+    def group_json(self) -> dict[str, Any]:
+        return muon_group(self.group)
 
 
 @dataclass
-class MuonOptimizerRecord:
-    """``gefen/muon/{opt}``: one GefenMuon optimizer's parameters in order."""
+class MuonOptimizerRecord(KindOptimizerRecord[MuonParamRecord]):
+    """``gefen/muon/{opt}``: one GefenMuon optimizer's parameters in order, under its kind's name."""
 
-    deterministic: bool
-    global_step: int
-    params: list[MuonParamRecord] = field(default_factory=list)
+    PARAM: ClassVar[type[KindParamRecord]] = MuonParamRecord
+    WHAT: ClassVar[str] = "GefenMuon record"
+
     kind: str = KIND
-    blocking: str = "agreed"
 
-    def to_json(self) -> str:
-        return json.dumps({"kind": self.kind, "blocking": self.blocking, "deterministic": self.deterministic,
-                           "global_step": self.global_step, "params": [p.to_dict() for p in self.params]},
-                          sort_keys=True)
+    def json_fields(self) -> dict[str, Any]:
+        return {"kind": self.kind, **super().json_fields()}
 
     @classmethod
-    def from_json(cls, raw: Any, opt: str) -> MuonOptimizerRecord:
-        what = f"GefenMuon record {opt}"
-        data = loads_json(raw, what)
-        with record_fields(what):
-            if data.get("kind") != KIND or data.get("blocking") != "agreed":
-                raise FormatError(f"{what} is not an agreed-blocking GefenMuon record")
-            return cls(bool(data["deterministic"]), int(data["global_step"]),
-                       [MuonParamRecord.from_dict(p) for p in data["params"]])
+    def check_frame(cls, data: dict[str, Any], what: str) -> None:
+        if data.get("kind") != KIND or data.get("blocking") != "agreed":
+            raise FormatError(f"{what} is not an agreed-blocking GefenMuon record")
 
 
 def muon_tensor_specs(fqn: str, shape: tuple[int, ...], period: int, rows: bool

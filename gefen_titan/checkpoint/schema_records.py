@@ -13,7 +13,7 @@ import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Generic, Self, TypeVar
 
 import torch
 
@@ -31,8 +31,8 @@ from gefen_titan.checkpoint.schema import (
     header_key,
 )
 
-__all__ = ["Header", "ParamRecord", "OptimizerRecord", "loads_json", "record_fields", "record_fqns", "check_hyper",
-           "check_codebook", "check_counters"]
+__all__ = ["Header", "KindParamRecord", "KindOptimizerRecord", "ParamRecord", "OptimizerRecord", "loads_json",
+           "record_fields", "record_fqns", "check_hyper", "check_codebook", "check_counters"]
 
 
 def loads_json(raw: Any, what: str) -> Any:
@@ -87,59 +87,99 @@ class Header:
         return cls(int(data["version"]), data.get("blocking"))
 
 
-def _group(raw: dict[str, Any]) -> dict[str, float]:
-    return {k: float(raw[k]) for k in HYPER}
-
-
+# ------------------------------------------------------------------ v2, v3: every kind's optimizer record
+# A kind's records (Gefen's here, GefenMuon's in ``schema_muon``) subclass these two: what they share is written
+# once, so the kinds' JSON keeps one frame. Their text is the format: keys sorted, the same keys and types as
+# before (tests/unit/test_kinds.py pins one record of each kind).
 @dataclass
-class ParamRecord:
-    """v2, v3: one parameter's period, counters and group hyperparameters."""
+class KindParamRecord:
+    """One parameter in a kind's optimizer record: name, shape, period (0: no state yet), step, then the
+    kind's own fields: its second counter (``COUNTER`` names the field and its JSON key) and its group."""
+
+    COUNTER: ClassVar[str]  # "vmean_step" (Gefen), "rows_step" (GefenMuon)
 
     fqn: str
     shape: tuple[int, ...]
     period: int  # 0: no state yet
     step: int
-    vmean_step: int
-    group: dict[str, float]
 
     @property
     def grid(self) -> tuple[int, ...] | None:
         return grid_shape(self.shape, self.period) if self.period else None
 
+    def group_json(self) -> dict[str, Any]:
+        """The group's keys as the kind writes them (its keys, JSON types)."""
+        raise NotImplementedError
+
     def to_dict(self) -> dict[str, Any]:
         return {"fqn": self.fqn, "shape": list(self.shape), "period": self.period, "step": self.step,
-                "vmean_step": self.vmean_step, "group": {k: float(self.group[k]) for k in HYPER}}
+                self.COUNTER: getattr(self, self.COUNTER), "group": self.group_json()}
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ParamRecord:
-        # The group is kept as saved: check_hyper says what is wrong with it.
+    def from_dict(cls, raw: dict[str, Any]) -> Self:
+        # The group is kept as saved: the kind's check (check_hyper, check_muon_hyper) says what is wrong with it.
         return cls(str(raw["fqn"]), tuple(int(s) for s in raw["shape"]), int(raw["period"]), int(raw["step"]),
-                   int(raw["vmean_step"]), dict(raw["group"]))
+                   int(raw[cls.COUNTER]), dict(raw["group"]))
+
+
+P = TypeVar("P", bound=KindParamRecord)
 
 
 @dataclass
-class OptimizerRecord:
-    """v2, v3: ``gefen/optimizer/{opt}``, one Gefen optimizer's parameters in order."""
+class KindOptimizerRecord(Generic[P]):
+    """One optimizer's record of any kind: ``deterministic``, the global step, its parameters in order
+    (``PARAM`` records), written by agreed blocking. A kind whose record names it adds the key (``json_fields``)
+    and checks it on read (``check_frame``)."""
+
+    PARAM: ClassVar[type[KindParamRecord]]
+    WHAT: ClassVar[str]  # what errors call a record: f"{WHAT} {opt}"
 
     deterministic: bool
     global_step: int
-    params: list[ParamRecord] = field(default_factory=list)
+    params: list[P] = field(default_factory=list)
     blocking: str = "agreed"
 
+    def json_fields(self) -> dict[str, Any]:
+        return {"blocking": self.blocking, "deterministic": self.deterministic, "global_step": self.global_step,
+                "params": [p.to_dict() for p in self.params]}
+
     def to_json(self) -> str:
-        return json.dumps({"blocking": self.blocking, "deterministic": self.deterministic,
-                           "global_step": self.global_step, "params": [p.to_dict() for p in self.params]},
-                          sort_keys=True)
+        return json.dumps(self.json_fields(), sort_keys=True)
 
     @classmethod
-    def from_json(cls, raw: Any, opt: str) -> OptimizerRecord:
-        what = f"optimizer record {opt}"
+    def check_frame(cls, data: dict[str, Any], what: str) -> None:
+        if data.get("blocking") != "agreed":
+            raise FormatError(f"{what} is not an agreed-blocking record")
+
+    @classmethod
+    def from_json(cls, raw: Any, opt: str) -> Self:
+        what = f"{cls.WHAT} {opt}"
         data = loads_json(raw, what)
         with record_fields(what):
-            if data.get("blocking") != "agreed":
-                raise FormatError(f"{what} is not an agreed-blocking record")
+            cls.check_frame(data, what)
             return cls(bool(data["deterministic"]), int(data["global_step"]),
-                       [ParamRecord.from_dict(p) for p in data["params"]])
+                       [cls.PARAM.from_dict(p) for p in data["params"]])
+
+
+@dataclass
+class ParamRecord(KindParamRecord):
+    """v2, v3: one parameter's period, counters and group hyperparameters."""
+
+    COUNTER: ClassVar[str] = "vmean_step"
+
+    vmean_step: int
+    group: dict[str, float]
+
+    def group_json(self) -> dict[str, float]:
+        return {k: float(self.group[k]) for k in HYPER}
+
+
+@dataclass
+class OptimizerRecord(KindOptimizerRecord[ParamRecord]):
+    """v2, v3: ``gefen/optimizer/{opt}``, one Gefen optimizer's parameters in order."""
+
+    PARAM: ClassVar[type[KindParamRecord]] = ParamRecord
+    WHAT: ClassVar[str] = "optimizer record"
 
 
 def record_fqns(raw: Any, what: str) -> list[str]:

@@ -94,3 +94,46 @@ def test_the_stored_checkpoints_gefen_record_is_key_kind_gefen():
     (o,) = saved.kinds["Gefen"].optimizers
     assert o.opt == "tok_embeddings.weight" and o.params[0].fqn == o.opt and len(o.params) == 45
     assert set(saved.kinds["Gefen"].owner.values()) == {record}
+
+
+# The records' JSON is the format (ranks compare its bytes; v2 and v3 checkpoints hold it): one record of each
+# kind, pinned to the text these versions write. Group values of other types are written as JSON floats.
+GEFEN_JSON = (
+    '{"blocking": "agreed", "deterministic": true, "global_step": 7, "params": [{"fqn": "layers.0.w", "group": '
+    '{"beta1": 0.9, "beta2": 0.99, "eps": 1e-08, "lr": 0.001, "weight_decay": 0.0}, "period": 4, "shape": [8, 16], '
+    '"step": 7, "vmean_step": 6}, {"fqn": "norm.w", "group": {"beta1": 0.9, "beta2": 0.99, "eps": 1e-08, '
+    '"lr": 0.001, "weight_decay": 0.0}, "period": 0, "shape": [16], "step": 0, "vmean_step": 0}]}')
+MUON_JSON = (
+    '{"blocking": "agreed", "deterministic": false, "global_step": 9, "kind": "GefenMuon", "params": [{"fqn": '
+    '"experts.w1", "group": {"adjust_lr_fn": null, "eps": 1e-07, "lr": 0.02, "momentum": 0.95, "nesterov": true, '
+    '"normuon": true, "normuon_beta2": 0.95, "normuon_eps": 1e-08, "ns_coefficients": [3.4445, -4.775, 2.0], '
+    '"ns_steps": 5, "weight_decay": 0.0}, "period": 8, "rows_step": 4, "shape": [2, 8, 16], "step": 9}]}')
+
+
+def test_each_kinds_record_writes_and_reads_the_pinned_json():
+    group = {**GROUP, "weight_decay": 0}
+    gefen = schema_records.OptimizerRecord(True, 7, [schema_records.ParamRecord("layers.0.w", (8, 16), 4, 7, 6, group),
+                                                     schema_records.ParamRecord("norm.w", (16,), 0, 0, 0, group)])
+    muon_group = {**MUON_GROUP, "weight_decay": 0, "ns_coefficients": (3.4445, -4.775, 2), "normuon": True}
+    muon = MuonOptimizerRecord(False, 9, [MuonParamRecord("experts.w1", (2, 8, 16), 8, 9, 4, muon_group)])
+    assert gefen.to_json() == GEFEN_JSON and muon.to_json() == MUON_JSON
+
+    back = schema_records.OptimizerRecord.from_json(GEFEN_JSON, "layers.0.w")
+    assert (back.deterministic, back.global_step, back.blocking) == (True, 7, "agreed")
+    assert [(p.fqn, p.shape, p.period, p.step, p.vmean_step) for p in back.params] == [
+        ("layers.0.w", (8, 16), 4, 7, 6), ("norm.w", (16,), 0, 0, 0)]
+    assert back.params[0].grid == (8, 4) and back.params[1].grid is None and back.to_json() == GEFEN_JSON
+    back_muon = MuonOptimizerRecord.from_json(MUON_JSON, "experts.w1")
+    assert (back_muon.deterministic, back_muon.global_step, back_muon.kind) == (False, 9, "GefenMuon")
+    (p,) = back_muon.params
+    assert (p.fqn, p.shape, p.period, p.step, p.rows_step, p.grid) == ("experts.w1", (2, 8, 16), 8, 9, 4, (2, 8, 2))
+    assert back_muon.to_json() == MUON_JSON
+
+    refused = [(schema_records.OptimizerRecord, MUON_JSON.replace("agreed", "per_rank"),
+                "optimizer record o is not an agreed-blocking record"),
+               (MuonOptimizerRecord, GEFEN_JSON, "GefenMuon record o is not an agreed-blocking GefenMuon record"),
+               (MuonOptimizerRecord, MUON_JSON.replace('"step": 9', '"stp": 9'),
+                "GefenMuon record o is corrupt \\(field 'step' missing\\)")]
+    for reader, text, what in refused:
+        with pytest.raises(schema.FormatError, match=what):
+            reader.from_json(text, "o")

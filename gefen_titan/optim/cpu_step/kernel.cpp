@@ -352,6 +352,36 @@ template <typename C> struct RowAbsMax {
   float value() const { return nan_seen ? float(first_nan) : float(mx); }
 };
 
+// Gefen's and GefenMuon's momentum pass over a row, 8 lanes at a time: u = lerp(codebook[code] * mag, g,
+// 1 - beta) as torch's vector lerp (one FMA on the branch the weight picks), stored to ``dst``; the lanes'
+// max |u| go into ``row``, then the row's first NaN, looked up in ``dst`` in order (torch's max(dim)).
+// Returns how many elements it did (whole vectors). The scalar tail stays each caller's: Gefen computes it in
+// float (opmath), GefenMuon rounds every op to the dtype, as their torch ops do. Not for fp64 (no float lanes).
+template <int D>
+int64_t momentum_lerp8(const Codebook& cb, const uint8_t* codes, const typename St<D>::raw* g, float* dst,
+                       int64_t n, float mag, float w, float omw, bool small, RowAbsMax<float>& row) {
+  static_assert(D != F64, "the vector pass holds float lanes");
+  int64_t i = 0;
+  const __m256 vmag = _mm256_set1_ps(mag), vw = _mm256_set1_ps(w), vomw = _mm256_set1_ps(-omw);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 vmx = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 cur = _mm256_mul_ps(_mm256_i32gather_ps(cb.values, load_codes8(codes + i), 4), vmag);
+    const __m256 gv = load8<D>(g + i);
+    const __m256 diff = _mm256_sub_ps(gv, cur);
+    const __m256 u = small ? _mm256_fmadd_ps(vw, diff, cur) : _mm256_fmadd_ps(vomw, diff, gv);
+    _mm256_storeu_ps(dst + i, u);
+    const __m256 au = _mm256_and_ps(u, absmask);
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(au, au, _CMP_UNORD_Q));
+    vmx = _mm256_max_ps(vmx, au);  // NaN lanes: the row's first NaN is looked up below
+  }
+  row.add_lanes(vmx);
+  if (_mm256_movemask_ps(vnan))  // max(dim) keeps the first NaN of the row (its |.|)
+    for (int64_t j = 0; j < i && !row.nan_seen; ++j)
+      if (dst[j] != dst[j]) row.add(std::fabs(dst[j]));
+  return i;
+}
+
 struct GefenArgs {
   void* p;                 // parameter shard, [blocks * period], dtype
   const void* g;           // gradient, same layout and dtype
@@ -402,25 +432,7 @@ void gefen_moments(const GefenArgs& a, int64_t r0, int64_t r1, std::vector<typen
     // ---- pass 1: updated_m = lerp(codebook[code] * magnitude, g, 1 - beta1); its max |.| (first NaN kept)
     int64_t i = 0;
     RowAbsMax<C> row;
-    if constexpr (D != F64) {
-      const __m256 vmag = _mm256_set1_ps(mag_old), vw = _mm256_set1_ps(w), vomw = _mm256_set1_ps(-omw);
-      const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-      __m256 vmx = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
-      for (; i + 8 <= n; i += 8) {
-        const __m256 cur = _mm256_mul_ps(_mm256_i32gather_ps(a.cb.values, load_codes8(codes + i), 4), vmag);
-        const __m256 gv = load8<D>(g + i);
-        const __m256 diff = _mm256_sub_ps(gv, cur);
-        const __m256 u = small ? _mm256_fmadd_ps(vw, diff, cur) : _mm256_fmadd_ps(vomw, diff, gv);
-        _mm256_storeu_ps(upd + i, u);
-        const __m256 au = _mm256_and_ps(u, absmask);
-        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(au, au, _CMP_UNORD_Q));
-        vmx = _mm256_max_ps(vmx, au);  // NaN lanes: the row's first NaN is looked up below
-      }
-      row.add_lanes(vmx);
-      if (_mm256_movemask_ps(vnan))  // max(dim) keeps the first NaN of the row (its |.|)
-        for (int64_t j = 0; j < i && !row.nan_seen; ++j)
-          if (upd[j] != upd[j]) row.add(std::fabs(C(upd[j])));
-    }
+    if constexpr (D != F64) i = momentum_lerp8<D>(a.cb, codes, g, upd, n, mag_old, w, omw, small, row);
     for (; i < n; ++i) {
       const C cur = C(a.cb.values[codes[i]]) * C(mag_old);
       const C u = lerp1<C>(cur, S::load(g, i), w, omw, small);
@@ -519,25 +531,7 @@ void muon_rows(const MuonArgs& a, int64_t r0, int64_t r1) {
     // dequantize * magnitude, lerp towards g; max |m| (first NaN kept)
     int64_t i = 0;
     RowAbsMax<C> row;
-    if constexpr (D == F32) {
-      const __m256 vmag = _mm256_set1_ps(mag_old), vw = _mm256_set1_ps(w), vomw = _mm256_set1_ps(-omw);
-      const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-      __m256 vmx = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
-      for (; i + 8 <= n; i += 8) {
-        const __m256 cur = _mm256_mul_ps(_mm256_i32gather_ps(a.cb.values, load_codes8(codes + i), 4), vmag);
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 diff = _mm256_sub_ps(gv, cur);
-        const __m256 u = small ? _mm256_fmadd_ps(vw, diff, cur) : _mm256_fmadd_ps(vomw, diff, gv);
-        _mm256_storeu_ps(m + i, u);
-        const __m256 au = _mm256_and_ps(u, absmask);
-        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(au, au, _CMP_UNORD_Q));
-        vmx = _mm256_max_ps(vmx, au);  // NaN lanes: the row's first NaN is looked up below
-      }
-      row.add_lanes(vmx);
-      if (_mm256_movemask_ps(vnan))  // max(dim) keeps the first NaN of the row (its |.|)
-        for (int64_t j = 0; j < i && !row.nan_seen; ++j)
-          if (m[j] != m[j]) row.add(std::fabs(C(m[j])));
-    }
+    if constexpr (D == F32) i = momentum_lerp8<D>(a.cb, codes, g, m, n, mag_old, w, omw, small, row);
     for (; i < n; ++i) {
       const C cur = round_to<D>(C(a.cb.values[codes[i]]) * C(mag_old));
       const C u = round_to<D>(lerp1<C>(cur, S::load(g, i), w, omw, small));
@@ -573,6 +567,18 @@ void muon_rows(const MuonArgs& a, int64_t r0, int64_t r1) {
   }
 }
 
+// Calls ``f(std::integral_constant<int, D>())`` for the entry's dtype code: one instantiation per dtype.
+template <typename F>
+void by_dtype(int32_t dtype, const F& f) {
+  switch (dtype) {
+    case F32: f(std::integral_constant<int, F32>()); break;
+    case BF16: f(std::integral_constant<int, BF16>()); break;
+    case F16: f(std::integral_constant<int, F16>()); break;
+    case F64: f(std::integral_constant<int, F64>()); break;
+    default: throw std::runtime_error("unsupported dtype");
+  }
+}
+
 template <typename Args, typename Rows>
 int run_rows(const Args& a, char* err, int errlen, const Rows& rows) {
   try {
@@ -597,25 +603,17 @@ int gt_abi_version() { return 1; }
 
 int gt_gefen_moments(const GefenArgs* a, char* err, int errlen) {
   return run_rows(*a, err, errlen, [&](int64_t r0, int64_t r1) {
-    switch (a->dtype) {
-      case F32: { std::vector<float> s; gefen_moments<F32>(*a, r0, r1, s); break; }
-      case BF16: { std::vector<float> s; gefen_moments<BF16>(*a, r0, r1, s); break; }
-      case F16: { std::vector<float> s; gefen_moments<F16>(*a, r0, r1, s); break; }
-      case F64: { std::vector<double> s; gefen_moments<F64>(*a, r0, r1, s); break; }
-      default: throw std::runtime_error("unsupported dtype");
-    }
+    by_dtype(a->dtype, [&](auto d) {
+      constexpr int D = decltype(d)::value;
+      std::vector<typename St<D>::C> s;  // the row's updated momentum, in the compute type
+      gefen_moments<D>(*a, r0, r1, s);
+    });
   });
 }
 
 int gt_gefen_apply(const GefenArgs* a, char* err, int errlen) {
   return run_rows(*a, err, errlen, [&](int64_t r0, int64_t r1) {
-    switch (a->dtype) {
-      case F32: gefen_apply<F32>(*a, r0, r1); break;
-      case BF16: gefen_apply<BF16>(*a, r0, r1); break;
-      case F16: gefen_apply<F16>(*a, r0, r1); break;
-      case F64: gefen_apply<F64>(*a, r0, r1); break;
-      default: throw std::runtime_error("unsupported dtype");
-    }
+    by_dtype(a->dtype, [&](auto d) { gefen_apply<decltype(d)::value>(*a, r0, r1); });
   });
 }
 
@@ -639,13 +637,7 @@ int gt_row_sumsq(const void* g, int64_t n, int32_t dtype, int32_t width, int32_t
 
 int gt_muon_momentum(const MuonArgs* a, char* err, int errlen) {
   return run_rows(*a, err, errlen, [&](int64_t r0, int64_t r1) {
-    switch (a->dtype) {
-      case F32: muon_rows<F32>(*a, r0, r1); break;
-      case BF16: muon_rows<BF16>(*a, r0, r1); break;
-      case F16: muon_rows<F16>(*a, r0, r1); break;
-      case F64: muon_rows<F64>(*a, r0, r1); break;
-      default: throw std::runtime_error("unsupported dtype");
-    }
+    by_dtype(a->dtype, [&](auto d) { muon_rows<decltype(d)::value>(*a, r0, r1); });
   });
 }
 
