@@ -123,6 +123,22 @@ class _Step:
         self._prepared[id(p)] = prep
         return prep
 
+    def _take(self, p: torch.Tensor, operand: torch.Tensor, grad: torch.Tensor,
+              state: tuple[int, tuple[torch.Tensor, ...]] | None,
+              new_args: type) -> tuple[_Prepared, tuple[torch.Tensor, torch.Tensor]] | None:
+        """(prepared arguments, (flat ``operand``, flat gradient)) for a parameter whose ``state`` is (its block
+        period, its state tensors), or None after noting why the kernel does not take it (no state yet:
+        its first step, or an empty shard)."""
+        if state is None:
+            self._decline("no state yet (its first step, or an empty shard)")
+            return None
+        ops = self._operands(operand, grad)
+        prep = ops if isinstance(ops, str) else self._prepared_for(p, ops[1], state[0], state[1], new_args)
+        if isinstance(prep, str):
+            self._decline(prep)
+            return None
+        return prep, ops
+
     @staticmethod
     def _operands(p: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | str:
         """(flat local parameter, flat contiguous local gradient), or why the kernel cannot take them."""
@@ -141,16 +157,11 @@ class GefenStep(_Step):
 
     def __call__(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
         st = gx.read(self.optim, p)
-        if st is None:
-            self._decline("no state yet (its first step, or an empty shard)")
+        state = None if st is None else (st.period, (st.codes, st.magnitude, st.vmean))
+        taken = self._take(p, p, grad, state, GefenArgs)
+        if taken is None:
             return False
-        ops = self._operands(p, grad)
-        prep = ops if isinstance(ops, str) else self._prepared_for(
-            p, ops[1], st.period, (st.codes, st.magnitude, st.vmean), GefenArgs)
-        if isinstance(prep, str):
-            self._decline(prep)
-            return False
-        pl, g = ops
+        prep, (pl, g) = taken
         a = prep.args
         if prep.root is None:
             a.vmean = st.vmean.data_ptr()
@@ -190,16 +201,11 @@ class MuonMomentum(_Step):
 
     def __call__(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
         st = gx.muon_read(self.optim, p)
-        if st is None:
-            self._decline("no state yet (its first step, or an empty shard)")
+        state = None if st is None else (st.period, (st.codes, st.magnitude))
+        taken = self._take(p, grad, grad, state, MuonArgs)
+        if taken is None:
             return None
-        ops = self._operands(grad, grad)
-        prep = ops if isinstance(ops, str) else self._prepared_for(
-            p, ops[1], st.period, (st.codes, st.magnitude), MuonArgs)
-        if isinstance(prep, str):
-            self._decline(prep)
-            return None
-        g = ops[1]
+        prep, (_, g) = taken
         if group["nesterov"] and g.dtype in (torch.bfloat16, torch.float16):
             # torch's add_(g, alpha) on these dtypes rounds in float in its vector loop and in the dtype in
             # its scalar tail, whose place depends on the thread count: gefen-x's own bits cannot be followed

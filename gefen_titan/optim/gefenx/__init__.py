@@ -25,75 +25,13 @@ specification of this module). ``docs/gefen_internals.md`` explains them.
 
 from __future__ import annotations
 
-from gefen_titan.optim.gefenx.gefen import (
-    FQNS_KEY,
-    LIVE_BLOCK_FLOATS,
-    STATE_COST,
-    K,
-    ParamState,
-    clear,
-    codebook,
-    codebook_tensors,
-    count_empty_shard_step,
-    empty_shard_counters,
-    fallback_enabled,
-    finalize_period,
-    global_step,
-    has_state,
-    is_gefen,
-    is_gefen_family,
-    named_params,
-    new_gefen,
-    options,
-    period,
-    read,
-    set_codebook,
-    set_empty_shard_counters,
-    set_global_step,
-    set_period,
-    state_tensors,
-    write,
-)
-from gefen_titan.optim.gefenx.muon import (
-    MUON_GROUP_KEYS,
-    MUON_REFUSED,
-    MUON_STATE_COST,
-    MUON_UPDATE_DTYPE,
-    NORMUON_ROW_BYTES,
-    MuonState,
-    ShardedGefenMuon,
-    ShardedStep,
-    advance_global_step,
-    hybrid_defaults,
-    is_gefen_muon,
-    muon_apply,
-    muon_defaults,
-    muon_deterministic,
-    muon_momentum,
-    muon_normuon,
-    muon_orthogonalize,
-    muon_read,
-    muon_refused,
-    muon_restore_group,
-    muon_rows,
-    muon_set_rows,
-    muon_write,
-    new_gefen_muon,
-    ns_schedule_coefficients,
-    ns_schedule_names,
-    sharded_step,
-)
-from gefen_titan.optim.gefenx.routing import route_cpu_step
+# Each part's ``__all__`` is the one list of what it exports; the package
+# re-exports them (a star import takes exactly a module's ``__all__``).
+from gefen_titan.optim.gefenx import gefen as _gefen_part
+from gefen_titan.optim.gefenx import muon as _muon_part
+from gefen_titan.optim.gefenx import routing as _routing_part
+from gefen_titan.optim.gefenx.gefen import *  # noqa: F403
+from gefen_titan.optim.gefenx.muon import *  # noqa: F403
+from gefen_titan.optim.gefenx.routing import *  # noqa: F403
 
-__all__ = [
-    "FQNS_KEY", "K", "ParamState", "is_gefen", "is_gefen_family", "new_gefen", "named_params", "options", "read",
-    "write",
-    "clear", "has_state", "period", "set_period", "codebook", "set_codebook", "global_step", "set_global_step",
-    "count_empty_shard_step", "empty_shard_counters", "set_empty_shard_counters", "finalize_period",
-    "fallback_enabled", "state_tensors", "codebook_tensors", "LIVE_BLOCK_FLOATS", "STATE_COST",
-    "MUON_STATE_COST", "NORMUON_ROW_BYTES", "MUON_GROUP_KEYS", "MUON_REFUSED",
-    "MUON_UPDATE_DTYPE", "MuonState", "ShardedGefenMuon", "new_gefen_muon", "ShardedStep", "sharded_step",
-    "is_gefen_muon", "muon_defaults", "muon_refused", "muon_deterministic", "muon_read", "muon_write", "muon_rows",
-    "muon_set_rows", "muon_momentum", "muon_orthogonalize", "muon_normuon", "muon_apply", "muon_restore_group",
-    "advance_global_step", "hybrid_defaults", "ns_schedule_names", "ns_schedule_coefficients", "route_cpu_step",
-]
+__all__ = [*_gefen_part.__all__, *_muon_part.__all__, *_routing_part.__all__]
