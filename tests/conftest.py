@@ -49,7 +49,7 @@ SHARED_GROUPS = {"test_reshard_fail_closed": "test_reshard"}
 
 
 def pytest_collection_modifyitems(config, items):
-    # Parallel workers (the README's ``-n 2``) take whole modules
+    # Parallel workers (``-n 2``, the README's unit tier) take whole modules
     # (``--dist loadgroup``): a module's fixtures (its reference runs, its
     # launches) are then built once, not once per worker that runs one of its tests.
     grouped = config.pluginmanager.hasplugin("xdist")

@@ -1,7 +1,8 @@
 """Where the suite keeps what its tests share across processes.
 
-The suite runs in parallel workers (pytest-xdist, ``-n 2`` in the README's
-test command): each worker has a temp folder of its own
+Run in parallel workers (pytest-xdist's ``-n``: the README runs the unit
+tier so; the integration tier runs in one process there, but may be run in
+workers too), each worker has a temp folder of its own
 (``.../pytest-N/popen-gwK``), but the CI reference runs are worth sharing
 across workers, so their cache is the run's common folder
 (``.../pytest-N``). ``gefen_titan.validation.runs.reference_run`` locks each
