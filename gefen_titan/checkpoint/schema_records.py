@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Self, TypeVar
@@ -92,7 +93,7 @@ class Header:
 # once, so the kinds' JSON keeps one frame. Their text is the format: keys sorted, the same keys and types as
 # before (tests/unit/test_kinds.py pins one record of each kind).
 @dataclass
-class KindParamRecord:
+class KindParamRecord(ABC):
     """One parameter in a kind's optimizer record: name, shape, period (0: no state yet), step, then the
     kind's own fields: its second counter (``COUNTER`` names the field and its JSON key) and its group."""
 
@@ -107,9 +108,9 @@ class KindParamRecord:
     def grid(self) -> tuple[int, ...] | None:
         return grid_shape(self.shape, self.period) if self.period else None
 
+    @abstractmethod
     def group_json(self) -> dict[str, Any]:
         """The group's keys as the kind writes them (its keys, JSON types)."""
-        raise NotImplementedError
 
     def to_dict(self) -> dict[str, Any]:
         return {"fqn": self.fqn, "shape": list(self.shape), "period": self.period, "step": self.step,

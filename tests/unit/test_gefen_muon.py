@@ -20,7 +20,7 @@ from gefen_titan.checkpoint.schema_muon import (
     check_muon_hyper,
 )
 from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim import registry
+from gefen_titan.optim import registry, state_size
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
 from gefen_titan.optim.muon.options import MuonOptions
 
@@ -186,7 +186,7 @@ def test_single_process_step_is_gefen_x_given_the_same_periods_and_codebook():
     params = dict(net.named_parameters())
     want = gx.K * 4 + sum(q.numel() + 4 * q.numel() // gx.period(muon, params[n]) + 4 * q.shape[0]
                           for n, q in ref_params.items())
-    assert sum(t.nbytes for t in gx.state_tensors(muon)) == want
+    assert state_size.state_bytes([muon])[0] == want
 
 
 class MoENet(nn.Module):

@@ -28,7 +28,7 @@ __all__ = [
     "write",
     "clear", "has_state", "period", "set_period", "codebook", "set_codebook", "global_step", "set_global_step",
     "count_empty_shard_step", "empty_shard_counters", "set_empty_shard_counters", "finalize_period",
-    "fallback_enabled", "state_tensors", "LIVE_BLOCK_FLOATS", "STATE_COST", "codebook_tensors",
+    "fallback_enabled", "LIVE_BLOCK_FLOATS", "STATE_COST", "codebook_tensors",
 ]
 
 K = schema.K  # codebook entries (gefen-x: num_codebooks=256)
@@ -230,16 +230,6 @@ def _param_bytes(sizes: tuple[int, ...], period: int, element_size: int) -> int:
 # What Gefen's state costs (its registry entry's ``cost``): the parameters' state, and the one fp32 [256]
 # codebook per optimizer.
 STATE_COST = StateCost(_param_bytes, optimizer_bytes=K * 4, optimizer_tensors=codebook_tensors)
-
-
-def state_tensors(optim: Optimizer) -> Iterator[torch.Tensor]:
-    """Every tensor the optimizer holds as state (for size accounting)."""
-    for group in optim.param_groups:
-        for p in group["params"]:
-            for value in optim.state.get(p, {}).values():
-                if isinstance(value, torch.Tensor):
-                    yield value
-    yield from codebook_tensors(optim)
 
 
 # ------------------------------------------------------------ period search
