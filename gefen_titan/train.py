@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import sys
 
 import torch
@@ -20,6 +19,7 @@ from torchtitan.observability import structured_logger as sl
 from torchtitan.tools.logging import init_logger, logger
 
 from gefen_titan import patches
+from gefen_titan.distributed import free_port
 from gefen_titan.recipe.cli import load_cli
 
 
@@ -35,11 +35,8 @@ def single_process_env() -> None:
     """
     if "LOCAL_RANK" in os.environ or "RANK" in os.environ:
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 def main(argv: list[str] | None = None) -> None:

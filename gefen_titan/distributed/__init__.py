@@ -9,7 +9,8 @@
   raised alone would leave the others waiting in their next collective, so
   every check whose outcome can differ between ranks goes through these;
 * ``comm_device``: where a collective's tensors must live (the current CUDA
-  device under NCCL, the CPU under gloo).
+  device under NCCL, the CPU under gloo);
+* ``free_port``: a rendezvous port for ranks started on this host.
 
 Where a shard lies (placements -> the global box a rank holds) is
 ``gefen_titan.distributed.layout``'s, the one module that computes it.
@@ -21,6 +22,8 @@ agreement is the rank's own verdict.
 from __future__ import annotations
 
 import math
+import random
+import socket
 from typing import Any
 
 import torch
@@ -33,6 +36,7 @@ __all__ = [
     "all_gather_objects",
     "any_rank",
     "comm_device",
+    "free_port",
     "is_distributed",
     "like_param",
     "like_param_rows",
@@ -145,3 +149,35 @@ def raise_on_any_rank(error: str | None, what: str, exc: type[Exception]) -> Non
         return
     errors = all_gather_objects(error)
     raise exc(f"{what}: " + "; ".join(sorted({e for e in errors if e})))
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default (not Linux: bind(0) below)
+
+
+def free_port() -> int:
+    """A TCP port free now on 127.0.0.1 for a rank-0 store to listen on.
+
+    Not from ``bind(0)``: that hands out a port of the kernel's ephemeral range,
+    which the kernel may give to any outgoing connection (another job's gloo
+    or torchft peers) before the store listens on it; a fault-tolerance
+    test's group start failed so once (EADDRINUSE). A port below that range
+    is never given to an outgoing connection; another listener may still take
+    it first (rare).
+    """
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64 if low > 10_001 else 0):
+        port = rng.randrange(10_000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -21,7 +21,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,6 +32,7 @@ from torchtitan.config.override import format_cli_imports
 
 from gefen_titan.checkpoint import storage
 from gefen_titan.data.global_loader import GlobalOrderDataLoader
+from gefen_titan.distributed import free_port
 from gefen_titan.validation.identity import run_identity
 from gefen_titan.validation.launchers import ENTRY, launch_ranks
 from gefen_titan.validation.layouts import Side, as_side, cuda_graph_flags, degree_flags, parse_side, recipe_degrees
@@ -40,7 +40,7 @@ from gefen_titan.validation.recipes import config_of, recipe_imports, resolve_re
 
 __all__ = [
     "BATCH_HOOK", "CI_SETTINGS", "HOOK", "Run", "Settings",
-    "checkpoint_bytes", "free_port", "global_order_batch", "imports_flag", "launch", "parse_losses",
+    "checkpoint_bytes", "global_order_batch", "imports_flag", "launch", "parse_losses",
     "reference_run", "resume_run", "run_env",
 ]
 
@@ -53,12 +53,6 @@ ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 # stored recipe curves, scripts/update_reference_curves.py): small, so a run
 # is seconds of compute. Runs with equal settings share one reference (reference_cache).
 CI_SETTINGS = {"steps_before": 4, "steps_after": 3, "global_batch": 8, "local_batch": 2}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_losses(log: str) -> dict[int, float]:

@@ -29,7 +29,6 @@ import importlib
 import multiprocessing.connection as mp_connection
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,8 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+from gefen_titan.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -152,11 +153,6 @@ def spawn(fn: Callable, args: tuple, nprocs: int, *, timeout: float, fork_server
         raise
 
 
-def free_port() -> int:
-    """A TCP port free now on 127.0.0.1 (another process may take it before use: rare)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world: int, port: int, log: str, cwd: str, target: Callable[[list[str]], None],
