@@ -3,6 +3,11 @@
     python scripts/bench_cpu_step.py                          # 6M and 50M, 1 and 2 threads
     python scripts/bench_cpu_step.py --models 6M --threads 1 --rounds 12
     python scripts/bench_cpu_step.py --gefen-x                # also gefen-x's own CPU path (~100x: slow)
+    python scripts/bench_cpu_step.py --isa portable           # the portable build (no intrinsics), forced
+
+The report's first line names the build the kernel runs (``avx2`` or
+``portable``) and the torch roundings it follows; where the kernel cannot run
+here, it says why, and the Gefen row is labelled as gefen-x's own path.
 
 For each model and thread count (``torch.set_num_threads``), one process
 builds the same fp32 parameters and gradients for every optimizer and times
@@ -59,6 +64,19 @@ def shapes(dim: int, layers: int, ffn: int, vocab: int) -> list[tuple[int, ...]]
     return out + [(dim,), (vocab, dim)]
 
 
+def kernel_line() -> tuple[str, bool]:
+    """What the kernel is in this process (build, roundings) or why it cannot run; and whether it runs."""
+    from gefen_titan.optim import cpu_step
+    from gefen_titan.optim.cpu_step import build
+
+    lib = cpu_step.kernel()
+    if isinstance(lib, build.Unavailable):
+        return f"kernel: unavailable here ({lib.reason}); the Gefen row is gefen-x's own path", False
+    return (f"kernel: {lib.isa} build, torch's sum order {lib.sum_width} lanes (fp64 {lib.sum_width_f64}), "
+            f"{'fused' if lib.fused else 'unfused'} lerp; torch's CPU kernels: "
+            f"{torch.backends.cpu.get_cpu_capability()}", True)
+
+
 def _gefen(params: list[torch.nn.Parameter], kernel: bool) -> torch.optim.Optimizer:
     from gefen_titan.optim import cpu_step
     from gefen_titan.optim import gefenx as gx
@@ -75,12 +93,13 @@ def _gefen(params: list[torch.nn.Parameter], kernel: bool) -> torch.optim.Optimi
     return optim
 
 
-def build_optimizers(model: str, with_gefen_x: bool) -> dict[str, tuple[torch.optim.Optimizer, list]]:
+def build_optimizers(model: str, with_gefen_x: bool, kernel_runs: bool = True
+                     ) -> dict[str, tuple[torch.optim.Optimizer, list]]:
     gen = torch.Generator().manual_seed(0)
     base = [torch.randn(*s, generator=gen) * 0.02 for s in shapes(*MODELS[model])]
     grads = [torch.randn(*s, generator=gen) * 1e-3 for s in shapes(*MODELS[model])]
     out = {}
-    makers = {"Gefen (kernel)": lambda ps: _gefen(ps, True),
+    makers = {"Gefen (kernel)" if kernel_runs else "Gefen (gefen-x: no kernel)": lambda ps: _gefen(ps, True),
               "AdamW fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True),
               "AdamW foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, foreach=True)}
     if with_gefen_x:
@@ -108,9 +127,9 @@ def copy_gbps(threads: int, mib: int = 256, repeat: int = 7) -> float:
     return 3 * src.numel() * 4 / statistics.median(times) / 1e9  # read, write-allocate read, write
 
 
-def measure(model: str, threads: int, rounds: int, with_gefen_x: bool) -> dict:
+def measure(model: str, threads: int, rounds: int, with_gefen_x: bool, kernel_runs: bool = True) -> dict:
     torch.set_num_threads(threads)
-    optims = build_optimizers(model, with_gefen_x)
+    optims = build_optimizers(model, with_gefen_x, kernel_runs)
     numel = sum(p.numel() for p in next(iter(optims.values()))[1])
     times: dict[str, list[float]] = {name: [] for name in optims}
     for _ in range(rounds):
@@ -126,17 +145,21 @@ def measure(model: str, threads: int, rounds: int, with_gefen_x: bool) -> dict:
 
 def first_call() -> dict:
     """Compile (empty cache) and load (cached, with the self-check) in fresh processes, and one table."""
-    code = ("import time, torch; t = time.perf_counter(); from gefen_titan.optim import cpu_step; "
-            "lib = cpu_step.kernel(); import json; print(json.dumps({'wall_s': time.perf_counter() - t, "
-            "'built_s': lib.built_s, 'loaded_s': lib.loaded_s}))")
+    code = ("import time, json, torch; t = time.perf_counter(); from gefen_titan.optim import cpu_step; "
+            "from gefen_titan.optim.cpu_step import build; lib = cpu_step.kernel(); "
+            "print(json.dumps({'reason': lib.reason} if isinstance(lib, build.Unavailable) else "
+            "{'wall_s': time.perf_counter() - t, 'built_s': lib.built_s, 'loaded_s': lib.loaded_s}))")
     out = {}
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "GEFEN_TITAN_CPU_STEP_CACHE": cache}
         for what in ("compile", "load"):
             proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
             if proc.returncode:
-                raise SystemExit(f"the kernel did not build or load:\n{proc.stderr[-3000:]}")
-            out[what] = json.loads(proc.stdout.strip().splitlines()[-1])
+                raise SystemExit(f"the kernel's first-call child failed:\n{proc.stderr[-3000:]}")
+            got = json.loads(proc.stdout.strip().splitlines()[-1])
+            if "reason" in got:
+                return {"unavailable": got["reason"]}
+            out[what] = got
     from gefen_titan.optim.cpu_step import codebook
 
     cb = torch.sort(torch.randn(256)).values.clamp(-1, 1)
@@ -146,9 +169,9 @@ def first_call() -> dict:
     return out
 
 
-def report(rows: list[dict], first: dict | None) -> str:
-    lines = ["One process, fp32, interleaved rounds, median step after the first two; x = / fused AdamW of the run",
-             "", "| model | threads | optimizer | step ms | x fused AdamW |", "|---|---|---|---|---|"]
+def report(rows: list[dict], first: dict | None, kernel: str = "") -> str:
+    lines = [kernel, "One process, fp32, interleaved rounds, median step after the first two; x = / fused AdamW "
+             "of the run", "", "| model | threads | optimizer | step ms | x fused AdamW |", "|---|---|---|---|---|"]
     for r in rows:
         fused = r["step_s"]["AdamW fused"]
         for name, s in r["step_s"].items():
@@ -158,10 +181,13 @@ def report(rows: list[dict], first: dict | None) -> str:
               "Gefen kernel / its floor | fused AdamW / its floor |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         f = r["floor_s"]
+        gefen = next(s for name, s in r["step_s"].items() if name.startswith("Gefen (kernel") or "no kernel" in name)
         lines.append(f"| {r['model']} | {r['threads']} | {r['copy_gbps']:.1f} | {f['Gefen'] * 1e3:.1f} | "
-                     f"{f['AdamW'] * 1e3:.1f} | {r['step_s']['Gefen (kernel)'] / f['Gefen']:.1f} | "
+                     f"{f['AdamW'] * 1e3:.1f} | {gefen / f['Gefen']:.1f} | "
                      f"{r['step_s']['AdamW fused'] / f['AdamW']:.1f} |")
-    if first:
+    if first and "unavailable" in first:
+        lines += ["", f"first call: the kernel is unavailable here: {first['unavailable']}"]
+    elif first:
         lines += ["", f"first call: compile {first['compile']['built_s']:.1f} s (process start to ready "
                   f"{first['compile']['wall_s']:.1f} s); load from the cache and self-check "
                   f"{first['load']['wall_s']:.2f} s (load {first['load']['loaded_s'] * 1e3:.0f} ms); one codebook's "
@@ -177,13 +203,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gefen-x", action="store_true", help="also time Gefen on gefen-x's own CPU path")
     ap.add_argument("--no-first-call", action="store_true", help="skip the compile / load timing")
     ap.add_argument("--json", default="", help="also write every figure here")
+    ap.add_argument("--isa", choices=["avx2", "portable"], default=None,
+                    help="force the kernel's build (GEFEN_TITAN_CPU_STEP_ISA); default: the host's")
     args = ap.parse_args(argv)
+    if args.isa:
+        os.environ["GEFEN_TITAN_CPU_STEP_ISA"] = args.isa
     models = [m for m in args.models.split(",") if m]
     if any(m not in MODELS for m in models) or args.rounds < 3:
         ap.error(f"--models from {', '.join(MODELS)}; --rounds >= 3")
     first = None if args.no_first_call else first_call()
-    rows = [measure(m, int(t), args.rounds, args.gefen_x) for m in models for t in args.threads.split(",")]
-    print(report(rows, first))
+    kernel, runs = kernel_line()
+    print(kernel, flush=True)
+    rows = [measure(m, int(t), args.rounds, args.gefen_x, runs) for m in models for t in args.threads.split(",")]
+    print(report(rows, first, kernel))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "first_call": first}, f, indent=1)

@@ -12,15 +12,29 @@ codewords (buckets with several thresholds), 1 and 2 threads; plus values
 within a few ulps of every threshold, NaN and inf gradients, the first step
 from a zero state, and the lone-row reduction the kernel hands back.
 
-The kernel must build and load here (CI has g++ and an AVX2 CPU): a test
-that skipped where it cannot run would prove nothing.
+Every contract test runs on both builds of the kernel (``lib``): the host's
+own (the AVX2 build on x86 CPUs with AVX2) and the portable one (plain C++, as
+ARM hosts run it), forced here. Each follows the roundings that the probe
+finds in this process's torch. The contract tests also run in child processes
+under each of torch's other CPU kernels this host can run
+(``ATEN_CPU_CAPABILITY``): its DEFAULT kernels do not fuse ``lerp``, and the
+kernel must follow that too. A recording of gefen-x's step made on an AVX-512
+host (``tests/fixtures/cpu_step_avx512.pt``) is replayed through the kernel.
+
+The kernel must build and load here (CI has g++): a test that skipped where
+it cannot run would prove nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,19 +43,33 @@ import torch
 from gefen_titan.optim import cpu_step
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.container import GefenOptimizersContainer
-from gefen_titan.optim.cpu_step import build, codebook
+from gefen_titan.optim.cpu_step import build, codebook, probe
 from gefen_titan.optim.cpu_step.steps import GefenStep, MuonMomentum, splits_across_threads
 from gefen_titan.optim.gefen_options import GefenOptions
 from gefen_titan.optim.muon.options import MuonOptions
 from gefen_titan.optim.quant.requant import nearest_codes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+ROOT = Path(__file__).resolve().parents[2]
+RECORDING = ROOT / "tests" / "fixtures" / "cpu_step_avx512.pt"
+# Set in the child processes that rerun the contract under another of torch's CPU kernels: the host's build only.
+_CHILD = "GEFEN_TITAN_TEST_CPU_STEP_CHILD"
 
 
-@pytest.fixture(scope="module")
-def lib():
-    got = cpu_step.kernel()
+@pytest.fixture(scope="module", params=["host", "portable"])
+def lib(request):
+    """The host's build as every process gets it (``cpu_step.kernel()``), and the portable build, each set to
+    follow this process's torch and passed the self-check."""
+    if request.param == "host":
+        got = cpu_step.kernel()
+    else:
+        if os.environ.get(_CHILD):
+            pytest.skip("the child processes rerun the host's build only")
+        if build.isa() == "portable":
+            pytest.skip("the host's build is the portable one: its run is the 'host' case")
+        got = cpu_step.checked(build.load("portable"))
     assert isinstance(got, build.Library), f"the kernel must run on CI machines: {got}"
+    assert got.isa == (build.isa() if request.param == "host" else "portable")
     return got
 
 
@@ -298,27 +326,148 @@ def test_muon_momentum_of_grouped_experts_is_bit_identical(lib):
 
 
 # ------------------------------------------------------------------ the kernel's own checks
-def test_the_16_wide_sum_follows_the_scalar_rendering_of_torchs_algorithm(lib):
-    """Torch's sum order at the width of its AVX-512 kernels, which this AVX2 CPU's torch does not
-    use: the vectorized sum equals the plain rendering of torch's algorithm (which equals torch at 8)."""
+def test_the_vectorized_sums_follow_the_plain_rendering_of_torchs_algorithm(lib):
+    """At every width the step sums in (vectorized where the build has vector loops), the sum equals the
+    plain rendering of torch's algorithm, which the probe compares with torch's own sums."""
     f = lib.lib.gt_row_sumsq
-    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]
-    out = ctypes.c_float()
-    for code, dtype in enumerate(DTYPES[:3]):
+    out = ctypes.c_double()
+    for code, dtype in enumerate(DTYPES):
         for n in (1, 7, 8, 15, 16, 17, 63, 64, 65, 257, 1000, 4096, 4099, 70001):
             g = torch.randn(n).to(dtype)
-            got = []
-            for width in (8, 16):
+            for width in probe.CANDIDATE_WIDTHS:
+                got = []
                 for vectorized in (1, 0):
                     assert f(g.data_ptr(), n, code, width, vectorized, ctypes.byref(out)) == 0
                     got.append(out.value)
-            assert got[0] == got[1] and got[2] == got[3], (dtype, n, got)
+                assert got[0] == got[1], (dtype, n, width, got)
+    assert f(g.data_ptr(), 8, 0, 3, 0, ctypes.byref(out)) == -1  # a width it does not render
 
 
-def test_the_self_check_catches_a_kernel_that_sums_in_another_order(lib):
-    wrong = build.Library(lib=lib.lib, path=lib.path, sum_width=16, built_s=0.0, loaded_s=0.0)
+def test_the_probe_rows_tell_every_candidate_order_apart(lib):
+    """Otherwise the probe could pick an order torch does not use: for each dtype, every two candidate
+    widths render the probe rows differently somewhere."""
+    for dtype in (torch.float32, torch.float64):
+        rendered = {w: [probe.renderings(lib, g, w) for g in probe.probe_rows(dtype)]
+                    for w in probe.CANDIDATE_WIDTHS}
+        for a in probe.CANDIDATE_WIDTHS:
+            for b in probe.CANDIDATE_WIDTHS:
+                if a < b:
+                    assert any(not torch.equal(x, y) for x, y in zip(rendered[a], rendered[b])), (dtype, a, b)
+
+
+def test_the_probe_finds_torchs_order_from_what_torch_sums(lib, monkeypatch):
+    """The width comes from torch's sums, not from a capability name: a torch that summed in 16-lane order
+    (faked) gets 16, and one that follows no candidate gets a reason and no kernel."""
+    real = probe.probe(lib)
+    assert isinstance(real, probe.TorchRoundings)
+    assert (real.sum_width, real.sum_width_f64, real.fused) == (lib.sum_width, lib.sum_width_f64, lib.fused)
+
+    def faked(width):
+        return lambda dtype: [probe.Observation(g, probe.renderings(lib, g, width)) for g in probe.probe_rows(dtype)]
+
+    monkeypatch.setattr(probe, "observe", faked(16))
+    assert probe.probe(lib).sum_width == 16
+    monkeypatch.setattr(probe, "observe", lambda dtype: [probe.Observation(g, (g * g).sum(dim=1) * 1.5)
+                                                         for g in probe.probe_rows(dtype)])
+    reason = probe.probe(lib)
+    assert isinstance(reason, str) and "follow none of the orders" in reason
+    got = cpu_step.checked(lib)
+    assert isinstance(got, build.Unavailable) and "cannot follow this torch's roundings" in got.reason
+
+
+def test_the_probe_tells_a_fused_lerp_from_two_roundings(monkeypatch):
+    """torch's AVX2 and AVX-512 kernels fuse lerp and add_(alpha); a torch whose lerp rounds twice (as its
+    DEFAULT kernels, faked here) is found so, and one that does neither is refused."""
+    assert probe.fused_of() is (torch.backends.cpu.get_cpu_capability() != "DEFAULT")
+    real_lerp, real_add = torch.lerp, torch.Tensor.add_
+
+    def two_roundings(a, b, w):
+        wf = probe.np.float32(w)
+        return a + float(wf) * (b - a) if w < 0.5 else b - float(probe.np.float32(1.0) - wf) * (b - a)
+
+    def add_two(self, other, alpha=1):
+        return real_add(self, (other.double() * float(probe.np.float32(alpha))).float())
+
+    monkeypatch.setattr(torch, "lerp", two_roundings)
+    monkeypatch.setattr(torch.Tensor, "add_", add_two)
+    assert probe.fused_of() is False
+    monkeypatch.setattr(torch, "lerp", lambda a, b, w: real_lerp(a, b, w) + 1e-3)
+    assert "neither once nor twice" in probe.fused_of()
+
+
+def test_the_self_check_catches_a_kernel_that_rounds_otherwise(lib):
     assert cpu_step._self_check(lib) is None
-    assert "vmean" in cpu_step._self_check(wrong)
+    assert "vmean" in cpu_step._self_check(dataclasses.replace(lib, sum_width=16 if lib.sum_width != 16 else 8))
+    assert "parameter" in cpu_step._self_check(dataclasses.replace(lib, fused=not lib.fused))
+
+
+# ------------------------------------------------------------------ other hosts
+def _recording() -> dict:
+    from torch.torch_version import TorchVersion
+
+    with torch.serialization.safe_globals([TorchVersion]):
+        return torch.load(RECORDING, weights_only=True)
+
+
+def test_the_avx512_recording_replays_bit_identically(lib):
+    """gefen-x's steps recorded on an AVX-512 Xeon. The probe finds that host's sum order from its recorded
+    reductions: 8 lanes, not its vector width. In that order the kernel reproduces every recorded ``vmean``,
+    code, magnitude and counter, and every recorded parameter wherever gefen-x's own step here reproduces it
+    too. The parameter goes through ``torch.sqrt(vmean)``, which torch computes around the kernel, and which
+    on x86 is MKL's ``vsSqrt``: MKL picks its code path by CPU, and on an AMD EPYC gefen-x's own step left
+    15 of the 48 recorded parameters different (only those). There the kernel equals gefen-x's step here.
+    The fp64 order and fused lerp are this torch's (the recording holds fp32 sums; torch's AVX-512 kernels
+    fuse). In the 16-lane order, which the kernel used to pick for AVX-512 hosts, recorded vmeans differ."""
+    rec = _recording()
+    assert rec["capability"] == "AVX512" and len(rec["gefen_steps"]) == 48 and len(rec["block_means"]) == 57
+    observed = [probe.Observation(b["g"].float().reshape(b["g"].shape[0], -1), b["sum_sq"].reshape(-1))
+                for b in rec["block_means"]]
+    width = probe.width_of(lib, observed)
+    assert width == 8, width
+    for b in rec["block_means"]:  # and torch's mean there is that sum / period, as the kernel takes it
+        assert torch.equal(b["mean_sq"], b["sum_sq"] / b["period"])
+    replay = dataclasses.replace(lib, sum_width=width, fused=True)
+    host_params = 0
+    for case in rec["gefen_steps"]:
+        torch.set_num_threads(case["threads"])
+        what = f"recorded case seed {case['seed']} #{case['i']} {case['case']}"
+        got, step = run_gefen(replay, True, **case["inputs"])
+        assert step.taken >= len(case["inputs"]["grads"]) - 1, dict(step.declined)
+        assert_same({k: v for k, v in case["ref"].items() if k != "param"}, got, what)
+        if not same_bits(case["ref"]["param"], got["param"]):
+            own, _ = run_gefen(replay, False, **case["inputs"])
+            assert not same_bits(case["ref"]["param"], own["param"]), f"{what}: only the kernel's parameter differs"
+            assert_same(own, got, f"{what} (against gefen-x's step on this host)")
+            host_params += 1
+    print(f"recording replayed: 48 cases; {host_params} parameters differ from the recording in gefen-x's own "
+          "step on this host too (torch.sqrt)")
+    wide = dataclasses.replace(lib, sum_width=16, fused=True)
+    vmeans = [same_bits(c["ref"]["vmean"], run_gefen(wide, True, **c["inputs"])[0]["vmean"])
+              for c in rec["gefen_steps"][:16]]
+    assert not all(vmeans)
+
+
+_OTHER_CAPABILITIES = {"AVX512": ["avx2", "default"], "AVX2": ["default"]}
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_the_contract_holds_under_torchs_other_cpu_kernels(capability):
+    """torch's AVX2 and DEFAULT kernels, where this host runs better ones: the same contract tests in a child
+    process with ``ATEN_CPU_CAPABILITY`` set (the DEFAULT kernels round lerp twice: the probe finds it)."""
+    host = torch.backends.cpu.get_cpu_capability()
+    if os.environ.get(_CHILD):
+        pytest.skip("already a child")
+    if capability not in _OTHER_CAPABILITIES.get(host, []):
+        pytest.skip(f"torch runs its {host} kernels here: {capability} is this host's own run or beyond it")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, _CHILD: "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           __file__, "-k", "random_cases or muon_momentum or threshold or nan_and_inf",
+                           "-W", "ignore::DeprecationWarning"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    tail = (done.stdout + done.stderr)[-3000:]
+    assert done.returncode == 0, tail
+    summary = done.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, tail
 
 
 def test_codebook_rule_needs_sorted_finite_codewords():
@@ -334,13 +483,29 @@ def test_codebook_rule_needs_sorted_finite_codewords():
 
 
 # ------------------------------------------------------------------ where it runs, and the log
-def test_without_a_compiler_or_avx2_the_reason_is_given(monkeypatch):
+def test_without_a_compiler_the_reason_is_given(monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/g++")
-    got = build._load()
+    got = build._load(build.isa())
     assert isinstance(got, build.Unavailable) and "no C++ compiler" in got.reason
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    got = build._load()
-    assert isinstance(got, build.Unavailable) and "DEFAULT" in got.reason and "AVX2" in got.reason
+
+
+def test_the_build_is_chosen_by_the_cpus_instructions(monkeypatch):
+    """The AVX2 build where the CPU has AVX2, FMA and F16C (AVX-512 CPUs included), else the portable one;
+    the environment variable forces one, and an unknown name is a reason, not a crash."""
+    monkeypatch.delenv(build.ISA_ENV, raising=False)
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(build, "_cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f"})
+    assert build.isa() == "avx2"
+    monkeypatch.setattr(build, "_cpu_flags", lambda: {"sse4_2", "avx"})
+    assert build.isa() == "portable"
+    monkeypatch.setattr(build.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(build, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    assert build.isa() == "portable"
+    monkeypatch.setenv(build.ISA_ENV, "avx2")
+    assert build.isa() == "avx2"
+    monkeypatch.setenv(build.ISA_ENV, "avx9")
+    got = build.load()
+    assert isinstance(got, build.Unavailable) and build.ISA_ENV in got.reason and "portable" in got.reason
 
 
 def test_an_unavailable_kernel_warns_once_and_gefen_x_steps(monkeypatch, caplog):

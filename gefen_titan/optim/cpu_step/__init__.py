@@ -6,8 +6,11 @@ kernels need CUDA): about 100x torch's fused AdamW, most of it in
 block row, with every rounding torch makes (``docs/cpu_step.md``);
 ``tests/unit/test_cpu_step.py`` holds it to gefen-x's own step bit for bit.
 
-* ``build``: compiles the kernel on first use and caches it per machine, or
-  says why it cannot (no compiler, a CPU torch runs without AVX2);
+* ``build``: compiles the kernel on first use and caches it per machine (an
+  AVX2 build, or a portable one for hosts without AVX2), or says why it cannot
+  (no compiler);
+* ``probe``: asks the installed torch which roundings the kernel must follow
+  in this process (its sum order, whether its lerp is fused);
 * ``codebook``: a codebook's nearest-codeword rule as thresholds and a table;
 * ``steps``: the per-parameter steps the kernel takes and those it hands back;
 * ``install(optim, mode)``: what the registry's factories call on every Gefen
@@ -29,10 +32,11 @@ from torchtitan.tools.logging import logger
 
 from gefen_titan.distributed import local
 from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim.cpu_step.build import Library, Unavailable, load
+from gefen_titan.optim.cpu_step import probe
+from gefen_titan.optim.cpu_step.build import Built, Library, Unavailable, load
 from gefen_titan.optim.cpu_step.steps import GefenStep, MuonMomentum
 
-__all__ = ["MODES", "install", "kernel", "routed_step"]
+__all__ = ["MODES", "checked", "install", "kernel", "routed_step"]
 
 MODES = ("kernel", "gefen-x")
 
@@ -42,7 +46,7 @@ _checked: Library | Unavailable | None = None
 
 def _self_check(lib: Library) -> str | None:
     """Step a small Gefen both ways on this machine; what differs, or None. Guards the facts the kernel
-    rests on (torch's FMAs, its summation width) on CPUs the tests did not run on."""
+    rests on (torch's roundings as ``probe`` found them, and the rest) on CPUs the tests did not run on."""
     gen = torch.Generator().manual_seed(0)
     codebook = torch.sort(torch.rand(256, generator=gen) * 2 - 1).values
     codebook[0], codebook[-1] = -1.0, 1.0
@@ -70,15 +74,25 @@ def _self_check(lib: Library) -> str | None:
     return f"its {', '.join(differ)} differ from gefen-x's on this machine" if differ else None
 
 
+def checked(built: Built | Unavailable) -> Library | Unavailable:
+    """``built`` set to follow this process's torch (``probe``) and stepped against gefen-x, or why it cannot
+    run here."""
+    if isinstance(built, Unavailable):
+        return built
+    found = probe.probe(built)
+    if isinstance(found, str):
+        return Unavailable(f"the kernel cannot follow this torch's roundings: {found}")
+    lib = built.follow(found.sum_width, found.sum_width_f64, found.fused)
+    wrong = _self_check(lib)
+    return Unavailable(f"the kernel's self-check failed: {wrong}") if wrong else lib
+
+
 def kernel() -> Library | Unavailable:
-    """The loaded kernel, checked against gefen-x once per process, or why it cannot run here."""
+    """The loaded kernel, checked against torch and gefen-x once per process, or why it cannot run here."""
     global _checked
     with _lock:
         if _checked is None:
-            lib = load()
-            if isinstance(lib, Library):
-                wrong = _self_check(lib)
-                lib = Unavailable(f"the kernel's self-check failed: {wrong}") if wrong else lib
+            lib = checked(load())
             _checked = lib
             if isinstance(lib, Unavailable):
                 logger.warning(f"gefen-titan CPU step: gefen-x's own path (about 100x slower), because {lib.reason}")
@@ -115,7 +129,8 @@ def install(optim: Optimizer, mode: str, label: str) -> str:
             gx.route_cpu_step(optim, step)
             _ROUTED[optim] = step
             what = "momentum" if gx.is_gefen_muon(optim) else "step"
-            path = (f"the exact CPU kernel for its {what} on CPU tensors ({lib.path.name}, torch sum width "
-                    f"{lib.sum_width}); CUDA tensors keep gefen-x's")
+            path = (f"the exact CPU kernel for its {what} on CPU tensors ({lib.path.name}: {lib.isa} build, "
+                    f"torch's sum order {lib.sum_width} lanes, {'fused' if lib.fused else 'unfused'} lerp); "
+                    "CUDA tensors keep gefen-x's")
     logger.info(f"{where}: {path}")
     return path

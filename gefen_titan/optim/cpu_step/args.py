@@ -52,7 +52,7 @@ class GefenArgs(ctypes.Structure):
     _fields_ = [
         ("p", _p), ("g", _p), ("codes", _p), ("magnitude", _p), ("vmean", _p), ("sqrt_vmean", _p),
         ("blocks", _i64), ("period", _i64),
-        ("dtype", _i32), ("sum_width", _i32),
+        ("dtype", _i32), ("sum_width", _i32), ("sum_width_f64", _i32), ("fused", _i32),
         ("cb", Codebook),
         ("w_f", _f), ("omw_f", _f), ("w_d", _d), ("omw_d", _d), ("w_small", _i32),
         ("beta2_f", _f), ("alpha_f", _f),
@@ -66,7 +66,7 @@ class MuonArgs(ctypes.Structure):
     _fields_ = [
         ("out", _p), ("g", _p), ("codes", _p), ("magnitude", _p),
         ("blocks", _i64), ("period", _i64),
-        ("dtype", _i32),
+        ("dtype", _i32), ("fused", _i32),
         ("cb", Codebook),
         ("w_f", _f), ("omw_f", _f), ("w_d", _d), ("omw_d", _d), ("w_small", _i32),
         ("tiny_f", _f),

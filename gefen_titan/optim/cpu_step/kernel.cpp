@@ -4,12 +4,18 @@
 // weight decay, the stepsize, ``_automatic_momentum_update``; GefenMuon: ``_prepare_muon_momentum``). This file
 // computes the same values in one pass per block row. Every rounding is the one torch makes on this CPU:
 //
-// * ``lerp`` with a scalar weight is one fused multiply-add (``w*(end-self)+self`` for w < 0.5, else
-//   ``end-(1-w)*(end-self)``), also in torch's scalar tail; ``add_(x, alpha=a)`` is ``fma(x, a, self)``.
-//   Nothing else may fuse: the file is built with -ffp-contract=off and every FMA is written out.
+// * ``lerp`` with a scalar weight is ``w*(end-self)+self`` for w < 0.5, else ``end-(1-w)*(end-self)``, and
+//   ``add_(x, alpha=a)`` is ``x*a+self``: one fused multiply-add each where torch's kernels fuse them (its
+//   AVX2 and AVX-512 builds, vector loop and scalar tail alike), two roundings where they do not (its DEFAULT
+//   build on x86); ``fused`` says which, probed from torch at load (probe.py). Nothing else may fuse: the
+//   file is built with -ffp-contract=off and every FMA is written out.
 // * ``torch.mean(g*g, dim=1)`` is ``sum / period`` where the sum follows torch's cascade over vectors of
-//   ``sum_width`` floats (8 with AVX2, 16 with AVX-512: the width of torch's own kernel, handed in), with
-//   four interleaved partial sums, levels of 16+ items, then the tail and the lanes in order (SumKernel.cpp).
+//   ``sum_width`` floats (``sum_width_f64`` doubles), with four interleaved partial sums, levels of 16+
+//   items, then the tail and the lanes in order (SumKernel.cpp). The widths are not the CPU's vector width
+//   (torch 2.13 sums in 8-float order under its AVX-512 kernels too): probe.py finds them by asking torch.
+//
+// Two builds of this file (build.py): with AVX2, FMA and F16C (``GT_SIMD``: the vector loops below), and a
+// portable one with no intrinsics (hosts without AVX2, ARM), whose scalar loops make the same roundings.
 // * ``x.div_(scalar)`` is a true division; ``max(dim)`` keeps the first NaN of the row.
 // * The nearest codeword: gefen-x's rule (searchsorted, ties to the lower index) is monotone in x, so the
 //   code is the number of the codebook's thresholds at or below x, compared as order-preserving uint32 keys.
@@ -21,7 +27,13 @@
 // any thread count. The entry points take one plain struct each (ctypes) and return 0, or -1 with a message.
 
 #include <ATen/Parallel.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(GT_PORTABLE)
+#define GT_SIMD 1
 #include <immintrin.h>
+#else
+#define GT_SIMD 0
+#endif
 
 #include <algorithm>
 #include <array>
@@ -81,8 +93,34 @@ inline uint16_t f_to_bf16(float x) {
   const uint32_t u = f2u(x);
   return uint16_t((u + ((u >> 16) & 1u) + 0x7FFFu) >> 16);
 }
+#if GT_SIMD
 inline float f16_to_f(uint16_t h) { return _cvtsh_ss(h); }
 inline uint16_t f_to_f16(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+#else
+// c10::Half's own conversions (c10/util/Half.h, fp16_ieee_to_fp32_value / fp16_ieee_from_fp32_value): exact,
+// round to nearest even. They rest on float roundings, which -ffp-contract=off keeps as written.
+inline float f16_to_f(uint16_t h) {
+  const uint32_t w = uint32_t(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = u2f((two_w >> 4) + (uint32_t(0xE0) << 23)) * 0x1.0p-112f;
+  const float denormalized = u2f((two_w >> 17) | (uint32_t(126) << 23)) - 0.5f;
+  const uint32_t result = sign | (two_w < (uint32_t(1) << 27) ? f2u(denormalized) : f2u(normalized));
+  return u2f(result);
+}
+inline uint16_t f_to_f16(float f) {
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = f2u(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = u2f((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = f2u(base);
+  const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+  return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+#endif
 
 // Storage types: raw element, compute type (torch's opmath), load, round-and-store.
 template <int D> struct St;
@@ -110,10 +148,13 @@ template <int D> inline typename St<D>::C round_to(typename St<D>::C x) { return
 template <> inline float round_to<BF16>(float x) { return bf16_to_f(f_to_bf16(x)); }
 template <> inline float round_to<F16>(float x) { return f16_to_f(f_to_f16(x)); }
 
-// torch's lerp(self, end, w) with a scalar weight (aten/src/ATen/native/Lerp.h; one rounding).
-template <typename C> inline C lerp1(C self, C end, C w, C one_minus_w, bool small) {
+// ``x * y + z`` as torch's kernels compute it here: one rounding (fused) or two.
+template <typename C> inline C madd(C x, C y, C z, bool fused) { return fused ? std::fma(x, y, z) : x * y + z; }
+
+// torch's lerp(self, end, w) with a scalar weight (aten/src/ATen/native/Lerp.h).
+template <typename C> inline C lerp1(C self, C end, C w, C one_minus_w, bool small, bool fused) {
   const C diff = end - self;
-  return small ? std::fma(w, diff, self) : std::fma(-one_minus_w, diff, end);
+  return small ? madd(w, diff, self, fused) : madd(-one_minus_w, diff, end, fused);
 }
 
 // ----------------------------------------------------- torch's cascade sum (SumKernel.cpp, inner reduction)
@@ -191,13 +232,16 @@ A torch_row_sum(const Value& value, int64_t n) {
 template <typename A, typename Value>
 A torch_row_sum_w(const Value& value, int64_t n, int width) {
   switch (width) {
+    case 2: return torch_row_sum<A, 2>(value, n);
     case 4: return torch_row_sum<A, 4>(value, n);
     case 8: return torch_row_sum<A, 8>(value, n);
     case 16: return torch_row_sum<A, 16>(value, n);
+    case 32: return torch_row_sum<A, 32>(value, n);
     default: throw std::runtime_error("unsupported sum width");
   }
 }
 
+#if GT_SIMD
 // ------------------------------------------------------------------ AVX2 helpers (8 floats)
 struct V8 {
   static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
@@ -302,13 +346,16 @@ template <int R> struct VItem {
   }
 };
 
+#endif  // GT_SIMD
+
 template <int D> inline float sq1(const typename St<D>::raw* g, int64_t i) {
   const float x = St<D>::load(g, i);
   return D == BF16 ? round_to<BF16>(x * x) : x * x;
 }
 
+#if GT_SIMD
 template <int D, int R>
-float sumsq_row(const typename St<D>::raw* g, int64_t n) {
+float sumsq_row_simd(const typename St<D>::raw* g, int64_t n) {
   constexpr int W = 8 * R;
   if (n < W) return torch_row_sum<float, W>([&](int64_t i) { return sq1<D>(g, i); }, n);
   const int64_t vec_size = n / W;
@@ -328,6 +375,20 @@ float sumsq_row(const typename St<D>::raw* g, int64_t n) {
   for (int l = 0; l < W; ++l) final_acc += lanes[l];
   return 0.0f + final_acc;
 }
+#endif
+
+// The row sum of squares of a float-computed gradient row (fp32, bf16: squares rounded to bf16, fp16: in
+// float) in torch's order at ``width`` lanes: vectorized as 1 or 2 AVX2 registers at widths 8 and 16, else
+// (and in the portable build) the plain rendering of torch's algorithm, which the tests hold equal.
+template <int D>
+float sumsq_row(const typename St<D>::raw* g, int64_t n, int width, bool vectorized = true) {
+#if GT_SIMD
+  if (vectorized && width == 8) return sumsq_row_simd<D, 1>(g, n);
+  if (vectorized && width == 16) return sumsq_row_simd<D, 2>(g, n);
+#endif
+  (void)vectorized;
+  return torch_row_sum_w<float>([&](int64_t i) { return sq1<D>(g, i); }, n, width);
+}
 
 // ================================================================== Gefen's step
 // Two calls per parameter, because torch.sqrt on CPU is MKL's vsSqrt (not always correctly rounded), which
@@ -344,41 +405,57 @@ template <typename C> struct RowAbsMax {
       mx = std::max(mx, au);
     }
   }
+#if GT_SIMD
   void add_lanes(__m256 vmx) {  // the vector loop's maxima (NaN lanes are found by the caller)
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, vmx);
     for (float x : lanes) mx = std::max(mx, C(x));
   }
+#endif
   float value() const { return nan_seen ? float(first_nan) : float(mx); }
 };
 
 // Gefen's and GefenMuon's momentum pass over a row, 8 lanes at a time: u = lerp(codebook[code] * mag, g,
-// 1 - beta) as torch's vector lerp (one FMA on the branch the weight picks), stored to ``dst``; the lanes'
-// max |u| go into ``row``, then the row's first NaN, looked up in ``dst`` in order (torch's max(dim)).
-// Returns how many elements it did (whole vectors). The scalar tail stays each caller's: Gefen computes it in
-// float (opmath), GefenMuon rounds every op to the dtype, as their torch ops do. Not for fp64 (no float lanes).
+// 1 - beta) as torch's vector lerp (on the branch the weight picks; fused or not, as torch here), stored to
+// ``dst``; the lanes' max |u| go into ``row``, then the row's first NaN, looked up in ``dst`` in order
+// (torch's max(dim)). Returns how many elements it did (whole vectors; 0 in the portable build). The scalar
+// tail stays each caller's: Gefen computes it in float (opmath), GefenMuon rounds every op to the dtype, as
+// their torch ops do. Not for fp64 (no float lanes).
 template <int D>
 int64_t momentum_lerp8(const Codebook& cb, const uint8_t* codes, const typename St<D>::raw* g, float* dst,
-                       int64_t n, float mag, float w, float omw, bool small, RowAbsMax<float>& row) {
+                       int64_t n, float mag, float w, float omw, bool small, bool fused, RowAbsMax<float>& row) {
   static_assert(D != F64, "the vector pass holds float lanes");
   int64_t i = 0;
+#if GT_SIMD
   const __m256 vmag = _mm256_set1_ps(mag), vw = _mm256_set1_ps(w), vomw = _mm256_set1_ps(-omw);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 vmx = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 cur = _mm256_mul_ps(_mm256_i32gather_ps(cb.values, load_codes8(codes + i), 4), vmag);
-    const __m256 gv = load8<D>(g + i);
-    const __m256 diff = _mm256_sub_ps(gv, cur);
-    const __m256 u = small ? _mm256_fmadd_ps(vw, diff, cur) : _mm256_fmadd_ps(vomw, diff, gv);
-    _mm256_storeu_ps(dst + i, u);
-    const __m256 au = _mm256_and_ps(u, absmask);
-    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(au, au, _CMP_UNORD_Q));
-    vmx = _mm256_max_ps(vmx, au);  // NaN lanes: the row's first NaN is looked up below
-  }
+  auto pass = [&](auto fused_tag) {
+    constexpr bool FUSED = decltype(fused_tag)::value;
+    auto madd8 = [](__m256 x, __m256 y, __m256 z) {
+      if constexpr (FUSED) return _mm256_fmadd_ps(x, y, z);
+      else return _mm256_add_ps(_mm256_mul_ps(x, y), z);
+    };
+    for (; i + 8 <= n; i += 8) {
+      const __m256 cur = _mm256_mul_ps(_mm256_i32gather_ps(cb.values, load_codes8(codes + i), 4), vmag);
+      const __m256 gv = load8<D>(g + i);
+      const __m256 diff = _mm256_sub_ps(gv, cur);
+      const __m256 u = small ? madd8(vw, diff, cur) : madd8(vomw, diff, gv);
+      _mm256_storeu_ps(dst + i, u);
+      const __m256 au = _mm256_and_ps(u, absmask);
+      vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(au, au, _CMP_UNORD_Q));
+      vmx = _mm256_max_ps(vmx, au);  // NaN lanes: the row's first NaN is looked up below
+    }
+  };
+  if (fused) pass(std::true_type()); else pass(std::false_type());
   row.add_lanes(vmx);
   if (_mm256_movemask_ps(vnan))  // max(dim) keeps the first NaN of the row (its |.|)
     for (int64_t j = 0; j < i && !row.nan_seen; ++j)
       if (dst[j] != dst[j]) row.add(std::fabs(dst[j]));
+#else
+  (void)cb; (void)codes; (void)g; (void)dst; (void)n; (void)mag; (void)w; (void)omw; (void)small; (void)fused;
+  (void)row;
+#endif
   return i;
 }
 
@@ -391,7 +468,9 @@ struct GefenArgs {
   const float* sqrt_vmean; // [blocks]: torch.sqrt(vmean) after the update (apply only)
   int64_t blocks, period;
   int32_t dtype;
-  int32_t sum_width;       // torch's float vector width (its sum's order); double: half of it
+  int32_t sum_width;       // torch's sum order for float rows: its lanes (probe.py)
+  int32_t sum_width_f64;   // and for double rows
+  int32_t fused;           // torch's lerp and add_(alpha) are one FMA here (probe.py)
   Codebook cb;
   // lerp weight 1 - beta1: as the compute type, its 1 - w, and which branch torch takes
   float w_f, omw_f; double w_d, omw_d; int32_t w_small;
@@ -408,7 +487,7 @@ void gefen_moments(const GefenArgs& a, int64_t r0, int64_t r1, std::vector<typen
   using raw = typename S::raw;
   const int64_t n = a.period;
   const raw* g_all = static_cast<const raw*>(a.g);
-  const bool small = a.w_small != 0;
+  const bool small = a.w_small != 0, fused = a.fused != 0;
   const C w = D == F64 ? C(a.w_d) : C(a.w_f);
   const C omw = D == F64 ? C(a.omw_d) : C(a.omw_f);
   scratch.resize(size_t(n));
@@ -420,22 +499,22 @@ void gefen_moments(const GefenArgs& a, int64_t r0, int64_t r1, std::vector<typen
     // ---- vmean: torch.mean(g * g, dim=1) (fp16 squares in float), then mul_(beta2).add_(mean, alpha)
     float v = a.vmean[r] * a.beta2_f;
     if constexpr (D == F64) {
-      const double mean = torch_row_sum_w<double>([&](int64_t i) { return g[i] * g[i]; }, n, a.sum_width / 2)
+      const double mean = torch_row_sum_w<double>([&](int64_t i) { return g[i] * g[i]; }, n, a.sum_width_f64)
                           / double(n);
-      v = float(std::fma(mean, a.alpha_d, double(v)));
+      v = float(madd(mean, a.alpha_d, double(v), fused));
     } else {
-      float mean = (a.sum_width == 16 ? sumsq_row<D, 2>(g, n) : sumsq_row<D, 1>(g, n)) / float(n);
+      float mean = sumsq_row<D>(g, n, a.sum_width) / float(n);
       if constexpr (D == BF16) mean = round_to<BF16>(mean);
-      v = std::fma(mean, a.alpha_f, v);
+      v = madd(mean, a.alpha_f, v, fused);
     }
     a.vmean[r] = v;
     // ---- pass 1: updated_m = lerp(codebook[code] * magnitude, g, 1 - beta1); its max |.| (first NaN kept)
     int64_t i = 0;
     RowAbsMax<C> row;
-    if constexpr (D != F64) i = momentum_lerp8<D>(a.cb, codes, g, upd, n, mag_old, w, omw, small, row);
+    if constexpr (D != F64) i = momentum_lerp8<D>(a.cb, codes, g, upd, n, mag_old, w, omw, small, fused, row);
     for (; i < n; ++i) {
       const C cur = C(a.cb.values[codes[i]]) * C(mag_old);
-      const C u = lerp1<C>(cur, S::load(g, i), w, omw, small);
+      const C u = lerp1<C>(cur, S::load(g, i), w, omw, small, fused);
       upd[i] = u;
       row.add(std::fabs(u));
     }
@@ -444,6 +523,7 @@ void gefen_moments(const GefenArgs& a, int64_t r0, int64_t r1, std::vector<typen
     // ---- pass 2: requantize updated_m / magnitude (0 where magnitude is not > 0)
     const bool live = mag > 0.0f;
     i = 0;
+#if GT_SIMD
     if constexpr (D != F64) {
       const __m256 vmag = _mm256_set1_ps(mag);
       for (; i + 8 <= n; i += 8) {
@@ -451,6 +531,7 @@ void gefen_moments(const GefenArgs& a, int64_t r0, int64_t r1, std::vector<typen
         store_codes8(codes + i, V8::codes_of(x, a.cb));
       }
     }
+#endif
     for (; i < n; ++i) {
       const C x = live ? upd[i] / C(mag) : C(0);
       codes[i] = uint8_t(code_of(a.cb, float(x)));
@@ -474,6 +555,7 @@ void gefen_apply(const GefenArgs& a, int64_t r0, int64_t r1) {
     const float stepsize = (1.0f / (a.sqrt_vmean[r] / a.sqrt_bc2_f + a.eps_f)) * a.inv_bc1_f;
     // p = (p * (1 - lr*wd)) - codebook[code] * magnitude * stepsize * lr
     int64_t i = 0;
+#if GT_SIMD
     if constexpr (D != F64) {
       const __m256 vmag = _mm256_set1_ps(mag), vst = _mm256_set1_ps(stepsize), vlr = _mm256_set1_ps(a.lr_f);
       const __m256 vwd = _mm256_set1_ps(a.wdf_f);
@@ -485,6 +567,7 @@ void gefen_apply(const GefenArgs& a, int64_t r0, int64_t r1) {
         store8<D>(p + i, _mm256_sub_ps(pv, u));
       }
     }
+#endif
     for (; i < n; ++i) {
       C u = C(a.cb.values[codes[i]]) * C(mag);
       u = (u * C(stepsize)) * lr;
@@ -505,6 +588,7 @@ struct MuonArgs {
   float* magnitude;      // [blocks]
   int64_t blocks, period;
   int32_t dtype;
+  int32_t fused;         // torch's lerp and add_(alpha) are one FMA here (probe.py)
   Codebook cb;
   float w_f, omw_f; double w_d, omw_d; int32_t w_small;  // lerp_(g, 1 - momentum)
   float tiny_f;          // the magnitude's clamp(min=finfo(T).tiny), as float
@@ -518,7 +602,7 @@ void muon_rows(const MuonArgs& a, int64_t r0, int64_t r1) {
   using C = typename S::C;
   using raw = typename S::raw;
   const int64_t n = a.period;
-  const bool small = a.w_small != 0;
+  const bool small = a.w_small != 0, fused = a.fused != 0;
   const C w = D == F64 ? C(a.w_d) : C(a.w_f);
   const C omw = D == F64 ? C(a.omw_d) : C(a.omw_f);
   const C mom = D == F64 ? C(a.mom_d) : C(a.mom_f);
@@ -531,10 +615,10 @@ void muon_rows(const MuonArgs& a, int64_t r0, int64_t r1) {
     // dequantize * magnitude, lerp towards g; max |m| (first NaN kept)
     int64_t i = 0;
     RowAbsMax<C> row;
-    if constexpr (D == F32) i = momentum_lerp8<D>(a.cb, codes, g, m, n, mag_old, w, omw, small, row);
+    if constexpr (D == F32) i = momentum_lerp8<D>(a.cb, codes, g, m, n, mag_old, w, omw, small, fused, row);
     for (; i < n; ++i) {
       const C cur = round_to<D>(C(a.cb.values[codes[i]]) * C(mag_old));
-      const C u = round_to<D>(lerp1<C>(cur, S::load(g, i), w, omw, small));
+      const C u = round_to<D>(lerp1<C>(cur, S::load(g, i), w, omw, small, fused));
       m[i] = S::pack(u);
       row.add(std::fabs(u));
     }
@@ -544,6 +628,7 @@ void muon_rows(const MuonArgs& a, int64_t r0, int64_t r1) {
     const float denom = mag != mag ? mag : std::max(mag, a.tiny_f);
     const bool zero = mag <= 0.0f;
     i = 0;
+#if GT_SIMD
     if constexpr (D == F32) {
       const __m256 vden = _mm256_set1_ps(denom), vmag = _mm256_set1_ps(mag);
       const __m256 vmom = _mm256_set1_ps(mom), valpha = _mm256_set1_ps(alpha);
@@ -552,16 +637,20 @@ void muon_rows(const MuonArgs& a, int64_t r0, int64_t r1) {
         const __m256i code = V8::codes_of(x, a.cb);
         store_codes8(codes + i, code);
         __m256 q = _mm256_mul_ps(_mm256_i32gather_ps(a.cb.values, code, 4), vmag);
-        if (a.nesterov) q = _mm256_fmadd_ps(_mm256_loadu_ps(g + i), valpha, _mm256_mul_ps(q, vmom));
+        if (a.nesterov) {
+          const __m256 gv = _mm256_loadu_ps(g + i), qm = _mm256_mul_ps(q, vmom);
+          q = fused ? _mm256_fmadd_ps(gv, valpha, qm) : _mm256_add_ps(_mm256_mul_ps(gv, valpha), qm);
+        }
         _mm256_storeu_ps(m + i, q);
       }
     }
+#endif
     for (; i < n; ++i) {
       const C x = zero ? C(0) : round_to<D>(S::load(m, i) / C(denom));
       const int32_t code = code_of(a.cb, float(x));
       codes[i] = uint8_t(code);
       C q = round_to<D>(C(a.cb.values[code]) * C(mag));
-      if (a.nesterov) q = round_to<D>(std::fma(S::load(g, i), alpha, round_to<D>(q * mom)));
+      if (a.nesterov) q = round_to<D>(madd(S::load(g, i), alpha, round_to<D>(q * mom), fused));
       m[i] = S::pack(q);
     }
   }
@@ -599,7 +688,10 @@ int run_rows(const Args& a, char* err, int errlen, const Rows& rows) {
 extern "C" {
 
 // The layout of the argument structs: the Python side refuses a library whose version differs.
-int gt_abi_version() { return 1; }
+int gt_abi_version() { return 2; }
+
+// Which build this is: 1 with the AVX2 vector loops, 0 portable (plain C++).
+int gt_simd() { return GT_SIMD; }
 
 int gt_gefen_moments(const GefenArgs* a, char* err, int errlen) {
   return run_rows(*a, err, errlen, [&](int64_t r0, int64_t r1) {
@@ -617,21 +709,25 @@ int gt_gefen_apply(const GefenArgs* a, char* err, int errlen) {
   });
 }
 
-// One row's sum of squares in torch's order at a given width, vectorized (as the step runs it) or by the
-// plain scalar rendering of torch's algorithm: the tests hold the two equal at the widths this CPU's torch
-// does not use (16 on an AVX2 machine).
-int gt_row_sumsq(const void* g, int64_t n, int32_t dtype, int32_t width, int32_t vectorized, float* out) {
-  auto run = [&](auto tag) -> float {
-    constexpr int D = decltype(tag)::value;
-    const auto* x = static_cast<const typename St<D>::raw*>(g);
-    if (vectorized) return width == 16 ? sumsq_row<D, 2>(x, n) : sumsq_row<D, 1>(x, n);
-    return torch_row_sum_w<float>([&](int64_t i) { return sq1<D>(x, i); }, n, width);
-  };
-  switch (dtype) {
-    case F32: *out = run(std::integral_constant<int, F32>()); return 0;
-    case BF16: *out = run(std::integral_constant<int, BF16>()); return 0;
-    case F16: *out = run(std::integral_constant<int, F16>()); return 0;
-    default: return -1;
+// One row's sum of squares as the step takes it (``vectorized``) or by the plain rendering of torch's
+// algorithm, at a given width, as a double (exact for float sums): probe.py compares torch's own reductions
+// with these renderings to find torch's order, and the tests hold the vectorized sums to the plain ones.
+// Returns -1 for an unsupported dtype or width.
+int gt_row_sumsq(const void* g, int64_t n, int32_t dtype, int32_t width, int32_t vectorized, double* out) {
+  try {
+    switch (dtype) {
+      case F32: *out = sumsq_row<F32>(static_cast<const float*>(g), n, width, vectorized); return 0;
+      case BF16: *out = sumsq_row<BF16>(static_cast<const uint16_t*>(g), n, width, vectorized); return 0;
+      case F16: *out = sumsq_row<F16>(static_cast<const uint16_t*>(g), n, width, vectorized); return 0;
+      case F64: {
+        const double* x = static_cast<const double*>(g);
+        *out = torch_row_sum_w<double>([&](int64_t i) { return x[i] * x[i]; }, n, width);
+        return 0;
+      }
+      default: return -1;
+    }
+  } catch (...) {
+    return -1;
   }
 }
 

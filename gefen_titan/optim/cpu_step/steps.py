@@ -165,7 +165,7 @@ class GefenStep(_Step):
         a = prep.args
         if prep.root is None:
             a.vmean = st.vmean.data_ptr()
-            a.sum_width = self.lib.sum_width
+            a.sum_width, a.sum_width_f64, a.fused = self.lib.sum_width, self.lib.sum_width_f64, int(self.lib.fused)
             prep.root = torch.empty_like(st.vmean)
             a.sqrt_vmean = prep.root.data_ptr()
         a.p, a.g = pl.data_ptr(), g.data_ptr()
@@ -214,7 +214,7 @@ class MuonMomentum(_Step):
         momentum = float(group["momentum"])
         out = torch.empty(g.shape, dtype=g.dtype)
         a = prep.args
-        a.out, a.g = out.data_ptr(), g.data_ptr()
+        a.out, a.g, a.fused = out.data_ptr(), g.data_ptr(), int(self.lib.fused)
         for name, value in lerp_weight(1 - momentum).items():
             setattr(a, name, value)
         a.tiny_f = f32(torch.finfo(g.dtype).tiny)
