@@ -170,7 +170,8 @@ def first_call() -> dict:
 
 
 def report(rows: list[dict], first: dict | None, kernel: str = "") -> str:
-    lines = [kernel, "One process, fp32, interleaved rounds, median step after the first two; x = / fused AdamW "
+    lines = [kernel] if kernel else []
+    lines += ["One process, fp32, interleaved rounds, median step after the first two; x = / fused AdamW "
              "of the run", "", "| model | threads | optimizer | step ms | x fused AdamW |", "|---|---|---|---|---|"]
     for r in rows:
         fused = r["step_s"]["AdamW fused"]
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     kernel, runs = kernel_line()
     print(kernel, flush=True)
     rows = [measure(m, int(t), args.rounds, args.gefen_x, runs) for m in models for t in args.threads.split(",")]
-    print(report(rows, first, kernel))
+    print(report(rows, first))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "first_call": first}, f, indent=1)

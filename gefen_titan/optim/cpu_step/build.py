@@ -223,6 +223,6 @@ def _load(which: str) -> Built | Unavailable:
     lib.gt_row_sumsq.restype = ctypes.c_int
     lib.gt_row_sumsq.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
                                  ctypes.c_void_p]
-    if bool(lib.gt_simd()) != (which == "avx2"):
+    if bool(lib.gt_simd()) != (which != "portable"):
         return Unavailable(f"{path} is not the {which} build")
     return Built(lib=lib, path=path, isa=which, built_s=built, loaded_s=time.perf_counter() - start - built)
