@@ -29,6 +29,12 @@ minutes on an H100/H200 class part). Stages, in order:
    gloo by the test suite only; on NCCL it needs two GPUs or more
    (``gefen-titan validate --recipe recipes/llama_gefen_muon.toml
    --backend nccl``, ``scripts/bench_muon_exchange.py --backend nccl``).
+6. ``converters``: torchtitan's float8 and mxfp8 model converters under Gefen:
+   one-GPU training of the debug recipe with ``[[model.converters]] kind =
+   "float8"``, then ``"mxfp8"`` (``converter_recipe``; NCCL, fused), each as
+   ``train`` checks it. They need a GPU and torchao (float8: compute
+   capability 8.9+; mxfp8: 10.0+, so on Hopper mxfp8 is reported skipped
+   and the stage rests on float8).
 
 Without CUDA only the CPU half of ``checkpoint`` and the shard check of
 ``muon`` run (so they cannot rot before a GPU runs them), every GPU stage is reported as skipped, and the exit
@@ -59,13 +65,18 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("kernels", "bandwidth", "train", "checkpoint", "muon")
+STAGES = ("kernels", "bandwidth", "train", "checkpoint", "muon", "converters")
 RECIPE = "recipes/llama_gefen.toml"
 MUON_RECIPE = "recipes/llama_gefen_muon.toml"
 BANDWIDTH_TARGET, BANDWIDTH_MIN_ELEMENTS = 0.70, 64 << 20
 OK, FAILED, NO_CUDA, NOT_RUN = 0, 1, 3, 4
+# The converters stage's kinds, in order, and the compute capability below
+# which torchtitan's converter refuses to build (Float8LinearConverter: 8.9,
+# MXFP8LinearConverter: 10.0).
+CONVERTERS = {"float8": (8, 9), "mxfp8": (10, 0)}
 
-__all__ = ["FAILED", "NOT_RUN", "NO_CUDA", "OK", "STAGES", "main", "muon_momentum_check", "parse_args", "verdict"]
+__all__ = ["CONVERTERS", "FAILED", "NOT_RUN", "NO_CUDA", "OK", "STAGES", "converter_recipe", "main",
+           "muon_momentum_check", "parse_args", "stage_converters", "verdict"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -278,6 +289,33 @@ def stage_muon(args, work: Path, cuda: bool) -> dict[str, Any]:
     out["train"] = stage_train(args, work, MUON_RECIPE, "muon_train")
     out["ok"] = bool(out["momentum"]["ok"] and out["train"]["ok"])
     out["why"] = "; ".join(w for w in (out["momentum"]["why"], out["train"]["why"]) if w)
+    return out
+
+
+def converter_recipe(work: Path, kind: str) -> Path:
+    """The debug recipe with one model converter (``[[model.converters]]``), written under ``work``."""
+    path = work / f"llama_gefen_{kind}.toml"
+    path.write_text(f'[job]\nextends = "{ROOT / RECIPE}"\n\n[[model.converters]]\nkind = "{kind}"\n')
+    return path
+
+
+def stage_converters(args, work: Path) -> dict[str, Any]:
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    out: dict[str, Any] = {}
+    for kind, need in CONVERTERS.items():
+        if (props.major, props.minor) < need:
+            out[kind] = {"ok": None, "skipped": f"needs compute capability {need[0]}.{need[1]}+, "
+                                                f"this is {props.major}.{props.minor}"}
+            continue
+        out[kind] = stage_train(args, work, str(converter_recipe(work, kind)), f"{kind}_train")
+        if not out[kind]["ok"] and "torchao is not installed" in (work / f"{kind}_train.log").read_text():
+            out[kind]["why"] = "torchao is not installed (the converters need it: pip install torchao)"
+    ran = {k: out[k] for k in CONVERTERS if out[k]["ok"] is not None}
+    out["ok"] = bool(ran) and all(r["ok"] for r in ran.values())
+    out["why"] = "; ".join(f"{k}: {r['why']}" for k, r in ran.items() if not r["ok"]) or (
+        "" if ran else "no converter can run on this GPU")
     return out
 
 

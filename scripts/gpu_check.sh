@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# One-GPU check (under 8 minutes on one CUDA GPU): the reshard kernels' tests
+# One-GPU check (under 8 minutes on one CUDA GPU before the converters stage,
+# which is not yet timed on one): the reshard kernels' tests
 # on CUDA, their bandwidth against the device's, one-GPU training of the debug
 # recipe with fused Gefen and NCCL, a checkpoint saved at 2 CPU ranks
 # loaded onto the GPU with its state compared bit for bit, and GefenMuon
 # (fused momentum on row shards = whole matrix; one-GPU training of its
-# recipe); one JSON report.
+# recipe), and the float8 and mxfp8 model converters (a few steps of the debug
+# model under each with Gefen; mxfp8 needs compute capability 10.0, so it is
+# reported skipped on Hopper); one JSON report.
 #
 #   scripts/gpu_check.sh                                  # report: outputs/gpu_check/report.json
 #   scripts/gpu_check.sh --stages kernels,bandwidth --out /tmp/r.json

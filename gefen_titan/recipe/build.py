@@ -11,9 +11,13 @@ overrides its fields section by section, with torchtitan's own names::
     dump_folder = "./outputs"            # top-level Trainer.Config fields
     hf_assets_path = "..."               #   live in [job]
 
-    [model]                              # rebuilt with <module>.model_registry
-    flavor = "debugmodel"
-    attn_backend = "sdpa"
+    [model]                              # rebuilt with <module>.model_registry,
+    flavor = "debugmodel"                #   with the base config's converters
+    attn_backend = "flex"                #   unless [[model.converters]] says
+
+    [[model.converters]]                 # replaces the base's (converters = []
+    kind = "lora"                        #   drops them); the other keys are the
+    rank = 8                             #   converter Config's fields
 
     [optimizer]                          # GefenOptimizersContainer.Config
     name = "Gefen"                       # with [[optimizer.param_groups]]:
@@ -41,9 +45,10 @@ optimizer, checkpoint and data-loader configs lifted into gefen-titan's
 (each component's ``Config.from_torchtitan``; the loader's through
 ``gefen_titan.data.registry``, which also owns the loader names, so this
 layer names no component kind), the model rebuilt from ``[model]`` (with
-``flavors``, ``moe_flavors``), and the ``builtin://`` assets. The rest of the recipe layer,
-below it: ``files`` (TOML, ``extends``, override tables), ``coerce`` (the
-generic TOML -> dataclass engine), ``checks`` (what ``finish_recipe`` refuses).
+``flavors``, ``moe_flavors``; its converters: ``converters``), and the
+``builtin://`` assets. The rest of the recipe layer, below it: ``files``
+(TOML, ``extends``, override tables), ``coerce`` (the generic TOML ->
+dataclass engine), ``checks`` (what ``finish_recipe`` refuses).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from gefen_titan.data.corpus import DEFAULT_TOKENIZER_PATH
 from gefen_titan.data.registry import UnknownLoaderError, lift_dataloader_config, loader_config_class
 from gefen_titan.optim import registry as optimizers
 from gefen_titan.optim.container import GROUP_DEFAULTS, GefenOptimizersContainer
+from gefen_titan.recipe import converters as model_converters
 from gefen_titan.recipe import fault_tolerance
 from gefen_titan.recipe.checks import check_global_order_batch, check_optimizer, validate_mesh
 from gefen_titan.recipe.coerce import coerce_value, type_hints
@@ -68,7 +74,9 @@ __all__ = ["BUILTIN_PREFIX", "EXTRA_FLAVORS", "JOB_KEYS", "MODEL_KEYS", "Recipe"
            "finish_recipe", "lift_flat_keys", "load_recipe"]
 
 JOB_KEYS = ("module", "base_config", "extends", "description", "dump_folder", "hf_assets_path")
-MODEL_KEYS = ("flavor", "attn_backend")
+MODEL_KEYS = ("flavor", "attn_backend")  # also command-line flags (recipe.cli)
+# [model] keys of the TOML only: arrays of tables, no flag.
+_MODEL_TABLES = ("converters",)
 # torchtitan model packages gefen-titan adds flavors to -> the module whose
 # register_flavors() does it: llama3's "150M", the small MoE flavors
 # (qwen3's "debugmodel_moe_8e", "debugmodel_moe_2e", deepseek_v3's "debugmodel_small").
@@ -119,9 +127,10 @@ def _choose_dataloader(current: Any, kind: Any, where: str) -> Any:
 
 
 def _rebuild_model_spec(
-    config: Any, module: str, flavor: str | None, attn_backend: str | None, where: str
+    config: Any, module: str, flavor: str | None, attn_backend: str | None, converters: list[Any], where: str
 ) -> None:
-    """Rebuild ``model_spec`` from ``<module>.model_registry`` for [model]."""
+    """Rebuild ``model_spec`` from ``<module>.model_registry`` for [model],
+    with ``converters`` (the base config's, or the recipe's own)."""
     spec = config.model_spec
     flavor = flavor or (spec.flavor if spec is not None else None)
     if flavor is None:
@@ -135,7 +144,7 @@ def _rebuild_model_spec(
     registry = getattr(mod, "model_registry", None)
     if registry is None:
         raise RecipeError(f"{where}: torchtitan.models.{module} has no model_registry")
-    kwargs = {}
+    kwargs: dict[str, Any] = {"converters": converters}
     if attn_backend is not None:
         kwargs["attn_backend"] = attn_backend
     try:
@@ -150,6 +159,8 @@ def _rebuild_model_spec(
         ) from None
     except (ValueError, TypeError, AssertionError) as e:
         raise RecipeError(f"{where}: {e}") from None
+    except ImportError as e:  # float8 / mxfp8 / nvfp4 need torchao (and a GPU to run)
+        raise RecipeError(f"{where} converters: {e} (float8, mxfp8 and nvfp4 need torchao and a GPU)") from None
     # The base function sized the loss for its own model.
     loss_fn = getattr(getattr(config, "loss", None), "loss_fn", None)
     if loss_fn is not None and hasattr(loss_fn, "global_vocab_size"):
@@ -206,7 +217,9 @@ def lift_flat_keys(table: Any, path: str) -> None:
                 nested[key] = value
 
 
-def _base_config(module: str, base_config: str, path: str) -> Any:
+def _base_config(module: str, base_config: str, path: str) -> tuple[Any, list[Any] | None]:
+    """The base function's config and the converters its model was built
+    with (None: not seen; ``converters.call_base_config``)."""
     try:
         registry = importlib.import_module(f"torchtitan.models.{module}.config_registry")
     except ImportError as e:
@@ -219,7 +232,7 @@ def _base_config(module: str, base_config: str, path: str) -> Any:
             f"{path}: [job] base_config: {base_config!r} is not a config function "
             f"of torchtitan.models.{module} (known: {', '.join(sorted(known))})"
         )
-    return fn()
+    return model_converters.call_base_config(registry, fn)
 
 
 def _own_section(data: dict[str, Any], name: str, known: tuple[str, ...], path: str) -> dict[str, Any]:
@@ -261,7 +274,7 @@ def build_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] |
         raise RecipeError(
             f"{path}: [job] needs module and base_config strings (e.g. base_config = \"llama3_debugmodel\")"
         )
-    config = _base_config(module, base_config, path)
+    config, base_converters = _base_config(module, base_config, path)
     if fault_tolerance.SECTION in data:  # torchtitan's FT trainer, with gefen-titan's parts
         config = fault_tolerance.as_fault_tolerant(config)
     hints = type_hints(type(config))
@@ -269,12 +282,21 @@ def build_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] |
         if key in job:
             setattr(config, key, coerce_value(job[key], hints[key], f"{path}: [job] {key}"))
 
-    model = _own_section(data, "model", MODEL_KEYS, path)
-    for key in model:
-        if not isinstance(model[key], str):
+    model = _own_section(data, "model", MODEL_KEYS + _MODEL_TABLES, path)
+    for key in MODEL_KEYS:
+        if key in model and not isinstance(model[key], str):
             raise RecipeError(f"{path}: [model] {key}: expected a string, got {model[key]!r}")
+    if "converters" in model:  # the recipe's own, in place of the base config's
+        converters = model_converters.converters_from_recipe(model["converters"], f"{path}: [model] converters")
+    elif base_converters is None and model and config.model_spec is not None:
+        model_registry = importlib.import_module(f"torchtitan.models.{module}").model_registry
+        model_converters.check_unrecorded(config, model_registry, f"{path}: [model]")
+        converters = []
+    else:
+        converters = base_converters or []
     if model:
-        _rebuild_model_spec(config, module, model.get("flavor"), model.get("attn_backend"), f"{path}: [model]")
+        _rebuild_model_spec(config, module, model.get("flavor"), model.get("attn_backend"), converters,
+                            f"{path}: [model]")
 
     config.optimizer = GefenOptimizersContainer.Config.from_torchtitan(config.optimizer)
     _refuse_composite_keys(data.get("optimizer"), path)

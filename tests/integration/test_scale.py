@@ -71,7 +71,7 @@ def test_gpu_check_without_cuda_runs_the_cpu_half_and_says_so(gpu_check_cpu):
     assert "no CUDA device" in proc.stdout
     report = json.loads((work / "r.json").read_text())
     assert report["status"] == "no_cuda" and report["env"]["cuda"] is False
-    for stage in ("kernels", "bandwidth", "train"):
+    for stage in ("kernels", "bandwidth", "train", "converters"):
         assert report["stages"][stage] == {"ok": None, "skipped": "no CUDA"}
     ckpt = report["stages"]["checkpoint"]
     assert ckpt["ok"] is True and ckpt["gpu_half"] == "skipped: no CUDA"

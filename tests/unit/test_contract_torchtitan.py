@@ -186,5 +186,7 @@ def test_config_surface():
     assert _params(override)[:1] == ["target"] and {"exact", "description"} <= set(_params(override))
     assert _params(derive) == ["source", "target_cls", "deltas"]
     assert "attn_backend" in _params(model_registry)
+    # recipe.converters records the base functions' converters through this global, by this keyword.
+    assert "converters" in _params(model_registry) and config_registry.model_registry is model_registry
     config = config_registry.llama3_debugmodel()
     assert isinstance(config, Trainer.Config) and re.fullmatch(r"\S+", config.dump_folder)

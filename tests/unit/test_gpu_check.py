@@ -83,3 +83,44 @@ def test_the_muon_momentum_check_passes_on_cpu_and_can_fail(monkeypatch):
     monkeypatch.setattr(gx, "muon_momentum", shard_dependent)
     bad = gc.muon_momentum_check("cpu", fused=False, rows=67, cols=768, steps=2)
     assert bad["ok"] is False and "shards_equal_whole" in bad["why"]
+
+
+def test_the_converters_stage_trains_each_converter_its_gpu_can_run(tmp_path, monkeypatch):
+    """float8, then mxfp8, each a recipe with that converter trained as ``train`` is; a
+    converter the GPU's compute capability cannot run is skipped, not failed."""
+    from gefen_titan.recipe.converters import converters_from_recipe
+    from gefen_titan.recipe.files import read_recipe_tables
+
+    trained = []
+
+    def train(args, work, recipe, name):
+        (converter,) = read_recipe_tables(recipe)["model"]["converters"]
+        converters_from_recipe([converter], recipe)  # a table torchtitan's converter Config takes
+        trained.append((converter["kind"], name))
+        return dict(PASSED)
+
+    monkeypatch.setattr(gc, "stage_train", train)
+    for capability, kinds in (((9, 0), ["float8"]), ((10, 0), ["float8", "mxfp8"])):
+        trained.clear()
+        props = types.SimpleNamespace(major=capability[0], minor=capability[1])
+        monkeypatch.setattr("torch.cuda.get_device_properties", lambda _, props=props: props)
+        result = gc.stage_converters(None, tmp_path)
+        assert [k for k, _ in trained] == kinds and result["ok"] is True and result["why"] == ""
+        if "mxfp8" not in kinds:
+            assert result["mxfp8"] == {"ok": None, "skipped": "needs compute capability 10.0+, this is 9.0"}
+    # A converter that trains badly fails the stage, naming it.
+    monkeypatch.setattr(gc, "stage_train", lambda *a: {"ok": False, "why": "exit 1"})
+    (tmp_path / "float8_train.log").write_text("ImportError: torchao is not installed. Please install it")
+    (tmp_path / "mxfp8_train.log").write_text("")
+    bad = gc.stage_converters(None, tmp_path)
+    assert bad["ok"] is False and bad["why"] == (
+        "float8: torchao is not installed (the converters need it: pip install torchao); mxfp8: exit 1")
+
+
+def test_the_converters_stage_is_skipped_without_cuda(tmp_path, monkeypatch):
+    monkeypatch.setattr(gc, "_env", lambda: {"cuda": False})
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert "converters" in gc.STAGES
+    out = tmp_path / "r.json"
+    assert gc.main(["--stages", "converters", "--work", str(tmp_path), "--out", str(out)]) == gc.NO_CUDA
+    assert json.loads(out.read_text())["stages"]["converters"] == {"ok": None, "skipped": "no CUDA"}
