@@ -26,6 +26,7 @@ from pathlib import Path
 import gefen_titan
 from gefen_titan import patches
 from gefen_titan.validation.hooks import DUMP_VERSION
+from gefen_titan.validation.launchers import torch_cpu_kernels
 from gefen_titan.validation.layouts import DEGREES, degree_keys, strip_degree_flags
 from gefen_titan.validation.recipes import config_of, merged_tables
 
@@ -87,14 +88,18 @@ def run_layout(recipe: str, nproc: int, overrides: list[str]) -> dict[str, int]:
 
 
 def run_identity(recipe: str, nproc: int, overrides: list[str], *, code: str | None = None,
-                 versions: dict[str, str] | None = None) -> str:
+                 versions: dict[str, str] | None = None, cpu_kernels: str | None = None) -> str:
     """What a run computes: the merged recipe tables plus the recipe flags of
     the overrides, with the fields that do not change training (description,
     dump folder) left out, the other (torchtitan) flags as given, the layout
     (``run_layout``: the effective degrees, which replace the degree keys
     and flags), the version of the state dumps it holds, the code digest
-    (``code``, default: the installed package's) and the library versions
-    (``versions``, default: the installed ones).
+    (``code``, default: the installed package's), the library versions
+    (``versions``, default: the installed ones) and torch's CPU kernels the
+    ranks run (``cpu_kernels``, as torch names them: ``AVX2``, ``AVX512``;
+    default: this process's). The kernels round differently, so a run under
+    one is not another's; a pin equal to the host's own kernels is the same
+    run as no pin.
 
     Two recipes that resolve to the same tables (``llama_gefen.toml`` at 2
     ranks and ``llama_gefen_dp2.toml``) are the same run; so are two that
@@ -112,6 +117,7 @@ def run_identity(recipe: str, nproc: int, overrides: list[str], *, code: str | N
     blob = json.dumps({"nproc": nproc, "layout": run_layout(recipe, nproc, overrides),
                        "tables": data, "flags": flags, "dumps": DUMP_VERSION,
                        "code": installed_code_digest() if code is None else code,
-                       "versions": library_versions() if versions is None else versions},
+                       "versions": library_versions() if versions is None else versions,
+                       "cpu_kernels": cpu_kernels or torch_cpu_kernels(None)},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -17,10 +17,19 @@ launches (its ``__main__``) must be importable without running itself
 ``fork`` needs a CPU-only torch on Linux: a CUDA build initializes CUDA at
 torchtitan's import, and a process forked after that cannot use CUDA. It
 is for gloo runs on CPU hosts (tests, CI, a laptop); on GPUs, torchrun.
+
+Torch's CPU kernels (``ATEN_CPU_CAPABILITY``): a run can pin them
+(``cpu_kernels``, e.g. ``"avx2"`` on an AVX-512 host). torch reads the
+variable when it first dispatches an op, which the server's preload does not
+do, so a forked rank that sets it before its first op gets the pinned
+kernels; each forked rank checks that it did (``torch_cpu_kernels`` says
+what a pin gives on this host), so a future preload that dispatched an op
+would fail the run instead of silently running other kernels.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import multiprocessing as mp
 import os
@@ -31,10 +40,25 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ENTRY", "LAUNCHERS", "can_fork", "launch_ranks"]
+__all__ = ["CPU_KERNELS_ENV", "ENTRY", "LAUNCHERS", "can_fork", "launch_ranks", "torch_cpu_kernels"]
 
 LAUNCHERS = ("torchrun", "fork")
 ENTRY = "gefen_titan.train"
+CPU_KERNELS_ENV = "ATEN_CPU_CAPABILITY"  # torch's own variable
+_EXPECT_ENV = "GEFEN_TITAN_EXPECT_CPU_KERNELS"  # what a forked rank checks it got
+
+
+@functools.cache
+def torch_cpu_kernels(pin: str | None) -> str:
+    """The CPU kernels torch dispatches to in a process started with ``ATEN_CPU_CAPABILITY=pin`` (None: with
+    this process's environment), as ``torch.backends.cpu.get_cpu_capability()`` names them. A pin the host
+    cannot run gives what torch falls back to (its best below), which is how a caller tells."""
+    if pin is None:
+        return torch.backends.cpu.get_cpu_capability()
+    env = {**os.environ, CPU_KERNELS_ENV: pin}
+    done = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                          env=env, capture_output=True, text=True, timeout=300, check=True)
+    return done.stdout.strip().splitlines()[-1]
 
 
 def can_fork() -> str | None:
@@ -58,6 +82,7 @@ def launch_ranks(launcher: str, nproc: int, argv: list[str], *, log: Path, env: 
         raise ValueError(f"launcher must be one of {list(LAUNCHERS)}, got {launcher!r}")
     if why := can_fork():
         raise RuntimeError(why)
+    env = {**env, _EXPECT_ENV: torch_cpu_kernels(env.get(CPU_KERNELS_ENV))}
     log.write_bytes(b"")
     ctx = mp.get_context("forkserver")
     # Read when the server starts (this process's first fork launch); a server
@@ -91,6 +116,11 @@ def _rank(rank: int, world: int, port: int, log: str, env: dict[str, str], argv:
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
     os.environ.clear()
     os.environ.update(env)
+    expected = os.environ.pop(_EXPECT_ENV)
+    if torch.backends.cpu.get_cpu_capability() != expected:  # torch reads ATEN_CPU_CAPABILITY at its first op
+        raise RuntimeError(f"forked rank runs torch's {torch.backends.cpu.get_cpu_capability()} CPU kernels, not "
+                           f"{expected}: the fork server's preload dispatched an op before the rank set "
+                           f"{CPU_KERNELS_ENV}; use the torchrun launcher")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -34,7 +34,7 @@ from gefen_titan.checkpoint import storage
 from gefen_titan.data.global_loader import GlobalOrderDataLoader
 from gefen_titan.distributed import free_port
 from gefen_titan.validation.identity import run_identity
-from gefen_titan.validation.launchers import ENTRY, launch_ranks
+from gefen_titan.validation.launchers import CPU_KERNELS_ENV, ENTRY, launch_ranks, torch_cpu_kernels
 from gefen_titan.validation.layouts import Side, as_side, cuda_graph_flags, degree_flags, parse_side, recipe_degrees
 from gefen_titan.validation.recipes import config_of, recipe_imports, resolve_recipe
 
@@ -94,6 +94,20 @@ class Settings:
     backend: str = "gloo"
     blocking: str | None = None  # optimizer.blocking for every run (None: the recipe's)
     launcher: str = "torchrun"  # how the ranks start (validation.launchers: "torchrun" or "fork")
+    # torch's CPU kernels for every run (ATEN_CPU_CAPABILITY, e.g. "avx2"; None: the host's own). The stored
+    # recipe curves pin "avx2", which every x86 CI host runs (docs/validation.md).
+    cpu_kernels: str | None = None
+
+    def env(self) -> dict[str, str]:
+        """The environment of every run of these settings (``run_env`` and the pinned CPU kernels)."""
+        env = run_env(self.backend)
+        if self.cpu_kernels:
+            env[CPU_KERNELS_ENV] = self.cpu_kernels
+        return env
+
+    def torch_cpu_kernels(self) -> str:
+        """The kernels the runs get on this host, as torch names them (``AVX2``, ``AVX512``, ``DEFAULT``)."""
+        return torch_cpu_kernels(self.cpu_kernels)
 
     @property
     def total_steps(self) -> int:
@@ -258,7 +272,7 @@ def reference_run(settings: Settings, side: Side | int, *, out: Path, cache: Pat
     """
     side = as_side(side)
     overrides = settings.overrides(side)
-    identity = run_identity(settings.recipe, side.nproc, overrides)
+    identity = run_identity(settings.recipe, side.nproc, overrides, cpu_kernels=settings.torch_cpu_kernels())
     folder = (cache / f"{tag}-{side.label}-{identity}") if cache else (out / f"{tag}-{side.label}")
     if not cache:
         return _train_reference(settings, side, folder, identity, tag, quiet)
@@ -294,8 +308,7 @@ def _train_reference(settings: Settings, side: Side, folder: Path, identity: str
         what = "same-size rerun" if tag == "rerun" else "reference"
         print(f"  {what} at {side.ranks()}, {settings.total_steps} steps, checkpoint at {settings.steps_before}",
               flush=True)
-    run = launch(settings, side, folder, [], save_steps=[settings.steps_before], env=run_env(settings.backend),
-                 quiet=quiet)
+    run = launch(settings, side, folder, [], save_steps=[settings.steps_before], env=settings.env(), quiet=quiet)
     run.identity = identity
     data = json.loads(done.read_text())
     data["identity"] = identity
@@ -322,4 +335,4 @@ def resume_run(settings: Settings, ref: Run, side: Side | int, folder: Path, fau
         f"{ref.side.label} -> {side.label}"
     print(f"  resume {what} from step {step}, {settings.steps_after} more steps"
           + (f" [fault injected: {fault}]" if fault else ""), flush=True)
-    return launch(settings, side, folder, extra, save_steps=[], env=run_env(settings.backend))
+    return launch(settings, side, folder, extra, save_steps=[], env=settings.env())

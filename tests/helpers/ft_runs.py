@@ -190,9 +190,11 @@ def load_dump(path: Path) -> dict:
     return torch.load(path, weights_only=True)
 
 
-def uninterrupted(base: Path, recipe: str, extra: tuple[str, ...] = (), groups: int = 2) -> FTRun:
+def uninterrupted(base: Path, recipe: str, extra: tuple[str, ...] = (), groups: int = 2,
+                  env: dict[str, str] | None = None) -> FTRun:
     """``groups`` groups, start to end: the reference a faulted run is compared with."""
-    run = FTRun(base, groups=groups, recipe=recipe, steps=steps_of(recipe), extra=[*SETTINGS, *extra])
+    run = FTRun(base, groups=groups, recipe=recipe, steps=steps_of(recipe), extra=[*SETTINGS, *extra],
+                env=env or {})
     try:
         started = [run.start(g) for g in range(groups)]
         for g in started:

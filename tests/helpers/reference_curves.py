@@ -3,6 +3,7 @@
     python scripts/update_reference_curves.py            # rewrite tests/reference_curves/*.json
     python scripts/update_reference_curves.py --check    # compare only; exit 1 on a deviation
     python scripts/update_reference_curves.py --recipes llama_gefen_mixed
+    python scripts/update_reference_curves.py --drift host --recipes qwen3_moe_gefen --optimizer AdamW
 
 The torchft recipes (a ``[fault_tolerance]`` section) run as a lighthouse and
 2 replica groups of 2 ranks, uninterrupted, with the fault-tolerance tests'
@@ -20,6 +21,15 @@ tolerance and the library versions go to ``tests/reference_curves/<recipe>.json`
 compares. The tolerance it compares with is ``TOLERANCE`` here, in code: the
 value in the files is for their readers, and a file whose value differs
 fails the test (a loosened file cannot loosen the check).
+
+Every run is pinned to torch's AVX2 CPU kernels (``PINNED_CPU_KERNELS``,
+``ATEN_CPU_CAPABILITY=avx2``), which every x86 CI host runs: torch's AVX-512
+kernels round otherwise, and the MoE recipes' routing amplifies the
+difference past the tolerance within 7 steps (docs/validation.md, "Recipe
+curves on every host"). A file records the kernels it was made under
+(``cpu_kernels``, as torch names them); a run is compared only with a curve
+made under the same kernels, and a host whose torch cannot run them says so
+by name (``kernels_problem``) instead of comparing.
 
 Run it when a change is meant to change training (the diff of the JSON
 files shows by how much), never to make a failing regression test pass
@@ -50,6 +60,8 @@ CURVES = ROOT / "tests" / "reference_curves"
 # smallest deliberate change seen: AdamW instead of Gefen for the norm
 # weights alone (llama_gefen_mixed vs llama_gefen) moves step 2 by 4.8e-4.
 TOLERANCE = 2e-4
+# torch's CPU kernels of every curve run (ATEN_CPU_CAPABILITY): the set every x86 CI host has.
+PINNED_CPU_KERNELS = "avx2"
 SETTINGS_KEYS = ("steps_before", "steps_after", "global_batch", "local_batch")
 # Shorter runs where no validation shares the reference run (its cache key holds the settings) and
 # a step costs most: GefenMuon's bf16 Newton-Schulz on CPU (exact to gefen-x, so not reorderable)
@@ -93,8 +105,31 @@ def settings_for(recipe: Path, stored: dict | None = None) -> runs.Settings:
     # The ranks forked from one server where they can be (validation.launchers: the same
     # run as torchrun's, without a fresh import per rank).
     launcher = "fork" if launchers.can_fork() is None else "torchrun"
-    return runs.Settings(recipe=str(recipe), backend="gloo", launcher=launcher,
+    return runs.Settings(recipe=str(recipe), backend="gloo", launcher=launcher, cpu_kernels=PINNED_CPU_KERNELS,
                          **{k: values[k] for k in SETTINGS_KEYS})
+
+
+def pinned_cpu_kernels() -> str:
+    """The kernels the pinned runs get on this host, as torch names them (``AVX2`` on every x86 host with
+    AVX2; what torch falls back to elsewhere)."""
+    return launchers.torch_cpu_kernels(PINNED_CPU_KERNELS)
+
+
+def ft_env() -> dict[str, str]:
+    """The environment a torchft curve run's ranks add: the pinned kernels."""
+    return {launchers.CPU_KERNELS_ENV: PINNED_CPU_KERNELS}
+
+
+def kernels_problem(stored: dict, got: str) -> str | None:
+    """Why a run under torch's ``got`` CPU kernels cannot be compared with ``stored``, or None. A curve is
+    only compared with runs under the kernels it was made under: another set rounds otherwise."""
+    made = stored.get("cpu_kernels")
+    if made is None:
+        return "the stored curve does not record the CPU kernels it was made under: regenerate it"
+    if made != got:
+        return (f"the stored curve was made under torch's {made} CPU kernels and this host's torch runs {got} "
+                f"with ATEN_CPU_CAPABILITY={PINNED_CPU_KERNELS}: no curve for this host")
+    return None
 
 
 def recipe_name(recipe: Path) -> str:
@@ -118,6 +153,7 @@ def ft_curve(recipe: str | Path) -> dict[int, dict[int, float]]:
     """A torchft recipe's stored curve: replica group -> step -> loss (each group logs its own)."""
     stored = json.loads(curve_path(Path(recipe)).read_text())
     assert stored["tolerance"] == TOLERANCE, f"{recipe}: stored tolerance {stored['tolerance']} != {TOLERANCE}"
+    assert kernels_problem(stored, pinned_cpu_kernels()) is None, kernels_problem(stored, pinned_cpu_kernels())
     return {int(g): {int(s): v for s, v in losses.items()} for g, losses in stored["losses_by_group"].items()}
 
 
@@ -125,7 +161,7 @@ def _write_ft(recipe: Path, out: Path, check: bool) -> bool:
     """Run a torchft recipe uninterrupted (tests.helpers.ft_runs) and store or check its curve."""
     from tests.helpers import ft_runs
 
-    run = ft_runs.uninterrupted(out / recipe.stem, recipe_name(recipe))
+    run = ft_runs.uninterrupted(out / recipe.stem, recipe_name(recipe), env=ft_env())
     got = {g.replica: g.losses() for g in run.started}
     if check:
         problems = [p for g, losses in ft_curve(recipe).items() for p in compare({"losses": losses}, got[g])[1]]
@@ -139,6 +175,7 @@ def _write_ft(recipe: Path, out: Path, check: bool) -> bool:
                    + " --fault_tolerance.min_replica_size 2 --fault_tolerance.replica_id {0,1}"
                    " (tests/helpers/ft_runs.py)",
         "tolerance": TOLERANCE,
+        "cpu_kernels": pinned_cpu_kernels(),
         "losses_by_group": {str(g): {str(s): v for s, v in sorted(losses.items())} for g, losses in got.items()},
         "generated_with": versions(),
     }
@@ -173,12 +210,39 @@ def versions() -> dict[str, str]:
     return out
 
 
+def drift(recipes: list[Path], kernels: str, optimizer: str | None, out: Path) -> None:
+    """Each recipe's curve under the pinned kernels and under ``kernels`` (``host``: this host's own), with
+    ``optimizer`` in place of the recipe's: the losses side by side and the largest |difference| (what a
+    curve made on one kind of host can promise on another; docs/validation.md). Writes no curve."""
+    other = None if kernels == "host" else kernels
+    for recipe in recipes:
+        curves = {}
+        for pin in (PINNED_CPU_KERNELS, other):
+            settings = settings_for(recipe)
+            settings.cpu_kernels = pin
+            if optimizer:
+                settings.extra = ["--optimizer.name", optimizer]
+            run = runs.reference_run(settings, nproc_of(recipe), out=out / f"drift-{recipe.stem}-{pin or 'host'}",
+                                     quiet=True)
+            curves[settings.torch_cpu_kernels()] = run.losses
+        (a, la), (b, lb) = list(curves.items())[0], list(curves.items())[-1]
+        diffs = {s: abs(la[s] - lb[s]) for s in la if s in lb}
+        print(f"{recipe.stem} ({optimizer or 'its optimizer'}): {a} vs {b}")
+        for s in sorted(diffs):
+            print(f"  step {s}: {la[s]:.5f} {lb[s]:.5f}  |diff| {diffs[s]:.2e}")
+        print(f"  max |diff| {max(diffs.values(), default=0.0):.2e} (tolerance {TOLERANCE:g})", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipes", help="comma-separated recipe names (default: every CPU recipe, CPU_GLOBS)")
     ap.add_argument("--check", action="store_true", help="compare with the stored curves; write nothing")
     ap.add_argument("--out", default="outputs/reference_curves", help="folder for the runs")
     ap.add_argument("--reference-cache", help="share runs with validate_reshard.py runs kept here")
+    ap.add_argument("--drift", metavar="KERNELS",
+                    help="print each recipe's curve under the pinned CPU kernels and under KERNELS (an "
+                         "ATEN_CPU_CAPABILITY value, or 'host': this host's own) and their difference; write nothing")
+    ap.add_argument("--optimizer", help="with --drift: --optimizer.name for the runs (e.g. AdamW)")
     args = ap.parse_args(argv)
 
     recipes, ft = cpu_recipes(), ft_recipes()
@@ -188,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         if missing := wanted - {r.stem for r in recipes + ft}:
             raise SystemExit(f"not CPU recipes: {sorted(missing)}")
     out = Path(args.out).resolve()
+    if args.drift:
+        drift(recipes, args.drift, args.optimizer, out)
+        return 0
     cache = Path(args.reference_cache).resolve() if args.reference_cache else None
     failed = False
     for recipe in ft:
@@ -201,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         settings, nproc, run = run_recipe(recipe, out=out, cache=cache, stored=stored if args.check else None)
         curve = " ".join(f"{run.losses[s]:.5f}" for s in sorted(run.losses))
         if args.check:
+            if why := kernels_problem(stored, settings.torch_cpu_kernels()):
+                print(f"{recipe.stem}: {why}")
+                failed = True
+                continue
             dev, problems = compare(stored, run.losses)
             failed |= bool(problems)
             print(f"{recipe.stem} ({nproc} procs): max |dev| {dev:.2e}  {'; '.join(problems) or 'ok'}")
@@ -212,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": f"torchrun --nproc_per_node={nproc} train.py --job.config {recipe_name(recipe)} "
                        + " ".join(settings.overrides(nproc)),
             "tolerance": TOLERANCE,
+            "cpu_kernels": settings.torch_cpu_kernels(),
             "losses": {str(s): run.losses[s] for s in sorted(run.losses)},
             "generated_with": versions(),
         }

@@ -75,7 +75,7 @@ def muon_run(tmp_path_factory):
     the next heals."""
     return faulted(tmp_path_factory.mktemp("ft_muon") / "b", MUON_RECIPE, KILL_AFTER, (
         "--fault_tolerance.timeout_s", "5", "--checkpoint.digest_key_env", HEAL_KEY_ENV), tamper_heals=1,
-        env={HEAL_KEY_ENV: "a key both groups hold"})
+        env={HEAL_KEY_ENV: "a key both groups hold", **urc.ft_env()})  # the stored curve's CPU kernels
 
 
 @pytest.fixture(params=["gefen", "muon"])

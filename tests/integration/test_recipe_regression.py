@@ -4,9 +4,14 @@
   ``dsv3_gefen*.toml``, ``qwen3_moe_gefen*.toml``: ``CPU_GLOBS``): trained for 7 steps on gloo at
   their own number of processes with the CI settings and compared, step by
   step, with the curve stored in ``tests/reference_curves/<recipe>.json``
-  within ``TOLERANCE`` of ``tests/helpers/reference_curves.py`` (runs are
-  deterministic here; see ``scripts/update_reference_curves.py``, which
-  regenerates the curves when a change is meant to change training). The
+  within ``TOLERANCE`` of ``tests/helpers/reference_curves.py``. The runs are
+  pinned to torch's AVX2 CPU kernels (``ATEN_CPU_CAPABILITY=avx2``), which
+  every x86 CI host runs, and are deterministic there: torch's AVX-512
+  kernels round otherwise, and the MoE routing amplifies that past the
+  tolerance (docs/validation.md). Each file records the kernels it was made
+  under, and a run is compared only with a curve of the same kernels
+  (``scripts/update_reference_curves.py`` regenerates the curves when a
+  change is meant to change training). The
   files repeat the tolerance for their readers; it must equal the constant,
   so that editing a file cannot loosen the check. Recipes that resolve to the same run
   (``llama_gefen`` at 2 processes and ``llama_gefen_dp2``) share it, and so do
@@ -57,6 +62,19 @@ def test_stored_tolerance_is_the_code_constant():
             f"{recipe.stem}: stored tolerance {stored['tolerance']} != TOLERANCE {urc.TOLERANCE}"
 
 
+def test_stored_curves_record_the_pinned_cpu_kernels():
+    """Every stored curve was made under the pinned kernels (torch names ATEN_CPU_CAPABILITY=avx2 "AVX2"), and
+    a run under other kernels is not compared with it: it is named, as this host's missing curve."""
+    assert urc.PINNED_CPU_KERNELS == "avx2"
+    for recipe in [*CPU_RECIPES, *urc.ft_recipes()]:
+        assert json.loads(urc.curve_path(recipe).read_text())["cpu_kernels"] == "AVX2", recipe.name
+    stored = {"losses": {"1": 8.0}, "tolerance": urc.TOLERANCE, "cpu_kernels": "AVX2"}
+    assert urc.kernels_problem(stored, "AVX2") is None
+    assert "made under torch's AVX2 CPU kernels and this host's torch runs DEFAULT" in urc.kernels_problem(
+        stored, "DEFAULT")
+    assert "does not record" in urc.kernels_problem({"losses": {}}, "AVX2")
+
+
 def test_compare_flags_a_curve_off_by_more_than_the_tolerance():
     assert urc.TOLERANCE == 2e-4
     stored = {"losses": {"1": 8.0, "2": 7.5}, "tolerance": urc.TOLERANCE}
@@ -77,9 +95,11 @@ def runs_dir(tmp_path_factory):
 def test_cpu_recipe_matches_stored_curve(recipe, runs_dir, tmp_path_factory):
     stored = json.loads(urc.curve_path(recipe).read_text())
     assert stored["recipe"] == f"recipes/{recipe.name}" and stored["tolerance"] == urc.TOLERANCE
+    if why := urc.kernels_problem(stored, urc.pinned_cpu_kernels()):
+        pytest.skip(why)  # a host (an ARM one) whose torch cannot run the kernels the curves were made under
     cache = suite_cache.reference_cache(tmp_path_factory)
-    _, nproc, run = urc.run_recipe(recipe, out=runs_dir, cache=cache, stored=stored)
-    assert nproc == stored["nproc"]
+    settings, nproc, run = urc.run_recipe(recipe, out=runs_dir, cache=cache, stored=stored)
+    assert nproc == stored["nproc"] and settings.torch_cpu_kernels() == stored["cpu_kernels"]
     dev, problems = urc.compare(stored, run.losses)
     assert not problems, f"{recipe.name}: {'; '.join(problems)}; new curve {run.losses}"
 
