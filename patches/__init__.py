@@ -26,6 +26,7 @@ from . import (
     gloo_barrier,
     gloo_reduce_op,
     pp_presplit_step,
+    pp_split_backward_unshard,
 )
 from ._util import PatchTargetChanged
 
@@ -52,6 +53,7 @@ PATCHES: tuple[ModuleType, ...] = (
     gloo_barrier,
     gloo_reduce_op,
     pp_presplit_step,
+    pp_split_backward_unshard,
 )
 
 _lock = threading.Lock()
