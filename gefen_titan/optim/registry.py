@@ -126,6 +126,7 @@ class OptimizerSpec:
     checkpoint: KindDescription | None = None
     validation: KindValidation | None = None
     cost: StateCost | None = None
+    constructor: gx.Constructor | None = None
 
 
 @dataclass(frozen=True)
@@ -350,6 +351,7 @@ register(OptimizerSpec(
     checkpoint=gefen_records.description(),
     validation=GEFEN_VALIDATION,
     cost=gx.STATE_COST,
+    constructor=gx.GEFEN_CONSTRUCTOR,
 ))
 
 # GefenMuon options the container fills in from [optimizer.muon]: gefen-x's
@@ -433,6 +435,7 @@ register(OptimizerSpec(
     step_stats=lambda optim: gx.sharded_step(optim).stats,
     checkpoint=gefen_muon_records.DESCRIPTION,
     cost=gx.MUON_STATE_COST,
+    constructor=gx.MUON_CONSTRUCTOR,
 ))
 
 register_composite(CompositeSpec(
