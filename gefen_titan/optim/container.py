@@ -52,7 +52,7 @@ from torchtitan.tools.logging import logger
 from gefen_titan.checkpoint.errors import Verdict
 from gefen_titan.distributed import any_rank
 from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim import param_groups, registry
+from gefen_titan.optim import option_routes, param_groups, registry
 from gefen_titan.optim.blocking import AgreedBlocking
 from gefen_titan.optim.checkpointing import StateAdapter, kinds_refusal, read_load_context
 from gefen_titan.optim.gefen_options import GefenOptions
@@ -231,6 +231,9 @@ class GefenOptimizersContainer(OptimizersContainer):
             param_groups.check_param_groups(self, GefenOptimizersContainer._resolve_optimizer_factory)
 
     def __init__(self, config: Config, *, model_parts: list[torch.nn.Module]) -> None:
+        # Before any optimizer exists: a gefen-x option given as a factory kwarg has its place elsewhere or is
+        # refused (the recipe checks say the same; this is for a container built without them).
+        option_routes.refuse_factory_kwargs(config.optimizer_factory_kwargs_by_name)
         # Optimizer-wide options come from the kind's own table even when the
         # recipe spells out param_groups, so every group of an optimizer agrees on them.
         groups = []

@@ -13,7 +13,7 @@ from typing import Any
 
 from torchtitan.components.optimizer import ParamGroupConfig
 
-from gefen_titan.optim import registry
+from gefen_titan.optim import option_routes, registry
 
 __all__ = ["GROUP_DEFAULTS", "SHORTHAND_DEFAULTS", "check_param_groups", "hyperparameters", "resolved_param_groups",
            "shorthand", "shorthand_set", "unused_defaults"]
@@ -114,7 +114,9 @@ def check_param_groups(config: Any, resolve_factory: Callable[[str], Any]) -> No
     """Refuse group settings that would build an optimizer that ignores
     them: an optimizer no factory knows, an ``optimizer_kwargs`` key
     the group's optimizer does not read (torch and gefen-x keep unknown
-    group keys without a word), factory kwargs for an optimizer no
+    group keys without a word), a gefen-x option given as a group key or
+    factory kwarg whose place is elsewhere or that is refused
+    (``optim.option_routes``), factory kwargs for an optimizer no
     group uses, a GefenMuonHybrid key where the hybrid is not built."""
     for name in registry.composite_names():
         registry.composite(name).check(config)
@@ -135,12 +137,15 @@ def check_param_groups(config: Any, resolve_factory: Callable[[str], Any]) -> No
             raise ValueError(f"{where}: {g.optimizer_name} {spec.needs_agreed_blocking}")
         known = spec.group_keys
         for key in g.optimizer_kwargs:
+            if (why := option_routes.refusal(spec, key, "group")) is not None:
+                raise ValueError(f"{where} optimizer_kwargs: {why}")
             if key not in known:
                 hint = spec.group_key_hint(key)
                 raise ValueError(
                     f"{where} optimizer_kwargs: {g.optimizer_name} does not read {key!r} in a "
                     f"param group (it reads {', '.join(known)}){hint}"
                 )
+    option_routes.refuse_factory_kwargs(config.optimizer_factory_kwargs_by_name)
     for name in config.optimizer_factory_kwargs_by_name:
         if name not in names:
             raise ValueError(

@@ -17,6 +17,10 @@ variant is one ``register`` call plus its state type and records:
   checks refuse any other);
 * ``option_keys``: optimizer-wide constructor options the container fills in
   for every group of this optimizer, from its ``options``;
+* ``constructor``: every keyword of the gefen-x constructor it builds,
+  classified (``gefenx.Constructor``: applied in its table, routed, refused),
+  which ``optim.option_routes`` applies to every route; None (torch's): factory
+  kwargs go to the factory as they are;
 * ``options``: the ``[optimizer]`` table of its own options (``optimizer.gefen``,
   ``optimizer.muon``: an attribute of the container's Config, a dataclass whose
   ``kwargs()`` are the ``option_keys``), None for none;
@@ -126,6 +130,7 @@ class OptimizerSpec:
     checkpoint: KindDescription | None = None
     validation: KindValidation | None = None
     cost: StateCost | None = None
+    constructor: gx.Constructor | None = None
 
 
 @dataclass(frozen=True)
@@ -282,7 +287,8 @@ def _split_options(param_groups: list[dict[str, Any]], option_keys: tuple[str, .
 
 
 def build_gefen(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Optimizer:
-    """Build ``gefen.Gefen`` from torchtitan-style param groups (see ``_split_options``)."""
+    """Build ``gefen.Gefen`` from torchtitan-style param groups (see ``_split_options``); its factory kwargs
+    are none (``gefenx.GEFEN_CONSTRUCTOR`` gives each option its place: ``optim.option_routes`` refuses them)."""
     groups, options = _split_options(param_groups, GEFEN_OPTION_KEYS, "Gefen")
     if "period_one_substrings" in options:
         options["period_one_substrings"] = tuple(options["period_one_substrings"])
@@ -293,13 +299,12 @@ def build_gefen(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Op
 
 
 def _gefen_group_key_hint(key: str) -> str:
-    if key in GEFEN_OPTION_KEYS:
-        return f"; it applies to every Gefen group: set optimizer.gefen.{key}"
+    """Hints for keys no constructor keyword of Gefen (those: ``optim.option_routes``)."""
     if key in ("beta1", "beta2"):
         return "; set betas = [beta1, beta2]"
     if key == "foreach":
         return "; Gefen has no foreach implementation"
-    return "; Gefen constructor options go in optimizer.optimizer_factory_kwargs_by_name.Gefen"
+    return ""
 
 
 def _torch_optimizer(cls: type[Optimizer], cost: StateCost) -> OptimizerSpec:
@@ -350,6 +355,7 @@ register(OptimizerSpec(
     checkpoint=gefen_records.description(),
     validation=GEFEN_VALIDATION,
     cost=gx.STATE_COST,
+    constructor=gx.GEFEN_CONSTRUCTOR,
 ))
 
 # GefenMuon options the container fills in from [optimizer.muon]: gefen-x's
@@ -361,16 +367,13 @@ def build_gefen_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any) 
     """Build ``gefen.GefenMuon`` from torchtitan-style param groups (see ``_split_options``).
 
     Its hyperparameters are group keys (``optimizer_kwargs``); what a group
-    leaves out is gefen-x's default. The options that make its arithmetic
-    depend on the layout or the machine (``gefenx.MUON_REFUSED``) are
-    refused here as constructor options, and by the recipe checks as group keys.
+    leaves out is gefen-x's default. Its factory kwargs take no option
+    (``gefenx.MUON_CONSTRUCTOR`` gives each its place, or refuses it: those
+    that make its arithmetic depend on the layout or the machine,
+    ``gefenx.MUON_REFUSED``, by every route).
     Its ``step()`` is the sharded step (``gefen_titan.optim.muon``), never
     gefen-x's own.
     """
-    refused = [k for k in factory_kwargs if k in gx.MUON_REFUSED]
-    if refused:
-        raise ValueError("; ".join(f"GefenMuon option {k!r} is not supported: {gx.MUON_REFUSED[k]}" for k in refused)
-                         + ". Remove it from optimizer.optimizer_factory_kwargs_by_name.GefenMuon")
     # A 3-D parameter is a grouped experts' weight (E, out, in): one Muon matrix per expert (optim.muon.matrices).
     not_matrices = [f"{name} {tuple(p.shape)}" for g in param_groups
                     for name, p in zip(g.get("param_names", ()), g["params"]) if p.dim() not in (2, 3)]
@@ -393,10 +396,7 @@ def build_gefen_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any) 
 
 
 def _muon_group_key_hint(key: str) -> str:
-    if key in gx.MUON_REFUSED:
-        return f"; it is refused: {gx.MUON_REFUSED[key]}"
-    if key in MUON_OPTION_KEYS:
-        return f"; it applies to the whole optimizer: set optimizer.muon.{key}"
+    """Hints for keys no constructor keyword of GefenMuon (those: ``optim.option_routes``)."""
     if key in ("betas", "beta1", "beta2"):
         return "; GefenMuon's momentum coefficient is 'momentum'"
     return ""
@@ -433,6 +433,7 @@ register(OptimizerSpec(
     step_stats=lambda optim: gx.sharded_step(optim).stats,
     checkpoint=gefen_muon_records.DESCRIPTION,
     cost=gx.MUON_STATE_COST,
+    constructor=gx.MUON_CONSTRUCTOR,
 ))
 
 register_composite(CompositeSpec(

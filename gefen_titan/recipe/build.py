@@ -61,6 +61,7 @@ from typing import Any
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.data.corpus import DEFAULT_TOKENIZER_PATH
 from gefen_titan.data.registry import UnknownLoaderError, lift_dataloader_config, loader_config_class
+from gefen_titan.optim import option_routes
 from gefen_titan.optim import registry as optimizers
 from gefen_titan.optim.container import GROUP_DEFAULTS, GefenOptimizersContainer
 from gefen_titan.recipe import converters as model_converters
@@ -70,7 +71,7 @@ from gefen_titan.recipe.coerce import coerce_value, type_hints
 from gefen_titan.recipe.errors import RecipeError
 from gefen_titan.recipe.files import merge_tables, read_recipe_tables
 
-__all__ = ["BUILTIN_PREFIX", "EXTRA_FLAVORS", "JOB_KEYS", "MODEL_KEYS", "Recipe", "build_recipe", "composite_refusal",
+__all__ = ["BUILTIN_PREFIX", "EXTRA_FLAVORS", "JOB_KEYS", "MODEL_KEYS", "Recipe", "build_recipe", "option_refusal",
            "finish_recipe", "lift_flat_keys", "load_recipe"]
 
 JOB_KEYS = ("module", "base_config", "extends", "description", "dump_folder", "hf_assets_path")
@@ -171,11 +172,13 @@ def _rebuild_model_spec(
         loss_fn.global_vocab_size = decoder_vocab_size(config.model_spec)
 
 
-def composite_refusal(key: str) -> str | None:
+def option_refusal(key: str) -> str | None:
     """Why an [optimizer] key (``name``, or ``table.name`` in a kind's table)
     is refused: an option of the optimizer a composite name stands for
     (gefen-x's GefenMuonHybrid keywords) with no field here, set flat or in
-    the composite's table; None for any other key."""
+    the composite's table, or a gefen-x option of a kind whose place is not
+    that table or that is refused (``optim.option_routes.table_refusal``); None
+    for any other key."""
     table, _, name = key.rpartition(".")
     config = GefenOptimizersContainer.Config
     if not table and (name in {f.name for f in dataclasses.fields(config)} or name in config.flat_keys()):
@@ -184,15 +187,15 @@ def composite_refusal(key: str) -> str | None:
         why = composite.refused_keys.get(name) if table in ("", composite.options) else None
         if why is not None:
             return f"gefen-x's {composite.name} option is not supported: {why}"
-    return None
+    return option_routes.table_refusal(table, name)
 
 
-def _refuse_composite_keys(table: Any, path: str) -> None:
+def _refuse_option_keys(table: Any, path: str) -> None:
     if not isinstance(table, dict):
         return
     keys = [*table, *(f"{k}.{n}" for k, v in table.items() if isinstance(v, dict) for n in v)]  # and its tables'
     for key in keys:
-        if (why := composite_refusal(key)) is not None:
+        if (why := option_refusal(key)) is not None:
             raise RecipeError(f"{path}: [optimizer] {key}: {why}")
 
 
@@ -299,7 +302,7 @@ def build_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] |
                             f"{path}: [model]")
 
     config.optimizer = GefenOptimizersContainer.Config.from_torchtitan(config.optimizer)
-    _refuse_composite_keys(data.get("optimizer"), path)
+    _refuse_option_keys(data.get("optimizer"), path)
     lift_flat_keys(data.get("optimizer"), path)
     config.checkpoint = GefenCheckpointManager.Config.from_torchtitan(config.checkpoint)
     if fault_tolerance.SECTION in data:

@@ -39,7 +39,7 @@ from torchtitan.config.manager import ConfigManager
 
 from gefen_titan.data.registry import loader_names
 from gefen_titan.optim.container import GROUP_DEFAULTS, GefenOptimizersContainer
-from gefen_titan.recipe.build import JOB_KEYS, MODEL_KEYS, Recipe, build_recipe, composite_refusal, finish_recipe
+from gefen_titan.recipe.build import JOB_KEYS, MODEL_KEYS, Recipe, build_recipe, finish_recipe, option_refusal
 from gefen_titan.recipe.coerce import type_hints
 from gefen_titan.recipe.errors import RecipeError
 
@@ -114,7 +114,7 @@ def parse_cli(argv: list[str]) -> CommandLine:
         name, eq, value = arg[2:].partition("=")
         section, _, key = name.replace("-", "_").partition(".")
         if key not in RECIPE_FLAGS.get(section, ()):
-            if section == "optimizer" and (why := composite_refusal(key)) is not None:
+            if section == "optimizer" and (why := option_refusal(key)) is not None:
                 raise RecipeError(f"command line: --{name}: {why}")
             if section == "job":
                 raise RecipeError(

@@ -211,8 +211,7 @@ def test_shorthand_that_no_group_takes_is_refused(tmp_path, key, value):
         ({"pattern": ".*", "optimizer_name": "AdamW", "optimizer_kwargs": {"learning_rate": 1e-3}},
          "param_groups[0] optimizer_kwargs: AdamW does not read 'learning_rate'"),
         ({"pattern": ".*", "optimizer_kwargs": {"stochastic_round": True}},
-         "Gefen does not read 'stochastic_round' in a param group (it reads lr, betas, eps, weight_decay, fused); "
-         "Gefen constructor options go in optimizer.optimizer_factory_kwargs_by_name.Gefen"),
+         "param_groups[0] optimizer_kwargs: gefen-x's Gefen option 'stochastic_round' is refused: on CUDA"),
         ({"pattern": ".*", "optimizer_kwargs": {"deterministic": True}}, "set optimizer.gefen.deterministic"),
         ({"pattern": ".*", "optimizer_name": "SGD"}, "param_groups[0]: unknown optimizer 'SGD'"),
         ({"pattern": ".*", "optimizer_kwargs": {"lr": 1e-3}, "optimizer_nam": "Gefen"},

@@ -1,7 +1,8 @@
 """The one place that reads and writes gefen-x's private optimizer state,
 and the one package that imports gefen-x at all (``lint-imports`` checks it):
 Gefen's accessors in ``gefen``, GefenMuon's in ``muon``, the CPU kernel's hook into
-their steps in ``routing``, all re-exported here
+their steps in ``routing``, the classification of their constructors' keywords in
+``constructor``, all re-exported here
 (callers use ``from gefen_titan.optim import gefenx as gx``).
 
 gefen-x 0.5.0 keeps what a checkpoint needs outside any public API: per
@@ -27,11 +28,13 @@ from __future__ import annotations
 
 # Each part's ``__all__`` is the one list of what it exports; the package
 # re-exports them (a star import takes exactly a module's ``__all__``).
+from gefen_titan.optim.gefenx import constructor as _constructor_part
 from gefen_titan.optim.gefenx import gefen as _gefen_part
 from gefen_titan.optim.gefenx import muon as _muon_part
 from gefen_titan.optim.gefenx import routing as _routing_part
+from gefen_titan.optim.gefenx.constructor import *  # noqa: F403
 from gefen_titan.optim.gefenx.gefen import *  # noqa: F403
 from gefen_titan.optim.gefenx.muon import *  # noqa: F403
 from gefen_titan.optim.gefenx.routing import *  # noqa: F403
 
-__all__ = [*_gefen_part.__all__, *_muon_part.__all__, *_routing_part.__all__]
+__all__ = [*_constructor_part.__all__, *_gefen_part.__all__, *_muon_part.__all__, *_routing_part.__all__]

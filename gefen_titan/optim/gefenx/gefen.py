@@ -21,6 +21,17 @@ from gefen import Gefen, partitioning
 from torch.optim import Optimizer
 
 from gefen_titan.checkpoint import schema
+from gefen_titan.optim.gefenx.constructor import (
+    CAPTURABLE,
+    IMPLEMENTATION,
+    STOCHASTIC_ROUND,
+    VERBOSE,
+    Applied,
+    Constructor,
+    Refused,
+    Routed,
+    shorthand_place,
+)
 from gefen_titan.optim.state_cost import StateCost
 
 __all__ = [
@@ -28,10 +39,32 @@ __all__ = [
     "write",
     "clear", "has_state", "period", "set_period", "codebook", "set_codebook", "global_step", "set_global_step",
     "count_empty_shard_step", "empty_shard_counters", "set_empty_shard_counters", "finalize_period",
-    "fallback_enabled", "LIVE_BLOCK_FLOATS", "STATE_COST", "codebook_tensors",
+    "fallback_enabled", "LIVE_BLOCK_FLOATS", "STATE_COST", "codebook_tensors", "GEFEN_CONSTRUCTOR",
 ]
 
 K = schema.K  # codebook entries (gefen-x: num_codebooks=256)
+
+# Every keyword of Gefen's constructor: applied in [optimizer.gefen], routed, or refused (gefenx.constructor).
+GEFEN_CONSTRUCTOR = Constructor(Gefen, {
+    **{k: Routed(shorthand_place(k)) for k in ("lr", "betas", "eps", "weight_decay")},
+    "fused": Routed(IMPLEMENTATION),
+    "force_1d_period_one": Applied("force_1d_period_one"),
+    "period_one_substrings": Applied("period_one_substrings"),
+    "codebook_refresh_every": Applied("codebook_refresh_every"),
+    "deterministic": Applied("deterministic"),
+    "force_2d_period_one": Refused(
+        "gefen-titan has no switch for every 2-D parameter: name the 2-D parameters that should keep per-element "
+        "state in optimizer.gefen.period_one_substrings"),
+    # gefen-titan builds every Gefen with factored_v_2d=False (optim.gefen_options.FACTORED_V_2D).
+    "factored_v_2d": Refused(
+        "not supported yet (issue 48 will add it sharded): gefen-x falls back to the block second moment (vmean) "
+        "for DTensor parameters (FSDP2 shards), and its factored state (v_row, v_col) is not shard-addressable, so "
+        "it could neither agree across layouts nor reshard; gefen-titan builds every Gefen with factored_v_2d = "
+        "false (docs/gefen_internals.md, 'How each parameter is routed')"),
+    "stochastic_round": Refused(STOCHASTIC_ROUND),
+    "capturable": Refused(CAPTURABLE),
+    "verbose": Refused(VERBOSE),
+})
 
 # Keys of a stepped parameter's state that gefen_titan owns on load (everything
 # but the name Gefen set at construction and its checkpoint-transport

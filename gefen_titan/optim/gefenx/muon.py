@@ -24,11 +24,23 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gefen_titan.checkpoint.schema_muon import MUON_HYPER
+from gefen_titan.optim.gefenx.constructor import (
+    CAPTURABLE,
+    IMPLEMENTATION,
+    STOCHASTIC_ROUND,
+    VERBOSE,
+    Applied,
+    Constructor,
+    Refused,
+    Routed,
+    shorthand_place,
+)
 from gefen_titan.optim.gefenx.gefen import K, codebook_tensors
 from gefen_titan.optim.state_cost import StateCost
 
 __all__ = [
-    "MUON_GROUP_KEYS", "MUON_REFUSED", "MUON_UPDATE_DTYPE", "MuonState", "ShardedGefenMuon", "ShardedStep",
+    "MUON_CONSTRUCTOR", "MUON_GROUP_KEYS", "MUON_REFUSED", "MUON_UPDATE_DTYPE", "MuonState", "ShardedGefenMuon",
+    "ShardedStep",
     "new_gefen_muon", "sharded_step", "is_gefen_muon", "muon_defaults", "muon_refused", "muon_deterministic",
     "muon_read", "muon_write", "muon_rows", "muon_set_rows", "muon_momentum", "muon_orthogonalize", "muon_normuon",
     "muon_apply", "muon_restore_group", "advance_global_step", "hybrid_defaults", "ns_schedule_names",
@@ -49,22 +61,31 @@ __all__ = [
 # The group keys gefen_titan supports, checkpoints and restores on load.
 MUON_GROUP_KEYS = MUON_HYPER
 
-# GefenMuon options refused (as group keys and as constructor options): each
-# makes the arithmetic depend on the layout or the machine, which the sharded
-# step and the checkpoint's bit-exact resharding cannot keep.
-MUON_REFUSED = {
-    "sharded_mode": "gefen-titan shards GefenMuon itself (momentum on the parameter's shards, Newton-Schulz on "
-                    "one owner rank); gefen-x's modes replicate the momentum or place it by world size",
-    "fp8_ns": "fp8 Newton-Schulz runs only on sm_89+ GPUs above a matrix size, so results depend on the machine",
-    "fp8_ns_compile": "it only configures fp8 Newton-Schulz, which is refused",
-    "batched_ns": "batched Newton-Schulz changes the GEMM reduction order with the matrices a rank batches",
-    "batched_ns_workspace_bytes": "it only configures batched Newton-Schulz, which is refused",
-    "stochastic_round": "stochastic rounding draws its noise by position inside the local tensor, so it "
-                        "changes with the shard layout",
-    "cautious": "cautious masking needs the full gradient where Newton-Schulz runs, which is not gathered",
-    "capturable": "capturable keeps the step counters on the device, and gefen-titan checkpoints host counters",
-    "ns_schedule": "set ns_coefficients to the schedule's list of [a, b, c] instead (the record keeps those)",
-}
+# Every keyword of GefenMuon's constructor: applied in [optimizer.muon], routed, or refused (gefenx.constructor).
+# Refused: each makes the arithmetic depend on the layout or the machine, which the sharded step and the
+# checkpoint's bit-exact resharding cannot keep.
+MUON_CONSTRUCTOR = Constructor(GefenMuon, {
+    # Its group keys, which the records carry and a load restores; lr and weight_decay may come from the shorthand.
+    **{k: Routed(shorthand_place(k) if k in ("lr", "weight_decay")
+                 else f"a GefenMuon param group's optimizer_kwargs.{k}") for k in MUON_GROUP_KEYS},
+    "fused": Routed(IMPLEMENTATION),
+    "deterministic": Applied("deterministic"),
+    "sharded_mode": Refused("gefen-titan shards GefenMuon itself (momentum on the parameter's shards, Newton-Schulz "
+                            "on one owner rank); gefen-x's modes replicate the momentum or place it by world size"),
+    "fp8_ns": Refused("fp8 Newton-Schulz runs only on sm_89+ GPUs above a matrix size, so results depend on the "
+                      "machine"),
+    "fp8_ns_compile": Refused("it only configures fp8 Newton-Schulz, which is refused"),
+    "batched_ns": Refused("batched Newton-Schulz changes the GEMM reduction order with the matrices a rank batches"),
+    "batched_ns_workspace_bytes": Refused("it only configures batched Newton-Schulz, which is refused"),
+    "stochastic_round": Refused(STOCHASTIC_ROUND),
+    "cautious": Refused("cautious masking needs the full gradient where Newton-Schulz runs, which is not gathered"),
+    "capturable": Refused(CAPTURABLE),
+    "ns_schedule": Refused("set ns_coefficients to the schedule's list of [a, b, c] instead (the record keeps those)"),
+    "verbose": Refused(VERBOSE),
+})
+
+# GefenMuon options refused (as group keys and as constructor options), each with its reason.
+MUON_REFUSED = {k: v.reason for k, v in MUON_CONSTRUCTOR.options.items() if isinstance(v, Refused)}
 
 # The dtype of gefen-x's Newton-Schulz output (bf16 GEMMs), the update the owner sends.
 MUON_UPDATE_DTYPE = torch.bfloat16
