@@ -5,9 +5,12 @@ be called again; it is idempotent). Every patch is written to be a no-op or
 harmless on CUDA/NCCL, so the same code path runs unchanged on GPUs.
 
 The patches are pinned to exact upstream versions: :func:`apply_all` refuses to
-run (``RuntimeError``) on any other torchtitan release or torch major.minor,
-rather than silently mis-patching. See ``README.md`` next to this file for the
-list of patches and the config-only settings a CPU recipe needs.
+run (``RuntimeError``) on any other torchtitan release or on a torch major.minor
+outside :data:`SUPPORTED_TORCH` (each one verified), rather than silently
+mis-patching; the message names the pip command that installs a supported one.
+pyproject's ``torch`` range is :data:`TORCH_REQUIREMENT` (a unit test holds them
+equal). See ``README.md`` next to this file for the list of patches, how each
+torch version was verified, and the config-only settings a CPU recipe needs.
 """
 
 from __future__ import annotations
@@ -31,17 +34,44 @@ from . import (
 from ._util import PatchTargetChanged
 
 __all__ = [
-    "EXPECTED_TORCH",
     "EXPECTED_TORCHTITAN",
     "PATCHES",
+    "SUPPORTED_TORCH",
+    "TORCH_REQUIREMENT",
+    "UPSTREAM_FROM_TORCH",
     "PatchTargetChanged",
     "applied",
     "apply_all",
     "check_versions",
+    "needed_on",
 ]
 
 EXPECTED_TORCHTITAN = "0.3.0"
-EXPECTED_TORCH = (2, 13)  # major, minor
+# The torch releases (major, minor) every patch and contract test was run on,
+# each one verified as patches/README.md "Torch versions" says. Consecutive,
+# so that pyproject can state them as one range: TORCH_REQUIREMENT.
+SUPPORTED_TORCH: tuple[tuple[int, int], ...] = ((2, 13), (2, 14))
+
+
+def _requirement(supported: tuple[tuple[int, int], ...]) -> str:
+    """``torch>=first,<next-after-last`` for consecutive minors of one major."""
+    (major, first), (_, last) = supported[0], supported[-1]
+    if list(supported) != [(major, m) for m in range(first, last + 1)]:
+        raise ValueError(f"SUPPORTED_TORCH must be consecutive minors of one major, in order: {supported}")
+    return f"torch>={major}.{first},<{major}.{last + 1}"
+
+
+# pyproject.toml's [project] dependency on torch, exactly (tests/unit/test_torch_versions.py).
+TORCH_REQUIREMENT = _requirement(SUPPORTED_TORCH)
+
+# Patches whose fix torch itself ships from a given release on: there the patch
+# finds the upstream API, installs nothing and reports False. Per supported
+# release, tests/unit/test_patches.py asserts exactly this split (installed below
+# the release, upstream's from it on), so a torch that moves either way fails it.
+UPSTREAM_FROM_TORCH: dict[str, tuple[int, int]] = {
+    "dist_set_timeout": (2, 14),  # torch.distributed.set_timeout(timeout, group) is public in 2.14
+    "pp_presplit_step": (2, 14),  # step(arg_mbs=, kwarg_mbs=, target_mbs=) in 2.14 (pytorch/pytorch PR #188500)
+}
 
 # Order matters: cpu_device must run first, the others read the device type.
 PATCHES: tuple[ModuleType, ...] = (
@@ -84,23 +114,36 @@ def _major_minor(version: str) -> tuple[int, int]:
         return (-1, -1)
 
 
+def needed_on(torch_version: str) -> set[str]:
+    """The patches a CPU run needs on this torch: all but those whose fix the
+    release ships (:data:`UPSTREAM_FROM_TORCH`)."""
+    mm = _major_minor(torch_version)
+    return {p.NAME for p in PATCHES if mm < UPSTREAM_FROM_TORCH.get(p.NAME, (999, 0))}
+
+
+def _supported_torch_text() -> str:
+    return " or ".join(f"{a}.{b}.x" for a, b in SUPPORTED_TORCH)
+
+
 def check_versions() -> None:
-    """Raise ``RuntimeError`` unless torchtitan == 0.3.0 and torch is 2.13.x."""
+    """Raise ``RuntimeError`` unless torchtitan == 0.3.0 and torch's major.minor
+    is in :data:`SUPPORTED_TORCH`; the message names the pip command that fixes it."""
     tt, th = _torchtitan_version(), _torch_version()
-    problems = []
+    problems, fixes = [], []
     if tt != EXPECTED_TORCHTITAN:
         problems.append(f"torchtitan {tt} (expected {EXPECTED_TORCHTITAN})")
-    if _major_minor(th) != EXPECTED_TORCH:
-        problems.append(
-            f"torch {th} (expected {EXPECTED_TORCH[0]}.{EXPECTED_TORCH[1]}.x)"
-        )
+        fixes.append(f"torchtitan=={EXPECTED_TORCHTITAN}")
+    if _major_minor(th) not in SUPPORTED_TORCH:
+        problems.append(f"torch {th} (expected {_supported_torch_text()})")
+        fixes.append(_requirement(SUPPORTED_TORCH))
     if problems:
+        pip = "pip install " + " ".join(f"'{f}'" for f in fixes)
         raise RuntimeError(
-            "gefen_titan.patches were written and verified for torchtitan "
-            f"{EXPECTED_TORCHTITAN} with torch {EXPECTED_TORCH[0]}.{EXPECTED_TORCH[1]}, "
-            f"but found {' and '.join(problems)}. Refusing to monkeypatch a "
-            "different version; re-verify every patch in patches/ (shipped as gefen_titan.patches) "
-            "(see its README.md) and update the pins."
+            f"gefen_titan.patches were verified for torchtitan {EXPECTED_TORCHTITAN} with torch "
+            f"{_supported_torch_text()}, but found {' and '.join(problems)}. Install a verified version: "
+            f"`{pip}` (on GPUs, the CUDA build of that torch for your driver; pyproject's range is the same). "
+            "Refusing to monkeypatch a different version: supporting another one means re-verifying "
+            "every patch in gefen_titan.patches (patches/README.md, 'Torch versions')."
         )
 
 

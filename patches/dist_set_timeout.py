@@ -22,8 +22,10 @@ Scope
 
 Upstream status
     Unfixed as of torchtitan 0.3.0 + torch 2.13: torchtitan calls an API that
-    this torch release does not export. Unnecessary on a torch that exports
-    ``torch.distributed.set_timeout``.
+    this torch release does not export. torch 2.14 exports
+    ``torch.distributed.set_timeout(timeout, group=None)`` (verified on 2.14.1:
+    ``UPSTREAM_FROM_TORCH``), so there the patch does nothing. Drop it when 2.13
+    leaves ``SUPPORTED_TORCH``.
 """
 
 from __future__ import annotations

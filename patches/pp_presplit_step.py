@@ -36,8 +36,9 @@ Upstream status
     torchtitan 0.3.0 expects the pre-split ``step(arg_mbs=, kwarg_mbs=,
     target_mbs=)`` keyword API (pytorch/pytorch PR #188500, "Allow explicit
     pre-split pipeline microbatches"), which torch 2.13.0 does not have; see
-    also pytorch/torchtitan PR #4071. Drop this patch once the pinned torch has
-    that API.
+    also pytorch/torchtitan PR #4071. torch 2.14 has it (verified on 2.14.1:
+    ``UPSTREAM_FROM_TORCH``), so there the patch does nothing. Drop it when
+    2.13 leaves ``SUPPORTED_TORCH``.
 """
 
 from __future__ import annotations

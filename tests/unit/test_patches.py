@@ -49,6 +49,7 @@ def test_importing_the_package_patches_nothing():
     manager) leaves torch and torchtitan as they are; only ``apply_all()``
     or the training entry point patches."""
     code = textwrap.dedent("""
+        import torch
         import torch.distributed as dist
         import torchtitan.tools.utils as tu
         from torchtitan.hf_datasets import text_datasets
@@ -61,7 +62,9 @@ def test_importing_the_package_patches_nothing():
         assert (tu.device_type, getattr(dist, "set_timeout", None)) == before
         assert "gefen_tiny" not in text_datasets.DATASETS
         patches.apply_all()
-        assert patches.applied()["dist_set_timeout"] and dist.set_timeout is not None
+        # Installed on a torch without it (2.13); torch's own from 2.14 on.
+        needed = "dist_set_timeout" in patches.needed_on(torch.__version__)
+        assert patches.applied()["dist_set_timeout"] is needed and dist.set_timeout is not None
         print("ok")
     """)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
@@ -73,10 +76,21 @@ def test_importing_the_package_patches_nothing():
 
 def test_apply_all_reports_every_patch(applied):
     assert set(applied) == {p.NAME for p in P.PATCHES}
-    # This machine has no accelerator: every patch is needed and active.
-    assert all(applied.values()), applied
+    # This machine has no accelerator: every patch is needed and active, less
+    # those whose fix this torch ships (UPSTREAM_FROM_TORCH): there the patch
+    # finds torch's own API and installs nothing. Exactly that split, per
+    # supported torch: a release that gains or loses an upstream fix fails here.
+    needed = P.needed_on(torch.__version__)
+    assert {name for name, active in applied.items() if active} == needed, applied
     for p in P.PATCHES:
-        assert p.is_applied(), p.NAME
+        assert p.is_applied() is (p.NAME in needed), p.NAME
+
+
+def test_needed_on_follows_the_upstream_table():
+    everything = {p.NAME for p in P.PATCHES}
+    assert P.needed_on("2.13.0+cpu") == everything
+    assert P.needed_on("2.14.1+cu130") == everything - {"dist_set_timeout", "pp_presplit_step"}
+    assert set(P.UPSTREAM_FROM_TORCH) <= everything
 
 
 def test_apply_all_is_idempotent():
@@ -109,8 +123,9 @@ def test_apply_all_is_idempotent():
     assert first == second
     assert snapshot() == before
     # Applying the individual patches again must not wrap a wrapper.
+    needed = P.needed_on(torch.__version__)
     for p in P.PATCHES:
-        assert p.apply() is True
+        assert p.apply() is (p.NAME in needed), p.NAME
     assert snapshot() == before
     assert not P._util.is_marked(dist_utils.set_pg_timeouts.__wrapped_original__)
     assert not P._util.is_marked(coll._get_gradient_divide_factors.__wrapped_original__)
@@ -137,16 +152,18 @@ def test_version_guard_rejects_other_torchtitan(monkeypatch, version):
     assert f"torchtitan {version}" in msg and "0.3.0" in msg
 
 
-@pytest.mark.parametrize("version", ["2.12.1", "2.14.0+cpu", "3.13.0"])
+@pytest.mark.parametrize("version", ["2.12.1", "2.15.0", "2.15.0+cu130", "3.13.0"])
 def test_version_guard_rejects_other_torch(monkeypatch, version):
     monkeypatch.setattr(P, "_torch_version", lambda: version)
     with pytest.raises(RuntimeError) as e:
         P.apply_all()
-    assert f"torch {version}" in str(e.value) and "2.13" in str(e.value)
+    msg = str(e.value)
+    assert f"torch {version} (expected 2.13.x or 2.14.x)" in msg
+    assert "`pip install 'torch>=2.13,<2.15'`" in msg, msg  # the command that fixes it
 
 
 def test_version_guard_accepts_torch_patch_releases(monkeypatch):
-    for v in ("2.13.0", "2.13.0+cpu", "2.13.2+cu128"):
+    for v in ("2.13.0", "2.13.0+cpu", "2.13.2+cu128", "2.14.0", "2.14.1+cu130"):
         monkeypatch.setattr(P, "_torch_version", lambda v=v: v)
         P.check_versions()
 
@@ -610,6 +627,10 @@ class _FakeSchedule:
                                       clear_runtime_states=lambda: None)
         self._split = PipelineScheduleSingle._split_inputs.__get__(self)
         self.calls = []
+        # torch >= 2.14: its own step() sorts whole-batch and pre-split inputs here.
+        for name in ("_get_microbatch_inputs", "_check_inputs"):
+            if hasattr(PipelineScheduleSingle, name):
+                setattr(self, name, getattr(PipelineScheduleSingle, name).__get__(self))
 
     def _split_inputs(self, args, kwargs=None):
         return self._split(args, kwargs)
@@ -620,15 +641,20 @@ class _FakeSchedule:
 
 
 def test_pp_step_takes_presplit_microbatches():
+    """torchtitan 0.3.0's pre-split call reaches ``_step_microbatches`` with its
+    own lists: through the patch on torch 2.13, through torch's own ``step``
+    from 2.14 on (UPSTREAM_FROM_TORCH), which the patch then leaves alone."""
     from torch.distributed.pipelining.schedules import (
         PipelineScheduleMulti,
         PipelineScheduleSingle,
     )
 
+    patched = "pp_presplit_step" in P.needed_on(torch.__version__)
     for cls in (PipelineScheduleSingle, PipelineScheduleMulti):
-        assert P._util.is_marked(cls.__dict__["step"]), cls
-    assert P.pp_presplit_step.apply() is True  # idempotent
-    assert not P._util.is_marked(PipelineScheduleSingle.step.__wrapped_original__)
+        assert P._util.is_marked(cls.__dict__["step"]) is patched, cls
+    assert P.pp_presplit_step.apply() is patched  # idempotent
+    if patched:
+        assert not P._util.is_marked(PipelineScheduleSingle.step.__wrapped_original__)
 
     step = PipelineScheduleSingle.step
     fake = _FakeSchedule()
@@ -645,12 +671,15 @@ def test_pp_step_takes_presplit_microbatches():
 
     # Middle stages pass no arg_mbs; whole-batch calls are upstream's split.
     step(fake, kwarg_mbs=[{}, {}])
-    assert fake.calls[-1][0] is None
+    # The patch leaves them None for _step_microbatches' own _check_inputs;
+    # torch's step runs that check first: one empty tuple per microbatch.
+    assert fake.calls[-1][0] == (None if patched else [(), ()])
     step(fake, torch.arange(8.0).view(4, 2))
     assert [a[0].shape for a in fake.calls[-1][0]] == [(2, 2), (2, 2)]
-    with pytest.raises(ValueError, match="cannot be mixed"):
+    mixed = "cannot be mixed" if patched else "pre-split"  # the patch's message, torch's
+    with pytest.raises(ValueError, match=mixed):
         step(fake, x0, arg_mbs=[(x0,), (x1,)])
-    with pytest.raises(ValueError, match="cannot be mixed"):
+    with pytest.raises(ValueError, match=mixed):
         step(fake, arg_mbs=[(x0,), (x1,)], target=x0)
 
 
