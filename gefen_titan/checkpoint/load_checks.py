@@ -313,9 +313,12 @@ def _cover_once(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tupl
                 return "its chunks overlap"
         return None
     count = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
+    # A cut's cell index by a dict, not list.index: a list search per chunk made this quadratic in the chunk
+    # count (200,000 one-element chunks of one tensor held a rank here for minutes while the others timed out).
+    where = [{v: i for i, v in enumerate(c)} for c in cuts]
     for off, size in chunks:
         if all(size):
-            count[tuple(slice(c.index(o), c.index(o + s)) for c, o, s in zip(cuts, off, size))] += 1
+            count[tuple(slice(w[o], w[o + s]) for w, o, s in zip(where, off, size))] += 1
     if (count > 1).any():
         return "its chunks overlap"
     if (count == 0).any():

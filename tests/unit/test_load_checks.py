@@ -287,3 +287,20 @@ def test_an_entry_of_no_known_kind_fails_verify_and_the_resume_and_inspect_flags
     report = inspect_checkpoint(str(step))
     assert any(text in w for w in report["warnings"]) and not any(text in p for p in report["problems"])
     assert f"WARNING     {text}" in render_inspection(report)
+
+
+def test_the_tiling_check_is_not_quadratic_in_the_chunk_count():
+    """200,000 one-element chunks of one tensor (a hostile ``.metadata``: issue 50) took rank 0 minutes in
+    the tiling check (a list search per chunk) while the other rank timed out; the check is now linear in
+    the chunks after one sort of the cuts. Generous bound: it takes about a second; the quadratic one took
+    18 s at 40,000 chunks."""
+    import time
+
+    n = 200_000
+    chunks = [((i,), (1,)) for i in range(n)]
+    chunks.reverse()  # cut values out of order
+    t = time.perf_counter()
+    assert load_checks._cover_once((n,), chunks) is None
+    dup = [*chunks[:-1], ((5,), (1,))]  # element 0 left out, element 5 held twice
+    assert load_checks._cover_once((n,), dup) == "its chunks overlap"
+    assert time.perf_counter() - t < 60
