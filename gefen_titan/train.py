@@ -15,11 +15,13 @@ import os
 import sys
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 from torchtitan.observability import structured_logger as sl
 from torchtitan.tools.logging import init_logger, logger
 
 from gefen_titan import patches
 from gefen_titan.distributed import free_port
+from gefen_titan.error_report import reported
 from gefen_titan.recipe.cli import load_cli
 
 
@@ -39,7 +41,16 @@ def single_process_env() -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
+@record
 def main(argv: list[str] | None = None) -> None:
+    """Train; a user's error (``gefen_titan.errors.UserError``) ends it as one short block
+    and exit status 1 (``gefen_titan.error_report``), any other keeps its traceback, and
+    ``@record`` hands either to torchrun's error file."""
+    with reported():
+        run(argv)
+
+
+def run(argv: list[str] | None = None) -> None:
     init_logger()
     # Before any torchtitan component is built; a no-op for what CUDA does not need.
     patches.apply_all()

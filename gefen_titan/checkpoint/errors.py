@@ -13,11 +13,12 @@ from __future__ import annotations
 import re
 
 from gefen_titan.distributed import raise_on_any_rank
+from gefen_titan.errors import UserError
 
 __all__ = ["GefenCheckpointError", "Verdict", "refuse_on_any_rank", "root_cause", "unreadable"]
 
 
-class GefenCheckpointError(RuntimeError):
+class GefenCheckpointError(UserError, RuntimeError):
     """A Gefen checkpoint that cannot be loaded into (or saved from) the live optimizer."""
 
 
