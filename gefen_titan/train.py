@@ -20,6 +20,7 @@ from torchtitan.observability import structured_logger as sl
 from torchtitan.tools.logging import init_logger, logger
 
 from gefen_titan import patches
+from gefen_titan.checkpoint import preflight
 from gefen_titan.distributed import free_port
 from gefen_titan.error_report import reported
 from gefen_titan.recipe.cli import load_cli
@@ -55,6 +56,18 @@ def run(argv: list[str] | None = None) -> None:
     # Before any torchtitan component is built; a no-op for what CUDA does not need.
     patches.apply_all()
     config = build_config(argv)
+    # Before anything is built: a folder that is not a checkpoint is refused
+    # here, and a checkpoint already at training.steps ends the run with what
+    # to do (torchtitan would log "Training completed", or crash in its LR
+    # scheduler for a step past the schedule).
+    ckpt = config.checkpoint
+    done = preflight.before_build(
+        enable=ckpt.enable, folder=os.path.join(config.dump_folder, ckpt.folder), load_step=ckpt.load_step,
+        initial_load_path=ckpt.initial_load_path, initial_load_model_only=ckpt.initial_load_model_only,
+        from_hf=ckpt.initial_load_in_hf, steps=config.training.steps)
+    if done is not None and not ckpt.create_seed_checkpoint:
+        logger.warning(done)
+        return
     single_process_env()
     sl.init_structured_logger(
         source="training",
