@@ -66,7 +66,8 @@ def run(argv: list[str] | None = None) -> None:
         initial_load_path=ckpt.initial_load_path, initial_load_model_only=ckpt.initial_load_model_only,
         from_hf=ckpt.initial_load_in_hf, steps=config.training.steps)
     if done is not None and not ckpt.create_seed_checkpoint:
-        logger.warning(done)
+        if os.environ.get("RANK", "0") == "0":  # every rank stops; one says why
+            logger.warning(done)
         return
     single_process_env()
     sl.init_structured_logger(

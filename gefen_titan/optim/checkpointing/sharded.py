@@ -187,11 +187,15 @@ class ShardedAdapter(StagedLoad):
         if missing:
             extra = sorted(set(records) - {s.fqn for s in self.slots})
 
+            resized = next((f"; {s.fqn} is {tuple(records[s.fqn].shape)} there and {tuple(s.param.shape)} here"
+                            for s in self.slots if s.fqn in records
+                            and tuple(records[s.fqn].shape) != tuple(s.param.shape)), "")
+
             def few(names: list[str]) -> str:
-                return f"{len(names)} ({', '.join(names[:4])}{' ...' if len(names) > 4 else ''})"
+                return f"({', '.join(names[:4])}{' ...' if len(names) > 4 else ''})"
             raise GefenCheckpointError(ctx.records_refusal or other_model_advice(
-                f"it has no {self.kind} state for {few(missing)} live parameter(s)"
-                + (f" and holds {few(extra)} this model lacks" if extra else "")))
+                f"it has no {self.kind} state for {len(missing)} live parameter(s) {few(missing)}"
+                + (f" and holds {len(extra)} this model lacks {few(extra)}" if extra else "") + resized))
         version = ctx.header.version
         for s in self.slots:
             rec, src = records[s.fqn], source_opt[s.fqn]
