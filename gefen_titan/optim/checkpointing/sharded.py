@@ -73,8 +73,7 @@ def check_finite_nonnegative(fqn: str, what: str, t: torch.Tensor | None) -> Non
     """Magnitudes and second moments are finite and >= 0 in any state Gefen's arithmetic made."""
     if t is not None and (not torch.isfinite(t).all() or (t < 0).any()):
         raise GefenCheckpointError(
-            f"{fqn}: non-finite or negative {what} in the checkpoint (corrupt file); "
-            "resume from another step with checkpoint.load_step")
+            f"{fqn}: non-finite or negative {what} in the checkpoint (corrupt file)")  # the load adds what to do
 
 
 class ShardedAdapter(StagedLoad):
