@@ -6,7 +6,9 @@ traceback per rank plus torchrun's own summary buried its one useful line.
 ``reported`` turns a ``UserError`` into:
 
 * one block on stderr, from rank 0 only (``format_block``): the message, which
-  says what is wrong and what to do, and how to get the traceback;
+  says what is wrong and what to do, and how to get the traceback (from every
+  rank where there is no error file to carry the other ranks' messages: a
+  launcher other than torchrun);
 * torchelastic's error file (``TORCHELASTIC_ERROR_FILE``, the file
   ``torch.distributed.elastic.multiprocessing.errors.record`` writes), on
   every rank, holding the same block, so torchrun's "Root Cause" shows it
@@ -44,17 +46,21 @@ def format_block(error: UserError) -> str:
             f"  ({type(error).__name__}; {TRACEBACK_ENV}=1 shows the traceback)")
 
 
-def write_error_file(block: str) -> None:
+def write_error_file(block: str) -> bool:
     """The block in torchelastic's error-file format (the one ``ErrorHandler.record_exception``
     writes), where torchrun asked for one; torchrun prints its ``py_callstack`` as the
-    failure's "traceback" field."""
+    failure's "traceback" field. True if written."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
-        return
+        return False
     data = {"message": {"message": block,
                         "extraInfo": {"py_callstack": block, "timestamp": str(int(time.time()))}}}
-    with contextlib.suppress(OSError), open(path, "w") as f:
-        json.dump(data, f)
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        return False
+    return True
 
 
 @contextlib.contextmanager
@@ -66,8 +72,10 @@ def reported() -> Iterator[None]:
         if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             raise
         block = format_block(e)
-        write_error_file(block)
-        if os.environ.get("RANK", "0") == "0":
+        # Another rank's message reaches the user through its error file (torchrun's
+        # summary); with no error file (another launcher) each rank prints its own.
+        carried = write_error_file(block)
+        if os.environ.get("RANK", "0") == "0" or not carried:
             print(block, file=sys.stderr, flush=True)
         # SystemExit, not an Exception: the entry point's ``@record`` re-raises
         # it as it is instead of overwriting the error file with a traceback.

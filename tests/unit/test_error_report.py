@@ -43,6 +43,15 @@ def test_other_ranks_only_write_the_error_file(env, capsys, monkeypatch):
     assert "refused" in json.loads(env.read_text())["message"]["message"]
 
 
+def test_without_an_error_file_every_rank_prints(env, capsys, monkeypatch):
+    """Another launcher: no error file carries rank 1's message, so rank 1 prints it."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
+    with pytest.raises(SystemExit), reported():
+        raise GefenCheckpointError("refused")
+    assert capsys.readouterr().err.startswith("gefen-titan: error: refused")
+
+
 def test_traceback_switch_reraises(env, monkeypatch):
     monkeypatch.setenv(TRACEBACK_ENV, "1")
     with pytest.raises(IndexedDataError), reported():
