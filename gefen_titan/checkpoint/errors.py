@@ -22,8 +22,8 @@ import re
 from gefen_titan.distributed import raise_on_any_rank
 from gefen_titan.errors import UserError
 
-__all__ = ["GefenCheckpointError", "Verdict", "convert_advice", "fall_back", "not_a_checkpoint", "older_steps",
-           "other_model_advice", "refuse_on_any_rank", "root_cause", "unreadable"]
+__all__ = ["GefenCheckpointError", "Verdict", "convert_advice", "fall_back", "no_such_step", "not_a_checkpoint",
+           "older_steps", "other_model_advice", "refuse_on_any_rank", "root_cause", "saved_steps", "unreadable"]
 
 METADATA_FILE = ".metadata"  # DCP's index of a checkpoint folder, the last file a save writes
 
@@ -40,6 +40,22 @@ def root_cause(error: Exception) -> str:
     return cause[:300]
 
 
+def saved_steps(folder: str) -> list[int]:
+    """The steps of the ``step-N`` folders in the local ``folder`` that hold a ``.metadata`` (torchtitan's
+    test of a finished save), ascending; none for a folder that is not there."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(int(n[5:]) for n in os.listdir(folder) if re.fullmatch(r"step-\d+", n)
+                  and os.path.isfile(os.path.join(folder, n, METADATA_FILE)))
+
+
+def no_such_step(folder: str, step: int) -> str:
+    """Why ``--checkpoint.load_step step`` finds nothing in ``folder``, with the steps that are there."""
+    steps = saved_steps(folder)
+    there = (f"the steps there: {', '.join(map(str, steps))}" if steps else f"no checkpoint in {folder}")
+    return f"--checkpoint.load_step {step}: there is no checkpoint {os.path.join(folder, f'step-{step}')} ({there})"
+
+
 def older_steps(checkpoint_id: str) -> list[int]:
     """Steps of the sibling ``step-N`` folders older than this one that hold a ``.metadata``,
     newest first (local folders only).
@@ -50,11 +66,9 @@ def older_steps(checkpoint_id: str) -> list[int]:
     path = str(checkpoint_id).rstrip("/")
     parent, here = os.path.split(path)
     m = re.fullmatch(r"step-(\d+)", here)
-    if "://" in path or not m or not os.path.isdir(parent):
+    if "://" in path or not m:
         return []
-    steps = [int(n[5:]) for n in os.listdir(parent) if re.fullmatch(r"step-\d+", n)
-             and os.path.isfile(os.path.join(parent, n, METADATA_FILE))]
-    return sorted((s for s in steps if s < int(m.group(1))), reverse=True)
+    return sorted((s for s in saved_steps(parent) if s < int(m.group(1))), reverse=True)
 
 
 def fall_back(checkpoint_id: str) -> str:
@@ -71,11 +85,10 @@ def not_a_checkpoint(path: str) -> str | None:
         return None
     if not os.path.isdir(path):
         return f"{path} does not exist" if not os.path.exists(path) else f"{path} is a file, not a checkpoint folder"
-    steps = sorted((n for n in os.listdir(path) if re.fullmatch(r"step-\d+", n)
-                    and os.path.isfile(os.path.join(path, n, METADATA_FILE))), key=lambda n: int(n[5:]))
+    steps = saved_steps(path)
     if steps:
         return (f"{path} is a folder of checkpoints, not a checkpoint: point at one of its step folders, "
-                f"e.g. {os.path.join(path, steps[-1])} (steps here: {', '.join(n[5:] for n in steps)})")
+                f"e.g. {os.path.join(path, f'step-{steps[-1]}')} (steps here: {', '.join(map(str, steps))})")
     return (f"{path} is not a checkpoint: it has no {METADATA_FILE} (DCP's index, the last file every save "
             "writes). Point at a checkpoint's step-N folder, one that holds a .metadata")
 

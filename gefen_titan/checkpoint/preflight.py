@@ -10,7 +10,7 @@ past the schedule's end: ``decay_steps must not be zero``).
 
 ``before_build`` repeats torchtitan's choice of what to load
 (``CheckpointManager.load``: the newest ``step-N`` of the checkpoint folder
-holding a ``.metadata``, else ``load_step``, else ``initial_load_path``) on
+holding a ``.metadata``, or ``load_step``'s, else ``initial_load_path``) on
 local folders only (a remote one is left to the load itself), and is
 file reads only, no collective: every rank that sees the same files reaches
 the same verdict.
@@ -21,18 +21,9 @@ from __future__ import annotations
 import os
 import re
 
-from gefen_titan.checkpoint.errors import METADATA_FILE, GefenCheckpointError, not_a_checkpoint
+from gefen_titan.checkpoint.errors import GefenCheckpointError, no_such_step, not_a_checkpoint, saved_steps
 
 __all__ = ["before_build", "nothing_to_train"]
-
-
-def _newest_step(folder: str) -> int | None:
-    """The step torchtitan resumes from in ``folder`` (its newest ``step-N`` with a ``.metadata``)."""
-    if not os.path.isdir(folder):
-        return None
-    steps = [int(m.group(1)) for n in os.listdir(folder) if (m := re.fullmatch(r"step-(\d+)", n))
-             and os.path.isfile(os.path.join(folder, n, METADATA_FILE))]
-    return max(steps) if steps else None
 
 
 def nothing_to_train(step: int, steps: int, where: str) -> str:
@@ -47,16 +38,17 @@ def before_build(*, enable: bool, folder: str, load_step: int, initial_load_path
     """Check what the run will load; the "nothing to train" message when its step reaches
     ``steps`` (None: there is something to train, or nothing to look at here).
 
-    Raises ``GefenCheckpointError`` for an ``initial_load_path`` that is not a checkpoint.
+    Raises ``GefenCheckpointError`` for a ``load_step`` with no checkpoint, and for an
+    ``initial_load_path`` that is not a checkpoint.
     """
     if not enable or "://" in folder:
         return None
     if load_step == -1:
-        step = _newest_step(folder)
-    elif os.path.isfile(os.path.join(folder, f"step-{load_step}", METADATA_FILE)):
+        step = max(saved_steps(folder), default=None)
+    elif load_step in saved_steps(folder):
         step = load_step
-    else:
-        return None  # torchtitan's own refusal names the missing step
+    else:  # torchtitan would fail in its load (FileNotFoundError, or DCP's read of no .metadata)
+        raise GefenCheckpointError(f"{no_such_step(folder, load_step)}. Nothing was loaded.")
     if step is not None:
         where = os.path.join(folder, f"step-{step}")
         # step 0 is a seed checkpoint: model only, the run starts at step 1

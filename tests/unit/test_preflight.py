@@ -40,7 +40,6 @@ def test_something_left_to_train_passes(tmp_path):
     step(tmp_path, 4)
     assert check(tmp_path, 5) is None
     assert check(tmp_path, 5, load_step=4) is None
-    assert check(tmp_path, 4, load_step=2) is None  # no step-2 here: torchtitan's own refusal
     assert check(tmp_path, 2, enable=False) is None
     step(tmp_path / "seed", 0)
     assert check(tmp_path / "seed", 0) is None  # a seed checkpoint is a start
@@ -51,6 +50,18 @@ def test_explicit_load_step_is_the_one_checked(tmp_path):
     step(tmp_path, 8)
     assert check(tmp_path, 6, load_step=4) is None
     assert "at step 8" in check(tmp_path, 6)
+
+
+def test_a_load_step_with_no_checkpoint_names_the_steps_there(tmp_path):
+    step(tmp_path, 4)
+    step(tmp_path, 8)
+    step(tmp_path, 6, metadata=False)
+    for missing in (2, 6):
+        with pytest.raises(GefenCheckpointError, match=rf"load_step {missing}: there is no checkpoint "
+                                                       rf".*step-{missing} \(the steps there: 4, 8\)"):
+            check(tmp_path, 10, load_step=missing)
+    with pytest.raises(GefenCheckpointError, match="no checkpoint in"):
+        check(tmp_path / "none", 10, load_step=3)
 
 
 def test_initial_load_path_not_a_checkpoint_is_refused_before_anything(tmp_path):
