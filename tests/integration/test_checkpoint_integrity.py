@@ -11,16 +11,16 @@ one flip a copy. Then:
   and the live parameters, optimizer state and step are as they were;
   step 2 of a flipped copy still loads;
 * ``gefen-titan ckpt verify`` names the flipped file of each copy;
-* one real ``train.py`` resume of a flipped copy fails on both ranks with
-  that error and trains no step.
+* one real ``train.py`` resume of a flipped copy fails with that error
+  (rank 0's block and torchrun's Root Cause, no traceback) and trains no step.
 
 The untrusted folders (issues 27 and 38) go through the same launch: a
 missing, cut or extended ``.digests``, stray bytes, an unlisted file, a
 payload in ``.metadata``, in ``train_state.step`` (rank 0's file: rank 1
 gets the refusal through DCP's gather, so it must pickle) and in rank 1's
 data loader state, and step 2's files under ``step-4`` (step binding); a
-real ``train.py`` resume of the ``train_state.step`` payload fails on both
-ranks naming the entry and the global.
+real ``train.py`` resume of the ``train_state.step`` payload fails naming
+the entry and the global (the same message on both ranks).
 """
 
 import io
