@@ -15,11 +15,14 @@ import os
 import sys
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 from torchtitan.observability import structured_logger as sl
 from torchtitan.tools.logging import init_logger, logger
 
 from gefen_titan import patches
+from gefen_titan.checkpoint import preflight
 from gefen_titan.distributed import free_port
+from gefen_titan.error_report import reported
 from gefen_titan.recipe.cli import load_cli
 
 
@@ -39,11 +42,33 @@ def single_process_env() -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
+@record
 def main(argv: list[str] | None = None) -> None:
+    """Train; a user's error (``gefen_titan.errors.UserError``) ends it as one short block
+    and exit status 1 (``gefen_titan.error_report``), any other keeps its traceback, and
+    ``@record`` hands either to torchrun's error file."""
+    with reported():
+        run(argv)
+
+
+def run(argv: list[str] | None = None) -> None:
     init_logger()
     # Before any torchtitan component is built; a no-op for what CUDA does not need.
     patches.apply_all()
     config = build_config(argv)
+    # Before anything is built: a folder that is not a checkpoint is refused
+    # here, and a checkpoint already at training.steps ends the run with what
+    # to do (torchtitan would log "Training completed", or crash in its LR
+    # scheduler for a step past the schedule).
+    ckpt = config.checkpoint
+    done = preflight.before_build(
+        enable=ckpt.enable, folder=os.path.join(config.dump_folder, ckpt.folder), load_step=ckpt.load_step,
+        initial_load_path=ckpt.initial_load_path, initial_load_model_only=ckpt.initial_load_model_only,
+        from_hf=ckpt.initial_load_in_hf, steps=config.training.steps)
+    if done is not None and not ckpt.create_seed_checkpoint:
+        if os.environ.get("RANK", "0") == "0":  # every rank stops; one says why
+            logger.warning(done)
+        return
     single_process_env()
     sl.init_structured_logger(
         source="training",

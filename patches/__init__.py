@@ -20,6 +20,8 @@ import threading
 from collections.abc import Iterable
 from types import ModuleType
 
+from gefen_titan.errors import UserError
+
 from . import (
     cpu_device,
     cpu_dtensor_rng,
@@ -37,6 +39,7 @@ __all__ = [
     "EXPECTED_TORCHTITAN",
     "PATCHES",
     "SUPPORTED_TORCH",
+    "UnverifiedVersions",
     "TORCH_REQUIREMENT",
     "UPSTREAM_FROM_TORCH",
     "PatchTargetChanged",
@@ -125,6 +128,10 @@ def _supported_torch_text() -> str:
     return " or ".join(f"{a}.{b}.x" for a, b in SUPPORTED_TORCH)
 
 
+class UnverifiedVersions(UserError, RuntimeError):
+    """torch or torchtitan at a version the patches were not verified for (the message names the pip fix)."""
+
+
 def check_versions() -> None:
     """Raise ``RuntimeError`` unless torchtitan == 0.3.0 and torch's major.minor
     is in :data:`SUPPORTED_TORCH`; the message names the pip command that fixes it."""
@@ -138,7 +145,7 @@ def check_versions() -> None:
         fixes.append(_requirement(SUPPORTED_TORCH))
     if problems:
         pip = "pip install " + " ".join(f"'{f}'" for f in fixes)
-        raise RuntimeError(
+        raise UnverifiedVersions(
             f"gefen_titan.patches were verified for torchtitan {EXPECTED_TORCHTITAN} with torch "
             f"{_supported_torch_text()}, but found {' and '.join(problems)}. Install a verified version: "
             f"`{pip}` (on GPUs, the CUDA build of that torch for your driver; pyproject's range is the same). "

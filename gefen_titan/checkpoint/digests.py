@@ -72,11 +72,11 @@ from gefen_titan.checkpoint.digest_keys import (
     keyed,
     new_hasher,
 )
-from gefen_titan.checkpoint.errors import GefenCheckpointError
+from gefen_titan.checkpoint.errors import GefenCheckpointError, fall_back
 
 __all__ = ["FILE", "METADATA_FILE", "ALGORITHM", "KEYED_ALGORITHM", "MARKER", "PIECE", "key_from_env", "keyed",
            "current_key", "expects_digests", "CorruptCheckpointError", "Digests", "new_hasher",
-           "hexdigest", "read", "parsed_once", "older_steps", "corrupt_message", "file_table"]
+           "hexdigest", "read", "parsed_once", "corrupt_message", "file_table"]
 
 FILE = ".digests"
 METADATA_FILE = ".metadata"  # DCP's name for it
@@ -377,29 +377,10 @@ def _decode_v1(body: bytes, digest: str, checkpoint_id: str) -> Digests:
         raise _bad(checkpoint_id, f"unreadable contents ({type(e).__name__}: {e})") from e
 
 
-def older_steps(checkpoint_id: str) -> list[int]:
-    """Steps of the sibling ``step-N`` folders older than this one, newest first (local folders only).
-
-    An error message names the step to resume from; listing a remote
-    folder is not worth a round trip there, so URLs get none.
-    """
-    path = str(checkpoint_id).rstrip("/")
-    parent, here = os.path.split(path)
-    m = re.fullmatch(r"step-(\d+)", here)
-    if "://" in path or not m or not os.path.isdir(parent):
-        return []
-    steps = [int(n[5:]) for n in os.listdir(parent) if re.fullmatch(r"step-\d+", n)
-             and os.path.isfile(os.path.join(parent, n, METADATA_FILE))]
-    return sorted((s for s in steps if s < int(m.group(1))), reverse=True)
-
-
 def corrupt_message(checkpoint_id: str, file: str, entry: str | None, what: str) -> str:
     """The refusal every rank raises: the file, the entry, and what to do."""
-    older = older_steps(checkpoint_id)
-    advice = (f"resume from an older step with --checkpoint.load_step {older[0]}" if older
-              else "resume from an older checkpoint (--checkpoint.load_step N)")
     return (f"checkpoint {checkpoint_id} is corrupt: {file}" + (f", entry {entry}" if entry else "")
-            + f": {what}. Restore the file from a copy, or {advice}; `gefen-titan ckpt verify "
+            + f": {what}. Restore the file from a copy, or {fall_back(checkpoint_id)}; `gefen-titan ckpt verify "
             f"{checkpoint_id}` lists every damaged file. Nothing was loaded.")
 
 

@@ -1,4 +1,5 @@
-"""The errors of a checkpoint that cannot be saved or loaded, and how every rank raises them.
+"""The errors of a checkpoint that cannot be saved or loaded, how every rank raises them,
+and the advice they give.
 
 A rank that raised alone would leave the others hanging in their next
 collective, so every verdict that can differ between ranks goes through
@@ -6,18 +7,28 @@ collective, so every verdict that can differ between ranks goes through
 together, and
 nothing has been changed when they do. A load agrees once per phase
 (``Verdict``), not once per check.
+
+The advice a refusal gives (the step to fall back to, ``ckpt convert`` for
+another optimizer, the settings for another model) is worded here and only
+here (``fall_back``, ``convert_advice``, ``other_model_advice``,
+``not_a_checkpoint``): a refusal composes these instead of repeating them.
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 from gefen_titan.distributed import raise_on_any_rank
+from gefen_titan.errors import UserError
 
-__all__ = ["GefenCheckpointError", "Verdict", "refuse_on_any_rank", "root_cause", "unreadable"]
+__all__ = ["GefenCheckpointError", "Verdict", "convert_advice", "fall_back", "no_such_step", "not_a_checkpoint",
+           "older_steps", "other_model_advice", "refuse_on_any_rank", "root_cause", "saved_steps", "unreadable"]
+
+METADATA_FILE = ".metadata"  # DCP's index of a checkpoint folder, the last file a save writes
 
 
-class GefenCheckpointError(RuntimeError):
+class GefenCheckpointError(UserError, RuntimeError):
     """A Gefen checkpoint that cannot be loaded into (or saved from) the live optimizer."""
 
 
@@ -29,11 +40,88 @@ def root_cause(error: Exception) -> str:
     return cause[:300]
 
 
+def saved_steps(folder: str) -> list[int]:
+    """The steps of the ``step-N`` folders in the local ``folder`` that hold a ``.metadata`` (torchtitan's
+    test of a finished save), ascending; none for a folder that is not there."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(int(n[5:]) for n in os.listdir(folder) if re.fullmatch(r"step-\d+", n)
+                  and os.path.isfile(os.path.join(folder, n, METADATA_FILE)))
+
+
+def no_such_step(folder: str, step: int) -> str:
+    """Why ``--checkpoint.load_step step`` finds nothing in ``folder``, with the steps that are there."""
+    steps = saved_steps(folder)
+    there = (f"the steps there: {', '.join(map(str, steps))}" if steps else f"no checkpoint in {folder}")
+    return f"--checkpoint.load_step {step}: there is no checkpoint {os.path.join(folder, f'step-{step}')} ({there})"
+
+
+def older_steps(checkpoint_id: str) -> list[int]:
+    """Steps of the sibling ``step-N`` folders older than this one that hold a ``.metadata``,
+    newest first (local folders only).
+
+    An error message names the step to resume from; listing a remote
+    folder is not worth a round trip there, so URLs get none.
+    """
+    path = str(checkpoint_id).rstrip("/")
+    parent, here = os.path.split(path)
+    m = re.fullmatch(r"step-(\d+)", here)
+    if "://" in path or not m:
+        return []
+    return sorted((s for s in saved_steps(parent) if s < int(m.group(1))), reverse=True)
+
+
+def fall_back(checkpoint_id: str) -> str:
+    """What to load instead of a checkpoint refused for its bytes: the newest older step, by number."""
+    older = older_steps(checkpoint_id)
+    if older:
+        return f"resume from the newest older step with --checkpoint.load_step {older[0]}"
+    return "resume from another checkpoint (none older is beside it: --checkpoint.initial_load_path PATH)"
+
+
+def not_a_checkpoint(path: str) -> str | None:
+    """Why the local folder ``path`` is not a checkpoint at all (None: it may be one, or is remote)."""
+    if "://" in str(path) or os.path.isfile(os.path.join(path, METADATA_FILE)):
+        return None
+    if not os.path.isdir(path):
+        return f"{path} does not exist" if not os.path.exists(path) else f"{path} is a file, not a checkpoint folder"
+    steps = saved_steps(path)
+    if steps:
+        return (f"{path} is a folder of checkpoints, not a checkpoint: point at one of its step folders, "
+                f"e.g. {os.path.join(path, f'step-{steps[-1]}')} (steps here: {', '.join(map(str, steps))})")
+    return (f"{path} is not a checkpoint: it has no {METADATA_FILE} (DCP's index, the last file every save "
+            "writes). Point at a checkpoint's step-N folder, one that holds a .metadata")
+
+
+def convert_advice(checkpoint_id: str, was: str, now: str) -> str | None:
+    """``gefen-titan ckpt convert`` when a Gefen checkpoint is loaded as AdamW or the other way round
+    (None for another pair: convert handles only those two)."""
+    tools = {"Gefen": "gefen", "AdamW": "adamw"}
+    if {was, now} != set(tools):
+        return None
+    # Into a new run's checkpoint folder, resumed as a whole: an initial_load_path
+    # would load its model only (torchtitan's initial_load_model_only default).
+    step = os.path.basename(os.path.normpath(str(checkpoint_id)))
+    return (f"convert it with `gefen-titan ckpt convert {checkpoint_id} NEW_RUN/checkpoint/{step} --to {tools[now]}` "
+            "and resume that with --job.dump_folder NEW_RUN")
+
+
+def other_model_advice(what: str) -> str:
+    """What to do about a checkpoint written for another model (``what``: its shapes or names)."""
+    return (f"the checkpoint was written for another model: {what}. Train with the flavor it was written "
+            "for (--model.flavor), or load only its weights into this model if they fit "
+            "(--checkpoint.initial_load_model_only), or leave the mismatched part out "
+            "(checkpoint.exclude_from_loading = [\"optimizer\"] starts the optimizer fresh)")
+
+
 def unreadable(checkpoint_id: str, error: Exception) -> GefenCheckpointError:
+    what = not_a_checkpoint(checkpoint_id)
+    if what is not None:
+        return GefenCheckpointError(f"{what}. Nothing was loaded.")
     return GefenCheckpointError(
         f"cannot read checkpoint {checkpoint_id} ({root_cause(error)}): a file is "
-        "missing, truncated or unreadable. Restore it, or resume from another step with "
-        "checkpoint.load_step. Nothing was loaded into the optimizer."
+        f"missing, truncated or unreadable. Restore it, or {fall_back(checkpoint_id)}. "
+        "Nothing was loaded into the optimizer."
     )
 
 

@@ -60,7 +60,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from gefen_titan.checkpoint import record_checks, schema, unpickling
-from gefen_titan.checkpoint.errors import GefenCheckpointError
+from gefen_titan.checkpoint.errors import GefenCheckpointError, fall_back
 
 __all__ = ["Check", "CHECKS", "Problem", "StepMismatchError", "metadata_problems", "allocation", "refusal",
            "item_past_end",
@@ -128,8 +128,8 @@ def refusal(checkpoint_id: str, problems: list[Problem]) -> str:
     when = (" It was refused before any buffer was allocated or any data byte read."
             if all(_STAGES[p.check] == "metadata" for p in problems) else "")
     return (f"checkpoint {checkpoint_id} is malformed: {shown}{more}.{when} No save of gefen-titan or torchtitan "
-            "writes this (edited, or damaged): restore it from a copy or resume from another step with "
-            "--checkpoint.load_step. Nothing was loaded.")
+            f"writes this (edited, or damaged): restore it from a copy or {fall_back(checkpoint_id)}. "
+            "Nothing was loaded.")
 
 
 # ------------------------------------------------------------------ metadata

@@ -47,6 +47,7 @@ from gefen_titan.data.stream_reshard import (
     share_leaves,
     source_leaves,
 )
+from gefen_titan.errors import UserError
 
 __all__ = [
     "PASS_KEY",
@@ -69,7 +70,7 @@ WORKER_KEY = "elastic_worker"
 """Extra dataset-state entry in a DataLoader worker: ``[worker, num_workers]``."""
 
 
-class DataLoaderReshardError(ValueError):
+class DataLoaderReshardError(UserError, ValueError):
     """The data-loader state cannot be carried across a layout change."""
 
 

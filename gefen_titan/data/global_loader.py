@@ -42,6 +42,7 @@ from gefen_titan.data.corpus import DATASET_NAME, DEFAULT_DATASET_PATH
 from gefen_titan.data.global_order import GlobalSampleOrder
 from gefen_titan.data.indexed import IndexedDataset
 from gefen_titan.data.indexed_build import cached_dataset
+from gefen_titan.errors import UserError
 
 __all__ = ["RECIPE_SETTING", "STATE_KEY", "DataOrderError", "GlobalOrderDataLoader", "open_dataset"]
 
@@ -54,7 +55,7 @@ RECIPE_SETTING = 'dataloader.loader = "global_order"'
 STATE_VERSION = 1
 
 
-class DataOrderError(ValueError):
+class DataOrderError(UserError, ValueError):
     """The global-order loader cannot be built or resumed as configured."""
 
 

@@ -42,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from gefen_titan.errors import UserError
+
 __all__ = [
     "FORMAT_VERSION",
     "HEADER",
@@ -74,7 +76,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "merges.txt", "
 _PROBE = "gefen-titan tokenizer probe: Hello, world! 1234 \u00e9\u00e8 \t\n def f(x): return x ** 2"
 
 
-class IndexedDataError(ValueError):
+class IndexedDataError(UserError, ValueError):
     """A token dataset that cannot be used as it is (with what to do about it)."""
 
 

@@ -35,6 +35,7 @@ from torchtitan.components.dataloader import BaseDataLoader
 
 from gefen_titan.data.elastic import ElasticTextDataLoader
 from gefen_titan.data.global_loader import GlobalOrderDataLoader
+from gefen_titan.errors import UserError
 
 __all__ = [
     "DEFAULT_LOADER",
@@ -54,7 +55,7 @@ _LOADERS: dict[str, type[BaseDataLoader.Config]] = {}
 _DP_INVARIANT: set[str] = set()  # names registered with dp_invariant=True
 
 
-class UnknownLoaderError(ValueError):
+class UnknownLoaderError(UserError, ValueError):
     """A loader name nobody registered; the message lists the known ones."""
 
 

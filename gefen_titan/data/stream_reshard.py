@@ -54,6 +54,8 @@ from datasets.distributed import split_dataset_by_node
 from torch.utils.data import get_worker_info
 from torch.utils.data._utils.worker import WorkerInfo
 
+from gefen_titan.errors import UserError
+
 __all__ = [
     "EXACT_EXAMPLES_ITERABLES",
     "StreamNotResumable",
@@ -74,7 +76,7 @@ for json, parquet, text, csv files, and ``Dataset.to_iterable_dataset``) whose
 adds when iterating (formatting, rebatching, node split) keep that."""
 
 
-class StreamNotResumable(ValueError):
+class StreamNotResumable(UserError, ValueError):
     """A streaming dataset whose saved position does not say where it was."""
 
 

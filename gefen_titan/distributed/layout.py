@@ -47,6 +47,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset  # DCP's view, at a coordinate
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from gefen_titan.errors import UserError
+
 __all__ = [
     "Box", "LayoutError", "chunk", "copy_groups", "dcp_disagreement", "holds_first_copy", "last_dim_cuts",
     "leading_placements", "local_box", "mesh_coordinate", "param_box", "placements_from_front", "shard_box",
@@ -54,7 +56,7 @@ __all__ = [
 ]
 
 
-class LayoutError(ValueError):
+class LayoutError(UserError, ValueError):
     """Placements this module cannot place (and so nothing in gefen-titan can)."""
 
 

@@ -71,6 +71,7 @@ from torchtitan.tools.logging import logger
 
 from gefen_titan.distributed import comm_device, is_distributed, local, raise_on_any_rank
 from gefen_titan.distributed.layout import dcp_disagreement, holds_first_copy, last_dim_cuts
+from gefen_titan.errors import UserError
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.block_stats import (
     HIST_BINS,
@@ -89,7 +90,7 @@ __all__ = ["AgreedBlocking", "BlockingError", "row_unit", "candidate_periods", "
            "block_variance_sums", "histogram", "period_from_sums", "agreement_collectives"]
 
 
-class BlockingError(RuntimeError):
+class BlockingError(UserError, RuntimeError):
     """Agreed blocking cannot be set up for this model, mesh or recipe."""
 
 

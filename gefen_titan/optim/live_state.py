@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from gefen_titan.distributed import like_param, local
+from gefen_titan.errors import UserError
 from gefen_titan.optim import gefenx as gx
 
 __all__ = ["LiveStateError", "capture", "check", "payload_bytes", "restore"]
@@ -47,7 +48,7 @@ _PLAIN = (str, int, float, bool, type(None))
 _NOT_VALUES = ("params", "param_names")  # a group's parameters: the live ones stay
 
 
-class LiveStateError(RuntimeError):
+class LiveStateError(UserError, RuntimeError):
     """A peer's state does not fit this rank (another recipe, model or mesh)."""
 
 

@@ -7,8 +7,10 @@ raised before any process group exists, so all ranks fail the same way.
 
 from __future__ import annotations
 
+from gefen_titan.errors import UserError
+
 __all__ = ["RecipeError"]
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError, ValueError):
     """A recipe (or an override of it) that cannot describe a valid run."""

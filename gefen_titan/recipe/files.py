@@ -24,9 +24,21 @@ def _read_toml(path: str) -> dict[str, Any]:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
-        raise RecipeError(f"{path}: recipe file not found") from None
+        raise RecipeError(f"{path}: recipe file not found{_recipes_beside(path)}") from None
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"{path}: not valid TOML: {e}") from None
+
+
+def _recipes_beside(path: str) -> str:
+    """The recipes that do exist where ``path`` points (its folder), for the not-found message."""
+    folder = os.path.dirname(path) or "."
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".toml"))
+    except OSError:
+        return f" (nor is its folder {folder})"
+    if not names:
+        return f" (no .toml recipe in {folder})"
+    return f"; the recipes in {folder}: {', '.join(names)}"
 
 
 def read_recipe_tables(path: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:

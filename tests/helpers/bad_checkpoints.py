@@ -228,7 +228,7 @@ def nan_v1_blocks(fqn: str, rank: int) -> Edit:
 V1_CASES = {
     "format": (set_entry("gefen/format", lambda v: json.dumps({"format": "gefen-titan", "version": 99})), "v1"),
     "other_model": (drop_entry("gefen/codes/output.weight"), "no Gefen state for 1 live parameter"),
-    "shape": (set_entry("gefen/codes/output.weight", lambda v: v[:256].clone()), "the checkpoint is for another model"),
+    "shape": (set_entry("gefen/codes/output.weight", lambda v: v[:256].clone()), "written for another model"),
     "nonfinite": (nan_v1_blocks("layers.0.w1.weight", 1), "non-finite"),
     "counters": (set_v1_record("layers.1.w2.weight", 0, 4, lambda v: 99), "counters do not add up"),
     "hyper": (set_v1_hyper("norm.weight", "beta1", 1.5), "cannot be represented"),

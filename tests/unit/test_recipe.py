@@ -138,6 +138,9 @@ def test_not_toml_and_missing_file(tmp_path):
         load_recipe(bad)
     with pytest.raises(RecipeError, match="recipe file not found"):
         load_recipe(tmp_path / "missing.toml")
+    # what does exist there is listed, so a typo is one look away
+    with pytest.raises(RecipeError, match=r"not found; the recipes in .*: x\.toml$"):
+        load_recipe(tmp_path / "missing.toml")
 
 
 def test_cli_requires_recipe_and_well_formed_flags():

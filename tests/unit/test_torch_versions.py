@@ -22,6 +22,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 import gefen_titan.patches as P
+from gefen_titan.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,8 +77,9 @@ def test_requirement_is_one_range_of_consecutive_minors():
 @pytest.mark.parametrize("version", ["2.15.0", "2.15.0+cu130", "2.12.1", "3.0.0"])
 def test_refusal_names_the_pip_command_that_installs_an_accepted_torch(monkeypatch, version):
     monkeypatch.setattr(P, "_torch_version", lambda: version)
-    with pytest.raises(RuntimeError) as e:
+    with pytest.raises(UserError) as e:  # the entry point prints it as a block, no traceback
         P.check_versions()
+    assert isinstance(e.value, RuntimeError)
     msg = str(e.value)
     assert f"torch {version} (expected 2.13.x or 2.14.x)" in msg, msg
     assert "`pip install 'torch>=2.13,<2.15'`" in msg, msg

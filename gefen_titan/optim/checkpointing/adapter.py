@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from gefen_titan.checkpoint import schema_records
-from gefen_titan.checkpoint.errors import GefenCheckpointError, Verdict
+from gefen_titan.checkpoint.errors import GefenCheckpointError, Verdict, fall_back
 from gefen_titan.distributed import all_gather_objects, is_distributed
 from gefen_titan.optim.checkpointing.load_context import LoadContext
 
@@ -116,8 +116,8 @@ class StagedLoad(ABC):
         if plan is not None and verdict.ok:
             try:
                 staged = self._stage(plan, state_dict)
-            except (GefenCheckpointError, ValueError, KeyError) as e:
-                verdict.refuse(f"{self.kind} state: {e}")
+            except (GefenCheckpointError, ValueError, KeyError) as e:  # what was read is damaged
+                verdict.refuse(f"{self.kind} state: {e}; {fall_back(self._checkpoint_id)}")
         self._staged = (plan, staged) if plan is not None and verdict.ok else None
 
     def commit_load(self) -> None:

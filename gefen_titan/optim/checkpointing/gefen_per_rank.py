@@ -35,7 +35,7 @@ import torch
 from torch.optim import Optimizer
 
 from gefen_titan.checkpoint import schema, schema_records, schema_v1
-from gefen_titan.checkpoint.errors import GefenCheckpointError
+from gefen_titan.checkpoint.errors import GefenCheckpointError, other_model_advice
 from gefen_titan.checkpoint.schema import HYPER
 from gefen_titan.distributed import like_param, local
 from gefen_titan.optim import gefenx as gx
@@ -192,20 +192,16 @@ class GefenPerRankAdapter(StagedLoad):
         live = {s.fqn for s in self.slots}
         missing = sorted(live - saved)
         if missing:
-            return (
-                f"the checkpoint has no Gefen state for {len(missing)} live parameter(s) "
-                f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}): it was written for "
-                "another model or optimizer grouping"
+            return other_model_advice(
+                f"it has no Gefen state for {len(missing)} live parameter(s) "
+                f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})"
             )
         for s in self.slots:
             codes = ours.get(schema.codes_key(s.fqn))
             if codes is None:
                 return f"{s.fqn}: codes missing from the checkpoint (truncated or foreign checkpoint)"
             if tuple(codes.size) != tuple(s.param.shape):
-                return (
-                    f"{s.fqn}: checkpoint shape {tuple(codes.size)} != live shape "
-                    f"{tuple(s.param.shape)}: the checkpoint is for another model"
-                )
+                return other_model_advice(f"{s.fqn} is {tuple(codes.size)} there and {tuple(s.param.shape)} here")
         return None
 
     def _plan_from_records(self, small: dict[str, Any], ours: dict[str, Any]) -> _Plan:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gefen_titan.checkpoint import load_checks, schema, schema_records
-from gefen_titan.checkpoint.errors import Verdict
+from gefen_titan.checkpoint.errors import Verdict, convert_advice
 from gefen_titan.checkpoint.storage import read_small
 
 __all__ = ["FLAT_KIND", "LoadContext", "kinds_refusal", "read_load_context"]
@@ -108,6 +108,7 @@ def kinds_refusal(ctx: LoadContext, live: dict[str, str], saved_by: dict[str, st
             f"{len(fqns)} parameter(s) ({', '.join(sorted(fqns)[:3])}{' ...' if len(fqns) > 3 else ''}) were saved "
             f"by {was} and the recipe gives them to {now}: "
             + ((hint(was, now) + ", or ") if hint is not None and hint(was, now) else "")
+            + ((convert + ", or ") if (convert := convert_advice(ctx.checkpoint_id, was, now)) else "")
             + f"give them to {was} again (a [[optimizer.param_groups]] entry with optimizer_name = \"{was}\" "
             "whose pattern matches them, as in the run that wrote it), or start the optimizer fresh with "
             "checkpoint.exclude_from_loading = [\"optimizer\"]" for (was, now), fqns in sorted(moved.items())) or None

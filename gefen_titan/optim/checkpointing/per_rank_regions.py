@@ -18,11 +18,12 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from gefen_titan.distributed.layout import local_box
+from gefen_titan.errors import UserError
 
 __all__ = ["Region", "param_region", "target_period", "UnsupportedLayout"]
 
 
-class UnsupportedLayout(ValueError):
+class UnsupportedLayout(UserError, ValueError):
     pass
 
 

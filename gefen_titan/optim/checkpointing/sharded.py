@@ -33,7 +33,7 @@ import torch
 from torch.optim import Optimizer
 
 from gefen_titan.checkpoint import schema, schema_records
-from gefen_titan.checkpoint.errors import GefenCheckpointError, refuse_on_any_rank
+from gefen_titan.checkpoint.errors import GefenCheckpointError, other_model_advice, refuse_on_any_rank
 from gefen_titan.distributed import like_param, local
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.blocking import check_period_fits
@@ -73,8 +73,7 @@ def check_finite_nonnegative(fqn: str, what: str, t: torch.Tensor | None) -> Non
     """Magnitudes and second moments are finite and >= 0 in any state Gefen's arithmetic made."""
     if t is not None and (not torch.isfinite(t).all() or (t < 0).any()):
         raise GefenCheckpointError(
-            f"{fqn}: non-finite or negative {what} in the checkpoint (corrupt file); "
-            "resume from another step with checkpoint.load_step")
+            f"{fqn}: non-finite or negative {what} in the checkpoint (corrupt file)")  # the load adds what to do
 
 
 class ShardedAdapter(StagedLoad):
@@ -185,17 +184,24 @@ class ShardedAdapter(StagedLoad):
         codebook = next(iter(mine.codebooks.values()), None) if mine is not None else None
         missing = [s.fqn for s in self.slots if s.fqn not in records]
         if missing:
-            raise GefenCheckpointError(ctx.records_refusal or
-                f"the checkpoint has no {self.kind} state for {len(missing)} live parameter(s) "
-                f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}): it was written for "
-                "another model or optimizer grouping")
+            extra = sorted(set(records) - {s.fqn for s in self.slots})
+
+            resized = next((f"; {s.fqn} is {tuple(records[s.fqn].shape)} there and {tuple(s.param.shape)} here"
+                            for s in self.slots if s.fqn in records
+                            and tuple(records[s.fqn].shape) != tuple(s.param.shape)), "")
+
+            def few(names: list[str]) -> str:
+                return f"({', '.join(names[:4])}{' ...' if len(names) > 4 else ''})"
+            raise GefenCheckpointError(ctx.records_refusal or other_model_advice(
+                f"it has no {self.kind} state for {len(missing)} live parameter(s) {few(missing)}"
+                + (f" and holds {len(extra)} this model lacks {few(extra)}" if extra else "") + resized))
         version = ctx.header.version
         for s in self.slots:
             rec, src = records[s.fqn], source_opt[s.fqn]
             shape = tuple(s.param.shape)
             if rec.shape != shape:
-                raise GefenCheckpointError(
-                    f"{s.fqn}: checkpoint shape {rec.shape} != live shape {shape}: the checkpoint is for another model")
+                raise GefenCheckpointError(other_model_advice(
+                    f"{s.fqn} is {tuple(rec.shape)} there and {shape} here"))
             live_det = self._deterministic(s.optim)
             if deterministic[src] != live_det:
                 raise GefenCheckpointError(
