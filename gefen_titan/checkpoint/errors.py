@@ -22,8 +22,8 @@ import re
 from gefen_titan.distributed import raise_on_any_rank
 from gefen_titan.errors import UserError
 
-__all__ = ["GefenCheckpointError", "Verdict", "convert_advice", "fall_back", "no_such_step", "not_a_checkpoint",
-           "older_steps", "other_model_advice", "refuse_on_any_rank", "root_cause", "saved_steps", "unreadable"]
+__all__ = ["CONVERT_TARGETS", "GefenCheckpointError", "Verdict", "convert_advice", "fall_back", "no_such_step",
+           "not_a_checkpoint", "older_steps", "other_model_advice", "refuse_on_any_rank", "root_cause", "saved_steps", "unreadable"]
 
 METADATA_FILE = ".metadata"  # DCP's index of a checkpoint folder, the last file a save writes
 
@@ -93,16 +93,20 @@ def not_a_checkpoint(path: str) -> str | None:
             "writes). Point at a checkpoint's step-N folder, one that holds a .metadata")
 
 
+# ``gefen-titan ckpt convert --to`` values: the optimizer names, lower-cased, whose states it converts between
+# (ckpt_tools.convert takes them from here, so the advice names only what the tool does).
+CONVERT_TARGETS = ("adamw", "gefen")
+
+
 def convert_advice(checkpoint_id: str, was: str, now: str) -> str | None:
-    """``gefen-titan ckpt convert`` when a Gefen checkpoint is loaded as AdamW or the other way round
-    (None for another pair: convert handles only those two)."""
-    tools = {"Gefen": "gefen", "AdamW": "adamw"}
-    if {was, now} != set(tools):
+    """``gefen-titan ckpt convert`` when a checkpoint of one of ``CONVERT_TARGETS``' optimizers is loaded as the
+    other (None for another pair: convert handles only those two)."""
+    if {was.lower(), now.lower()} != set(CONVERT_TARGETS):
         return None
     # Into a new run's checkpoint folder, resumed as a whole: an initial_load_path
     # would load its model only (torchtitan's initial_load_model_only default).
     step = os.path.basename(os.path.normpath(str(checkpoint_id)))
-    return (f"convert it with `gefen-titan ckpt convert {checkpoint_id} NEW_RUN/checkpoint/{step} --to {tools[now]}` "
+    return (f"convert it with `gefen-titan ckpt convert {checkpoint_id} NEW_RUN/checkpoint/{step} --to {now.lower()}` "
             "and resume that with --job.dump_folder NEW_RUN")
 
 

@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from gefen_titan.checkpoint import digests
-from gefen_titan.checkpoint.errors import GefenCheckpointError
+from gefen_titan.checkpoint.errors import CONVERT_TARGETS, GefenCheckpointError
 from gefen_titan.ckpt_tools import convert, export, inspection, verify
 from gefen_titan.ckpt_tools.view import CkptError
 
@@ -53,7 +53,7 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
                                    "<dump_folder>/<checkpoint.folder>/step-N of the run that resumes it.")
     p.add_argument("path", metavar="PATH", help="the checkpoint to convert")
     p.add_argument("out", metavar="OUT", help="the new checkpoint folder, e.g. outputs/run_adamw/checkpoint/step-10")
-    p.add_argument("--to", required=True, choices=("adamw", "gefen"), help="the optimizer state to write")
+    p.add_argument("--to", required=True, choices=CONVERT_TARGETS, help="the optimizer state to write")
     p.add_argument("--implementation", default="fused", choices=("fused", "foreach", "for-loop"),
                    help="--to adamw: torchtitan's optimizer.implementation to record in the AdamW param groups "
                         "(default: fused, torchtitan's default)")

@@ -57,7 +57,7 @@ from torchtitan.components.checkpoint import OPTIMIZER
 from torchtitan.tools import filesystem
 
 from gefen_titan.checkpoint import digests, kinds, schema, schema_records, storage
-from gefen_titan.checkpoint.errors import root_cause
+from gefen_titan.checkpoint.errors import CONVERT_TARGETS, root_cause
 from gefen_titan.checkpoint.schema import HYPER, grid_shape
 from gefen_titan.ckpt_tools.saved_records import codebook_summary, read_records
 from gefen_titan.ckpt_tools.view import Checkpoint, CkptError, split_state_key
@@ -88,8 +88,8 @@ class ConvertOptions:
 
 def convert(path: str, out: str, to: str, options: ConvertOptions = ConvertOptions()) -> dict[str, Any]:
     """Convert the checkpoint at ``path`` into a new one at ``out``; the report."""
-    if to not in ("adamw", "gefen"):
-        raise CkptError(f"--to {to!r}: expected adamw or gefen")
+    if to not in CONVERT_TARGETS:
+        raise CkptError(f"--to {to!r}: expected {' or '.join(CONVERT_TARGETS)}")
     ck = Checkpoint(path)
     _refuse_kinds(ck)
     _check_out(ck.path, out)
