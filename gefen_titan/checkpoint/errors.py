@@ -23,7 +23,8 @@ from gefen_titan.distributed import raise_on_any_rank
 from gefen_titan.errors import UserError
 
 __all__ = ["CONVERT_TARGETS", "GefenCheckpointError", "Verdict", "convert_advice", "fall_back", "no_such_step",
-           "not_a_checkpoint", "older_steps", "other_model_advice", "refuse_on_any_rank", "root_cause", "saved_steps", "unreadable"]
+           "not_a_checkpoint", "older_steps", "other_model_advice", "refuse_on_any_rank", "root_cause", "saved_steps",
+           "unreadable"]
 
 METADATA_FILE = ".metadata"  # DCP's index of a checkpoint folder, the last file a save writes
 
