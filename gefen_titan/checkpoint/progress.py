@@ -1,0 +1,38 @@
+"""Progress bars for long work: validate's runs, the ckpt tools' passes over a checkpoint, the scale plan.
+
+tqdm's (a dependency of datasets and huggingface-hub already; declared in
+pyproject), on stderr and only where stderr is a terminal: a log file, CI or
+a test's captured output gets no bar and no control characters. While a bar
+is shown, the lines the work prints to stdout go through tqdm
+(``DummyTqdmFile``), so they land above the bar instead of through it.
+Here, below every layer that shows one, since ``validation`` and
+``ckpt_tools`` may not import each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+from tqdm import tqdm
+from tqdm.contrib import DummyTqdmFile
+
+__all__ = ["bar"]
+
+
+@contextlib.contextmanager
+def bar(total: int | None, desc: str, *, unit: str = "it", unit_scale: bool = False,
+        file: TextIO | None = None) -> Iterator[Any]:
+    """A tqdm bar of ``total`` steps on ``file`` (default stderr), disabled where that is no terminal;
+    ``update(n)`` it as the work goes. stdout is routed above it while it is shown."""
+    out = file if file is not None else sys.stderr
+    shown = bool(getattr(out, "isatty", lambda: False)())
+    with tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, file=out, disable=not shown,
+              dynamic_ncols=True, leave=False) as t:
+        if not shown:
+            yield t
+            return
+        with contextlib.redirect_stdout(DummyTqdmFile(sys.stdout)):
+            yield t
