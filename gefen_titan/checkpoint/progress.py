@@ -1,4 +1,4 @@
-"""Progress bars for long work: validate's runs, the ckpt tools' passes over a checkpoint, the scale plan.
+"""Progress bars for long work: validate's runs, the ckpt tools' reads of a checkpoint, the scale plan.
 
 tqdm's (a dependency of datasets and huggingface-hub already; declared in
 pyproject), on stderr and only where stderr is a terminal: a log file, CI or
@@ -7,6 +7,11 @@ is shown, the lines the work prints to stdout go through tqdm
 (``DummyTqdmFile``), so they land above the bar instead of through it.
 Here, below every layer that shows one, since ``validation`` and
 ``ckpt_tools`` may not import each other.
+
+``reading`` is a bar in bytes over everything the checkpoint readers read
+inside it: ``checkpoint.item_reads`` calls ``advance`` after each item it
+has read and checked (a no-op outside ``reading``), so a tool shows its
+progress without threading a callback through DCP's load.
 """
 
 from __future__ import annotations
@@ -14,12 +19,15 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any, TextIO
 
 from tqdm import tqdm
 from tqdm.contrib import DummyTqdmFile
 
-__all__ = ["bar"]
+__all__ = ["advance", "bar", "reading"]
+
+_reading: ContextVar[Any] = ContextVar("gefen_titan_reading_bar", default=None)
 
 
 @contextlib.contextmanager
@@ -36,3 +44,21 @@ def bar(total: int | None, desc: str, *, unit: str = "it", unit_scale: bool = Fa
             return
         with contextlib.redirect_stdout(DummyTqdmFile(sys.stdout)):
             yield t
+
+
+@contextlib.contextmanager
+def reading(total_bytes: int, desc: str, *, file: TextIO | None = None) -> Iterator[Any]:
+    """A bar of ``total_bytes`` that every checkpoint read inside it advances (``advance``)."""
+    with bar(total_bytes, desc, unit="B", unit_scale=True, file=file) as t:
+        token = _reading.set(t)
+        try:
+            yield t
+        finally:
+            _reading.reset(token)
+
+
+def advance(n: int) -> None:
+    """``n`` more bytes read, on the ``reading`` bar if one is open (else nothing)."""
+    t = _reading.get()
+    if t is not None:
+        t.update(n)

@@ -1,13 +1,11 @@
-"""validate's figure of one pair (``validation.figure``) and the progress bar, without any run."""
+"""validate's figure of one pair (``validation.figure``), without any run."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import matplotlib.image as mpimg
 
-from gefen_titan.checkpoint import progress
 from gefen_titan.validation import figure
 from gefen_titan.validation.report import PairResult
 from gefen_titan.validation.runs import Settings
@@ -60,15 +58,3 @@ def test_one_file_a_pair_where_there_are_several():
     base = Path("/o/loss_curves.png")
     assert figure.path_for(base, "2->1", 1) == base
     assert figure.path_for(base, "2@ep2->1", 2) == Path("/o/loss_curves-2atep2-to-1.png")
-
-
-def test_the_progress_bar_shows_on_a_terminal_only():
-    class Terminal(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
-    quiet, tty = io.StringIO(), Terminal()
-    for out in (quiet, tty):
-        with progress.bar(3, "validate: runs", unit="run", file=out) as b:
-            b.update(3)
-    assert quiet.getvalue() == "" and "validate: runs" in tty.getvalue()
