@@ -6,6 +6,7 @@ import io
 from pathlib import Path
 
 from gefen_titan.checkpoint import progress, storage
+from gefen_titan.ckpt_tools import verify
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v2_debug_fsdp2_step3"
 
@@ -30,3 +31,12 @@ def test_the_reading_bar_counts_every_item_a_checkpoint_read_checks():
         storage.load_all(FIXTURE)
         read = bar.n
     assert 0.99 * data <= read <= data  # every stored item, once (a few bytes of padding are no item)
+
+
+def test_verify_reads_its_own_way_and_counts_on_the_bar_too():
+    data = sum(f.stat().st_size for f in FIXTURE.glob("*.distcp"))
+    with progress.reading(data, "verify: reading", file=Terminal()) as bar:
+        report = verify.verify_checkpoint(str(FIXTURE), None)
+        read = bar.n
+    # every item once, plus the records its record stage reads again through the checkpoint reader
+    assert report["checked"]["bytes"] <= read <= 1.01 * data and read >= 0.99 * data
