@@ -58,3 +58,37 @@ def test_one_file_a_pair_where_there_are_several():
     base = Path("/o/loss_curves.png")
     assert figure.path_for(base, "2->1", 1) == base
     assert figure.path_for(base, "2@ep2->1", 2) == Path("/o/loss_curves-2atep2-to-1.png")
+
+
+def test_each_pair_is_resumed_once_more_with_its_optimizer_state_dropped(monkeypatch, tmp_path):
+    """The figure's dropped-state line is measured (command._run), unless the resume itself is the fault;
+    a failed measurement leaves the pair without it and is no verdict."""
+    from gefen_titan.validation import command
+    from gefen_titan.validation.layouts import Side
+    from gefen_titan.validation.runs import Run
+
+    calls = []
+
+    def reference(settings, side, *, out, cache=None, quiet=False, tag="ref"):
+        return Run(str(out / f"ref-{side.label}"), side.nproc, dict(REF), 1.0)
+
+    def resume(settings, ref, side, folder, fault=None, measure=False):
+        calls.append((folder.name, fault, measure))
+        if measure and "broken" in str(folder):
+            raise RuntimeError("rank 0 died")
+        return Run(str(folder), side.nproc, {5: 7.3}, 1.0)
+
+    monkeypatch.setattr(command, "reference_run", reference)
+    monkeypatch.setattr(command, "resume_run", resume)
+    pair = (Side(2), Side(1))
+    runs = command._run(Settings(recipe="r.toml"), [pair], tmp_path, None, None, None)
+    assert calls == [("2-to-1", None, False), ("2-to-1-optimizer-dropped", "drop-optimizer", True)]
+    assert runs.dropped[pair].losses == {5: 7.3}
+    calls.clear()
+    runs = command._run(Settings(recipe="r.toml"), [pair], tmp_path, None, "drop-optimizer", None)
+    assert calls == [("2-to-1", "drop-optimizer", False)] and runs.dropped == {}
+    runs = command._run(Settings(recipe="r.toml"), [pair], tmp_path / "broken", None, None, None)
+    assert runs.dropped == {pair: None}
+    calls.clear()
+    command._run(Settings(recipe="r.toml"), [pair], tmp_path, None, None, None, dropped_state=False)
+    assert calls == [("2-to-1", None, False)]
