@@ -3,8 +3,11 @@
 tqdm's (a dependency of datasets and huggingface-hub already; declared in
 pyproject), on stderr and only where stderr is a terminal: a log file, CI or
 a test's captured output gets no bar and no control characters. While a bar
-is shown, the lines the work prints to stdout go through tqdm
-(``DummyTqdmFile``), so they land above the bar instead of through it.
+is shown, each line the work prints to stdout clears the bar first and
+redraws it after (``_AboveBar``), so the lines land above it instead of
+through it. (tqdm's ``DummyTqdmFile`` does not: under ``redirect_stdout``
+its ``tqdm.write`` no longer takes the real stdout for a terminal stream and
+leaves a bar on stderr uncleared, the line glued to it.)
 Here, below every layer that shows one, since ``validation`` and
 ``ckpt_tools`` may not import each other.
 
@@ -17,17 +20,45 @@ progress without threading a callback through DCP's load.
 from __future__ import annotations
 
 import contextlib
+import io
 import sys
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any, TextIO
 
 from tqdm import tqdm
-from tqdm.contrib import DummyTqdmFile
 
 __all__ = ["advance", "bar", "reading"]
 
 _reading: ContextVar[Any] = ContextVar("gefen_titan_reading_bar", default=None)
+
+
+class _AboveBar(io.TextIOBase):
+    """stdout while a bar is shown: each complete line is written with the bar cleared, then the bar redrawn."""
+
+    def __init__(self, out: TextIO, shown: Any) -> None:
+        super().__init__()
+        self._out, self._bar, self._buf = out, shown, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._buf += text
+        if "\n" in self._buf:
+            lines, _, self._buf = self._buf.rpartition("\n")
+            self._bar.clear()
+            self._out.write(lines + "\n")
+            self._out.flush()
+            self._bar.refresh()
+        return len(text)
+
+    def flush(self) -> None:
+        if self._buf:
+            self._bar.clear()
+            self._out.write(self._buf)
+            self._buf = ""
+        self._out.flush()
 
 
 @contextlib.contextmanager
@@ -42,8 +73,12 @@ def bar(total: int | None, desc: str, *, unit: str = "it", unit_scale: bool = Fa
         if not shown:
             yield t
             return
-        with contextlib.redirect_stdout(DummyTqdmFile(sys.stdout)):
-            yield t
+        above = _AboveBar(sys.stdout, t)
+        try:
+            with contextlib.redirect_stdout(above):
+                yield t
+        finally:
+            above.flush()
 
 
 @contextlib.contextmanager

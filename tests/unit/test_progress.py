@@ -40,3 +40,15 @@ def test_verify_reads_its_own_way_and_counts_on_the_bar_too():
         read = bar.n
     # every item once, plus the records its record stage reads again through the checkpoint reader
     assert report["checked"]["bytes"] <= read <= 1.01 * data and read >= 0.99 * data
+
+
+def test_a_line_printed_under_a_bar_clears_it_first(capsys):
+    """Else the line is glued to the bar's on a terminal (tqdm's DummyTqdmFile under redirect_stdout)."""
+    tty = Terminal()
+    with progress.bar(2, "runs", unit="run", file=tty) as b:
+        drawn = tty.getvalue()
+        print("  line 0", flush=True)
+        cleared = tty.getvalue()[len(drawn):]
+        b.update(2)
+    assert capsys.readouterr().out == "  line 0\n"
+    assert cleared.startswith("\r") and "runs:" in cleared  # cleared, then redrawn
