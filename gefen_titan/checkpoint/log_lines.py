@@ -70,8 +70,8 @@ def _live_cuts(t: DTensor) -> str:
 
 def loading(checkpoint_id: str | os.PathLike, metadata: Metadata | None, targets: dict[str, Any],
             world_size: int) -> str:
-    """``Loading step N from FOLDER: saved by A ranks (NAME in a x b chunks), loading on B ranks
-    (mesh dp_shard=B, NAME in c x d)``; without metadata (nothing planned from it), the step and
+    """``Loading step N from FOLDER: saved by A ranks (NAME cut a x b), loading onto B ranks
+    (mesh fsdp=B; NAME cut c x d)``; without metadata (nothing planned from it), the step and
     the live side only."""
     head = f"Loading step {step_of(checkpoint_id)} from {os.fspath(checkpoint_id)}"
     name = next((k for k, v in targets.items() if isinstance(v, DTensor) and v.dim() == 2
@@ -81,12 +81,12 @@ def loading(checkpoint_id: str | os.PathLike, metadata: Metadata | None, targets
     if name is not None:
         t = targets[name]
         mesh = ", ".join(f"{n}={s}" for n, s in zip(t.device_mesh.mesh_dim_names or (), t.device_mesh.shape))
-        live += f" (mesh {mesh}; {name} in {_live_cuts(t)})" if mesh else f" ({name} in {_live_cuts(t)})"
+        live += f" (mesh {mesh}; {name} cut {_live_cuts(t)})" if mesh else f" ({name} cut {_live_cuts(t)})"
     if metadata is None:
         return f"{head}: onto {live}"
     writers = written_by(metadata)
     saved_side = f"{writers} rank{'s' if writers != 1 else ''}"
     if name is not None:
         chunks = metadata.state_dict_metadata[name].chunks
-        saved_side += f" ({name} in {_cuts([tuple(c.offsets) for c in chunks], 2)})"
+        saved_side += f" ({name} cut {_cuts([tuple(c.offsets) for c in chunks], 2)})"
     return f"{head}: saved by {saved_side}, loading onto {live}"
