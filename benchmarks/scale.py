@@ -79,7 +79,8 @@ layers and its MoE layers), GefenMuon's matrices those GefenMuonHybrid routes
 and the rows' own figures from ``benchmarks.scale_moe`` (GefenMuonHybrid's
 state, torchtitan main's DistMuon beside it).
 
-    python scripts/plan_scale.py                          # 8B, 70B, 405B x fsdp, fsdp_tp, hsdp x 8..1024
+    python scripts/plan_scale.py                          # small: 8B x fsdp x 8, 64, 1024 ranks (minutes)
+    python scripts/plan_scale.py --full                   # 8B, 70B, 405B x fsdp, fsdp_tp, hsdp x 8..1024 (~35 min)
     python scripts/plan_scale.py --flavors 8B --meshes fsdp --worlds 8,64,512
     python scripts/plan_scale.py --moe                    # DSv3-671B, Qwen3-30B-A3B x EP 8, 64 x 64, 256, 1024
 """
@@ -122,6 +123,9 @@ MOE_DEFAULT = ("DSv3-671B", "Qwen3-30B-A3B")
 EP_DEGREES = (8, 64)
 MOE_WORLDS = (64, 256, 1024)
 WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
+# Without flags, a small plan that finishes in minutes (the full one, FLAVORS x MESHES x WORLDS, took 35
+# min on a 2-core host and printed nothing until its first cell finished): --full asks for it.
+SMALL = {"flavors": ("8B",), "meshes": ("fsdp",), "worlds": (8, 64, 1024)}
 FLAG_SLOPE = 1.1  # job-wide growth above this slope is "faster than linear"
 _LAYER = re.compile(r"(^|[./])layers\.(\d+)\.")
 
@@ -1038,12 +1042,16 @@ def report(rows: list[dict], max_tp: int) -> list[dict]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--flavors", default=None,
-                    help=f"default {','.join(FLAVORS)} (with --moe: {','.join(MOE_DEFAULT)}); MoE flavors: "
-                         f"{', '.join(MOE_FLAVORS)}")
-    ap.add_argument("--meshes", default=None, help=f"default {','.join(MESHES)} (with --moe: ep); known: "
-                                                   f"{', '.join(MESHES + MOE_MESHES)}")
+                    help=f"default {','.join(SMALL['flavors'])} (--full: {','.join(FLAVORS)}; with --moe: "
+                         f"{','.join(MOE_DEFAULT)}); MoE flavors: {', '.join(MOE_FLAVORS)}")
+    ap.add_argument("--meshes", default=None,
+                    help=f"default {','.join(SMALL['meshes'])} (--full: {','.join(MESHES)}; with --moe: ep); "
+                         f"known: {', '.join(MESHES + MOE_MESHES)}")
     ap.add_argument("--worlds", default=None,
-                    help=f"default {','.join(map(str, WORLDS))} (with --moe: {','.join(map(str, MOE_WORLDS))})")
+                    help=f"default {','.join(map(str, SMALL['worlds']))} (--full: {','.join(map(str, WORLDS))}; "
+                         f"with --moe: {','.join(map(str, MOE_WORLDS))})")
+    ap.add_argument("--full", action="store_true",
+                    help="the whole dense plan: every flavor x mesh x world size above (~35 min on 2 cores)")
     ap.add_argument("--moe", action="store_true",
                     help="the mixture-of-experts plan: MoE flavors on ep meshes (benchmarks/scale_moe.py)")
     ap.add_argument("--ep", default=",".join(map(str, EP_DEGREES)), help="EP degrees of the ep meshes")
@@ -1066,9 +1074,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.muon_bucket_mib = DEFAULT_BUCKET_MIB
     if not args.muon_bucket_mib > 0:
         ap.error("--muon-bucket-mib must be > 0")
-    flavors = args.flavors if args.flavors is not None else ",".join(MOE_DEFAULT if args.moe else FLAVORS)
-    meshes = args.meshes if args.meshes is not None else ",".join(MOE_MESHES if args.moe else MESHES)
-    worlds = args.worlds if args.worlds is not None else ",".join(map(str, MOE_WORLDS if args.moe else WORLDS))
+    if args.full and args.moe:
+        ap.error("--full is the dense plan; --moe has its own defaults")
+    args.defaulted = not (args.full or args.moe) and args.flavors is None and args.meshes is None \
+        and args.worlds is None
+    dense = (FLAVORS, MESHES, WORLDS) if args.full else (SMALL["flavors"], SMALL["meshes"], SMALL["worlds"])
+    flavors = args.flavors if args.flavors is not None else ",".join(MOE_DEFAULT if args.moe else dense[0])
+    meshes = args.meshes if args.meshes is not None else ",".join(MOE_MESHES if args.moe else dense[1])
+    worlds = args.worlds if args.worlds is not None else ",".join(map(str, MOE_WORLDS if args.moe else dense[2]))
     args.flavors = [f for f in flavors.split(",") if f]
     args.meshes = [m for m in meshes.split(",") if m]
     bad = [m for m in args.meshes if m not in MESHES + MOE_MESHES]
@@ -1109,6 +1122,7 @@ def main(argv: list[str] | None = None) -> None:
     from torchtitan.tools.logging import logger
 
     from gefen_titan import patches
+    from gefen_titan.checkpoint import progress
     from gefen_titan.recipe import flavors
 
     patches.apply_all()  # torchtitan's parallelize on CPU (the meta device, a fake process group)
@@ -1116,13 +1130,21 @@ def main(argv: list[str] | None = None) -> None:
 
     logger.setLevel("WARNING")
     rows = []
-    for flavor in args.flavors:
-        for mesh in meshes(args):
+    cells = [(flavor, mesh) for flavor in args.flavors for mesh in meshes(args)]
+    # Said first: a cell of 405B at 1024 ranks takes minutes, and nothing else prints before it is done.
+    print(f"plan: {', '.join(args.flavors)} x {', '.join(args.meshes)} x {', '.join(map(str, args.worlds))} ranks: "
+          f"{len(cells)} cell{'s' if len(cells) != 1 else ''}"
+          + ("; without flags a small plan (--full: every flavor, mesh and size, ~35 min on 2 cores)"
+             if args.defaulted else ""), file=sys.stderr, flush=True)
+    with progress.bar(len(cells), "plan", unit="cell") as bar:
+        for flavor, mesh in cells:
+            bar.set_postfix_str(f"{flavor} {mesh.label}")
             begin = time.monotonic()
             built = build(flavor, mesh, args.max_tp_degree, args.recipe)
             row = plan(built, args.exact_items, None if args.no_muon else args.muon_bucket_mib)
             rows.append(row)
-            print(f"done: {flavor} {mesh.label} ({time.monotonic() - begin:.1f} s)", file=sys.stderr, flush=True)
+            bar.write(f"done: {flavor} {mesh.label} ({time.monotonic() - begin:.1f} s)", file=sys.stderr)
+            bar.update()
     found = report(rows, args.max_tp_degree)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "growth": found}, indent=1,

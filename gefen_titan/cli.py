@@ -1,4 +1,4 @@
-"""The ``gefen-titan`` command: ``gefen-titan ckpt inspect|verify|convert ...`` and ``gefen-titan validate ...``.
+"""The ``gefen-titan`` command: ``gefen-titan ckpt inspect|verify|convert|export ...`` and ``gefen-titan validate ...``.
 
 Training has its own entry (``gefen-titan-train``, ``python -m
 gefen_titan.train``); this command groups the tools that work on what
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gefen-titan",
                                      description="gefen-titan tools; training is gefen-titan-train.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    ckpt_cli.add_commands(sub.add_parser("ckpt", help="inspect, verify or convert a checkpoint",
+    ckpt_cli.add_commands(sub.add_parser("ckpt", help="inspect, verify, convert or export a checkpoint",
                                          description=ckpt_cli.DESCRIPTION))
     validation.add_arguments(sub.add_parser("validate", help="save at N ranks, resume at M (size or layout), compare",
                                             description=validation.DESCRIPTION))

@@ -4,8 +4,9 @@ Gefen's first step learns block periods and a codebook with ~8 s of
 single-threaded numba per process, so tests that need stepped Gefen state share
 one stepped optimizer per session instead of stepping their own.
 
-Tiers: ``tests/unit`` is the fast one (single process; 135 s on 2 cores in
-two workers: ``python -m pytest -q -n 2 --dist loadgroup tests/unit``); every
+Tiers: ``tests/unit`` is the fast one (single process; 135 s in two workers
+on the 2-vCPU AMD EPYC Zen 3 VM the README names, longer elsewhere:
+``python -m pytest -q -n 2 --dist loadgroup tests/unit``); every
 test under ``tests/integration`` (torchrun / gloo launches, minutes) is marked
 ``integration`` here, so ``-m "not integration"`` selects the fast tier from
 anywhere. CI runs the unit tier so, then ``python -m pytest -q tests/integration``

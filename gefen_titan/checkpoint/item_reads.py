@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
 from gefen_titan.checkpoint import digests as dg
-from gefen_titan.checkpoint import load_checks, schema
+from gefen_titan.checkpoint import load_checks, progress, schema
 from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause
 
 __all__ = ["ItemReads", "load_bytes", "read_into", "read_raw", "read_framed"]
@@ -203,6 +203,7 @@ class ItemReads:
                         elif hasher is not None and hasher.hexdigest() != expected:
                             what = f"{record.algorithm} digest mismatch: its bytes differ from what the save wrote"
                         else:
+                            progress.advance(int(info.length))
                             if index in needed:
                                 staged[index] = data if target is None else target
                             elif self._is_byte_entry(index):  # one no rank reads: the entry stage all the same

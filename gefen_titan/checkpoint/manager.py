@@ -39,6 +39,10 @@ place last), so a resume never takes it as the latest, and the purge of
 counts every ``step-N`` folder, so failed saves (or an async save in
 flight) among the k newest pushed out every checkpoint a resume can load.
 
+Logs: after each synchronous save one line names the step, the folder,
+its bytes and the seconds; before each load one names the step, the folder,
+the ranks that wrote it and the mesh it loads onto (``log_lines``).
+
 Scheduling saves, async modes, ``load_step``, ``exclude_from_loading``,
 ``initial_load_path`` and HF checkpoints are torchtitan's own.
 """
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import errno
 import re
+import time
 from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
@@ -56,9 +61,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
+from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import GarbageCollection
 
-from gefen_titan.checkpoint import digests
+from gefen_titan.checkpoint import digests, log_lines
 from gefen_titan.checkpoint.errors import GefenCheckpointError, refuse_on_any_rank
 from gefen_titan.checkpoint.storage import load_reader, refusal, storage_writer
 
@@ -177,7 +183,10 @@ class GefenCheckpointManager(CheckpointManager):
             ret = dcp.async_save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id, process_group=self.pg,
                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self.stager)
         else:
+            begin = time.monotonic()
             ret = dcp.save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id)
+            # torchtitan's own lines name neither the step nor the folder (log_lines).
+            logger.info(log_lines.saved(checkpoint_id, time.monotonic() - begin))
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return ret
@@ -221,6 +230,8 @@ class GefenCheckpointManager(CheckpointManager):
         # Cost: a second copy of the rank's model shard, on its device, for
         # the load's duration. (The optimizer hands fresh targets itself.)
         targets = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        logger.info(log_lines.loading(checkpoint_id, metadata, targets, world))
         try:
             for component, key in prepared:
                 component.prepare_load(checkpoint_id, metadata, prefix=f"{key}.")

@@ -1,4 +1,4 @@
-"""Offline checkpoint tools: ``gefen-titan ckpt inspect | verify | convert``.
+"""Offline checkpoint tools: ``gefen-titan ckpt inspect | verify | convert | export``.
 
 Each runs as one process with no process group and no accelerator, reading
 through ``gefen_titan.checkpoint.storage`` (local folders and fsspec URLs):

@@ -1,4 +1,4 @@
-"""``python -m gefen_titan.ckpt_tools inspect|verify|convert ...`` (the same as ``gefen-titan ckpt ...``)."""
+"""``python -m gefen_titan.ckpt_tools inspect|verify|convert|export ...`` (the same as ``gefen-titan ckpt ...``)."""
 
 import sys
 

@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any
 
-from gefen_titan.checkpoint import digests
+from gefen_titan.checkpoint import digests, progress, storage
 from gefen_titan.checkpoint.errors import CONVERT_TARGETS, GefenCheckpointError
 from gefen_titan.ckpt_tools import convert, export, inspection, verify
 from gefen_titan.ckpt_tools.view import CkptError
@@ -104,7 +104,25 @@ def _fail(args: argparse.Namespace, message: str) -> int:
     return BAD
 
 
+def _checkpoint_bytes(path: str) -> int | None:
+    """Bytes of a checkpoint's data files (DCP's ``*.distcp``): the reading bar's total (None: not a folder
+    here). The items read are those files' bytes; ``.metadata`` and ``.digests`` are read before the bar."""
+    try:
+        return sum(storage.file_size(path, name) or 0 for name in storage.list_files(path) if name.endswith(".distcp"))
+    except OSError:
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
+    """One tool on one checkpoint; ``verify``, ``convert`` and ``export`` read the whole of it, with a
+    progress bar in bytes on a terminal (``checkpoint.progress.reading``)."""
+    if args.action == "inspect":
+        return _run(args)
+    with progress.reading(_checkpoint_bytes(args.path), f"{args.action}: reading"):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         key = digests.key_from_env(args.digest_key_env)
         if args.action == "inspect":

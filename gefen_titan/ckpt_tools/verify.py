@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torchtitan.components.checkpoint import OPTIMIZER
 
-from gefen_titan.checkpoint import digests, kinds, load_checks, schema, storage, unpickling
+from gefen_titan.checkpoint import digests, kinds, load_checks, progress, schema, storage, unpickling
 from gefen_titan.ckpt_tools.saved_records import read_records
 from gefen_titan.ckpt_tools.view import Checkpoint, CkptError, Entry, split_state_key
 
@@ -152,6 +152,7 @@ class _Verifier:
                     data = _read_exact(stream, length)
                     self.checked["items"] += 1
                     self.checked["bytes"] += len(data)
+                    progress.advance(len(data))  # its own reads, not the checkpoint reader's: the bar counts them
                     if len(data) != length:
                         self.add(name, index.fqn, f"short read: {len(data)} of {length} bytes", "items inside files")
                         continue

@@ -65,7 +65,7 @@ from gefen_titan.optim import option_routes
 from gefen_titan.optim import registry as optimizers
 from gefen_titan.optim.container import GROUP_DEFAULTS, GefenOptimizersContainer
 from gefen_titan.recipe import converters as model_converters
-from gefen_titan.recipe import fault_tolerance
+from gefen_titan.recipe import fault_tolerance, log_once
 from gefen_titan.recipe.checks import check_global_order_batch, check_optimizer, validate_mesh
 from gefen_titan.recipe.coerce import coerce_value, type_hints
 from gefen_titan.recipe.errors import RecipeError
@@ -266,6 +266,8 @@ def load_recipe(
 def build_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] | None = None) -> Recipe:
     """The config a recipe describes, before the checks of ``finish_recipe``
     (which need the values the command line may still change)."""
+    # Before the first config is constructed: torchtitan warns on each construction (log_once).
+    log_once.install()
     path = str(path)
     data = read_recipe_tables(path)
     merge_tables(data, overrides or {}, path)

@@ -64,9 +64,13 @@ K = ``steps_after``:
    ``bands.pair_loss_band`` picks the pair's tolerance.
 4. prints a table (pair, loss deviation and band, state and first-update
    errors, whether the state is exact, checkpoint bytes, save/load seconds),
-   writes ``report.json`` and a PNG of the loss curves (one panel per pair),
-   and returns 1 naming each pair and figure that broke its tolerance
-   (``gefen_titan.validation.report``).
+   writes ``report.json`` and one PNG figure per pair (``figure``: the loss
+   curves, each step's deviation against the band and against the same
+   resume with its optimizer state dropped, a run of its own per pair unless
+   ``--no-dropped-state``, and the state check's verdict), and returns 1
+   naming each pair and figure that broke its tolerance
+   (``gefen_titan.validation.report``). A progress bar counts the runs on
+   a terminal (``checkpoint.progress``).
 
 The global batch is held fixed (``training.global_batch_size``, default 16;
 torchtitan turns the per-rank ``local_batch_size`` into gradient
@@ -89,14 +93,17 @@ from typing import Any
 
 import torch
 
+from gefen_titan.checkpoint import progress
 from gefen_titan.validation import launchers, layouts, params
-from gefen_titan.validation.bands import LOG_RESOLUTION, LOSS_FLOOR, LOSS_K, loss_band, order_band, pair_loss_band
+from gefen_titan.validation.bands import loss_band, order_band, pair_loss_band
 from gefen_titan.validation.dumps import dumps_params
+from gefen_titan.validation.figure import path_for, plot_pair
 from gefen_titan.validation.layouts import LayoutError, Side
 from gefen_titan.validation.preflight import check_pairs
 from gefen_titan.validation.recipes import resolve_recipe
-from gefen_titan.validation.report import TOLERANCES, PairResult, compare_batches, evaluate, plot, table
+from gefen_titan.validation.report import PairResult, compare_batches, evaluate, table
 from gefen_titan.validation.runs import Run, Settings, global_order_batch, reference_run, resume_run
+from gefen_titan.validation.summary import summary_lines, tolerances
 
 __all__ = ["DESCRIPTION", "add_arguments", "choose_backend", "parse_pairs", "parse_sets", "validate"]
 
@@ -144,11 +151,13 @@ def choose_backend(requested: str, max_ranks: int) -> tuple[str, str]:
 @dataclass
 class _Runs:
     """The validation's runs: the uninterrupted references by side, the
-    same-size rerun (global order only) and the resumes by pair."""
+    same-size rerun (global order only), the resumes by pair and, by pair,
+    the same resume with the optimizer state dropped (None: not measured)."""
 
     references: dict[Side, Run]
     rerun: Run | None
     resumed: dict[Pair, Run]
+    dropped: dict[Pair, Run | None]
 
 
 def _settings(*, recipe: str, pairs: str | None, source: str | int | None, target: str | int | None,
@@ -186,41 +195,61 @@ def _settings(*, recipe: str, pairs: str | None, source: str | int | None, targe
 
 
 def _run(settings: Settings, pair_list: list[Pair], out_dir: Path, cache: Path | None,
-         fault: str | None, global_batch: int | None) -> _Runs | int:
+         fault: str | None, global_batch: int | None, dropped_state: bool = True) -> _Runs | int:
     """Every run of the validation, or the exit code of the first that failed
-    (2: a reference, nothing to validate against; 1: a resume, that pair fails)."""
-    references: dict[Side, Run] = {}
-    # References at every side of the pairs: the sources are what the resumes
-    # are compared with; all of them together measure the loss band (and,
-    # global order, the parameters' tolerance; the targets are what the
-    # parameters are compared with).
-    for side in sorted({side for pair in pair_list for side in pair}, key=Side.sort_key):
-        try:
-            references[side] = reference_run(settings, side, out=out_dir, cache=cache)
-        except RuntimeError as e:
-            print(f"\nERROR: the reference run at {side.ranks()} failed: {e}", file=sys.stderr)
-            return 2
-    rerun = None
-    if global_batch:
-        # The same-size rerun whose run-to-run noise sets the N->N tolerance.
-        try:
-            rerun = reference_run(settings, pair_list[0][0], out=out_dir, cache=cache, tag="rerun")
-        except RuntimeError as e:
-            print(f"\nERROR: the same-size rerun at {pair_list[0][0].ranks()} failed: {e}", file=sys.stderr)
-            return 2
-    resumed, crashed = {}, []
-    for a, b in pair_list:
-        try:
-            resumed[(a, b)] = resume_run(settings, references[a], b, out_dir / f"{a.label}-to-{b.label}",
-                                         fault=fault)
-        except RuntimeError as e:
-            crashed.append(f"{a.label}->{b.label}: the resumed run failed: {e}")
-    if crashed:
-        print("\nFAILED:", file=sys.stderr)
-        for line in crashed:
-            print(f"  {line}", file=sys.stderr)
-        return 1
-    return _Runs(references, rerun, resumed)
+    (2: a reference, nothing to validate against; 1: a resume, that pair fails).
+    ``dropped_state`` (and no ``fault``): each pair's resume once more with the
+    optimizer state dropped, the figure's measure of what the loss band lets through."""
+    sides = sorted({side for pair in pair_list for side in pair}, key=Side.sort_key)
+    measure_dropped = dropped_state and fault is None
+    total = len(sides) + bool(global_batch) + len(pair_list) * (2 if measure_dropped else 1)
+    with progress.bar(total, "validate: runs", unit="run") as bar:
+        references: dict[Side, Run] = {}
+        # References at every side of the pairs: the sources are what the resumes
+        # are compared with; all of them together measure the loss band (and,
+        # global order, the parameters' tolerance; the targets are what the
+        # parameters are compared with).
+        for side in sides:
+            try:
+                references[side] = reference_run(settings, side, out=out_dir, cache=cache)
+            except RuntimeError as e:
+                print(f"\nERROR: the reference run at {side.ranks()} failed: {e}", file=sys.stderr)
+                return 2
+            bar.update()
+        rerun = None
+        if global_batch:
+            # The same-size rerun whose run-to-run noise sets the N->N tolerance.
+            try:
+                rerun = reference_run(settings, pair_list[0][0], out=out_dir, cache=cache, tag="rerun")
+            except RuntimeError as e:
+                print(f"\nERROR: the same-size rerun at {pair_list[0][0].ranks()} failed: {e}", file=sys.stderr)
+                return 2
+            bar.update()
+        resumed, crashed, dropped = {}, [], {}
+        for a, b in pair_list:
+            try:
+                resumed[(a, b)] = resume_run(settings, references[a], b, out_dir / f"{a.label}-to-{b.label}",
+                                             fault=fault)
+            except RuntimeError as e:
+                crashed.append(f"{a.label}->{b.label}: the resumed run failed: {e}")
+            bar.update()
+        if crashed:
+            print("\nFAILED:", file=sys.stderr)
+            for line in crashed:
+                print(f"  {line}", file=sys.stderr)
+            return 1
+        for a, b in pair_list if measure_dropped else ():
+            # Not a verdict: a failed measurement leaves the figure without the line.
+            try:
+                dropped[(a, b)] = resume_run(settings, references[a], b,
+                                             out_dir / f"{a.label}-to-{b.label}-optimizer-dropped",
+                                             fault="drop-optimizer", measure=True)
+            except RuntimeError as e:
+                print(f"  (the optimizer-dropped resume {a.label}->{b.label} failed, not drawn: "
+                      f"{str(e).splitlines()[0]})", flush=True)
+                dropped[(a, b)] = None
+            bar.update()
+    return _Runs(references, rerun, resumed, dropped)
 
 
 def _final_params(settings: Settings, pair: Pair, runs: _Runs,
@@ -245,6 +274,9 @@ def _judge(settings: Settings, pair_list: list[Pair], runs: _Runs,
     results = [evaluate(settings, refs[a], runs.resumed[(a, b)], pair_loss_band(a, b, band), global_batch,
                         _final_params(settings, (a, b), runs, pband) if pband is not None else None)
                for a, b in pair_list]
+    for r, pair in zip(results, pair_list):
+        if (run := runs.dropped.get(pair)) is not None:
+            r.dropped_losses = run.losses
     if global_batch:
         # The DP-invariance the comparison rests on: every uninterrupted run
         # read the same global batches, at every size and layout.
@@ -256,94 +288,21 @@ def _judge(settings: Settings, pair_list: list[Pair], runs: _Runs,
     return results, band, pband
 
 
-def _tolerances(used: list[str], global_batch: int | None) -> dict[str, Any]:
-    loss = (f"N->N max({LOG_RESOLUTION}, {LOSS_K} * rerun deviation); N->M max({LOG_RESOLUTION}, "
-            f"{LOSS_K} * max(rerun, reduction-order deviation))" if global_batch
-            else f"max({LOSS_FLOOR}, {LOSS_K} * sigma)")
-    out = {**{b: TOLERANCES[b] for b in used if b in TOLERANCES}, "loss": loss}
-    if global_batch:
-        out["final_params"] = (f"per figure ({', '.join(params.FIGURES)}): N->N {LOSS_K} * rerun deviation; "
-                               f"N->M {LOSS_K} * max(rerun, reduction-order deviation of the references)")
-    return out
-
-
-def _ranks(key: int | str | None) -> str:
-    return f"{key} rank(s)" if isinstance(key, int) else str(key)
-
-
-def _param_lines(results: list[PairResult], pband: dict[str, Any], refs: str) -> list[str]:
-    """Global order: each pair's parameters at step S+K against the
-    uninterrupted run at its target side, and how the tolerance was measured."""
-    lines = [f"parameters at step {pband['step']}, resumed vs uninterrupted at the target side "
-             "(relative L2 / max |diff|):"]
-    for r in results:
-        f = r.final_params
-        figures = "exact" if f["exact"] else f"{f['rel_l2']:.1e} / {f['max_abs']:.1e}"
-        lines.append(f"  {r.pair}: {figures}  (tolerance {f['tolerance']['rel_l2']:.1e} / "
-                     f"{f['tolerance']['max_abs']:.1e}; {f['entries_differ']} of {f['entries']} entries differ)")
-    rr, ro = pband["rerun_deviation"], pband["reduction_order_deviation"]
-    between = pband["reduction_order_between"]["rel_l2"]
-    lines.append(f"tolerance: N->N {LOSS_K:g} x the same-size rerun's deviation ({rr['rel_l2']:.1e} / "
-                 f"{rr['max_abs']:.1e} at {_ranks(pband['rerun_size'])}); N->M {LOSS_K:g} x max(that, the "
-                 f"references at {refs} ranks' largest deviation ({ro['rel_l2']:.1e} / {ro['max_abs']:.1e}"
-                 + (f", {between[0]} vs {between[1]}" if between else "")
-                 + "): same batches, other gradient reduction order)")
-    return lines
-
-
-def _summary(results: list[PairResult], band: dict[str, Any], used: list[str], references: dict[Side, Run],
-             global_batch: int | None, backend_note: str, pband: dict[str, Any] | None = None) -> list[str]:
-    """The lines under the table: the backend, the data order, how the loss
-    tolerance was measured, what the state comparison promised, and (global
-    order) the parameters at the end."""
-    sides = sorted(references, key=Side.sort_key)
-    refs = ", ".join(s.label for s in sides)
-    every = "every size" if all(s.plain for s in sides) else "every size and layout"
-    lines = [f"\nbackend: {backend_note}"]
-    if global_batch:
-        lines.append(f"data order: global (the same {global_batch} samples in global batch b at {every}); "
-                     "every resumed run read the uninterrupted run's batches" if all(r.batches_equal for r in results)
-                     else f"data order: global ({global_batch} samples a step); BATCHES DIFFER (see below)")
-        lines.append("loss deviation per step, |resumed - uninterrupted at the source size|:")
-        lines += [f"  {r.pair}: " + ", ".join(f"step {t} {d:.1e}" for t, d in sorted(r.step_deviations.items()))
-                  + f"  (tolerance {r.loss_band:.1e})" for r in results]
-        lines.append(f"tolerance: N->N {band['band_same_size']:.1e} = max({LOG_RESOLUTION:g}, {LOSS_K:g} x the "
-                     f"same-size rerun's deviation {band['rerun_deviation']:.1e} at {_ranks(band['rerun_size'])}); "
-                     f"N->M {band['band']:.1e} = max({LOG_RESOLUTION:g}, {LOSS_K:g} x max(that, the references at "
-                     f"{refs} ranks' deviation {band['reduction_order_deviation']:.1e}: same batches, other "
-                     "gradient reduction order))")
-        if pband is not None:
-            lines += _param_lines(results, pband, refs)
-    else:
-        lines.append(f"loss band (N->M): {band['band']:.4f} = max({LOSS_FLOOR}, {LOSS_K:g} x sigma), "
-                     f"sigma {band['sigma']:.4f} = max("
-                     f"RMS difference between the references at {refs} ranks {band['sigma_between_references']:.4f}, "
-                     f"their second-difference noise {band['sigma_second_difference']:.4f}); N->N: exact")
-    for b in used:
-        if b == "agreed":
-            lines.append("state after load (agreed blocking, checkpoint format v3): bit-exact for every pair: every "
-                         "checkpoint entry and parameter gathered to global tensors, and every rank's periods, "
-                         "codebook, counters and hyperparameters, equal to the save's")
-        elif b == "per_rank":
-            bounds = ", ".join(f"{k.removesuffix('_rel_l2').replace('_', ' ')} <= {v:g}"
-                               for k, v in TOLERANCES["per_rank"].items())
-            lines.append(f"state after load (per-rank blocking, format v1; relative L2 where not bit-exact): "
-                         f"{bounds}; parameters and step counters exact")
-    return lines
-
-
 def validate(*, recipe: str, pairs: str | None = None, source: str | int | None = None,
              target: str | int | None = None, steps_before: int = 4, steps_after: int = 3, global_batch: int = 16,
              local_batch: int | None = None, sets: list[str] | None = None,
              out: str = "outputs/validate_reshard", plot_path: str | None = None, backend: str = "auto",
              reference_cache: str | None = None, blocking: str | None = None,
-             inject_fault: str | None = None, launcher: str = "torchrun") -> int:
+             inject_fault: str | None = None, launcher: str = "torchrun", dropped_state: bool = True) -> int:
     """The whole validation (``gefen-titan validate`` and
     ``scripts/validate_reshard.py`` pass their options): the options
     checked, the runs, each pair judged, the report written and printed.
 
     ``recipe`` is a path from the current directory (SystemExit naming it
     when there is no such file).
+
+    ``dropped_state``: also resume each pair with its optimizer state dropped
+    (one more run a pair), for the figure.
 
     Returns 0 when every pair is within tolerance, 1 naming each pair and
     figure that is not (or each resume that failed), 2 when a reference run
@@ -363,19 +322,20 @@ def validate(*, recipe: str, pairs: str | None = None, source: str | int | None 
 
     begin = time.monotonic()
     order_batch = global_order_batch(settings)
-    runs = _run(settings, pair_list, out_dir, cache, inject_fault, order_batch)
+    runs = _run(settings, pair_list, out_dir, cache, inject_fault, order_batch, dropped_state)
     if isinstance(runs, int):
         return runs
     results, band, pband = _judge(settings, pair_list, runs, order_batch)
     n_params = dumps_params(next(iter(runs.references.values())).dumps("save", settings.steps_before))
-    plot(results, settings, png, runs.references)
+    plots = {r.pair: str(plot_pair(r, settings, path_for(png, r.pair, len(results)), runs.references.get(b)))
+             for r, (_, b) in zip(results, pair_list)}
     used = sorted({r.state.get("blocking") or "?" for r in results})
     report = {
         "recipe": recipe, "backend": settings.backend, "backend_note": backend_note, "blocking": used,
         "settings": asdict(settings), "loss_band": band, "param_band": pband,
         "data_order": "global" if order_batch else "per_dp_size",
-        "tolerances": _tolerances(used, order_batch),
-        "parameters": n_params, "plot": str(png), "fault": inject_fault,
+        "tolerances": tolerances(used, order_batch),
+        "parameters": n_params, "plots": plots, "fault": inject_fault,
         "pairs": [asdict(r) for r in results],
         "seconds": time.monotonic() - begin,
     }
@@ -383,14 +343,17 @@ def validate(*, recipe: str, pairs: str | None = None, source: str | int | None 
 
     print()
     print(table(results, n_params))
-    print("\n".join(_summary(results, band, used, runs.references, order_batch, backend_note, pband)))
-    print(f"plot: {png}\nreport: {out_dir / 'report.json'}  ({time.monotonic() - begin:.0f} s)")
+    print("\n".join(summary_lines(results, band, used, runs.references, order_batch, backend_note, pband)))
+    figures = "\n".join(f"figure: {p}" for p in plots.values())
+    print(f"{figures}\nreport: {out_dir / 'report.json'}  ({time.monotonic() - begin:.0f} s)")
     failures = [f for r in results for f in r.failures]
     if failures:
         print("\nFAILED:", file=sys.stderr)
         for f in failures:
             print(f"  {f}", file=sys.stderr)
-        print(f"  plot: {png}\n  report: {out_dir / 'report.json'}", file=sys.stderr)
+        for p in plots.values():
+            print(f"  figure: {p}", file=sys.stderr)
+        print(f"  report: {out_dir / 'report.json'}", file=sys.stderr)
         return 1
     print("all pairs within tolerance")
     return 0
@@ -421,7 +384,12 @@ def add_arguments(ap: argparse.ArgumentParser, *, recipe_default: str | None = N
     ap.add_argument("--blocking", choices=("agreed", "per_rank"),
                     help="optimizer.blocking for every run (default: the recipe's, normally agreed)")
     ap.add_argument("--out", default="outputs/validate_reshard", help="folder for the runs, report.json and the plot")
-    ap.add_argument("--plot", dest="plot_path", metavar="PNG", help="PNG path (default <out>/loss_curves.png)")
+    ap.add_argument("--plot", dest="plot_path", metavar="PNG",
+                    help="the figure's PNG path (default <out>/loss_curves.png); with several pairs one figure "
+                         "a pair, <stem>-<A>-to-<B>.png")
+    ap.add_argument("--no-dropped-state", dest="dropped_state", action="store_false",
+                    help="skip the extra resume per pair with the optimizer state dropped (the figure's measure "
+                         "of what the loss band alone would let through)")
     ap.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     ap.add_argument("--launcher", choices=launchers.LAUNCHERS, default="torchrun",
                     help="how each run's ranks start: torchrun (default), or fork: forked from one server that "

@@ -1,4 +1,4 @@
-"""One pair's verdict and the validation's report: ``evaluate``, the table, the plot.
+"""One pair's verdict and the validation's report: ``evaluate``, the table (the figures: ``figure``).
 
 ``evaluate`` checks a resumed run against its reference: the losses of
 steps S+1..S+K within the pair's band, the batches read (global order), and
@@ -7,7 +7,7 @@ agreed blocking, ``compare_rank.compare_state`` under per-rank blocking)
 within ``TOLERANCES``; with the global-order loader, also the parameters at
 step S+K against the uninterrupted run at the target side
 (``gefen_titan.validation.params``, passed in as ``final_params``). ``table``
-and ``plot`` show the pairs; the command
+shows the pairs (``figure.plot_pair`` draws each); the command
 (``gefen_titan.validation.command``) writes them with ``report.json``.
 """
 
@@ -18,16 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from matplotlib.figure import Figure
-
 from gefen_titan.validation.compare_global import compare_global_state
 from gefen_titan.validation.compare_rank import compare_state, tolerances
 from gefen_titan.validation.dumps import dumps_blocking, dumps_complete, dumps_seconds
-from gefen_titan.validation.layouts import Side, as_side
 from gefen_titan.validation.runs import Run, Settings, checkpoint_bytes
 
-__all__ = ["TOLERANCES", "PairResult", "compare_batches", "evaluate", "final_params_verdict", "plot",
-           "state_verdict", "table"]
+__all__ = ["TOLERANCES", "PairResult", "compare_batches", "evaluate", "final_params_verdict", "state_verdict",
+           "table"]
 
 # The state figures' tolerances by blocking. Per-rank (format v1): the kinds'
 # own bounds where they do not promise bit-exactness (compare_rank.tolerances). Agreed (format
@@ -61,6 +58,9 @@ class PairResult:
     # Global order: the parameters at step S+K against the uninterrupted run at
     # the target side (params.param_deviation), with "tolerance" per figure.
     final_params: dict[str, Any] | None = None
+    # The same resume with the optimizer state dropped (step -> loss), where it was measured: what the
+    # loss check would let through, drawn next to the real resume (figure.plot_pair).
+    dropped_losses: dict[int, float] | None = None
 
 
 def compare_batches(ref: Run, res: Run, global_batch: int, steps: range) -> list[str]:
@@ -128,10 +128,6 @@ def evaluate(settings: Settings, ref: Run, res: Run, band: float, global_batch: 
                       final_params[0] if final_params is not None else None)
 
 
-def _ranks(key: int | str) -> str:
-    return f"{key} ranks" if isinstance(key, int) else str(key)
-
-
 def state_verdict(state: dict[str, Any]) -> str:
     """The table's ``state`` column: ``exact`` when the state after the load
     equals the saved state bit for bit."""
@@ -180,46 +176,3 @@ def table(results: list[PairResult], n_params: int | None) -> str:
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
-
-
-def plot(results: list[PairResult], settings: Settings, path: Path,
-         references: dict[Side | int, Run] | None = None) -> None:
-    """A PNG of the loss curves, one panel per pair: the reference, the
-    band, the resumed run and the uninterrupted run at the target side."""
-    n = len(results)
-    # A bare Figure (no pyplot): renders with Agg and sets no global backend.
-    fig = Figure(figsize=(3.6 * n, 3.0))
-    axes = fig.subplots(1, n, squeeze=False, sharey=True)
-    s = settings.steps_before
-    by_key = {as_side(k).key: run for k, run in (references or {}).items()}
-    for ax, r in zip(axes[0], results):
-        ref = sorted(r.reference_losses.items())
-        res = sorted(r.resumed_losses.items())
-        other = by_key.get(r.target)
-        if other is not None and r.target != r.source:
-            pts = sorted(other.losses.items())
-            ax.plot([t for t, _ in pts], [v for _, v in pts], "-", lw=1, color="grey", alpha=0.6,
-                    label=f"uninterrupted at {_ranks(r.target)}")
-        ax.plot([t for t, _ in ref], [v for _, v in ref], "-o", ms=3, color="tab:blue",
-                label=f"reference ({_ranks(r.source)})")
-        win = [(t, v) for t, v in ref if t > s]
-        if win:
-            ax.fill_between([t for t, _ in win], [v - r.loss_band for _, v in win], [v + r.loss_band for _, v in win],
-                            color="tab:blue", alpha=0.15, lw=0, label="tolerance band")
-        ax.plot([t for t, _ in res], [v for _, v in res], "s--", ms=4, color="tab:red" if r.failures else "tab:orange",
-                label=f"resumed ({_ranks(r.target)})")
-        ax.axvline(s + 0.5, color="grey", lw=0.8, ls=":")
-        state = "state exact" if r.state.get("exact") else \
-            f"1st upd {r.state.get('first_update_rel_l2', float('nan')):.1e}"
-        ax.set_title(f"{r.pair}: |dloss| {r.loss_deviation:.3f}, {state}" + (" FAIL" if r.failures else ""), fontsize=8)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.legend(fontsize=6)
-    axes[0][0].set_ylabel("loss", fontsize=8)
-    blocking = next((r.state.get("blocking") for r in results if r.state.get("blocking")), None)
-    fig.suptitle(f"{Path(settings.recipe).name}: save at step {s}, resume, {settings.steps_after} more steps "
-                 f"({settings.backend}{', ' + blocking + ' blocking' if blocking else ''})", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-

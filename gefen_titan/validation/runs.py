@@ -316,10 +316,12 @@ def _train_reference(settings: Settings, side: Side, folder: Path, identity: str
     return run
 
 
-def resume_run(settings: Settings, ref: Run, side: Side | int, folder: Path, fault: str | None = None) -> Run:
+def resume_run(settings: Settings, ref: Run, side: Side | int, folder: Path, fault: str | None = None,
+               measure: bool = False) -> Run:
     """The reference's step-S checkpoint, copied into ``folder``, loaded at
     ``side`` and trained K more steps (``fault``: a deliberately broken
-    resume, for the validation's own test)."""
+    resume, for the validation's own test, or with ``measure`` the figure's
+    measure of what that fault does to the loss)."""
     side = as_side(side)
     if folder.exists():
         shutil.rmtree(folder)
@@ -333,6 +335,7 @@ def resume_run(settings: Settings, ref: Run, side: Side | int, folder: Path, fau
         extra += ["--checkpoint.exclude_from_loading", "optimizer"]
     what = f"{ref.nproc} -> {side.nproc} rank(s)" if ref.side.plain and side.plain else \
         f"{ref.side.label} -> {side.label}"
-    print(f"  resume {what} from step {step}, {settings.steps_after} more steps"
-          + (f" [fault injected: {fault}]" if fault else ""), flush=True)
+    note = (" with the optimizer state dropped (for the figure)" if measure else f" [fault injected: {fault}]") \
+        if fault else ""
+    print(f"  resume {what} from step {step}, {settings.steps_after} more steps{note}", flush=True)
     return launch(settings, side, folder, extra, save_steps=[], env=settings.env())

@@ -56,8 +56,8 @@ def lora_run(tmp_path_factory):
     out = base / "validate"
     # -m from the checkout's root: the ranks import the override as tests.helpers...
     cmd = [sys.executable, "-m", "gefen_titan", "validate", "--recipe", str(recipe), "--backend", "gloo",
-           "--steps-before", str(S), "--steps-after", str(K), "--global-batch", "4", "--local-batch", "2",
-           "--pairs", "2:1", "--out", str(out), *processes.validate_launcher()]
+           "--no-dropped-state", "--steps-before", str(S), "--steps-after", str(K), "--global-batch", "4",
+           "--local-batch", "2", "--pairs", "2:1", "--out", str(out), *processes.validate_launcher()]
     proc = processes.run(cmd, cwd=ROOT, timeout=850)
     report = out / "report.json"
     return proc, (json.loads(report.read_text()) if report.exists() else {}), out, str(recipe)

@@ -45,6 +45,7 @@ BAND_CAP = 1e-4
 def validated(tmp_path_factory):
     out = tmp_path_factory.mktemp("validate_global_order")
     cmd = [sys.executable, str(SCRIPT), "--recipe", "recipes/llama_gefen_global_order.toml", "--backend", "gloo",
+           "--no-dropped-state",
            "--steps-before", str(CI["steps_before"]), "--steps-after", str(CI["steps_after"]),
            "--global-batch", str(CI["global_batch"]), "--local-batch", str(CI["local_batch"]),
            "--pairs", "2:1", "--out", str(out), *processes.validate_launcher(),

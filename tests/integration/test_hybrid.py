@@ -44,7 +44,7 @@ def losses(log: str) -> dict[int, float]:
 def test_hybrid_recipe_saved_at_2_resumes_at_3(tmp_path, capsys):
     out = tmp_path / "validate"
     cmd = [sys.executable, "-m", "gefen_titan", "validate", "--recipe", "recipes/llama_gefen_muon_hybrid.toml",
-           "--pairs", "2:3", "--backend", "gloo", "--steps-before", "2", "--steps-after", "1",
+           "--pairs", "2:3", "--backend", "gloo", "--no-dropped-state", "--steps-before", "2", "--steps-after", "1",
            "--global-batch", "6", "--local-batch", "1", "--out", str(out),
            *processes.validate_launcher()]
     proc = processes.run(cmd, cwd=ROOT, timeout=850)

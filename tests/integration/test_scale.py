@@ -200,7 +200,13 @@ def test_moe_plan_arguments():
     args = scale.parse_args(["--moe"])
     assert args.flavors == list(scale.MOE_DEFAULT) and args.meshes == ["ep"] and args.ep == [8, 64]
     assert args.worlds == list(scale.MOE_WORLDS)
-    assert scale.parse_args([]).flavors == list(scale.FLAVORS)  # the dense plan as before
+    small = scale.parse_args([])  # without flags, a plan that finishes in minutes
+    assert (small.flavors, small.meshes, small.worlds) == ([*scale.SMALL["flavors"]], [*scale.SMALL["meshes"]],
+                                                           [*scale.SMALL["worlds"]]) and small.defaulted
+    full = scale.parse_args(["--full"])
+    assert (full.flavors, full.meshes, full.worlds) == (list(scale.FLAVORS), list(scale.MESHES), list(scale.WORLDS))
+    with pytest.raises(SystemExit):
+        scale.parse_args(["--full", "--moe"])
     with pytest.raises(SystemExit):
         scale.parse_args(["--flavors", "8B", "--meshes", "ep"])  # no experts
     with pytest.raises(SystemExit):

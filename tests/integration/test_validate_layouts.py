@@ -51,7 +51,7 @@ MOE = "recipes/dsv3_gefen.toml"
 
 def validate(reference_cache: Path, out: Path, *args: str, recipe: str = RECIPE,
              steps: tuple[int, int] = (CI["steps_before"], CI["steps_after"])) -> tuple[object, dict]:
-    cmd = [sys.executable, str(SCRIPT), "--recipe", recipe, "--backend", "gloo",
+    cmd = [sys.executable, str(SCRIPT), "--recipe", recipe, "--backend", "gloo", "--no-dropped-state",
            "--steps-before", str(steps[0]), "--steps-after", str(steps[1]),
            "--global-batch", str(CI["global_batch"]), "--local-batch", str(CI["local_batch"]),
            "--out", str(out), "--reference-cache", str(reference_cache), *processes.validate_launcher(), *args]

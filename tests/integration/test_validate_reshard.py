@@ -101,13 +101,17 @@ def test_standard_set_passes_with_table_and_plot(standard):
     for pair in ("2->4", "4->2", "2->1"):
         row = _row(proc.stdout, pair)
         assert row[-1] == "ok" and row[6] == "exact" and row[7] == "exact", row  # state, params
-    png = Path(report["plot"])
-    assert png == out / "loss_curves.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # One figure a pair, each with the same resume's optimizer-dropped losses (docs/validation.md, "The figure").
+    pairs = ("2->4", "4->2", "2->1")
+    assert report["plots"] == {p: str(out / f"loss_curves-{p.replace('->', '-to-')}.png") for p in pairs}
+    for png in report["plots"].values():
+        assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p["pair"] for p in report["pairs"]] == ["2->4", "4->2", "2->1"]
     assert report["blocking"] == ["agreed"]
     steps = list(range(CI["steps_before"] + 1, CI["steps_before"] + CI["steps_after"] + 1))
     for p in report["pairs"]:
         assert sorted(int(s) for s in p["resumed_losses"]) == steps
+        assert sorted(int(s) for s in p["dropped_losses"]) == steps
         assert p["failures"] == []
         assert p["checkpoint"]["total"] > 0 and p["save_seconds"] > 0 and p["load_seconds"] > 0
 
@@ -156,7 +160,8 @@ def test_dropped_optimizer_state_fails_naming_pair_and_figure(standard, tmp_path
     assert "4->2: momentum error 1 > 0" in err
     assert "have no optimizer state after the load" in err
     assert "4->2: step counters (period, step, vmean_step) differ after the load" in err
-    assert f"plot: {out / 'loss_curves.png'}" in err
+    assert f"figure: {out / 'loss_curves.png'}" in err  # one pair: the --plot path itself
+    assert report["pairs"][0]["dropped_losses"] is None  # the fault is the resume: no second measure
     assert report["pairs"][0]["failures"] and report["fault"] == "drop-optimizer"
 
 
@@ -165,7 +170,8 @@ def per_rank(tmp_path_factory):
     """Format v1 (``--blocking per_rank``), through the package's own command
     (``python -m gefen_titan validate``) run from outside the checkout."""
     out = tmp_path_factory.mktemp("validate_per_rank")
-    proc, report = validate(tmp_path_factory, out, "--pairs", "2:2,2:1", "--blocking", "per_rank", package=True)
+    proc, report = validate(tmp_path_factory, out, "--pairs", "2:2,2:1", "--blocking", "per_rank", "--no-dropped-state",
+                            package=True)
     return proc, report, out
 
 
@@ -180,7 +186,8 @@ def test_per_rank_blocking_keeps_the_v1_promises(per_rank):
     counters exact everywhere. The table says which pair is which."""
     proc, report, out = per_rank
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    assert report["blocking"] == ["per_rank"] and report["plot"] == str(out / "loss_curves.png")
+    assert report["blocking"] == ["per_rank"]
+    assert report["plots"] == {"2->2": str(out / "loss_curves-2-to-2.png"), "2->1": str(out / "loss_curves-2-to-1.png")}
     assert report["tolerances"]["per_rank"] == {"momentum_rel_l2": TOL_MOMENTUM, "vmean_rel_l2": TOL_VMEAN,
                                                 "first_update_rel_l2": TOL_UPDATE}
     assert "state after load (per-rank blocking, format v1" in proc.stdout

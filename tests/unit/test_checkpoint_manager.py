@@ -157,3 +157,18 @@ def test_a_refused_metadata_says_the_same_wherever_it_is_first_read(tmp_path, pr
         warnings.filterwarnings("ignore", message=".*single process.*")
         mgr.load(step=1)
     assert torch.equal(model.weight, before)
+
+
+def test_the_save_and_load_lines_name_step_folder_bytes_and_ranks(tmp_path, caplog):
+    """torchtitan's own lines ("Saving the checkpoint.") name neither the step nor the folder."""
+    folder = str(tmp_path / "ckpt")
+    with warnings.catch_warnings(), caplog.at_level("INFO"):
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        _manager(folder, Planned()).save(curr_step=3)
+        assert _manager(folder, Planned()).load(step=3)
+    step = os.path.join(folder, "step-3")
+    size = sum(os.path.getsize(os.path.join(step, f)) for f in os.listdir(step))
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"Saved step 3 to {step}: {size / 1e6:.1f} MB in ") and m.endswith(" s") for m in lines), \
+        lines
+    assert f"Loading step 3 from {step}: saved by 1 rank, loading onto 1 rank" in lines, lines

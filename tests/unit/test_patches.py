@@ -303,8 +303,12 @@ def test_set_pg_timeouts_runs_upstream_code_off_cpu(monkeypatch):
 # ------------------------------------------------------------------- cpu_offload
 
 
-def test_cpu_offload_starts_gloo_where_upstream_names_cpu_twice():
-    """``--training.enable_cpu_offload`` on a CPU host: upstream asks for "cpu:gloo,cpu:gloo" and fails."""
+def test_cpu_offload_starts_gloo_where_upstream_names_cpu_twice(tmp_path):
+    """``--training.enable_cpu_offload`` on a CPU host: upstream asks for "cpu:gloo,cpu:gloo" and fails.
+
+    Run in ``tmp_path``: ``init_distributed`` with no ``base_folder`` makes
+    the flight recorder's ``comm_traces/`` in the current directory, which
+    would otherwise be the checkout."""
     code = textwrap.dedent(f"""
         import os
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -324,8 +328,10 @@ def test_cpu_offload_starts_gloo_where_upstream_names_cpu_twice():
         dist.destroy_process_group()
     """)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "comm_traces").is_dir()  # where it went instead of the checkout
     assert "upstream: Duplicate device type cpu" in proc.stdout and "patched: gloo" in proc.stdout, proc.stdout
 
 
