@@ -45,6 +45,7 @@ EXAMPLES = {
     "gefen_titan.validation.layouts.LayoutError": lambda m: m.LayoutError("no"),
     "gefen_titan.ft.transport.HealRefused": lambda m: m.HealRefused("heal payload for step 5: its MAC does not match"),
     "gefen_titan.patches._util.PatchTargetChanged": lambda m: m.PatchTargetChanged("moved"),
+    "gefen_titan.errors.UserError": lambda m: m.UserError("no"),
 }
 
 
