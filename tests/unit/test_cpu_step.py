@@ -415,11 +415,16 @@ def test_the_avx512_recording_replays_bit_identically(lib):
     code, magnitude and counter, and every recorded parameter wherever gefen-x's own step here reproduces it
     too. The parameter goes through ``torch.sqrt(vmean)``, which torch computes around the kernel, and which
     on x86 is MKL's ``vsSqrt``: MKL picks its code path by CPU, and on an AMD EPYC gefen-x's own step left
-    15 of the 48 recorded parameters different (only those). There the kernel equals gefen-x's step here.
+    15 of the 48 recorded parameters different (only those). There the kernel, at this process's roundings,
+    equals gefen-x's step here.
     The fp64 order and fused lerp are this torch's (the recording holds fp32 sums; torch's AVX-512 kernels
     fuse). In the 16-lane order, which the kernel used to pick for AVX-512 hosts, recorded vmeans differ."""
     rec = _recording()
     assert rec["capability"] == "AVX512" and len(rec["gefen_steps"]) == 48 and len(rec["block_means"]) == 57
+    if not lib.fused:
+        # Each case's first step is gefen-x's own (torch ops), and torch's DEFAULT kernels round its lerp twice
+        # where the recording host's fused it: every later state differs before the kernel takes a step.
+        pytest.skip("torch's lerp is not fused here (its DEFAULT kernels); the recording host's was")
     observed = [probe.Observation(b["g"].float().reshape(b["g"].shape[0], -1), b["sum_sq"].reshape(-1))
                 for b in rec["block_means"]]
     width = probe.width_of(lib, observed)
@@ -435,9 +440,11 @@ def test_the_avx512_recording_replays_bit_identically(lib):
         assert step.taken >= len(case["inputs"]["grads"]) - 1, dict(step.declined)
         assert_same({k: v for k, v in case["ref"].items() if k != "param"}, got, what)
         if not same_bits(case["ref"]["param"], got["param"]):
-            own, _ = run_gefen(replay, False, **case["inputs"])
+            # gefen-x's own step here gives another parameter too, and the kernel at this process's roundings
+            # (not the recording's: torch may run other kernels here, e.g. ATEN_CPU_CAPABILITY=default) equals it.
+            own, _ = run_gefen(lib, False, **case["inputs"])
             assert not same_bits(case["ref"]["param"], own["param"]), f"{what}: only the kernel's parameter differs"
-            assert_same(own, got, f"{what} (against gefen-x's step on this host)")
+            assert_same(own, run_gefen(lib, True, **case["inputs"])[0], f"{what} (against gefen-x's step here)")
             host_params += 1
     print(f"recording replayed: 48 cases; {host_params} parameters differ from the recording in gefen-x's own "
           "step on this host too (torch.sqrt)")
