@@ -76,7 +76,8 @@ from gefen_titan.checkpoint.errors import GefenCheckpointError, fall_back
 
 __all__ = ["FILE", "METADATA_FILE", "ALGORITHM", "KEYED_ALGORITHM", "MARKER", "PIECE", "key_from_env", "keyed",
            "current_key", "expects_digests", "CorruptCheckpointError", "Digests", "new_hasher",
-           "hexdigest", "read", "parsed_once", "corrupt_message", "file_table"]
+           "hexdigest", "read", "parsed_once", "corrupt_message", "file_table", "MAX_INDEX_BYTES",
+           "MAX_V1_BYTES", "MAX_ROW_BYTES"]
 
 FILE = ".digests"
 METADATA_FILE = ".metadata"  # DCP's name for it
@@ -87,6 +88,13 @@ FILE_VERSION = 2
 READ_VERSIONS = (1, 2)
 PIECE = 1 << 20  # bytes the writer and the readers hash at a time: each piece right after its I/O, still in cache
 _FIRST_READ = 1 << 16  # bytes read first: the header and the index of a thousand files, or a whole small file
+# Bounds a reader holds before it trusts the index (docs/checkpoints.md, threat model): the header and index
+# (one ~100-byte line per data file: 64 MiB is ~600,000 data files), a version 1 file (read whole; written
+# 2026-12-01/02 by saves of at most thousands of items), and a row (``<offset> <length> <16 hex>``).
+MAX_INDEX_BYTES = 64 << 20
+MAX_V1_BYTES = 256 << 20
+MAX_ROW_BYTES = 20 + 1 + 20 + 1 + 16 + 1
+_MAX_HEADER = 256  # the header line is ~50 bytes
 _HEADER = re.compile(rf"^{MAGIC} (\d+) ([a-z0-9_]+) ([0-9a-f]{{16}})$")
 _ROW = re.compile(rb"(\d+) (\d+) ([0-9a-f]{16})\n")
 
@@ -189,6 +197,14 @@ class Digests:
         """Items recorded (the index says how many each unread section holds)."""
         return sum(len(v) for v in self._items.values()) + sum(s[2] for s in self._sections.values())
 
+    def limit_rows(self, counts: dict[str, int]) -> None:
+        """Bound each unread section by the items ``.metadata`` stores in its file (``counts``): a section
+        that claims more rows is refused before it is read (its length is bounded by its rows)."""
+        for file, (_, _, rows, _) in self._sections.items():
+            if rows > counts.get(file, 0):
+                raise _bad(self._source, f"its index gives {file} {rows:,} rows, and .metadata stores "
+                                         f"{counts.get(file, 0):,} items in it")
+
     def check(self, file: str) -> None:
         """Read and check ``file``'s section now (``ckpt verify``; a load reads those it needs when it needs them)."""
         self._rows(file)
@@ -237,10 +253,12 @@ class Digests:
         return (f"{MAGIC} {FILE_VERSION} {self.algorithm} {self.hexdigest(line)}\n".encode() + line + b"\n"
                 + b"".join(parts))
 
-    def check_metadata(self, raw: bytes, checkpoint_id: str) -> None:
-        """Raise ``CorruptCheckpointError`` unless ``raw`` is the ``.metadata`` this save wrote."""
-        if len(raw) != self.metadata_size or self.hexdigest(raw) != self.metadata_digest:
-            what = (f"{len(raw):,} bytes, the save wrote {self.metadata_size:,}" if len(raw) != self.metadata_size
+    def check_metadata(self, raw: bytes, checkpoint_id: str, size: int | None = None) -> None:
+        """Raise ``CorruptCheckpointError`` unless ``raw`` is the ``.metadata`` this save wrote (``size``:
+        its file's size, checked before it is read: ``raw`` is then not looked at)."""
+        size = len(raw) if size is None else size
+        if size != self.metadata_size or self.hexdigest(raw) != self.metadata_digest:
+            what = (f"{size:,} bytes, the save wrote {self.metadata_size:,}" if size != self.metadata_size
                     else f"its {self.algorithm} digest is not the one recorded at save")
             raise CorruptCheckpointError(corrupt_message(checkpoint_id, METADATA_FILE, None, what), METADATA_FILE,
                                          what=what)
@@ -280,23 +298,35 @@ def read(open_stream: Callable[[], BinaryIO], checkpoint_id: str, key: Any = Non
     index is damaged; a section's damage when the section is first needed
     (``Digests.item``, ``Digests.check``). ``key``: check it as a keyed
     file with that key (default: ``current_key()``); a keyed file without
-    a key, or an unkeyed one with a key, is refused.
+    a key, or an unkeyed one with a key, is refused. The stream must be a
+    regular file's (``checkpoint.files``): its size is taken first, and no
+    read goes past ``MAX_INDEX_BYTES`` before the index is found
+    (``MAX_V1_BYTES`` for a version 1 file, read whole).
     """
     if key is None:
         key = current_key()
     with open_stream() as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(0)
         parts = [f.read(_FIRST_READ)]
-        whole = len(parts[0]) < _FIRST_READ
+        whole = len(parts[0]) >= size
         if not whole and parts[0].startswith(f"{MAGIC} 1 ".encode()):  # version 1: one JSON object, read whole
-            parts.append(f.read())
+            if size > MAX_V1_BYTES:
+                raise _bad(checkpoint_id, f"{size:,} bytes: a version 1 file is at most {MAX_V1_BYTES:,}")
+            parts.append(f.read(size - len(parts[0])))
             whole = True
-        lines = parts[0].count(b"\n")
+        got, lines = len(parts[0]), parts[0].count(b"\n")
+        if b"\n" not in parts[0][:_MAX_HEADER]:  # no header line: _decode refuses without reading on
+            whole = True
         while not whole and lines < 2:  # an index of many files: read on to its end
+            if got >= MAX_INDEX_BYTES:
+                raise _bad(checkpoint_id, f"no digest header and index within its first {MAX_INDEX_BYTES:,} bytes "
+                                          "(the index holds one line per data file)")
             parts.append(f.read(_FIRST_READ))
+            got += len(parts[-1])
             lines += parts[-1].count(b"\n")
-            whole = len(parts[-1]) < _FIRST_READ
+            whole = got >= size or not parts[-1]
         raw = b"".join(parts)
-        size = len(raw) if whole else f.seek(0, os.SEEK_END)
 
     def read_range(start: int, length: int) -> bytes:
         with open_stream() as f:
@@ -348,9 +378,13 @@ def _decode(raw: bytes, whole: bool, read_range: Callable[[int, int], bytes], ch
         doc = json.loads(line)
         md_size, md_digest = int(doc["metadata"]["size"]), str(doc["metadata"]["digest"])
         sections = {str(f): (int(s), int(n), int(c), str(d)) for f, (s, n, c, d) in doc["files"].items()}
-    except (ValueError, KeyError, TypeError) as e:  # a digest that matches yet does not parse: a foreign writer
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # a digest that matches, yet no index
         raise _bad(checkpoint_id, f"unreadable index ({type(e).__name__}: {e})") from e
     base = len(head) + 1 + len(line) + 1  # the sections' first byte in the file
+    for file, (start, length, count, _) in sections.items():
+        if start < 0 or count < 0 or not 0 <= length <= count * MAX_ROW_BYTES:
+            raise _bad(checkpoint_id, f"its index gives the section of {file} {length:,} bytes for {count:,} rows "
+                                      f"(at most {MAX_ROW_BYTES} bytes a row)")
     expected = base + sum(n for _, n, _, _ in sections.values())
     if size is not None and size != expected:  # every byte lies in the header, the index or one section
         raise _bad(checkpoint_id, f"{size:,} bytes, its index accounts for {expected:,} (cut short, or bytes "

@@ -32,6 +32,8 @@ METADATA_FILE = ".metadata"  # DCP's index of a checkpoint folder, the last file
 class GefenCheckpointError(UserError, RuntimeError):
     """A Gefen checkpoint that cannot be loaded into (or saved from) the live optimizer."""
 
+    check: str | None = None  # the name in load_checks.CHECKS of the check that refused, where a subclass has one
+
 
 def root_cause(error: Exception) -> str:
     """The innermost ``XError: message`` line of an exception (DCP's

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
 from gefen_titan.checkpoint import digests as dg
-from gefen_titan.checkpoint import load_checks, progress, schema
+from gefen_titan.checkpoint import files, load_checks, progress, schema, unpickling
 from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause
 
 __all__ = ["ItemReads", "load_bytes", "read_into", "read_raw", "read_framed"]
@@ -96,6 +96,7 @@ class ItemReads:
             stream = self._stream(req, data)
             if not stream.seekable():
                 stream = io.BytesIO(stream.read(-1))
+            unpickling.check_archive(stream, f"entry {req.storage_index.fqn}", self._id())  # no inflating
             t = torch.load(stream, map_location="cpu", weights_only=True)
             chunk = self._chunk(req.storage_index)
             why = load_checks.stored_tensor_problem(req.storage_index.fqn, t, *chunk) if chunk else \
@@ -178,7 +179,7 @@ class ItemReads:
         file, entry = dg.METADATA_FILE, None
         try:
             for file in sorted(per_file):
-                with self.fs.create_stream(self.fs.concat_path(self.path, file), "rb") as f:
+                with files.open_stream(self.fs, self.fs.concat_path(self.path, file)) as f:  # regular only
                     size = f.seek(0, io.SEEK_END)  # the file system's size bounds every buffer allocated below
                     for index in sorted(per_file[file], key=lambda i: int(self.storage_data[i].offset)):
                         entry = index.fqn

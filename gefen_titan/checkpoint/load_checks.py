@@ -13,6 +13,11 @@ recipe) stays with the load (``optim.checkpointing``).
 
 Stages, in the order a load meets them:
 
+* ``read`` (``checkpoint.files``, ``pickle_budget``, ``metadata_fields``):
+  every file opened as a regular file only, its size against its bound
+  before it is read; every pickle's opcodes within their budgets before it
+  is unpickled; ``.metadata``'s field types before any other check reads a
+  field. A file refused here is not read further.
 * ``digests`` (``checkpoint.digests``, ``reading``, ``storage.stray_bytes``):
   every stored byte against ``.digests``; ``.digests`` present where the save
   wrote one; no byte of a data file outside an item.
@@ -76,6 +81,11 @@ class Check:
 
 
 CHECKS: tuple[Check, ...] = (
+    Check("regular files", "read", "a file of the folder that is a FIFO, a device or a directory, or larger than "
+                                   "the format or its save allows (checked on its descriptor before reading)"),
+    Check("pickle budgets", "read", "a pickle (.metadata, a byte entry, a loader's state) nested too deep, sharing "
+                                    "too much, too many or too long objects, or a compressed zip member"),
+    Check("metadata fields", "read", "a field of .metadata of a type DCP never writes there"),
     Check("digests", "digests", "a stored byte, .metadata or .digests that differs from what the save wrote"),
     Check("digests present", "digests", "a folder without the .digests its .metadata says the save wrote"),
     Check("stray bytes", "digests", "bytes of a data file outside every item, a data file .metadata does not list"),
@@ -226,7 +236,7 @@ def metadata_problems(metadata: Metadata, size_of: Callable[[str], int | None]) 
         if not isinstance(md, TensorStorageMetadata):
             add(Problem("chunks inside tensors", None, key, f"an entry of type {type(md).__name__}"))
             continue
-        out += _tensor_problems(key, md, items)
+        out += _tensor_problems(key, md, items, len(by_file))
     total, files = allocation(metadata), sum(size_of(f) or 0 for f in by_file)
     if total > files:
         add(Problem("allocation", None, None, f"reading every entry would allocate {total:,} bytes, and the data "
@@ -244,8 +254,14 @@ def item_past_end(file: str, entry: str, offset: int, length: int, size: int) ->
                                                       f"past the end of its file ({size:,} bytes; truncated?)")
 
 
-def _tensor_problems(key: str, md: TensorStorageMetadata, items: dict[Any, Any]) -> list[Problem]:
+def _tensor_problems(key: str, md: TensorStorageMetadata, items: dict[Any, Any], files: int) -> list[Problem]:
     out: list[Problem] = []
+    if len(md.chunks) > max(files, 1):
+        # A save writes at most one chunk of an entry per rank (a DTensor's local shard), and every rank
+        # writes at least one data file: more chunks than data files is no save's layout, and bounds the
+        # tiling check below by the files (200,000 chunks of one small tensor held a rank for minutes).
+        return [Problem("chunks tile", None, key, f"{len(md.chunks):,} chunks, and the save wrote {files:,} data "
+                                                  "file(s) (each rank writes one chunk of an entry)")]
     shape, itemsize = _ints(md.size), _itemsize(md.properties.dtype)
     if shape is None or itemsize is None:
         return [Problem("chunks inside tensors", None, key, f"size {tuple(md.size)!r} of dtype "

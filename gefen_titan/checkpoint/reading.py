@@ -56,13 +56,16 @@ from torch.futures import Future
 from torchtitan.tools.logging import logger
 
 from gefen_titan.checkpoint import digests as dg
-from gefen_titan.checkpoint import load_checks, unpickling
+from gefen_titan.checkpoint import files, load_checks, metadata_fields, pickle_budget, unpickling
 from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause, unreadable
 from gefen_titan.checkpoint.item_reads import ItemReads, load_bytes
 
 __all__ = ["CheckedFileSystemReader", "CheckedFsspecReader", "LoadChecks", "read_and_check_metadata"]
 
 _UNSET: Any = object()
+# The largest .metadata a reader reads (when .digests records its size, that exact size). DCP's metadata is
+# ~200 bytes per stored item: 1 GiB is ~5 million items, a save of 1,024 ranks with 5,000 entries each.
+MAX_METADATA_BYTES = 1 << 30
 
 
 # ------------------------------------------------------------------ load
@@ -75,24 +78,35 @@ def read_and_check_metadata(fs: Any, path: Any, checkpoint_id: str) -> tuple[Met
     globals, OSError when a file cannot be read.
     """
     digest_path = fs.concat_path(path, dg.FILE)
-    record = dg.read(lambda: fs.create_stream(digest_path, "rb"), checkpoint_id) if fs.exists(digest_path) else None
+    record = dg.read(lambda: files.open_stream(fs, digest_path), checkpoint_id) if fs.exists(digest_path) else None
     if record is None and dg.current_key() is not None:  # nothing unpickled before the MAC is checked
         raise dg.CorruptCheckpointError(dg.corrupt_message(
             checkpoint_id, dg.FILE, None, "missing, and a key is set (checkpoint.digest_key_env): a checkpoint "
             "without its MAC is refused"), dg.FILE)
-    with fs.create_stream(fs.concat_path(path, dg.METADATA_FILE), "rb") as f:
-        raw = f.read()
+    name = str(fs.concat_path(path, dg.METADATA_FILE))
+    with files.open_sized(fs, fs.concat_path(path, dg.METADATA_FILE)) as (f, size):
+        if record is not None and size != record.metadata_size:  # before a byte of it is read
+            record.check_metadata(b"", checkpoint_id, size=size)
+        raw = files.read_whole(f, size, MAX_METADATA_BYTES, name, "the format (MAX_METADATA_BYTES)")
     if record is not None:
         record.check_metadata(raw, checkpoint_id)
     try:
+        # Budgets first (depth, sharing, counts: pickle_budget): a pickle of allowed types only can still
+        # crash or exhaust a reader while it is unpickled.
+        pickle_budget.check(raw, dg.METADATA_FILE, checkpoint_id, pickle_budget.METADATA)
         metadata = unpickling.unpickle_metadata(raw, checkpoint_id)
         if not isinstance(metadata, Metadata):
             raise TypeError(f"holds a {type(metadata).__name__}, not DCP Metadata")
-    except unpickling.ForbiddenObjectError:
+    except GefenCheckpointError:  # ForbiddenObjectError, OverBudgetError: their own messages
         raise
     except Exception as e:  # any unpickling failure of damaged bytes
         raise dg.CorruptCheckpointError(dg.corrupt_message(
             checkpoint_id, dg.METADATA_FILE, None, f"does not unpickle ({root_cause(e)})"), dg.METADATA_FILE) from e
+    # Field types before any other code reads a field (metadata_fields): then no check can fail with a
+    # TypeError on one rank alone.
+    metadata_fields.check(metadata, checkpoint_id)
+    if record is not None:
+        record.limit_rows(metadata_fields.items_per_file(metadata))
     return metadata, record
 
 
@@ -119,6 +133,15 @@ class _Found:
     """A rank's local plan's note to the coordinator: whether it found ``.digests``."""
 
     digests: bool
+
+
+def _failed_check(checkpoint_id: str, check: str, error: Exception) -> str:
+    """The refusal of a check that raised instead of answering (its input is of a shape it did not
+    expect): named, so the message reaches every rank (``errors.refuse_on_any_rank``) as one line."""
+    return (f"checkpoint {checkpoint_id} cannot be checked: {check} failed on it ({root_cause(error)}), so it is "
+            f"refused. A checkpoint gefen-titan or torchtitan wrote never does this (edited, or damaged): restore it "
+            f"from a copy, or resume from another step; set GEFEN_TITAN_TRACEBACK=1 to see where it failed. Nothing "
+            f"was loaded.")
 
 
 class _CheckedReading(ItemReads):
@@ -154,7 +177,8 @@ class _CheckedReading(ItemReads):
                 p = self.fs.concat_path(self.path, dg.FILE)
                 self._digests = None
                 if self.fs.exists(p):
-                    self._digests = dg.read(lambda: self.fs.create_stream(p, "rb"), self._id())
+                    self._digests = dg.read(lambda: files.open_stream(self.fs, p), self._id())
+                    self._digests.limit_rows(metadata_fields.items_per_file(self._metadata))
         return self._digests
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -196,31 +220,47 @@ class _CheckedReading(ItemReads):
 
     def _check_whole(self) -> str | None:
         """``checked_metadata``'s verdict: None, or why the checkpoint is refused."""
-        checks = self._load_checks
         try:
             metadata, record = self._read(), self.digests()
         except GefenCheckpointError as e:
             return str(e)
         except Exception as e:  # OSError, a foreign file
             return str(unreadable(self._id(), e))
+        try:
+            return self._check_folder(metadata, record)
+        except Exception as e:  # a verdict on this rank for every rank, never a lone traceback
+            return _failed_check(self._id(), "the checks of the whole checkpoint", e)
+
+    def _check_folder(self, metadata: Metadata, record: dg.Digests | None) -> str | None:
+        checks = self._load_checks
         if record is None and dg.expects_digests(metadata) and not checks.load_without_digests:
             return dg.corrupt_message(
                 self._id(), dg.FILE, None, "missing, and its .metadata says the save wrote one (deleted "
                 "or lost since); to load it unchecked anyway, set checkpoint.load_without_digests = true")
         if dist.is_initialized() and dist.get_rank() != 0:
             return None  # one rank sizes and lists the folder (the same files for all)
+        # Rank 0 alone runs these; whatever one raises (a bug, a field of a type no check expected) must
+        # become this rank's verdict, which every rank then agrees on, never a lone traceback.
         if checks.bounds is not None:  # before any buffer is allocated or any read issued
             try:
                 bounds = checks.bounds(metadata)
+            except GefenCheckpointError as e:  # a data file that is no regular file (checkpoint.files)
+                return str(e)
             except OSError as e:
                 return str(unreadable(self._id(), e))
+            except Exception as e:
+                return _failed_check(self._id(), "the metadata stage (load_checks.metadata_problems)", e)
             if bounds:
                 return load_checks.refusal(self._id(), bounds)
         if record is not None and checks.stray_bytes is not None:
             try:
                 stray = checks.stray_bytes(metadata)
+            except GefenCheckpointError as e:
+                return str(e)
             except OSError as e:
                 stray = [(dg.METADATA_FILE, f"cannot list the folder ({e})")]
+            except Exception as e:
+                return _failed_check(self._id(), "the stray-bytes check (storage.stray_bytes)", e)
             if stray:
                 return dg.corrupt_message(self._id(), stray[0][0], None, stray[0][1])
         return None

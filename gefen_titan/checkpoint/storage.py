@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torchtitan.tools import filesystem
 
-from gefen_titan.checkpoint import digests, load_checks
+from gefen_titan.checkpoint import digests, files, load_checks
 from gefen_titan.checkpoint.digests import Digests
 from gefen_titan.checkpoint.errors import GefenCheckpointError, unreadable
 from gefen_titan.checkpoint.reading import CheckedFileSystemReader, CheckedFsspecReader, LoadChecks
@@ -221,18 +221,19 @@ def list_files(checkpoint_id: str | os.PathLike) -> list[str]:
 
 
 def file_size(checkpoint_id: str | os.PathLike, name: str) -> int | None:
-    """Size in bytes of a file of the checkpoint, None if it does not exist."""
+    """Size in bytes of a file of the checkpoint, None if it does not exist (``files.NotARegularFileError``
+    if it is no regular file)."""
     path = join(checkpoint_id, name)
     if is_remote(path):
         fs, p = url_to_fs(path)
         return int(fs.size(p)) if fs.exists(p) else None
-    return os.path.getsize(path) if os.path.isfile(path) else None
+    return files.regular_size(path)  # NotARegularFileError for a FIFO, a device, a directory
 
 
 def open_file(checkpoint_id: str | os.PathLike, name: str) -> BinaryIO:
-    """A binary read stream on a file of the checkpoint."""
+    """A binary read stream on a file of the checkpoint (a regular file only: ``checkpoint.files``)."""
     path = join(checkpoint_id, name)
     if is_remote(path):
         fs, p = url_to_fs(path)
         return fs.open(p, "rb")
-    return open(path, "rb")
+    return files.open_regular(path)[0]

@@ -30,14 +30,16 @@ from __future__ import annotations
 import io
 import pickle
 import re
+import zipfile
 from typing import Any, BinaryIO
 
 import torch
 
+from gefen_titan.checkpoint import pickle_budget
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 
 __all__ = ["ForbiddenObjectError", "METADATA_GLOBALS", "ENTRY_GLOBALS", "LOADER_GLOBALS", "unpickle_metadata",
-           "load_entry", "loads_loader_state"]
+           "load_entry", "check_archive", "loads_loader_state"]
 
 # (module, name) a .metadata pickle may name; torch dtypes (``torch.float32``, ...) too.
 METADATA_GLOBALS = frozenset({
@@ -70,6 +72,8 @@ _UNSUPPORTED = re.compile(r"GLOBAL ([\w.]+)")  # torch's weights_only refusal na
 
 class ForbiddenObjectError(GefenCheckpointError):
     """A pickle in a checkpoint names a global outside the allowlist: it was not unpickled."""
+
+    check = "byte entries"
 
     def __init__(self, where: str, name: str, source: str = "") -> None:
         self.where, self.name, self.source = where, name, source
@@ -111,10 +115,14 @@ def load_entry(stream: BinaryIO | bytes, entry: str, source: str = "") -> Any:
     """A byte entry (DCP's ``torch.save`` of a non-tensor value), read with ``weights_only=True``.
 
     ``ForbiddenObjectError`` names the entry and the global when the pickle
-    reaches outside the allowlist; other unpickling errors propagate (damaged bytes).
+    reaches outside the allowlist; ``pickle_budget.OverBudgetError`` when its
+    zip members are compressed (a deflate bomb: ``torch.save`` stores them)
+    or its pickle would build beyond ``pickle_budget.ENTRY``; other
+    unpickling errors propagate (damaged bytes).
     """
     if isinstance(stream, (bytes, bytearray, memoryview)):
         stream = io.BytesIO(stream)
+    check_archive(stream, f"entry {entry}", source)
     try:
         with torch.serialization.safe_globals(list(ENTRY_GLOBALS)):
             return torch.load(stream, map_location="cpu", weights_only=True)
@@ -126,6 +134,36 @@ def load_entry(stream: BinaryIO | bytes, entry: str, source: str = "") -> Any:
         raise ForbiddenObjectError(f"entry {entry}", name, source) from None
 
 
+def check_archive(stream: BinaryIO, where: str, source: str = "") -> None:
+    """Bound what ``torch.load`` of a ``torch.save`` archive can inflate, before it reads it: every
+    member stored uncompressed (``torch.save`` compresses none, so no member holds more than the
+    item's own bytes) and its pickle (``*/data.pkl``) within ``pickle_budget.ENTRY``. Bytes that are
+    no zip archive are left to ``torch.load`` to refuse. The stream is left at its start."""
+    start = stream.tell()
+    try:
+        try:
+            archive = zipfile.ZipFile(stream)
+        except (zipfile.BadZipFile, ValueError, OSError, EOFError):
+            return  # no archive (a legacy torch.save, or damage): torch.load's to read or refuse
+        members = archive.infolist()
+        for m in members:
+            if m.compress_type != zipfile.ZIP_STORED or m.file_size != m.compress_size:
+                raise pickle_budget.OverBudgetError(
+                    where, f"member {m.filename[-60:]} is compressed ({m.compress_size:,} bytes inflating to "
+                           f"{m.file_size:,}), which torch.save never does", source)
+        for m in members:
+            if m.filename.endswith("data.pkl"):
+                try:
+                    raw = archive.read(m)
+                except (zipfile.BadZipFile, ValueError, OSError, EOFError):
+                    return  # damaged: torch.load's to refuse
+                pickle_budget.check(raw, where, source, pickle_budget.ENTRY)
+    finally:
+        stream.seek(start)
+
+
 def loads_loader_state(raw: bytes, entry: str, source: str = "") -> Any:
-    """A data loader's pickled state (torchtitan pickles one per data-parallel rank), plain data only."""
+    """A data loader's pickled state (torchtitan pickles one per data-parallel rank), plain data only,
+    within ``pickle_budget.LOADER``."""
+    pickle_budget.check(raw, f"entry {entry}", source, pickle_budget.LOADER)
     return _Restricted(io.BytesIO(raw), LOADER_GLOBALS, f"entry {entry}", source, dtypes=False).load()

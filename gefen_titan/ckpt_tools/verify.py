@@ -46,7 +46,8 @@ from typing import Any
 import torch
 from torchtitan.components.checkpoint import OPTIMIZER
 
-from gefen_titan.checkpoint import digests, kinds, load_checks, progress, schema, storage, unpickling
+from gefen_titan.checkpoint import digests, kinds, load_checks, metadata_fields, progress, schema, storage, unpickling
+from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.ckpt_tools.saved_records import read_records
 from gefen_titan.ckpt_tools.view import Checkpoint, CkptError, Entry, split_state_key
 
@@ -86,24 +87,41 @@ class _Verifier:
 
     def digest_file(self) -> bool:
         """``.digests`` and ``.metadata`` against it, as the load checks them; False if either is damaged
-        (a damaged section of ``.digests`` is reported, and its file's items are checked without it)."""
+        or no regular file (its sections: ``digest_sections``, once ``.metadata`` bounds them)."""
         try:
             self.digests = storage.read_digests(self.path)
             self.has_digests = self.digests is not None
-            if self.digests is not None and storage.file_size(self.path, digests.METADATA_FILE) is not None:
-                with storage.open_file(self.path, digests.METADATA_FILE) as f:
-                    self.digests.check_metadata(f.read(), self.path)
+            size = storage.file_size(self.path, digests.METADATA_FILE)
+            if self.digests is not None and size is not None:
+                with storage.open_file(self.path, digests.METADATA_FILE) as f:  # its size before a byte of it
+                    self.digests.check_metadata(b"" if size != self.digests.metadata_size else f.read(size),
+                                                self.path, size=size)
         except digests.CorruptCheckpointError as err:
             self.has_digests = True
             self.add(err.file, None, err.what, "digests")
             return False
-        for name in self.digests.files() if self.digests is not None else []:
-            try:  # each data file's section of .digests (a load checks it before that file's items)
+        except GefenCheckpointError as err:  # a FIFO, a device (checkpoint.files)
+            self.add(None, None, str(err), err.check)
+            return False
+        return True
+
+    def digest_sections(self, ck: Checkpoint) -> None:
+        """Each data file's section of ``.digests`` (a load checks it before that file's items), bounded
+        first by the items ``.metadata`` stores in the file."""
+        if self.digests is None:
+            return
+        try:
+            self.digests.limit_rows(metadata_fields.items_per_file(ck.metadata))
+        except digests.CorruptCheckpointError as err:
+            self.add(err.file, None, err.what, "digests")
+            self.bad_sections.update(self.digests.files())
+            return
+        for name in self.digests.files():
+            try:
                 self.digests.check(name)
             except digests.CorruptCheckpointError as err:
                 self.add(err.file, None, err.what, "digests")
                 self.bad_sections.add(name)
-        return True
 
     def add(self, file: str | None, entry: str | None, what: str, check: str | None = None) -> None:
         self.problems.append(Problem(file, entry, what, check))
@@ -317,9 +335,10 @@ def _verify(path: str) -> dict[str, Any]:
     try:
         ck = Checkpoint(path) if intact else None  # a damaged .digests: .metadata is not unpickled unchecked
     except CkptError as err:
-        v.add(".metadata", None, str(err))
+        v.add(".metadata", None, str(err), err.check)
         ck = None
     if ck is not None:
+        v.digest_sections(ck)
         if not v.has_digests and digests.expects_digests(ck.metadata):
             v.add(digests.FILE, None, "missing, and .metadata says the save wrote one (deleted or lost since): "
                                       "a load refuses this checkpoint", "digests present")

@@ -21,8 +21,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, MODEL, OPTIMIZER, TRAIN_STATE
 
 from gefen_titan.checkpoint import load_checks, schema, schema_records, storage
-from gefen_titan.checkpoint.errors import root_cause
-from gefen_titan.checkpoint.unpickling import ForbiddenObjectError
+from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause
 
 __all__ = ["CkptError", "Entry", "Checkpoint", "split_state_key"]
 
@@ -32,7 +31,12 @@ _WRITER_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # DCP: __{rank}_{n}.distcp
 
 
 class CkptError(Exception):
-    """An expected problem (missing folder, foreign or corrupt checkpoint): the message says what to do."""
+    """An expected problem (missing folder, foreign or corrupt checkpoint): the message says what to do.
+    ``check``: the name in ``load_checks.CHECKS`` of the check that refused, where one did."""
+
+    def __init__(self, message: str, check: str | None = None) -> None:
+        super().__init__(message)
+        self.check = check
 
 
 @dataclass
@@ -96,12 +100,12 @@ class Checkpoint:
 
     def __init__(self, path: str) -> None:
         self.path = str(path)
-        if not storage.is_remote(self.path) and storage.file_size(self.path, ".metadata") is None:
-            raise CkptError(self._not_a_checkpoint())
         try:
+            if not storage.is_remote(self.path) and storage.file_size(self.path, ".metadata") is None:
+                raise CkptError(self._not_a_checkpoint())
             self.metadata: Metadata = storage.read_metadata(self.path)
-        except ForbiddenObjectError as e:  # its own message says what and why
-            raise CkptError(str(e)) from e
+        except GefenCheckpointError as e:  # its own message says what and why (ForbiddenObjectError, ...)
+            raise CkptError(str(e), e.check) from e
         except Exception as e:  # OSError, CheckpointException, unpickling errors
             raise CkptError(f"cannot read {self.path}/.metadata ({root_cause(e)}): restore it from a copy, or "
                             "use another step's folder") from e

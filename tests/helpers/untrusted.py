@@ -27,7 +27,8 @@ def digest_rows(step: Path, md, key: bytes | None = None) -> tuple[int, str, dic
     """What ``.digests`` records of the folder's current bytes: ``.metadata``'s size and digest, and
     ``rows[file][offset] = (length, digest)`` of each item of ``md``."""
     items: dict[str, dict[int, tuple[int, str]]] = {}
-    for info in md.storage_data.values():
+    stored = md.storage_data.values() if isinstance(md.storage_data, dict) else [v for _, v in md.storage_data]
+    for info in stored:
         path = step / str(info.relative_path)
         if (info.relative_path in (".metadata", digests.FILE) or not path.is_file() or path.parent != step
                 or type(info.offset) is not int or type(info.length) is not int):

@@ -30,7 +30,16 @@ EXAMPLES = {
     "gefen_titan.checkpoint.schema.FormatError": lambda m: m.FormatError("bad record"),
     "gefen_titan.checkpoint.unpickling.ForbiddenObjectError":
         lambda m: m.ForbiddenObjectError("entry train_state.step", "builtins.eval", "/ckpt/step-4"),
-    "gefen_titan.ckpt_tools.view.CkptError": lambda m: m.CkptError("cannot read"),
+    "gefen_titan.checkpoint.files.NotARegularFileError":
+        lambda m: m.NotARegularFileError("/ckpt/step-4/.digests", "a FIFO (named pipe)"),
+    "gefen_titan.checkpoint.files.TooLargeError":
+        lambda m: m.TooLargeError("/ckpt/step-4/.metadata", 1 << 34, 1 << 30, "the format"),
+    "gefen_titan.checkpoint.metadata_fields.MalformedMetadataError":
+        lambda m: m.MalformedMetadataError("/ckpt/step-4", "storage_data is list, not a dict"),
+    "gefen_titan.checkpoint.pickle_budget.OverBudgetError":
+        lambda m: m.OverBudgetError(".metadata", "objects nested more than 64 deep", "/ckpt/step-4"),
+    "gefen_titan.checkpoint.pickle_budget._Refused": lambda m: m._Refused("nested too deep"),
+    "gefen_titan.ckpt_tools.view.CkptError": lambda m: m.CkptError("cannot read", "metadata fields"),
     "gefen_titan.data.elastic_dataset.DataLoaderReshardError": lambda m: m.DataLoaderReshardError("no"),
     "gefen_titan.data.global_loader.DataOrderError": lambda m: m.DataOrderError("no"),
     "gefen_titan.data.indexed.IndexedDataError": lambda m: m.IndexedDataError("no"),

@@ -27,6 +27,8 @@ loads.
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -44,7 +46,7 @@ from gefen_titan.ckpt_tools.verify import verify_checkpoint
 from gefen_titan.optim import gefenx as gx
 from tests.helpers.bad_checkpoints import edited
 from tests.helpers.tiny_checkpoint import STEP, Loader, build, edit_metadata, manager, resume, save
-from tests.helpers.untrusted import Payload
+from tests.helpers.untrusted import Payload, rewrite_digests
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
 
@@ -123,9 +125,31 @@ def _nan_codebook(opt_sd) -> None:
     opt_sd[key] = cb
 
 
+def _fifo_digests(step: Path) -> None:  # a reader that opened it would block until a writer came
+    (step / ".digests").unlink()
+    os.mkfifo(step / ".digests")
+
+
+def _deep_metadata(step: Path) -> None:  # allowed types only, 100 tuples deep (hashing 10^6 deep segfaults)
+    md = storage.read_metadata(step)
+    deep: tuple = ("x",)
+    for _ in range(100):
+        deep = (deep,)
+    md.planner_data["deep"] = deep
+    (step / ".metadata").write_bytes(pickle.dumps(md))
+    rewrite_digests(step, md)
+
+
+def _size_an_int(md) -> None:  # DCP writes a torch.Size; the other checks would raise TypeError on an int
+    md.state_dict_metadata[WEIGHT].size = 16
+
+
 # check -> (how the case is made, a text the resume's refusal holds). How: ("copy", plant(step)),
 # ("metadata", change(md)), ("save", loader/note kwargs), ("records", edit(opt_sd)), ("step", None).
 CASES: dict[str, tuple[str, object, str]] = {
+    "regular files": ("copy", _fifo_digests, ".digests is a FIFO (named pipe), not a regular file"),
+    "pickle budgets": ("copy", _deep_metadata, ".metadata: objects nested more than 64 deep"),
+    "metadata fields": ("metadata", _size_an_int, f"entry {WEIGHT}: its size is int, not a flat tuple of ints"),
     "digests": ("copy", _flip_a_byte, "digest mismatch"),
     "digests present": ("copy", lambda step: (step / ".digests").unlink(), ".digests: missing"),
     "stray bytes": ("copy", _append, "bytes after its last item"),
@@ -253,7 +277,8 @@ def test_an_item_cut_short_is_refused_naming_its_entry(saved, tmp_path, era):
     ([((0, 0), (2, 6)), ((2, 0), (2, 6)), ((4, 0), (0, 6))], None),  # an empty chunk holds nothing
 ])
 def test_chunks_tile_their_tensor(chunks, why):
-    """The "chunks tile" check on a (4, 6) tensor (its chunks stored in a file that holds them)."""
+    """The "chunks tile" check on a (4, 6) tensor (each chunk in a file of its own, as each rank writes its
+    own)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         ChunkStorageMetadata,
@@ -265,9 +290,16 @@ def test_chunks_tile_their_tensor(chunks, why):
     cs = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks]
     entry = TensorStorageMetadata(TensorProperties(dtype=torch.uint8), torch.Size([4, 6]), cs)
     md = Metadata({"t": entry}, storage_data={
-        MetadataIndex("t", torch.Size(o)): _StorageInfo("f", 100 * i, 50) for i, (o, _) in enumerate(chunks)})
+        MetadataIndex("t", torch.Size(o)): _StorageInfo(f"f{i}", 0, 50) for i, (o, _) in enumerate(chunks)})
     problems = load_checks.metadata_problems(md, lambda name: 1000)
     assert [p.what for p in problems if p.check == "chunks tile"] == ([why] if why else []), problems
+    # The same chunks in one data file: more chunks than files is no save's layout (one chunk of an entry
+    # per rank), refused before the tiling is computed (its cost grows with the chunks).
+    md.storage_data = {MetadataIndex("t", torch.Size(o)): _StorageInfo("f", 100 * i, 50)
+                       for i, (o, _) in enumerate(chunks)}
+    problems = load_checks.metadata_problems(md, lambda name: 1000)
+    assert [p.what for p in problems if p.check == "chunks tile"] == [
+        f"{len(chunks)} chunks, and the save wrote 1 data file(s) (each rank writes one chunk of an entry)"]
 
 
 def test_an_entry_of_no_known_kind_fails_verify_and_the_resume_and_inspect_flags_it(saved, tmp_path):
