@@ -59,7 +59,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from gefen_titan.checkpoint import record_checks, schema, unpickling
+from gefen_titan.checkpoint import entry_values, record_checks, schema, unpickling
 from gefen_titan.checkpoint.errors import GefenCheckpointError, fall_back
 
 __all__ = ["Check", "CHECKS", "Problem", "StepMismatchError", "metadata_problems", "allocation", "refusal",
@@ -346,10 +346,13 @@ def read_byte_entry(data: Any, key: str, checkpoint_id: str) -> Any:
     """A byte entry's value, read as every load reads it (``unpickling.load_entry``), after the entry
     stage's checks of it: a data loader's pickled state inside it plain data only
     (``ForbiddenObjectError``), and ``train_state.step`` the step of its folder (``StepMismatchError``).
-    Other unpickling errors (damaged bytes) propagate."""
+    Then its value's type and range (``entry_values``: ``EntryValueError``), for the known entries of
+    torchtitan's train state, LR schedulers and data loaders. Other unpickling errors (damaged bytes) propagate."""
     value = unpickling.load_entry(data, key, checkpoint_id)
     if is_loader_state(key) and isinstance(value, (bytes, bytearray)):
-        unpickling.loads_loader_state(bytes(value), key, checkpoint_id)
+        state = unpickling.loads_loader_state(bytes(value), key, checkpoint_id)
+        entry_values.check_loader_state(state, key, checkpoint_id)
+    entry_values.check(key, value, checkpoint_id)  # before the step binding: a step of 2^63 is named as such
     if key == _STEP_ENTRY:
         folder = folder_step(checkpoint_id)
         if folder is not None and (type(value) is not int or value != folder):

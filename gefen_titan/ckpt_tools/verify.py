@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torchtitan.components.checkpoint import OPTIMIZER
 
-from gefen_titan.checkpoint import digests, kinds, load_checks, progress, schema, storage, unpickling
+from gefen_titan.checkpoint import digests, entry_values, kinds, load_checks, progress, schema, storage, unpickling
 from gefen_titan.ckpt_tools.saved_records import read_records
 from gefen_titan.ckpt_tools.view import Checkpoint, CkptError, Entry, split_state_key
 
@@ -204,6 +204,8 @@ class _Verifier:
                                       "could run code)", check)
             except load_checks.StepMismatchError as err:
                 self.add(name, e.key, str(err), "step binding")
+            except entry_values.EntryValueError as err:  # a type or range no save writes: what the resume refuses
+                self.add(name, e.key, str(err), "byte entries")
             except Exception as err:
                 self.add(name, e.key, f"stored object does not load ({type(err).__name__}: {err})", "byte entries")
             return
