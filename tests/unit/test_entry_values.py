@@ -149,3 +149,45 @@ def test_a_loader_position_of_2_to_the_80_is_refused(tmp_path):
     step = save(tmp_path, loader=Loader({"dataset_state": {"sample_idx": 1 << 80, "epoch": 0}}))
     _refused_alike(tmp_path, step, STEP, "entry dataloader.dp_rank_0, field dataset_state.sample_idx, is an int "
                                          "of 81 bits")
+
+
+# ------------------------------------------------------------------ against the dataset (the loader's load)
+@pytest.fixture(scope="module")
+def text_dataset():
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    from gefen_titan.data import corpus
+    from gefen_titan.data.elastic_dataset import ElasticTextDataset
+
+    corpus.register_datasets()
+    tok = HuggingFaceTokenizer(tokenizer_path=corpus.DEFAULT_TOKENIZER_PATH)
+    return lambda: ElasticTextDataset(dataset_name=corpus.DATASET_NAME, dataset_path=None, tokenizer=tok,
+                                      seq_len=64, dp_rank=1, dp_world_size=2, infinite=True)
+
+
+@pytest.mark.parametrize("workers", [0, 3])
+def test_a_position_past_the_documents_a_reader_reads_is_refused(text_dataset, workers):
+    """``sample_idx`` within the rank's share (or its worker's part of it): one more is refused, naming the
+    field, before the dataset changes; the end of the share itself (an epoch read to its end) loads."""
+    from gefen_titan.data.elastic_dataset import DataLoaderPositionError
+    from gefen_titan.data.stream_reshard import as_worker
+
+    saving = text_dataset()
+    it = iter(saving)
+    for _ in range(2):
+        next(it)
+    state = saving.state_dict()
+    share = len(saving._original_data)
+    documents = share if workers <= 1 else (share - 1 + workers - 1) // workers  # worker 1's part
+    with as_worker(1, workers):
+        for ok in (state["sample_idx"], documents):
+            loading = text_dataset()
+            loading.load_state_dict({**state, "sample_idx": ok})
+            assert loading._sample_idx == ok
+        loading = text_dataset()
+        with pytest.raises(DataLoaderPositionError) as refused:
+            loading.load_state_dict({**state, "sample_idx": documents + 1, "inputs_buffer": [7]})
+    assert f"read {documents + 1!r} documents this epoch (sample_idx), and it reads {documents:,}" in \
+        str(refused.value), str(refused.value)
+    assert ("worker 1 of dp rank 1" if workers else "dp rank 1") in str(refused.value)
+    assert loading._sample_idx == 0 and loading._inputs_buffer == []  # nothing of the state was taken
