@@ -102,13 +102,17 @@ def check(key: str, value: Any, source: str = "") -> None:
 def check_loader_state(state: Any, key: str, source: str = "") -> None:
     """Raise ``EntryValueError`` if a data loader's unpickled state (entry ``key``) holds an int outside
     64 bits, or a count or position (``LOADER_COUNTERS``) outside ``[0, COUNT_BOUND]``; the field is named
-    by its path in the state. Iterative: a deep nesting costs no recursion."""
+    by its path in the state. Iterative: a deep nesting costs no recursion. A list of ints (the token
+    buffers, thousands long) is checked by its extremes: 4 workers' buffers at seq_len 8192 (98,304 ints)
+    in ~4 ms instead of ~50 ms element by element."""
     todo: list[tuple[str, Any]] = [("", state)]
     while todo:
         path, v = todo.pop()
         if isinstance(v, dict):
             todo += [(f"{path}.{k}" if path else str(k), x) for k, x in v.items()]
         elif isinstance(v, (list, tuple, set, frozenset)):
+            if v and set(map(type, v)) == {int} and _INT64[0] <= min(v) and max(v) < _INT64[1]:
+                continue  # a token buffer: its extremes suffice (no count is a bare list element)
             todo += [(f"{path}[{i}]", x) for i, x in enumerate(v)]
         else:
             name = path.rsplit(".", 1)[-1]

@@ -90,6 +90,8 @@ def test_a_byte_entry_of_a_wrong_type_or_range_is_refused(key, value, text):
     ({"_snapshot": {"_worker_snapshots": {"worker_0": {"dataset_state": {"sample_idx": "7"}}}}},
      "field _snapshot._worker_snapshots.worker_0.dataset_state.sample_idx, is str '7', not an int"),
     ({"_steps_since_snapshot": 1 << 60}, "field _steps_since_snapshot, is 1,152,921,504,606,846,976, outside"),
+    ({"dataset_state": {"inputs_buffer": [5, 1 << 80, 7]}},
+     "field dataset_state.inputs_buffer[1], is an int of 81 bits, which no loader state holds"),
     ({"dataset_state": {"elastic_stream": {"leaves": [{"position": 1 << 80}]}}},
      "field dataset_state.elastic_stream.leaves[0].position, is an int of 81 bits, which no loader state holds"),
 ])
