@@ -299,7 +299,7 @@ def description(name: str = "Gefen", record_kind: str = "gefen", codebook_kind: 
         versions, own = frozenset(schema.AGREED_VERSIONS), frozenset({record_kind, codebook_kind})
     return KindDescription(
         name=name, key_kinds=own, read=read, versions=versions,
-        nonnegative=frozenset({"magnitude", "vmean", "blocks"}) if name == "Gefen" else frozenset(),
+        nonnegative=frozenset({"magnitude", "vmean", "grid", "blocks"}) if name == "Gefen" else frozenset(),
         report_key=name.lower(), summary=_summary, summary_line=_summary_line(name),
         rows=_rows(name, record_kind, codebook_kind), render=_render,
         planned_entries=_planned(record_kind, codebook_kind, record_type))

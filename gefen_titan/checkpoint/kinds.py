@@ -35,7 +35,7 @@ from gefen_titan.checkpoint import schema, schema_records
 
 __all__ = ["RECORDS", "RECORD_TENSORS", "CODEBOOKS", "Problem", "RecordsInput", "KindRecords", "KindDescription",
            "InspectView", "PlannedParam", "PlannedEntries", "register", "unregister", "descriptions",
-           "described_key_kinds", "check_tensor", "check_codebooks"]
+           "described_key_kinds", "check_tensor", "check_codebooks", "nonnegative_problem"]
 
 # The checks of the records stage, by their name in load_checks.CHECKS.
 RECORDS = "records"  # the header and every record parse; counters, hyperparameters, one record per parameter
@@ -126,7 +126,9 @@ class KindDescription:
     versions: frozenset[int]
     """The formats (``schema.VERSIONS``) that hold state of it: its keys in another are refused."""
     nonnegative: frozenset[str] = frozenset()
-    """Its tensors' key kinds whose values are >= 0 in any state it makes (``verify`` checks)."""
+    """Its tensors' key kinds whose values are finite and >= 0 in any state it makes: the load refuses any
+    other value (its adapter's stage, ``nonnegative_problem``), and ``verify`` checks these kinds' entries
+    with the same function."""
     report_key: str = ""
     """``verify``'s report field of its summary (``summary``)."""
     summary: Callable[[KindRecords, int], dict[str, Any]] | None = None
@@ -171,6 +173,16 @@ def described_key_kinds() -> frozenset[str]:
 
 
 # ------------------------------------------------------------------ helpers of the kinds' readers
+def nonnegative_problem(t: torch.Tensor) -> str | None:
+    """Why a magnitude or second moment (a ``nonnegative`` kind's values) is no state its optimizer's
+    arithmetic made: non-finite or negative values (None: none). The one check of them: the load's
+    (``optim.checkpointing.sharded.check_finite_nonnegative``, v1's ``gefen_per_rank``) and ``verify``'s."""
+    bad = ~torch.isfinite(t) | (t < 0)
+    if not bool(bad.any()):
+        return None
+    return f"{int(bad.sum()):,} of its {t.numel():,} values non-finite or negative"
+
+
 def check_tensor(entries: dict[str, Any], name: str, shape: tuple, dtype: torch.dtype, why: str) -> str | None:
     """Why the entry ``name`` is not a tensor of ``dtype`` and global ``shape`` (``why``: what implies it)."""
     md = entries.get(name)

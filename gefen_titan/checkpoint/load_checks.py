@@ -64,7 +64,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from gefen_titan.checkpoint import record_checks, schema, unpickling
+from gefen_titan.checkpoint import entry_values, record_checks, schema, unpickling
 from gefen_titan.checkpoint.errors import GefenCheckpointError, fall_back
 
 __all__ = ["Check", "CHECKS", "Problem", "StepMismatchError", "metadata_problems", "allocation", "refusal",
@@ -100,6 +100,8 @@ CHECKS: tuple[Check, ...] = (
     Check("loader states", "entry", "a data loader's pickled state that names any global"),
     Check("stored tensors", "entry", "a torch.saved tensor item of another dtype or shape than its chunk"),
     Check("step binding", "entry", "train_state.step other than the step its folder is named for"),
+    Check("entry values", "entry", "a train state, LR scheduler or data loader value of a type or range no save "
+                                   "writes (entry_values: a step beyond 2^53, a position of 81 bits)"),
     Check(record_checks.RECORDS, "records", "records that do not parse, or whose counters, hyperparameters or "
                                             "periods their optimizer kind cannot have"),
     Check(record_checks.RECORD_TENSORS, "records", "a tensor a record implies missing or of another shape or "
@@ -362,10 +364,13 @@ def read_byte_entry(data: Any, key: str, checkpoint_id: str) -> Any:
     """A byte entry's value, read as every load reads it (``unpickling.load_entry``), after the entry
     stage's checks of it: a data loader's pickled state inside it plain data only
     (``ForbiddenObjectError``), and ``train_state.step`` the step of its folder (``StepMismatchError``).
-    Other unpickling errors (damaged bytes) propagate."""
+    Then its value's type and range (``entry_values``: ``EntryValueError``), for the known entries of
+    torchtitan's train state, LR schedulers and data loaders. Other unpickling errors (damaged bytes) propagate."""
     value = unpickling.load_entry(data, key, checkpoint_id)
     if is_loader_state(key) and isinstance(value, (bytes, bytearray)):
-        unpickling.loads_loader_state(bytes(value), key, checkpoint_id)
+        state = unpickling.loads_loader_state(bytes(value), key, checkpoint_id)
+        entry_values.check_loader_state(state, key, checkpoint_id)
+    entry_values.check(key, value, checkpoint_id)  # before the step binding: a step of 2^63 is named as such
     if key == _STEP_ENTRY:
         folder = folder_step(checkpoint_id)
         if folder is not None and (type(value) is not int or value != folder):

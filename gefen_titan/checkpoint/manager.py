@@ -65,10 +65,15 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import GarbageCollection
 
 from gefen_titan.checkpoint import digests, log_lines
-from gefen_titan.checkpoint.errors import GefenCheckpointError, refuse_on_any_rank
+from gefen_titan.checkpoint.entry_values import COUNT_BOUND
+from gefen_titan.checkpoint.errors import METADATA_FILE, GefenCheckpointError, refuse_on_any_rank
 from gefen_titan.checkpoint.storage import load_reader, refusal, storage_writer
 
-__all__ = ["GefenCheckpointManager", "LoadPreparer", "SnapshotsOnSave"]
+__all__ = ["GefenCheckpointManager", "LoadPreparer", "SnapshotsOnSave", "step_folders"]
+
+_STEP_NAME = re.compile(r"step-(0|[1-9][0-9]*)")  # torchtitan's f"step-{step}"
+_STEP_DIGITS = len(str(COUNT_BOUND))  # more digits: beyond the bound (no int() of a million-digit name)
+_HF_INDEX = "model.safetensors.index.json"  # torchtitan's test of an HF checkpoint folder
 
 
 @runtime_checkable
@@ -160,13 +165,10 @@ class GefenCheckpointManager(CheckpointManager):
         otherwise push out every checkpoint a resume can load."""
         if not self._should_purge():
             return
-        found = []
-        for name in filesystem.listdir(self.folder):
-            m = re.search(r"step-(\d+)", name)  # torchtitan's pattern
-            if m:
-                found.append((int(m.group(1)), filesystem.join(self.folder, name)))
-        found.sort()
-        complete = [path for _, path in found if filesystem.isfile(filesystem.join(path, ".metadata"))]
+        # Only well-named step folders (step_folders): torchtitan's search would also queue a file named
+        # step-7 or a folder step-5.bak for deletion.
+        found = sorted((step, filesystem.join(self.folder, name)) for step, name in step_folders(self.folder).items())
+        complete = [path for _, path in found if filesystem.isfile(filesystem.join(path, METADATA_FILE))]
         for _, path in found[: -self.keep_latest_k]:
             if not complete or path != complete[-1]:
                 self.purge_queue.put(path)
@@ -190,6 +192,19 @@ class GefenCheckpointManager(CheckpointManager):
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return ret
+
+    def _find_load_step(self, folder: str = "") -> int:
+        """torchtitan's choice of the step to resume (the newest ``step-N`` folder holding a ``.metadata`` or
+        an HF index), from the well-named step folders only (``step_folders``): torchtitan's
+        ``re.search(r"step-(\\d+)")`` took ``step-1e5`` for step 1 and then failed to find ``step-1``, and a
+        folder ``step-99999999999999999999999`` became the step every resume tried and refused."""
+        folder = folder or self.folder
+        if not filesystem.isdir(folder):
+            return -1
+        valid = [step for step, name in step_folders(folder, warn=True).items()
+                 if any(filesystem.isfile(filesystem.join(filesystem.join(folder, name), f))
+                        for f in (METADATA_FILE, _HF_INDEX))]
+        return max(valid, default=-1)
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         if from_hf:
@@ -253,6 +268,30 @@ class GefenCheckpointManager(CheckpointManager):
         finally:
             for component, _ in prepared:
                 component.abort_load()
+
+
+def step_folders(folder: str, warn: bool = False) -> dict[int, str]:
+    """The step folders in ``folder`` that a resume and the purge consider: step -> name, for every
+    directory named ``step-N`` with N a decimal int as torchtitan writes it (no sign, no leading zero)
+    and at most ``entry_values.COUNT_BOUND`` (2^53: no checkpoint holds a larger step). Anything else named
+    like one (``step-abc``, ``step-1e5``, ``step-``, ``step-007``, a step beyond 2^53, a file ``step-7``)
+    is left alone; with ``warn`` one warning names each, so an odd name costs a line, not the resume."""
+    steps: dict[int, str] = {}
+    for name in sorted(filesystem.listdir(folder)):
+        if "step-" not in name:
+            continue
+        m = _STEP_NAME.fullmatch(name)
+        step = int(m.group(1)) if m and len(m.group(1)) <= _STEP_DIGITS else None
+        why = ("its step is no decimal number as torchtitan writes one" if m is None else
+               f"its step is beyond {COUNT_BOUND:,} (2^53), the largest a checkpoint may hold"
+               if step is None or step > COUNT_BOUND else
+               "it is no folder" if not filesystem.isdir(filesystem.join(folder, name)) else None)
+        if why is None:
+            steps[step] = name
+        elif warn:
+            logger.warning(f"Checkpoint folder {folder}: ignoring {name!r}: {why}. A resume takes the newest "
+                           "well-named step-N folder. Rename or remove it if it is a checkpoint.")
+    return steps
 
 
 def no_space(checkpoint_id: str, error: BaseException) -> GefenCheckpointError | None:

@@ -206,6 +206,12 @@ def _to_adamw(ck: Checkpoint, options: ConvertOptions):
             tensors = {name: vals[key] for name, key in keys.items()}
             codes = tensors["codes"].reshape(-1)
             mag, vmean = (t.reshape(-1) for t in schema.unpack_blocks(saved.version, tensors))
+            for what, t in (("magnitude", mag), ("vmean", vmean)):  # the load's check of them, before any write
+                why = kinds.nonnegative_problem(t)
+                if why:
+                    raise CkptError(f"{p.fqn}: non-finite or negative {what} in {ck.path} ({why}): the resume "
+                                    f"refuses it too; `gefen-titan ckpt verify {ck.path}` lists what is wrong. "
+                                    "Nothing was written")
             exp_avg = dequantize(codes, codebook, mag, p.period).view(p.shape)
             exp_avg_sq = expand_blocks(vmean, p.period, 0, numel).reshape(p.shape).clone()
         else:  # no state yet (saved before its first step): AdamW's fresh state

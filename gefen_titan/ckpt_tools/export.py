@@ -7,7 +7,9 @@ not ``torch.save`` frames: ``Weights only load failed ... Unsupported operand
 94``). This writes the same kind of file from gefen-titan's reader
 (``checkpoint.storage.load_all``: every entry nested as it was saved, every
 byte checked against ``.digests``, nothing unpickled beyond plain data), so
-``torch.load(path, weights_only=True)`` reads it: tensors (DTensors saved
+``torch.load(path, weights_only=True)`` reads it, after the load's value
+checks (a magnitude or second moment non-finite or negative is refused, as the
+resume refuses it): tensors (DTensors saved
 whole, at their global shape; Gefen's uint8 codes and packed block grids as
 they are on disk), the records' JSON strings, the data loader's and the
 train state's plain values.
@@ -22,8 +24,11 @@ import os
 from typing import Any
 
 import torch
+from torchtitan.components.checkpoint import OPTIMIZER
 
-from gefen_titan.checkpoint import storage
+from gefen_titan.checkpoint import kinds, storage
+from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause
+from gefen_titan.ckpt_tools.verify import nonnegative_entry
 from gefen_titan.ckpt_tools.view import CkptError
 
 __all__ = ["export", "render"]
@@ -43,12 +48,31 @@ def _count(value: Any, acc: dict[str, int]) -> None:
         acc["other"] += 1
 
 
+def _check_values(path: str, sd: dict[str, Any]) -> None:
+    """The load's value checks of what ``storage.load_all`` read (the byte entries' ran as it read them):
+    a magnitude or second moment non-finite or negative is refused (``verify.nonnegative_entry``)."""
+    for name, value in (sd.get(OPTIMIZER) or {}).items():
+        if isinstance(value, torch.Tensor) and nonnegative_entry(OPTIMIZER, name):
+            why = kinds.nonnegative_problem(value)
+            if why:
+                raise CkptError(f"{path}: entry {OPTIMIZER}.{name}: a magnitude or second moment with {why}: the "
+                                f"resume refuses this checkpoint; `gefen-titan ckpt verify {path}` lists what is "
+                                "wrong. Nothing was written")
+
+
 def export(path: str, out: str) -> dict[str, Any]:
     if os.path.exists(out):
         raise CkptError(f"{out} exists: give export a new file name (nothing was written)")
     if not os.path.isdir(path):
         raise CkptError(f"{path} is not a checkpoint folder (a step-N folder with a .metadata file)")
-    sd = storage.load_all(path)
+    try:
+        sd = storage.load_all(path)
+    except (GefenCheckpointError, CkptError):
+        raise
+    except Exception as e:  # a damaged file the reader has no word for (a .digests index of wrong types)
+        raise CkptError(f"cannot read checkpoint {path} ({root_cause(e)}): a file is damaged or was not written "
+                        f"by a save; `gefen-titan ckpt verify {path}` names it. Nothing was written") from e
+    _check_values(path, sd)
     tmp = f"{out}.partial-{os.getpid()}"
     try:
         torch.save(sd, tmp)

@@ -19,11 +19,12 @@ the file it is in and the check:
    ``.digests`` too (``zipfile``'s check; ``torch.load`` itself checks none).
    Then the load's entry stage: byte entries unpickled with the allowlists
    (a data loader's pickled state inside one too), a stored tensor against
-   its chunk record, ``train_state.step`` against the folder's step. Beyond
-   the load: floating values must be finite (the tensors each kind's
-   description names ``nonnegative`` and AdamW's ``exp_avg_sq`` also
-   non-negative; the load checks that of the kinds' state only, and not at
-   all of the model's).
+   its chunk record, ``train_state.step`` against the folder's step, the
+   known byte entries' types and ranges (``checkpoint.entry_values``). The
+   tensors each kind's description names ``nonnegative`` finite and >= 0,
+   by the load's own function (``kinds.nonnegative_problem``, which its
+   adapters run). Beyond the load: every other floating value finite (the
+   model's too) and AdamW's ``exp_avg_sq`` >= 0.
 3. **Records.** The load's records stage (``checkpoint.record_checks``):
    every registered kind's records, codebooks and the tensors they imply
    (its ``checkpoint.kinds.KindDescription``), an entry of a key kind no
@@ -46,12 +47,22 @@ from typing import Any
 import torch
 from torchtitan.components.checkpoint import OPTIMIZER
 
-from gefen_titan.checkpoint import digests, kinds, load_checks, metadata_fields, progress, schema, storage, unpickling
+from gefen_titan.checkpoint import (
+    digests,
+    entry_values,
+    kinds,
+    load_checks,
+    metadata_fields,
+    progress,
+    schema,
+    storage,
+    unpickling,
+)
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.ckpt_tools.saved_records import read_records
 from gefen_titan.ckpt_tools.view import Checkpoint, CkptError, Entry, split_state_key
 
-__all__ = ["Problem", "verify_checkpoint", "render"]
+__all__ = ["Problem", "nonnegative_entry", "verify_checkpoint", "render"]
 
 _READ = 1 << 24  # bytes per read call (large items are read in pieces)
 
@@ -64,14 +75,16 @@ class Problem:
     check: str | None = None  # its name in load_checks.CHECKS (None: a check of verify's own)
 
 
-def _nonnegative(e: Entry) -> bool:
-    """A tensor whose values are >= 0 in any state its kind makes (the kinds' ``nonnegative``, torch's second
-    moments)."""
-    name = e.name
-    key = schema.parse_key(name) if e.component == OPTIMIZER else None
+def nonnegative_entry(component: str, name: str) -> bool:
+    """Whether entry ``name`` of ``component`` holds values that are finite and >= 0 in any state its kind
+    makes (the kinds' ``nonnegative``, which the load refuses otherwise; torch's second moments): ``verify``,
+    ``export`` and ``convert`` check them with the load's function (``kinds.nonnegative_problem``)."""
+    if component != OPTIMIZER:
+        return False
+    key = schema.parse_key(name)
     if key is not None and any(key.kind in d.nonnegative for d in kinds.descriptions()):
         return True
-    split = split_state_key(name) if e.component == OPTIMIZER else None
+    split = split_state_key(name)
     return bool(split and split[1] in ("exp_avg_sq", "max_exp_avg_sq"))
 
 
@@ -102,6 +115,10 @@ class _Verifier:
             return False
         except GefenCheckpointError as err:  # a FIFO, a device (checkpoint.files)
             self.add(None, None, str(err), err.check)
+            return False
+        except Exception as err:  # a .digests of wrong types the parser has no word for: the resume
+            self.has_digests = True  # refuses it (an unreadable file), so verify names it and stops there
+            self.add(digests.FILE, None, f"unreadable ({type(err).__name__}: {err}); the resume refuses it", "digests")
             return False
         return True
 
@@ -222,6 +239,8 @@ class _Verifier:
                                       "could run code)", check)
             except load_checks.StepMismatchError as err:
                 self.add(name, e.key, str(err), "step binding")
+            except entry_values.EntryValueError as err:  # a type or range no save writes: what the resume refuses
+                self.add(name, e.key, str(err), err.check)
             except Exception as err:
                 self.add(name, e.key, f"stored object does not load ({type(err).__name__}: {err})", "byte entries")
             return
@@ -243,11 +262,14 @@ class _Verifier:
             self.add(name, e.key, why, "stored tensors")
             return
         if t.is_floating_point() and t.numel():
+            if nonnegative_entry(e.component, e.name):  # the load's own check (its adapters')
+                why = kinds.nonnegative_problem(t)
+                if why:
+                    self.add(name, e.key, f"a magnitude or second moment with {why} (the resume refuses it)")
+                return
             bad = int((~torch.isfinite(t)).sum())
             if bad:
                 self.add(name, e.key, f"{bad:,} non-finite value(s) of {t.numel():,}")
-            elif _nonnegative(e) and bool((t < 0).any()):
-                self.add(name, e.key, f"{int((t < 0).sum()):,} negative value(s) in a second moment or magnitude")
 
     # ------------------------------------------------------------ pass 3
     def records(self, ck: Checkpoint) -> dict[str, Any]:

@@ -53,6 +53,7 @@ __all__ = [
     "PASS_KEY",
     "STREAM_KEY",
     "WORKER_KEY",
+    "DataLoaderPositionError",
     "DataLoaderReshardError",
     "ElasticTextDataset",
     "SourceUnit",
@@ -72,6 +73,10 @@ WORKER_KEY = "elastic_worker"
 
 class DataLoaderReshardError(UserError, ValueError):
     """The data-loader state cannot be carried across a layout change."""
+
+
+class DataLoaderPositionError(UserError, ValueError):
+    """A saved data loader position beyond the documents its reader reads (``ElasticTextDataset``)."""
 
 
 @dataclass(frozen=True)
@@ -223,6 +228,8 @@ class ElasticTextDataset(HuggingFaceTextDataset):
             self._stream = copy.deepcopy(state_dict[STREAM_KEY])
             self._data.set_epoch(int(self._stream["epoch"]))
         else:
+            if self.map_style:
+                self._check_position(state_dict)  # before anything of this dataset changes
             self._stream = None
             super().load_state_dict(state_dict)
             self._set_pass(state_dict.get(PASS_KEY) if self.map_style else None)
@@ -230,6 +237,27 @@ class ElasticTextDataset(HuggingFaceTextDataset):
         self._inputs_buffer = list(self._inputs_buffer)
         self._labels_buffer = list(self._labels_buffer)
         self._positions_buffer = list(self._positions_buffer)
+
+    def _check_position(self, state_dict: dict[str, Any]) -> None:
+        """A map-style state's ``sample_idx`` (documents read this epoch by this rank, or by this worker of
+        it) within the documents it reads: its pass's (after a reshard) or its share of the dataset, split
+        among the workers as ``_get_data_iter`` splits it. Beyond them torchtitan's resume skips past the
+        end and starts the next epoch: other data than the run saved (issue 50). The entry stage already
+        refused a non-int or one outside [0, 2^53] (``checkpoint.entry_values``)."""
+        position = state_dict.get("sample_idx", 0)
+        encoded = state_dict.get(PASS_KEY)
+        documents = len(self._decode(encoded)) if encoded is not None else len(self._original_data)
+        worker, workers = current_worker()
+        if workers > 1:  # worker w reads documents w, w + W, ... (_get_data_iter)
+            documents = max(0, (documents - worker + workers - 1) // workers)
+        if type(position) is not int or not 0 <= position <= documents:
+            who = f"worker {worker} of dp rank {self._dp_rank}" if workers > 1 else f"dp rank {self._dp_rank}"
+            raise DataLoaderPositionError(
+                f"the checkpoint's data loader state says {who} read {position!r} documents this epoch "
+                f"(sample_idx), and it reads {documents:,} of dataset {self.dataset_name!r}: a state of another "
+                "dataset, or edited. Resume with the dataset it was saved with, or with "
+                "checkpoint.exclude_from_loading = [\"dataloader\"] to start the data over. Nothing of the "
+                "data loader was loaded.")
 
     def source_copy(self, world: int, rank: int) -> ElasticTextDataset:
         """A fresh dataset reading as rank ``rank`` of ``world`` (sharing this

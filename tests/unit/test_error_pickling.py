@@ -27,6 +27,7 @@ EXAMPLES = {
     "gefen_titan.checkpoint.digests.CorruptCheckpointError":
         lambda m: m.CorruptCheckpointError("corrupt: x", file="__0_0.distcp", entry="model.w", what="digest"),
     "gefen_titan.checkpoint.load_checks.StepMismatchError": lambda m: m.StepMismatchError("step 3, folder step-4"),
+    "gefen_titan.checkpoint.entry_values.EntryValueError": lambda m: m.EntryValueError("train_state.step is -1"),
     "gefen_titan.checkpoint.schema.FormatError": lambda m: m.FormatError("bad record"),
     "gefen_titan.checkpoint.unpickling.ForbiddenObjectError":
         lambda m: m.ForbiddenObjectError("entry train_state.step", "builtins.eval", "/ckpt/step-4"),
@@ -41,6 +42,7 @@ EXAMPLES = {
     "gefen_titan.checkpoint.pickle_budget._Refused": lambda m: m._Refused("nested too deep"),
     "gefen_titan.ckpt_tools.view.CkptError": lambda m: m.CkptError("cannot read", "metadata fields"),
     "gefen_titan.data.elastic_dataset.DataLoaderReshardError": lambda m: m.DataLoaderReshardError("no"),
+    "gefen_titan.data.elastic_dataset.DataLoaderPositionError": lambda m: m.DataLoaderPositionError("no"),
     "gefen_titan.data.global_loader.DataOrderError": lambda m: m.DataOrderError("no"),
     "gefen_titan.data.indexed.IndexedDataError": lambda m: m.IndexedDataError("no"),
     "gefen_titan.data.registry.UnknownLoaderError": lambda m: m.UnknownLoaderError("no"),

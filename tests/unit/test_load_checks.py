@@ -26,6 +26,7 @@ loads.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -46,7 +47,7 @@ from gefen_titan.ckpt_tools.verify import verify_checkpoint
 from gefen_titan.optim import gefenx as gx
 from tests.helpers.bad_checkpoints import edited
 from tests.helpers.tiny_checkpoint import STEP, Loader, build, edit_metadata, manager, resume, save
-from tests.helpers.untrusted import Payload, rewrite_digests
+from tests.helpers.untrusted import Payload, replace_item, rewrite_digests
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
 
@@ -140,6 +141,12 @@ def _deep_metadata(step: Path) -> None:  # allowed types only, 100 tuples deep (
     rewrite_digests(step, md)
 
 
+def _step_of_2_to_63(step: Path) -> None:  # beyond 2^53 (entry_values), in place of the step the folder names
+    buf = io.BytesIO()
+    torch.save(1 << 63, buf)
+    replace_item(step, "train_state.step", buf.getvalue())
+
+
 def _size_an_int(md) -> None:  # DCP writes a torch.Size; the other checks would raise TypeError on an int
     md.state_dict_metadata[WEIGHT].size = 16
 
@@ -163,6 +170,7 @@ CASES: dict[str, tuple[str, object, str]] = {
     "loader states": ("save", {"loader": "payload"}, "dataloader.dp_rank_0 names io.open"),
     "stored tensors": ("metadata", _int32, "[stored tensors]"),
     "step binding": ("step", None, "its train_state.step is 1, and its folder is step-2"),
+    "entry values": ("copy", _step_of_2_to_63, "entry train_state.step is 9,223,372,036,854,775,808, outside"),
     # The state adapters refuse these two first, naming the parameter (model-aware, as before);
     # verify names the records stage's check of them.
     "records": ("records", _records, "0.weight: global step 0 < parameter step 1"),

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint import schema, schema_records, schema_v1
+from gefen_titan.checkpoint import kinds, schema, schema_records, schema_v1
 from gefen_titan.checkpoint.errors import GefenCheckpointError, other_model_advice
 from gefen_titan.checkpoint.schema import HYPER
 from gefen_titan.distributed import like_param, local
@@ -299,9 +299,10 @@ class GefenPerRankAdapter(StagedLoad):
             codes_of[slot.fqn] = local(sd[schema.codes_key(slot.fqn)]).reshape(-1)
             for s in plan.needed[slot.fqn]:
                 b = sd[schema.blocks_key(s.opt_id, s.label)][s.block0 : s.block0 + s.length // s.period]
-                if not torch.isfinite(b).all() or (b < 0).any():
+                why = kinds.nonnegative_problem(b)  # verify's check of them too
+                if why:
                     raise GefenCheckpointError(f"{slot.fqn}: source rank {s.label} has non-finite or negative "
-                                               "magnitudes/vmean (corrupt checkpoint)")
+                                               f"magnitudes/vmean ({why}; corrupt checkpoint)")
                 blocks_of[(slot.fqn, s.label)] = b
 
         # One codebook per live optimizer: adopt it when all of the optimizer's

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint import schema, schema_records
+from gefen_titan.checkpoint import kinds, schema, schema_records
 from gefen_titan.checkpoint.errors import GefenCheckpointError, other_model_advice, refuse_on_any_rank
 from gefen_titan.distributed import like_param, local
 from gefen_titan.optim import gefenx as gx
@@ -70,10 +70,12 @@ class Plan:
 
 
 def check_finite_nonnegative(fqn: str, what: str, t: torch.Tensor | None) -> None:
-    """Magnitudes and second moments are finite and >= 0 in any state Gefen's arithmetic made."""
-    if t is not None and (not torch.isfinite(t).all() or (t < 0).any()):
+    """Magnitudes and second moments are finite and >= 0 in any state Gefen's arithmetic made
+    (``kinds.nonnegative_problem``: ``ckpt verify`` runs the same check)."""
+    why = None if t is None else kinds.nonnegative_problem(t)
+    if why:
         raise GefenCheckpointError(
-            f"{fqn}: non-finite or negative {what} in the checkpoint (corrupt file)")  # the load adds what to do
+            f"{fqn}: non-finite or negative {what} in the checkpoint ({why}; corrupt file)")  # the load adds what to do
 
 
 class ShardedAdapter(StagedLoad):
