@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickletools
+import struct
 
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 
@@ -81,32 +82,32 @@ class OverBudgetError(GefenCheckpointError):
         return type(self), (self.where, self.what, self.source), self.__dict__
 
 
-# What each opcode does to the stack, by kind (the byte's index in _KIND): its arity where it has one.
-_LEAF, _NEW, _NEW_MARKED, _FILL, _FILL_MARKED, _MARK_OP, _POP, _POP_MARK, _DUP, _PUT, _MEMOIZE, _GET, _NOOP, \
-    _STOP = range(14)
-_KINDS = {
-    _LEAF: ("INT BININT BININT1 BININT2 LONG LONG1 LONG4 STRING BINSTRING SHORT_BINSTRING BINBYTES SHORT_BINBYTES "
-            "BINBYTES8 BYTEARRAY8 UNICODE SHORT_BINUNICODE BINUNICODE BINUNICODE8 NONE NEWTRUE NEWFALSE FLOAT "
-            "BINFLOAT EMPTY_LIST EMPTY_TUPLE EMPTY_DICT EMPTY_SET GLOBAL PERSID EXT1 EXT2 EXT4"),
-    _NEW: "TUPLE1 TUPLE2 TUPLE3 STACK_GLOBAL BINPERSID REDUCE NEWOBJ NEWOBJ_EX",  # from the top n
-    _NEW_MARKED: "TUPLE LIST DICT FROZENSET INST OBJ",  # from the items above MARK
-    _FILL: "APPEND SETITEM BUILD",  # the object below the top n takes them
-    _FILL_MARKED: "APPENDS SETITEMS ADDITEMS",  # the object below MARK takes the items above it
-    _MARK_OP: "MARK", _POP: "POP", _POP_MARK: "POP_MARK", _DUP: "DUP", _PUT: "PUT BINPUT LONG_BINPUT",
-    _MEMOIZE: "MEMOIZE", _GET: "GET BINGET LONG_BINGET", _NOOP: "PROTO FRAME READONLY_BUFFER", _STOP: "STOP",
-}
-_ARITY = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3, "STACK_GLOBAL": 2, "BINPERSID": 1, "REDUCE": 2, "NEWOBJ": 2,
-          "NEWOBJ_EX": 3, "APPEND": 1, "SETITEM": 2, "BUILD": 1}
-_KIND = [-1] * 256  # -1: an opcode no checkpoint writer uses (NEXT_BUFFER, READWRITE_BUFFER, unknown bytes)
-_N = [0] * 256  # how many stack items it takes (_NEW, _FILL)
-_ARG = [0] * 256  # its argument: n > 0 bytes; -1 a line (-6: two); -2/-3/-4/-5 a length of 1/4s/4/8 bytes first
-_OPS = {op.name: op for op in pickletools.opcodes}
-for _kind, _names in _KINDS.items():
+# What each opcode does, as one small int per opcode byte (the loop below branches on it, most frequent first).
+(_MEMO, _BINGET, _LONG_BINGET, _LEAF, _LEAF_N, _LEAF_1, _LEAF_4, _LEAF_4S, _LEAF_8, _NEW_N, _NEW_MARK, _FILL_N,
+ _FILL_MARK, _MARK_OP, _POP, _POP_MARK, _DUP, _BINPUT, _LONG_BINPUT, _SKIP, _STOP, _TEXT) = range(22)
+_OP = [-1] * 256  # -1: an opcode no checkpoint writer uses (NEXT_BUFFER, READWRITE_BUFFER, unknown bytes)
+_N = [0] * 256  # bytes of a fixed argument, or stack items taken
+for _kind, _n, _names in (
+        (_MEMO, 0, "MEMOIZE"), (_BINGET, 0, "BINGET"), (_LONG_BINGET, 0, "LONG_BINGET"),
+        (_LEAF, 0, "NONE NEWTRUE NEWFALSE EMPTY_LIST EMPTY_TUPLE EMPTY_DICT EMPTY_SET"),
+        (_LEAF_N, 1, "BININT1 EXT1"), (_LEAF_N, 2, "BININT2 EXT2"), (_LEAF_N, 4, "BININT EXT4"),
+        (_LEAF_N, 8, "BINFLOAT"), (_LEAF_1, 0, "SHORT_BINUNICODE SHORT_BINBYTES SHORT_BINSTRING LONG1"),
+        (_LEAF_4, 0, "BINUNICODE BINBYTES"), (_LEAF_4S, 0, "BINSTRING LONG4"),
+        (_LEAF_8, 0, "BINUNICODE8 BINBYTES8 BYTEARRAY8"),
+        (_NEW_N, 1, "TUPLE1 BINPERSID"), (_NEW_N, 2, "TUPLE2 STACK_GLOBAL REDUCE NEWOBJ"),
+        (_NEW_N, 3, "TUPLE3 NEWOBJ_EX"), (_NEW_MARK, 0, "TUPLE LIST DICT FROZENSET OBJ"),
+        (_FILL_N, 1, "APPEND BUILD"), (_FILL_N, 2, "SETITEM"), (_FILL_MARK, 0, "APPENDS SETITEMS ADDITEMS"),
+        (_MARK_OP, 0, "MARK"), (_POP, 0, "POP"), (_POP_MARK, 0, "POP_MARK"), (_DUP, 0, "DUP"),
+        (_BINPUT, 0, "BINPUT"), (_LONG_BINPUT, 0, "LONG_BINPUT"), (_SKIP, 8, "FRAME"), (_SKIP, 1, "PROTO"),
+        (_SKIP, 0, "READONLY_BUFFER"), (_STOP, 0, "STOP"),
+        # Protocols 0-2 (torch.save writes protocol 2: GLOBAL): an argument of one line, or two (GLOBAL, INST).
+        (_TEXT, 0, "INT LONG STRING UNICODE FLOAT GET PUT PERSID"), (_TEXT, 2, "GLOBAL INST")):
     for _name in _names.split():
-        _op = _OPS[_name]
-        _c = ord(_op.code)
-        _KIND[_c], _N[_c] = _kind, _ARITY.get(_name, 0)
-        _ARG[_c] = 0 if _op.arg is None else (-6 if _op.arg.name == "stringnl_noescape_pair" else _op.arg.n)
+        _c = ord(next(op for op in pickletools.opcodes if op.name == _name).code)
+        _OP[_c], _N[_c] = _kind, _n
+_TEXT_KINDS = {ord(op.code): op.name for op in pickletools.opcodes if op.name in
+               ("INT", "LONG", "STRING", "UNICODE", "FLOAT", "GET", "PUT", "PERSID", "GLOBAL", "INST")}
+_U32, _I32, _U64 = (struct.Struct(f).unpack_from for f in ("<I", "<i", "<Q"))
 _OBJECT = 56  # bytes counted per object built, and 8 per reference it holds
 _MARK = -1
 
@@ -116,126 +117,174 @@ class _Refused(Exception):
 
 
 def _scan(raw: bytes, budget: Budget) -> None:
-    """The opcode walk of ``check``; raises ``_Refused(what)``. One loop with locals: this runs on every
-    ``.metadata`` a load reads, so it is kept to a few operations per opcode."""
+    """The opcode walk of ``check``; raises ``_Refused(what)``. One loop over locals: it runs on every
+    ``.metadata`` a load reads, so each opcode costs a table lookup and a few branches. An object is
+    one int in ``info``, its size (shared objects once per use) << 8 | its depth."""
     max_depth, max_string = budget.max_depth, budget.max_string
     max_bytes, max_objects = budget.bytes_for(len(raw)), budget.objects_for(len(raw))
-    depth: list[int] = []
-    size: list[int] = []
-    placed: list[bool] = []  # held by another object (then never changed again)
+    info: list[int] = []
+    placed = bytearray()  # held by another object (then never changed again)
     stack: list[int] = []
-    memo: dict[int, int] = {}
+    memo: list[int] = []  # MEMOIZE's and in-order puts
+    puts: dict[int, int] = {}  # puts at other indices
+    op_of, n_of = _OP, _N
     pos, end = 0, len(raw)
     while pos < end:
         c = raw[pos]
+        op = op_of[c]
         pos += 1
-        kind, arg = _KIND[c], _ARG[c]
-        length = 0
-        if arg > 0:
-            start, pos = pos, pos + arg
-        elif arg == -2:
-            length = raw[pos] if pos < end else 0
-            pos += 1 + length
-        elif arg == -3 or arg == -4:
-            length = int.from_bytes(raw[pos:pos + 4], "little", signed=arg == -3)
-            pos += 4 + length
-        elif arg == -5:
-            length = int.from_bytes(raw[pos:pos + 8], "little")
-            pos += 8 + length
-        elif arg < 0:
-            start = pos
-            for _ in range(2 if arg == -6 else 1):
-                pos = raw.find(b"\n", pos) + 1
-                if not pos:
-                    return  # truncated: the unpickler's to refuse
-            length = pos - start
-        if pos > end or length < 0:
-            return  # truncated: the unpickler's to refuse
-        if kind == _MEMOIZE or kind == _PUT:
+        if op == _MEMO:
             if not stack:
                 raise _Refused("a memo put on an empty stack")
-            key = len(memo) if kind == _MEMOIZE else (int(raw[start:pos - 1]) if arg == -1
-                                                       else int.from_bytes(raw[start:pos], "little"))
-            memo[key] = stack[-1]
-        elif kind == _GET:
-            key = int(raw[start:pos - 1]) if arg == -1 else int.from_bytes(raw[start:pos], "little")
-            if key not in memo:
+            memo.append(stack[-1])
+            continue
+        if op == _BINGET or op == _LONG_BINGET:
+            if op == _BINGET:
+                key = raw[pos] if pos < end else -1
+                pos += 1
+            else:
+                key = _U32(raw, pos)[0] if pos + 4 <= end else -1
+                pos += 4
+            if 0 <= key < len(memo):
+                stack.append(memo[key])
+            elif key in puts:
+                stack.append(puts[key])
+            else:
                 raise _Refused(f"a memo get of {key}, which was never put")
-            stack.append(memo[key])
-        elif kind == _LEAF or kind == _NEW or kind == _NEW_MARKED:
+            continue
+        if op == _TEXT:  # rare: protocols 0-2
+            op, key, pos = _text(raw, pos, c)
+            if op == _BINGET:
+                if key not in puts and not 0 <= key < len(memo):
+                    raise _Refused(f"a memo get of {key}, which was never put")
+                stack.append(puts[key] if key in puts else memo[key])
+                continue
+            if op == _BINPUT:
+                if not stack:
+                    raise _Refused("a memo put on an empty stack")
+                puts[key] = stack[-1]
+                continue
+            length = key  # a new object from its line
+        elif _LEAF <= op <= _LEAF_8:
+            length = 0
+            if op == _LEAF_N:
+                pos += n_of[c]
+            elif op == _LEAF_1:
+                length = raw[pos] if pos < end else 0
+                pos += 1 + length
+            elif op == _LEAF_4:
+                length = _U32(raw, pos)[0] if pos + 4 <= end else 0
+                pos += 4 + length
+            elif op == _LEAF_4S:
+                length = _I32(raw, pos)[0] if pos + 4 <= end else 0
+                pos += 4 + length
+            elif op == _LEAF_8:
+                length = _U64(raw, pos)[0] if pos + 8 <= end else 0
+                pos += 8 + length
+        else:
+            length = -1
+        if length >= 0:  # a new object from nothing
+            if pos > end:
+                return  # cut short: the unpickler's to refuse
             if length > max_string:
                 raise _Refused(f"a string of {length:,} bytes (at most {max_string:,})")
-            if kind == _LEAF:
-                children: list[int] = []
-            elif kind == _NEW:
-                n = _N[c]
-                if len(stack) < n:
-                    raise _Refused("an opcode that pops more than the stack holds")
-                children = stack[len(stack) - n:]
-                del stack[len(stack) - n:]
-            else:
-                children = _pop_mark(stack)
-            d, s = 0, _OBJECT + length + 8 * len(children)
-            for child in children:
-                if child == _MARK:
-                    raise _Refused("a MARK where an object belongs")
-                if depth[child] > d:
-                    d = depth[child]
-                s += size[child]
-                placed[child] = True
-            node = len(depth)
-            if node >= max_objects:
+            if len(info) >= max_objects:
                 raise _Refused(f"more than {max_objects:,} objects")
-            if d >= max_depth:
-                raise _Refused(f"objects nested more than {max_depth} deep")
-            if s > max_bytes:
-                raise _Refused(f"objects of more than {max_bytes:,} bytes, each shared one counted per use")
-            depth.append(d + 1)
-            size.append(s)
-            placed.append(False)
-            stack.append(node)
-        elif kind == _FILL or kind == _FILL_MARKED:
-            if kind == _FILL:
-                n = _N[c]
-                if len(stack) < n + 1:
+            stack.append(len(info))
+            info.append((_OBJECT + length) << 8 | 1)
+            placed.append(0)
+            continue
+        if _NEW_N <= op <= _FILL_MARK:
+            if op == _NEW_N or op == _FILL_N:
+                n = n_of[c]
+                if len(stack) < n + (op == _FILL_N):
                     raise _Refused("an opcode that pops more than the stack holds")
                 children = stack[len(stack) - n:]
                 del stack[len(stack) - n:]
             else:
                 children = _pop_mark(stack)
-            node = stack[-1] if stack else _MARK
-            if node == _MARK or placed[node]:
-                raise _Refused("an object filled after another one took it (pickles of objects that contain "
-                               "themselves do this; no checkpoint writer makes one)")
-            d, s = depth[node], size[node]
+            fill = op == _FILL_N or op == _FILL_MARK
+            if fill:
+                node = stack[-1] if stack else _MARK
+                if node == _MARK or placed[node]:
+                    raise _Refused("an object filled after another one took it (pickles of objects that "
+                                   "contain themselves do this; no checkpoint writer makes one)")
+                v = info[node]
+                depth, size = (v & 255) - 1, v >> 8
+            else:
+                depth, size = 0, _OBJECT
             for child in children:
-                if child == _MARK or child == node:
-                    raise _Refused("an object that holds itself or a MARK")
-                if depth[child] >= d:
-                    d = depth[child] + 1
-                s += 8 + size[child]
-                placed[child] = True
-            if d > max_depth:
+                if child == _MARK or (fill and child == node):
+                    raise _Refused("an object that holds itself or a MARK where an object belongs")
+                v = info[child]
+                if (v & 255) > depth:
+                    depth = v & 255
+                size += 8 + (v >> 8)
+                placed[child] = 1
+            if depth >= max_depth:
                 raise _Refused(f"objects nested more than {max_depth} deep")
-            if s > max_bytes:
+            if size > max_bytes:
                 raise _Refused(f"objects of more than {max_bytes:,} bytes, each shared one counted per use")
-            depth[node], size[node] = d, s
-        elif kind == _MARK_OP:
+            if fill:
+                info[node] = size << 8 | (depth + 1)
+                continue
+            if len(info) >= max_objects:
+                raise _Refused(f"more than {max_objects:,} objects")
+            stack.append(len(info))
+            info.append(size << 8 | (depth + 1))
+            placed.append(0)
+        elif op == _MARK_OP:
             stack.append(_MARK)
-        elif kind == _POP:
+        elif op == _BINPUT or op == _LONG_BINPUT:
+            if op == _BINPUT:
+                key = raw[pos] if pos < end else -1
+                pos += 1
+            else:
+                key = _U32(raw, pos)[0] if pos + 4 <= end else -1
+                pos += 4
+            if not stack:
+                raise _Refused("a memo put on an empty stack")
+            if key == len(memo):
+                memo.append(stack[-1])
+            else:
+                puts[key] = stack[-1]
+        elif op == _SKIP:
+            pos += n_of[c]
+        elif op == _POP:
             if not stack:
                 raise _Refused("a POP on an empty stack")
             stack.pop()
-        elif kind == _POP_MARK:
+        elif op == _POP_MARK:
             _pop_mark(stack)
-        elif kind == _DUP:
+        elif op == _DUP:
             if not stack:
                 raise _Refused("a DUP on an empty stack")
             stack.append(stack[-1])
-        elif kind == _STOP:
+        elif op == _STOP:
             return
-        elif kind != _NOOP:
+        else:
             raise _Refused(f"opcode {c:#04x}, which no checkpoint writer uses")
+
+
+def _text(raw: bytes, pos: int, c: int) -> tuple[int, int, int]:
+    """A text opcode (protocols 0-2) at ``pos``: (``_BINGET`` / ``_BINPUT`` and the memo key, or ``_LEAF``
+    and its argument's length; the position after its line(s)). GLOBAL and INST take two lines; INST
+    (a class called on the items above MARK) is refused: no checkpoint writer uses it."""
+    name = _TEXT_KINDS[c]
+    if name == "INST":
+        raise _Refused("opcode INST, which no checkpoint writer uses")
+    start = pos
+    for _ in range(2 if name == "GLOBAL" else 1):
+        pos = raw.find(b"\n", pos) + 1
+        if not pos:
+            return _LEAF, 0, len(raw) + 1  # cut short: the unpickler's to refuse
+    if name in ("GET", "PUT"):
+        try:
+            key = int(raw[start:pos - 1])
+        except ValueError:
+            return _LEAF, 0, len(raw) + 1  # not a pickle: the unpickler's to refuse
+        return (_BINGET if name == "GET" else _BINPUT), key, pos
+    return _LEAF, pos - start, pos
 
 
 def _pop_mark(stack: list[int]) -> list[int]:
