@@ -32,7 +32,9 @@ the cost on a shared machine), and the best of each beside it. ``checks``
 (not in the default list) is ``current`` plus the same paired line for the
 load's metadata stage (``checkpoint.load_checks``: ``.metadata`` against the
 files' sizes before anything is allocated): the same checkpoint loaded with
-the stage left out and run.
+the stage left out and run. ``reads`` (not in the default list) is the same
+for the read stage's pickle walk and field types (``pickle_budget``,
+``metadata_fields``: every byte entry and ``.metadata``).
 
 Prints, per method: optimizer bytes/param on disk and on disk over in
 memory, the first step's time, save time and the peak RSS growth during the
@@ -67,24 +69,25 @@ import time
 
 MODELS = {"debug": "debugmodel", "150M": "150M"}
 DEFAULT_METHODS = ("current", "v1", "gefen-x", "adamw")
-METHODS = (*DEFAULT_METHODS, "gefen-muon", "digests", "checks")
+METHODS = (*DEFAULT_METHODS, "gefen-muon", "digests", "checks", "reads")
 # recipes/llama_gefen_muon.toml's split: GefenMuon for the hidden matrices, Gefen (the shorthand) for the rest.
 MUON_PATTERN = r"^layers\.\d+\.(attention|feed_forward)\."
 MUON_KWARGS = {"momentum": 0.95, "nesterov": True, "ns_steps": 5, "adjust_lr_fn": "match_rms_adamw", "normuon": True}
 SAVE_TARGET, LOAD_TARGET, PEAK_TARGET = 0.5, 1.0, 1.0
-OURS = ("current", "v1", "gefen-muon", "digests", "checks")  # saved and loaded as GefenCheckpointManager does
+OURS = ("current", "v1", "gefen-muon", "digests", "checks", "reads")  # saved and loaded as GefenCheckpointManager does
 PAIRED = 60  # --paired default: rounds of a save/load without and with digests (method "digests"; ~0.1-0.3 s each)
 
 
 def method_label(method: str) -> str:
     """The method's row name; ``current`` names the format a run writes today."""
-    if method in ("current", "digests", "checks"):
+    if method in ("current", "digests", "checks", "reads"):
         from gefen_titan.checkpoint import schema
         from gefen_titan.optim.container import GefenOptimizersContainer
 
         blocking = GefenOptimizersContainer.Config().blocking
         version = schema.VERSION if blocking == "agreed" else schema.V1
-        suffix = {"digests": " (paired digests)", "checks": " (paired metadata checks)"}.get(method, "")
+        suffix = {"digests": " (paired digests)", "checks": " (paired metadata checks)",
+                  "reads": " (paired read stage)"}.get(method, "")
         return f"gefen-titan v{version} ({blocking}, current){suffix}"
     return {"v1": "gefen-titan v1 (per_rank)", "gefen-x": "gefen-x GefenDCPState", "adamw": "AdamW",
             "gefen-muon": "gefen-titan GefenMuon + Gefen (agreed)"}[method]
@@ -294,6 +297,18 @@ def _worker(args) -> None:
                                         lambda: load_current(args.ckpt))
         elif args.method == "checks":  # the same checkpoint, the load's metadata stage left out / run
             result["paired_s"] = paired(lambda: load_current(args.ckpt, bounds=False), lambda: load_current(args.ckpt))
+        elif args.method == "reads":  # the same checkpoint, the read stage's pickle walk and field types left out / run
+            from gefen_titan.checkpoint import metadata_fields, pickle_budget
+
+            def without_read_stage() -> None:
+                walk, fields = pickle_budget.check, metadata_fields.check
+                pickle_budget.check = metadata_fields.check = lambda *a, **k: None
+                try:
+                    load_current(args.ckpt)
+                finally:
+                    pickle_budget.check, metadata_fields.check = walk, fields
+
+            result["paired_s"] = paired(without_read_stage, lambda: load_current(args.ckpt))
         digests, update = next_update()
     if profiler:
         profiler.dump_stats(args.profile)
@@ -482,6 +497,11 @@ def report(rows: list[dict], args: argparse.Namespace) -> str:
         loads_cost = "; ".join(f"load {n}->{m} {_pct(ck['loads'][m]['paired_s'])}" for m in loads)
         lines.append(f"metadata checks' cost on its own (load_checks' metadata stage left out / run, in one process, "
                      f"order swapped each round; a save runs no check): {loads_cost}")
+    rd = next((r for r in rows if r["method"] == "reads"), None)
+    if rd is not None:
+        loads_cost = "; ".join(f"load {n}->{m} {_pct(rd['loads'][m]['paired_s'])}" for m in loads)
+        lines.append(f"read stage's cost on its own (pickle_budget's walk and metadata_fields' types left out / run, "
+                     f"in one process, order swapped each round): {loads_cost}")
     return "\n".join(lines)
 
 

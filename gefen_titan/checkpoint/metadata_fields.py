@@ -117,9 +117,7 @@ def _item(index: Any, info: Any) -> str | None:
 
 
 def _planner_data(data: Any, entries: int) -> str | None:
-    if data is None:
-        return None
-    if type(data) is not dict:
+    if type(data) is not dict:  # DCP's save planner always writes its mapping (empty for a flat state dict)
         return f"planner_data is {type(data).__name__}, not a dict"
     for key, path in data.items():
         if not _name(key) or not isinstance(path, tuple) or not 0 < len(path) <= MAX_PATH:

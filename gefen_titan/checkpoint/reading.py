@@ -56,7 +56,7 @@ from torch.futures import Future
 from torchtitan.tools.logging import logger
 
 from gefen_titan.checkpoint import digests as dg
-from gefen_titan.checkpoint import files, load_checks, metadata_fields, pickle_budget, unpickling
+from gefen_titan.checkpoint import files, load_checks, metadata_fields, unpickling
 from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause, unreadable
 from gefen_titan.checkpoint.item_reads import ItemReads, load_bytes
 
@@ -91,9 +91,8 @@ def read_and_check_metadata(fs: Any, path: Any, checkpoint_id: str) -> tuple[Met
     if record is not None:
         record.check_metadata(raw, checkpoint_id)
     try:
-        # Budgets first (depth, sharing, counts: pickle_budget): a pickle of allowed types only can still
-        # crash or exhaust a reader while it is unpickled.
-        pickle_budget.check(raw, dg.METADATA_FILE, checkpoint_id, pickle_budget.METADATA)
+        # Within budgets (unpickling.unpickle_metadata: nesting, copies): a pickle of allowed types only can
+        # still crash or exhaust a reader while it is unpickled.
         metadata = unpickling.unpickle_metadata(raw, checkpoint_id)
         if not isinstance(metadata, Metadata):
             raise TypeError(f"holds a {type(metadata).__name__}, not DCP Metadata")

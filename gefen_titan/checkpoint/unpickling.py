@@ -27,13 +27,17 @@ the global.
 
 from __future__ import annotations
 
+import collections
 import io
+import pathlib
 import pickle
 import re
+import threading
 import zipfile
 from typing import Any, BinaryIO
 
 import torch
+from torch.distributed.checkpoint import filesystem, metadata
 
 from gefen_titan.checkpoint import pickle_budget
 from gefen_titan.checkpoint.errors import GefenCheckpointError
@@ -106,9 +110,126 @@ class _Restricted(pickle.Unpickler):
         raise ForbiddenObjectError(self._where, f"a persistent id ({type(pid).__name__})", self._source)
 
 
+# ------------------------------------------------------------------ .metadata within budgets, at C speed
+# pickle_budget's opcode walk costs ~10x the C unpickling it guards (+14% of a 150M load, measured), so
+# .metadata, read on every rank of every load, is guarded inside the C unpickler instead, where the harm
+# is done: (1) C recursion: only hashing recurses without a limit (a dict key, a set member, an enum or
+# layout lookup), and only through nested tuples and frozensets; their nesting is at most the count of
+# the bytes that can be their opcodes, so below HASH_SAFE_NESTING (hashing overflows an 8 MiB stack
+# between 100,000 and 200,000 levels; measured) the C unpickler cannot recurse past it, and above it the
+# walk runs first; (2) copies per use: the C unpickler builds each object once (no more objects than
+# opcodes), and an object used again costs only where it is copied: a BUILD's state into an instance,
+# a constructor's arguments (torch.Size, paths, OrderedDict). Every allowed class is handed out as a
+# subclass whose __setstate__ charges its state's length, every allowed constructor as a function that
+# charges its arguments' (and refuses arguments of types DCP never passes, such as a tuple to hash);
+# the charges are bounded by COPY_BUDGET. Then each object takes its DCP class back (_restore) at the
+# places DCP's metadata holds them; metadata_fields refuses any object left elsewhere.
+HASH_SAFE_NESTING = 10_000
+COPY_BUDGET = 1 << 20  # references or characters copied, plus one per byte of the pickle
+_charges = threading.local()
+
+
+def _charge(n: int) -> None:
+    budget = _charges.left
+    budget[0] -= n
+    if budget[0] < 0:
+        raise pickle_budget.OverBudgetError(".metadata", "objects copied more than the budget allows (a shared "
+                                            "object used again and again)", _charges.source)
+
+
+def _guarded_class(base: type) -> type:
+    def __setstate__(self: Any, state: Any) -> None:
+        if type(state) is dict:
+            _charge(len(state) + 1)
+            self.__dict__.update(state)  # what the C unpickler's BUILD does without __setstate__
+        elif type(state) is tuple and base.__dict__.get("__setstate__") is not None:
+            _charge(len(state) + 1)
+            base.__setstate__(self, state)  # TensorProperties keeps its state as a tuple
+        else:
+            raise pickle.UnpicklingError(f"{base.__name__} built from a {type(state).__name__}")
+
+    return type(base.__name__, (base,), {"__slots__": (), "__setstate__": __setstate__, "__module__": __name__})
+
+
+def _charged(call: Any, types: tuple[type, ...], size: Any) -> Any:
+    def make(*args: Any) -> Any:
+        if not all(type(a) in types for a in args):
+            raise pickle.UnpicklingError(f"{getattr(call, '__name__', call)} of {[type(a).__name__ for a in args]}")
+        _charge(1 + sum(size(a) for a in args))
+        return call(*args)
+
+    return make
+
+
+def _guards() -> dict[tuple[str, str], Any]:
+    out: dict[tuple[str, str], Any] = {}
+    for module, name in METADATA_GLOBALS:
+        obj = getattr({"torch.distributed.checkpoint.metadata": metadata, "torch.distributed.checkpoint.filesystem":
+                       filesystem}.get(module), name, None)
+        if isinstance(obj, type) and hasattr(obj, "__dataclass_fields__"):
+            out[(module, name)] = _guarded_class(obj)
+    out[("torch", "Size")] = _charged(torch.Size, (tuple, list), len)
+    out[("collections", "OrderedDict")] = _charged(collections.OrderedDict, (list, tuple), len)
+    for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+        out[("pathlib", name)] = _charged(getattr(pathlib, name), (str,), len)
+    # Private names of torch's, as METADATA_GLOBALS names them (DCP pickles them; pinned by test_contract_dcp).
+    out[("torch.serialization", "_get_layout")] = _charged(
+        torch.serialization._get_layout, (str,), len)  # noqa: SLF001
+    out[("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")] = _charged(
+        metadata._MEM_FORMAT_ENCODING, (int, str), lambda v: 1)  # noqa: SLF001
+    return out
+
+
+_GUARDS: dict[tuple[str, str], Any] = {}
+
+
+class _GuardedMetadata(_Restricted):
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name)  # the allowlist first: ForbiddenObjectError
+        return _GUARDS.get((module, name), found)
+
+
+def _restore(md: Any) -> None:
+    """Each guarded object back to its DCP class, at the places DCP's metadata holds them (one pass over
+    the entries and items; no recursion). An object anywhere else stays guarded: metadata_fields refuses it."""
+    bases = {guard: guard.__bases__[0] for guard in _GUARDS.values() if isinstance(guard, type)}
+
+    def back(obj: Any) -> None:
+        base = bases.get(type(obj))
+        if base is not None:
+            object.__setattr__(obj, "__class__", base)  # frozen dataclasses too
+
+    back(md)
+    fields = md.__dict__ if isinstance(md, object) and hasattr(md, "__dict__") else {}
+    entries, items = fields.get("state_dict_metadata"), fields.get("storage_data")
+    for entry in entries.values() if type(entries) is dict else ():
+        back(entry)
+        props, chunks = getattr(entry, "__dict__", {}).get("properties"), getattr(entry, "__dict__", {}).get("chunks")
+        back(props)
+        for chunk in chunks if type(chunks) is list else ():
+            back(chunk)
+    for index, info in items.items() if type(items) is dict else ():
+        back(index)
+        back(info)
+    back(fields.get("storage_meta"))
+
+
 def unpickle_metadata(raw: bytes, source: str = "") -> Any:
-    """``.metadata``'s bytes unpickled with ``METADATA_GLOBALS`` only (``ForbiddenObjectError`` otherwise)."""
-    return _Restricted(io.BytesIO(raw), METADATA_GLOBALS, ".metadata", source, dtypes=True).load()
+    """``.metadata``'s bytes unpickled with ``METADATA_GLOBALS`` only (``ForbiddenObjectError`` otherwise),
+    within budgets (``pickle_budget.OverBudgetError``): the walk first where tuples may nest past
+    ``HASH_SAFE_NESTING``, copies charged inside the C unpickler (comment above)."""
+    nesting = sum(raw.count(op) for op in (b"\x85", b"\x86", b"\x87", b"\x91")) + min(raw.count(b"t"), raw.count(b"("))
+    if nesting > HASH_SAFE_NESTING:
+        pickle_budget.check(raw, ".metadata", source, pickle_budget.METADATA)
+    if not _GUARDS:
+        _GUARDS.update(_guards())
+    _charges.left, _charges.source = [COPY_BUDGET + len(raw)], source
+    try:
+        md = _GuardedMetadata(io.BytesIO(raw), METADATA_GLOBALS, ".metadata", source, dtypes=True).load()
+    finally:
+        _charges.left = None
+    _restore(md)
+    return md
 
 
 def load_entry(stream: BinaryIO | bytes, entry: str, source: str = "") -> Any:

@@ -111,7 +111,10 @@ class Checkpoint:
                             "use another step's folder") from e
         # The load's metadata stage (load_checks): what a read of these files would allocate is bounded by
         # them. ``load`` refuses while any problem stands; inspect flags them, verify lists them.
-        self.problems = storage.metadata_problems(self.path, self.metadata)
+        try:
+            self.problems = storage.metadata_problems(self.path, self.metadata)
+        except GefenCheckpointError as e:  # a data file that is no regular file (checkpoint.files)
+            raise CkptError(str(e), e.check) from e
         self.allocation = load_checks.allocation(self.metadata)
         mapping = self.metadata.planner_data or {}
         self.entries: dict[str, Entry] = {}

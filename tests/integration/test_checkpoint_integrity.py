@@ -30,16 +30,18 @@ import pickle
 import random
 import re
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
 import gefen_titan.train
-from gefen_titan.checkpoint import digests
+from gefen_titan.checkpoint import digests, storage
 from gefen_titan.ckpt_tools.verify import verify_checkpoint
 from tests.helpers import processes
 from tests.helpers.integrity_worker import resume_flipped
+from tests.helpers.tiny_checkpoint import edit_metadata
 from tests.helpers.untrusted import Payload, plant_in_metadata, replace_item, rewrite_digests
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,10 +163,48 @@ def _untrusted_copies(saved: Path, root: Path, sentinel: Path) -> list[tuple[Pat
     shutil.rmtree(folder / "step-4")
     shutil.copytree(folder / "step-2", folder / "step-4")
     out.append((folder, "step 2's files as step 4", "its train_state.step is 2, and its folder is step-4"))
+    # Issue 50: the read stage (special files, pickle budgets, field types) and the chunk bound, on every
+    # rank: each rank reads .metadata itself, so a field of the wrong type no longer fails on rank 0 alone.
+    folder = copy("fields")
+    edit_metadata(folder / "step-4", lambda md: setattr(md, "storage_data", list(md.storage_data.items())))
+    out.append((folder, "storage_data as a list", "storage_data is list, not a dict [metadata fields]"))
+    folder = copy("deep")  # a dict key nesting a tuple 10^6 deep: hashing it segfaulted the reader
+    md = storage.read_metadata(folder / "step-4")
+    (folder / "step-4" / ".metadata").write_bytes(b"\x80\x04}" + b"N" + b"\x85" * 1_000_000 + b"Ns.")
+    rewrite_digests(folder / "step-4", md)
+    out.append((folder, "a 10^6-deep tuple in .metadata", "objects nested more than 64 deep"))
+    folder = copy("fifo")
+    (folder / "step-4" / digests.FILE).unlink()
+    os.mkfifo(folder / "step-4" / digests.FILE)
+    out.append((folder, ".digests as a FIFO", "is a FIFO (named pipe), not a regular file"))
+    folder = copy("chunks")
+    edit_metadata(folder / "step-4", _many_chunks)
+    out.append((folder, "200,000 chunks of one tensor", "200,000 chunks, and the save wrote 2 data file(s)"))
+    folder = copy("bomb")  # rank 1's loader state, deflated (torch.save stores members uncompressed)
+    replace_item(folder / "step-4", "dataloader.dp_rank_1", _deflated(_pickled(b"\0" * (8 << 20))))
+    out.append((folder, "a deflated byte entry", "is compressed"))
     folder = copy("payload")  # last: the end-to-end resume below
     rewrite_digests(folder / "step-4", plant_in_metadata(folder / "step-4", sentinel))
     out.append((folder, "a payload in .metadata, .digests rewritten to match", ".metadata names io.open"))
     return out
+
+
+def _many_chunks(md) -> None:
+    """One small tensor declared as 200,000 one-element chunks: the tiling check was quadratic in them."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+
+    key = next(k for k, e in md.state_dict_metadata.items() if isinstance(e, TensorStorageMetadata))
+    md.state_dict_metadata[key].chunks = [ChunkStorageMetadata(torch.Size([i] + [0] * (len(
+        md.state_dict_metadata[key].size) - 1)), torch.Size([1] * len(md.state_dict_metadata[key].size)))
+        for i in range(200_000)]
+
+
+def _deflated(archive: bytes) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(archive)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for member in src.infolist():
+            dst.writestr(member.filename, src.read(member))
+    return out.getvalue()
 
 
 def _pickled(value) -> bytes:

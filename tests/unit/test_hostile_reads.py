@@ -180,13 +180,27 @@ def test_a_million_deep_tuple_in_metadata_is_refused_not_a_segfault(clean, clean
     _refused_everywhere([(step, "objects nested more than 64 deep")], clean_rss, ("verify", "resume", "export"))
 
 
-def test_a_string_shared_thousands_of_times_is_refused_quickly(clean, clean_rss, tmp_path):
+def test_a_string_copied_thousands_of_times_is_refused_quickly(clean, clean_rss, tmp_path):
+    """One 750 KB string shared through the memo into 2,000 paths (an allowed constructor, which copies
+    its argument per use): 286 KB of pickle cost 1.5 GB. Charged per copy inside the C unpickler."""
     step = _copy(clean, tmp_path)
     big = b"X" + (750_000).to_bytes(4, "little") + b"a" * 750_000
-    _write_metadata(step, b"\x80\x04" + big + b"\x94" + b"(" + b"h\x00" * 2000 + b"t.")
+    path = b"\x8c\x07pathlib\x94\x8c\x09PosixPath\x94\x93\x94"  # memo 1, 2, 3 (the class)
+    raw = b"\x80\x04]\x94" + path + b"0" + big + b"\x94" + b"0" + b"h\x03h\x04\x85Ra" * 2000 + b"."
+    _write_metadata(step, raw)
     (out,) = _child([(step, "verify")])
-    assert not out["ok"] and "each shared one counted per use" in out["message"], out
+    assert not out["ok"] and "objects copied more than the budget allows" in out["message"], out
     assert out["seconds"] < 60 and out["rss_mb"] < clean_rss + EXTRA_RSS_MB, out
+
+
+def test_metadata_past_the_hash_safe_nesting_is_walked_first():
+    """Below HASH_SAFE_NESTING tuple opcodes the C unpickler reads .metadata (copies charged); above it the
+    opcode walk runs first and refuses what nests past its budget."""
+    shallow = pickle.dumps({("a",) * 3: 1})
+    assert unpickling.unpickle_metadata(shallow) == {("a",) * 3: 1}
+    deep = b"\x80\x04}" + b"N" + b"\x85" * (unpickling.HASH_SAFE_NESTING + 1) + b"Ns."
+    with pytest.raises(pickle_budget.OverBudgetError, match="nested more than 64 deep"):
+        unpickling.unpickle_metadata(deep)
 
 
 @pytest.mark.parametrize("raw, what", [

@@ -2,10 +2,23 @@
 
 The tiny checkpoint of ``tests.helpers.tiny_checkpoint`` (Gefen state with
 raw entries, framed model tensors, byte entries) is saved once. Each case
-changes one field of its ``.metadata`` (a tensor's declared size, a chunk's
-offsets or sizes, a chunk added or dropped, a dtype, an item's offset,
-length (or another type of value there) or file), chosen by a seeded generator, and rewrites ``.digests`` to
-match, as a writer without the key would. Then, in one process:
+makes one change, chosen by a seeded generator, and rewrites ``.digests`` to
+match, as a writer without the key would:
+
+* a field of ``.metadata``: a tensor's declared size, a chunk's offsets or
+  sizes, a chunk added or dropped, a dtype, an item's offset, length or file;
+* a value of another type in any field of DCP's metadata objects (every field
+  is drawn, a key of ``storage_data`` too), and a chunk split into as many
+  chunks as it has rows (chunk counts; issue 50);
+* pickles of allowed types past the budgets: nesting (65-300 deep) and
+  sharing (one 200-400 KB string referred to 1,000-3,000 times);
+* ``.digests``' rows, or ``.metadata``'s recorded size;
+* files of the folder: a FIFO, a link to ``/dev/zero`` or a directory in
+  place of ``.metadata``, ``.digests`` or the data file; a sparse
+  ``.metadata`` or ``.digests`` of 1-16 GiB; a byte entry whose archive
+  members are deflated (up to ~1000:1).
+
+Then, in one process:
 
 * the resume either refuses, with a message naming the entry changed and a
   check of ``load_checks`` (or the file), and leaves the model untouched, or
@@ -24,28 +37,33 @@ tests/integration/test_checkpoint_integrity.py.
 
 from __future__ import annotations
 
+import io
+import os
 import random
 import shutil
+import signal
 import time
+import zipfile
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 
 from gefen_titan.checkpoint import digests, load_checks, storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.ckpt_tools.verify import verify_checkpoint
 from gefen_titan.optim import gefenx as gx
 from tests.helpers.tiny_checkpoint import STEP, build, edit_metadata, manager, save
-from tests.helpers.untrusted import digest_rows
+from tests.helpers.untrusted import digest_rows, replace_item
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
 
-SEED = 38
-CASES = 64
-LIMIT_S = 5.0  # per case; a case takes ~0.02 s here (measured 2026-12-05)
+SEED = 50
+CASES = 160
+LIMIT_S = 5.0  # per case; a case takes ~0.02-0.3 s here (measured 2026-12-06)
+ALARM_S = 30
 _HUGE = (1 << 40, 1 << 50)
 _DTYPES = (torch.float32, torch.int32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8)
 
@@ -144,8 +162,109 @@ def _item_file(md, rng) -> str:
     return key
 
 
+_WRONG = (None, 7, "x", 1.5, [0], {}, ("deep",))  # what a crafted pickle may hold where DCP writes another type
+
+
+def _nested(depth: int) -> tuple:
+    out: tuple = ("x",)
+    for _ in range(depth):
+        out = (out,)
+    return out
+
+
+def _field_type(md, rng) -> str:
+    """One field of one of DCP's metadata objects set to a value of another type (every field is drawn):
+    refused naming the field (the entry where the field is an entry's), or loaded the same."""
+    key, e = _tensor(md, rng)
+    index, info = rng.choice(sorted(md.storage_data.items(), key=lambda kv: (kv[0].fqn, tuple(kv[0].offset or ()))))
+    fields = [(md, f, f) for f in ("state_dict_metadata", "storage_data", "planner_data", "storage_meta", "version")]
+    fields += [(e, f, key) for f in ("properties", "size", "chunks")] + [(e.properties, "dtype", key)]
+    fields += [(e.chunks[0], f, key) for f in ("offsets", "sizes")]
+    fields += [(info, f, index.fqn) for f in ("relative_path", "offset", "length", "transform_descriptors")]
+    fields += [(md.storage_meta, f, f"storage_meta.{f}") for f in ("checkpoint_id", "save_id", "load_id", "modules")]
+    obj, field, named = rng.choice(fields)
+    value = rng.choice(_WRONG)
+    setattr(obj, field, _nested(rng.randrange(2, 40)) if value == ("deep",) else value)
+    return named
+
+
+def _index_type(md, rng) -> str:  # a key of storage_data (a MetadataIndex) of another type or with a bad field
+    index = rng.choice(sorted(md.storage_data, key=lambda i: (i.fqn, tuple(i.offset or ()))))
+    info = md.storage_data.pop(index)
+    bad = rng.choice([index.fqn, (index.fqn,), MetadataIndex(index.fqn, index.offset, index.index)])
+    named = "storage_data"
+    if isinstance(bad, MetadataIndex):
+        field = rng.choice(["fqn", "offset", "index"])
+        object.__setattr__(bad, field, rng.choice([1.5, ("x",), "x"] if field != "fqn" else [1.5, 7, None]))
+        named = "storage_data" if field == "fqn" else index.fqn
+    md.storage_data[bad] = info
+    return named
+
+
+def _chunk_count(md, rng) -> str:  # one chunk split into many one-row chunks, all in the file of the first
+    key, e = _tensor(md, rng)
+    c = e.chunks[0]
+    if not len(c.sizes) or c.sizes[0] < 2:
+        return _size(md, rng)
+    rows = [ChunkStorageMetadata(offsets=torch.Size([c.offsets[0] + i, *c.offsets[1:]]),
+                                 sizes=torch.Size([1, *c.sizes[1:]])) for i in range(c.sizes[0])]
+    e.chunks[0:1] = rows
+    return key
+
+
+def _depth(md, rng) -> str:  # allowed types only, nested past the budget (64)
+    md.planner_data[next(iter(md.planner_data))] = _nested(rng.randrange(65, 300))
+    return ".metadata"
+
+
+def _sharing(md, rng) -> str:  # one string shared by hundreds of places: cheap to pickle, GBs to build per use
+    big = "s" * rng.randrange(200_000, 400_000)
+    md.storage_meta.modules = [big] * rng.randrange(1_000, 3_000)
+    return ".metadata"
+
+
 MUTATIONS = {f.__name__.strip("_"): f for f in (_size, _chunk_offsets, _chunk_sizes, _extra_chunk, _missing_chunk,
-                                                _dtype, _item_offset, _item_length, _item_type, _item_file)}
+                                                _dtype, _item_offset, _item_length, _item_type, _item_file,
+                                                _field_type, _index_type, _chunk_count, _depth, _sharing)}
+
+
+# Files of the folder replaced as a writer of the folder can (no .digests rewrite needs the key): each
+# returns the text the refusal names. A reader that opened a FIFO would block: SIGALRM (ALARM_S) ends
+# the case with a failure instead of a hang.
+def _special_file(step: Path, rng: random.Random) -> str:
+    path = step / rng.choice([".metadata", digests.FILE, "__0_0.distcp"])
+    path.unlink()
+    kind = rng.choice(["fifo", "zero", "dir"])
+    if kind == "fifo":
+        os.mkfifo(path)
+        return f"{path} is a FIFO"
+    if kind == "zero":
+        path.symlink_to("/dev/zero")
+        return f"{path} is a character device"
+    path.mkdir()
+    return f"{path} is a directory"
+
+
+def _sparse_file(step: Path, rng: random.Random) -> str:
+    name = rng.choice([".metadata", digests.FILE])
+    os.truncate(step / name, rng.choice([1 << 30, 3 << 30, (1 << 34) + rng.randrange(1 << 20)]))
+    return name
+
+
+def _deflated_entry(step: Path, rng: random.Random) -> str:
+    """A byte entry whose archive members are compressed: ratio up to 1000:1, refused before inflating."""
+    buf = io.BytesIO()
+    torch.save(torch.zeros(rng.randrange(1 << 16, 1 << 22), dtype=torch.uint8), buf)
+    bomb = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as src, zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as dst:
+        for member in src.infolist():
+            dst.writestr(member.filename, src.read(member))
+    key = rng.choice(["train_state.step", "extra.note.seen"])
+    replace_item(step, key, bomb.getvalue())
+    return key
+
+
+FILE_MUTATIONS = {f.__name__.strip("_"): f for f in (_special_file, _sparse_file, _deflated_entry)}
 
 
 # .digests, rewritten whole after the change, consistent with itself (its index and sections are the
@@ -209,7 +328,20 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
                                     for x, y in zip(a, b))
 
 
+def _timed_out(signum, frame):
+    raise TimeoutError(f"a case ran past {ALARM_S} s (a blocked read?)")
+
+
 def test_fuzzed_metadata_is_refused_naming_the_field_or_loads_the_same_state(tmp_path):
+    previous = signal.signal(signal.SIGALRM, _timed_out)
+    try:
+        _fuzz(tmp_path)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _fuzz(tmp_path):
     clean = save(tmp_path / "saved")
     net, opt = build(5)
     assert manager(clean.parents[1], net, opt).load(step=STEP)
@@ -218,17 +350,20 @@ def test_fuzzed_metadata_is_refused_naming_the_field_or_loads_the_same_state(tmp
     rng = random.Random(SEED)
     outcomes: Counter = Counter()
     for case in range(CASES):
-        name = rng.choice(sorted(MUTATIONS) + sorted(DIGEST_MUTATIONS))
+        name = rng.choice(sorted(MUTATIONS) + sorted(DIGEST_MUTATIONS) + sorted(FILE_MUTATIONS))
         root = tmp_path / f"case{case}"
         step = root / "ckpt" / f"step-{STEP}"
         shutil.copytree(clean, step)
         changed: list[str] = []
         if name in MUTATIONS:
             edit_metadata(step, lambda md: changed.append(MUTATIONS[name](md, rng)))
+        elif name in FILE_MUTATIONS:
+            changed.append(FILE_MUTATIONS[name](step, rng))
         else:
             changed.append(_edit_digests(step, name, rng))
         what = f"case {case} ({name} of {changed[0]})"
         start = time.perf_counter()
+        signal.alarm(ALARM_S)  # a blocked open of a FIFO fails the case instead of hanging the suite
         try:
             md = storage.read_metadata(step)  # the .digests cases may be refused here already
             problems = storage.metadata_problems(step, md)
@@ -242,6 +377,7 @@ def test_fuzzed_metadata_is_refused_naming_the_field_or_loads_the_same_state(tmp
         except GefenCheckpointError as e:
             refused = str(e)
         report = verify_checkpoint(str(step))
+        signal.alarm(0)
         took = time.perf_counter() - start
         assert took < LIMIT_S, f"{what}: {took:.1f} s"
         assert report["ok"] == (refused is None), (what, refused, report["problems"])
@@ -257,7 +393,7 @@ def test_fuzzed_metadata_is_refused_naming_the_field_or_loads_the_same_state(tmp
         if problems:
             assert "before any buffer was allocated" in refused, (what, refused)
         outcomes[f"{name}: refused ({'metadata stage' if problems else 'on read'})"] += 1
-    print(f"\n{CASES} fuzzed .metadata cases (seed {SEED}):")
+    print(f"\n{CASES} fuzzed checkpoint cases (seed {SEED}):")
     for k, n in sorted(outcomes.items()):
         print(f"  {n:3d}  {k}")
     assert sum(outcomes.values()) == CASES
