@@ -105,11 +105,16 @@ def _copy(clean: Path, tmp_path: Path) -> Path:
 
 
 def _refused_everywhere(cases: list[tuple[Path, str]], clean_rss: float, tools: tuple[str, ...] = ("verify", "resume")):
-    """Every (step folder, text) refused by each tool with ``text`` in its message, within the memory bound."""
+    """Every (step folder, text) refused by each tool with ``text`` in its message, within the memory bound
+    (the largest growth over a clean verify is printed: ``-s``)."""
     texts = {str(step): text for step, text in cases}
-    for out in _child([(step, tool) for step, _ in cases for tool in tools]):
+    results = _child([(step, tool) for step, _ in cases for tool in tools])
+    for out in results:
         assert not out["ok"] and texts[out["step"]] in out["message"], out
         assert out["rss_mb"] < clean_rss + EXTRA_RSS_MB, (out, clean_rss)
+    peak = max(r["rss_mb"] for r in results) - clean_rss
+    print(f"\n{len(results)} refusals in {results[-1]['seconds']:.1f} s, peak memory {peak:+.0f} MB over a clean "
+          "verify's")
 
 
 # ------------------------------------------------------------------ special and sparse files
@@ -148,6 +153,11 @@ def test_special_and_sparse_files_are_refused_by_name_before_a_read(clean, clean
     step = _copy(clean, tmp_path / "sparse-digests")
     os.truncate(step / ".digests", 1 << 30)  # the real header and index, then a GiB of holes
     cases.append((step, "bytes, its index accounts for"))
+    step = _copy(clean, tmp_path / "long-index")
+    header = (step / ".digests").read_bytes().split(b"\n", 1)[0]
+    (step / ".digests").write_bytes(header + b"\n")
+    os.truncate(step / ".digests", 1 << 30)  # a header, then an index line of a GiB (no newline in it)
+    cases.append((step, "no digest header and index within its first 67,108,864 bytes"))
     step = _copy(clean, tmp_path / "holes-digests")
     os.truncate(step / ".digests", 0)
     os.truncate(step / ".digests", 1 << 30)  # only holes: no header line
