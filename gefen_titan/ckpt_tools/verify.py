@@ -219,6 +219,11 @@ class _Verifier:
             return
         if not raw and data[:2] == b"PK":
             try:
+                unpickling.check_archive(io.BytesIO(data), f"entry {e.key}", self.path)  # before testzip inflates
+            except GefenCheckpointError as err:
+                self.add(name, e.key, str(err), err.check)
+                return
+            try:
                 bad = zipfile.ZipFile(io.BytesIO(data)).testzip()
             except (zipfile.BadZipFile, ValueError, EOFError, OSError) as err:
                 self.add(name, e.key, f"unreadable stored record ({err})")
