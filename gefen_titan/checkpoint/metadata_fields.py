@@ -18,7 +18,10 @@ now rely on the types.
 
 ``planner_data`` (where each entry sits in the saved state dict, which
 ``export`` rebuilds) is bounded here too: at most ``MAX_PATH`` parts, each a
-name or a list index no larger than the number of entries.
+name or a list index no larger than the number of entries, and the list
+slots all paths together make a rebuild grow at most ``MAX_SLOTS_PER_ENTRY``
+per entry (each path alone in range, many deep ones could still grow
+lists quadratic in the entries).
 """
 
 from __future__ import annotations
@@ -40,11 +43,15 @@ from torch.distributed.checkpoint.metadata import (
 
 from gefen_titan.checkpoint.errors import GefenCheckpointError, fall_back
 
-__all__ = ["MalformedMetadataError", "MAX_DIMS", "MAX_PATH", "MAX_NAME", "problem", "check", "items_per_file"]
+__all__ = ["MalformedMetadataError", "MAX_DIMS", "MAX_PATH", "MAX_NAME", "MAX_SLOTS_PER_ENTRY", "problem", "check",
+           "items_per_file"]
 
 MAX_DIMS = 64  # dimensions of a declared tensor (torch's own limit for most kernels is 25)
 MAX_PATH = 64  # parts of an entry's place in the saved state dict (torchtitan nests 2-4 deep)
 MAX_NAME = 1 << 16  # characters of an entry's name, a file's name or a path
+# List slots a rebuild of the nested state dict from planner_data may make, per entry (the sum over every
+# path of its list indices + 1): torchtitan's lists (param groups, per-rank states) hold one entry a slot.
+MAX_SLOTS_PER_ENTRY = 4
 _MISSING = object()
 
 
@@ -119,6 +126,7 @@ def _item(index: Any, info: Any) -> str | None:
 def _planner_data(data: Any, entries: int) -> str | None:
     if type(data) is not dict:  # DCP's save planner always writes its mapping (empty for a flat state dict)
         return f"planner_data is {type(data).__name__}, not a dict"
+    slots, bound = 0, MAX_SLOTS_PER_ENTRY * entries + MAX_PATH
     for key, path in data.items():
         if not _name(key) or not isinstance(path, tuple) or not 0 < len(path) <= MAX_PATH:
             return f"planner_data of {key!r:.80}: not a name and a tuple of 1 to {MAX_PATH} parts"
@@ -126,6 +134,11 @@ def _planner_data(data: Any, entries: int) -> str | None:
             if not (_name(part) or (type(part) is int and 0 <= part <= entries)):
                 return (f"planner_data of {key:.80}: a part {type(part).__name__} {part!r:.40}, neither a name nor "
                         f"a list index up to the {entries:,} entries")
+            if type(part) is int:
+                slots += part + 1  # a list index makes a rebuild (export) grow a list to it
+        if slots > bound:
+            return (f"planner_data's list indices would make a rebuild of the state dict grow lists by {slots:,} "
+                    f"slots, more than {MAX_SLOTS_PER_ENTRY} per entry")
     return None
 
 

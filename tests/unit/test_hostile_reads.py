@@ -257,6 +257,8 @@ def test_a_deflate_bomb_in_a_byte_entry_is_refused_before_it_inflates(clean, cle
     (lambda md: setattr(md, "storage_data", list(md.storage_data.items())), "storage_data is list"),
     (lambda md: setattr(md.state_dict_metadata["0.weight"], "size", _deep_size()), "its size is tuple"),
     (lambda md: md.planner_data.update({"0.weight": ("a", 10**12)}), "neither a name nor a list index"),
+    (lambda md: md.planner_data.update({k: (f"c{i}", len(md.state_dict_metadata)) for i, k in
+                                        enumerate(md.planner_data)}), "would make a rebuild of the state dict grow"),
     (lambda md: setattr(md.storage_meta, "modules", "abc"), "storage_meta.modules is str"),
 ])
 def test_a_field_of_the_wrong_type_is_refused_by_every_reader(clean, tmp_path, change, text):
