@@ -13,6 +13,7 @@ anywhere. CI runs the unit tier so, then ``python -m pytest -q tests/integration
 in one process (README).
 """
 
+import logging
 import os
 from pathlib import Path
 
@@ -43,6 +44,22 @@ class TinyBlock(nn.Module):
 
 
 INTEGRATION = Path(__file__).resolve().parent / "integration"
+
+
+@pytest.fixture(autouse=True)
+def _no_logging_to_closed_streams():
+    """Drop logging handlers whose stream is closed, before each test. A handler added while an earlier
+    test's output was captured (torchtitan's ``init_logger``, a module's own) keeps that captured stream
+    after it closes; the next record through it prints "--- Logging error --- Traceback ..." into what a
+    later test reads (seen in CI: a verify test that asserts no traceback failed on it, by module order)."""
+    for logger in [logging.getLogger(), *logging.root.manager.loggerDict.values()]:
+        if not isinstance(logger, logging.Logger):
+            continue
+        for handler in list(logger.handlers):
+            if isinstance(handler, logging.StreamHandler) and getattr(handler.stream, "closed", False):
+                logger.removeHandler(handler)
+    yield
+
 
 
 # Modules that share a session fixture run in one worker (``runs`` of
