@@ -82,6 +82,12 @@ def fall_back(checkpoint_id: str) -> str:
     return "resume from another checkpoint (none older is beside it: --checkpoint.initial_load_path PATH)"
 
 
+def restore_advice(checkpoint_id: str, file: str | None) -> str:
+    """What ``ckpt verify`` advises for a checkpoint it failed: restore the first bad file, or fall back."""
+    what = f"restore {file} from a copy of this checkpoint" if file else "restore this checkpoint from a copy"
+    return f"{what}, or {fall_back(checkpoint_id)} (`gefen-titan ckpt verify` it first). Nothing was changed."
+
+
 def not_a_checkpoint(path: str) -> str | None:
     """Why the local folder ``path`` is not a checkpoint at all (None: it may be one, or is remote)."""
     if "://" in str(path) or os.path.isfile(os.path.join(path, METADATA_FILE)):

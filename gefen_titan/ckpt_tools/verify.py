@@ -39,7 +39,6 @@ recipe of the run that will resume it (the load checks that, on every rank).
 from __future__ import annotations
 
 import io
-import re
 import zipfile
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -58,7 +57,7 @@ from gefen_titan.checkpoint import (
     storage,
     unpickling,
 )
-from gefen_titan.checkpoint.errors import GefenCheckpointError
+from gefen_titan.checkpoint.errors import GefenCheckpointError, restore_advice
 from gefen_titan.ckpt_tools.saved_records import read_records
 from gefen_titan.ckpt_tools.view import Checkpoint, CkptError, Entry, split_state_key
 
@@ -327,21 +326,6 @@ def _read_exact(stream, length: int) -> bytes:
     return b"".join(parts)
 
 
-def _other_steps(path: str) -> list[str]:
-    """Sibling ``step-N`` folders with a ``.metadata``, oldest first."""
-    p = str(path).rstrip("/")
-    parent, _, here = p.rpartition("/")
-    if not parent:
-        return []
-    try:
-        names = storage.list_files(parent)
-    except OSError:
-        return []
-    steps = [n for n in names if re.fullmatch(r"step-\d+", n) and n != here
-             and storage.file_size(storage.join(parent, n), ".metadata") is not None]
-    return sorted(steps, key=lambda n: int(n[5:]))
-
-
 def verify_checkpoint(path: str, key: bytes | None = None) -> dict[str, Any]:
     """The report ``verify`` prints (``--json`` prints exactly this).
 
@@ -385,15 +369,8 @@ def _verify(path: str) -> dict[str, Any]:
         **summary,
     }
     if first is not None:
-        steps = _other_steps(path)
         report["first_bad_file"] = first.file
-        report["advice"] = (
-            (f"restore {first.file} from a copy of this checkpoint" if first.file else "restore this checkpoint "
-             "from a copy")
-            + (f", or resume from another step with --checkpoint.load_step {steps[-1][5:]} (other steps here: "
-               f"{', '.join(steps)}; verify it first)" if steps else
-               ", or resume from another checkpoint (none other found next to it)")
-            + ". Nothing was changed.")
+        report["advice"] = restore_advice(path, first.file)
     return report
 
 

@@ -192,9 +192,7 @@ class Checkpoint:
                 warnings.filterwarnings("ignore", message=".*single process.*")
                 dcp.load(sd, storage_reader=storage.storage_reader(self.path, metadata=self.metadata), no_dist=True)
         except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps the cause
-            raise CkptError(
-                f"cannot read checkpoint {self.path} ({root_cause(e)}): a file is missing, truncated or "
-                f"unreadable; `gefen-titan ckpt verify {self.path}` names it") from e
+            raise CkptError(str(storage.refusal(self.path, e))) from e
         return sd
 
     def load_names(self, component: str, names: list[str]) -> dict[str, Any]:

@@ -101,3 +101,17 @@ def test_convert_advice_only_between_gefen_and_adamw():
     assert "--job.dump_folder NEW_RUN" in advice
     assert "--to gefen" in convert_advice("c", "AdamW", "Gefen")
     assert convert_advice("c", "GefenMuon", "AdamW") is None
+
+
+def test_verify_advises_in_the_load_refusals_words(tmp_path):
+    """``ckpt verify``'s advice is worded by checkpoint.errors (one module words the advice): restore the
+    first bad file, or the newest older step beside it, by number (issue 49)."""
+    from gefen_titan.checkpoint.errors import fall_back, restore_advice
+
+    for step in (2, 5, 7):
+        (tmp_path / f"step-{step}").mkdir()
+        (tmp_path / f"step-{step}" / ".metadata").write_bytes(b"")
+    advice = restore_advice(str(tmp_path / "step-7"), "__0_0.distcp")
+    assert advice.startswith("restore __0_0.distcp from a copy of this checkpoint, or ")
+    assert fall_back(str(tmp_path / "step-7")) in advice and "--checkpoint.load_step 5" in advice
+    assert "another checkpoint (none older" in restore_advice(str(tmp_path / "step-2"), None)
