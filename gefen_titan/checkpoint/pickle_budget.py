@@ -21,10 +21,12 @@ before its parent takes it (only pickles of objects that contain themselves
 do otherwise, and no checkpoint writer makes one), so a pickle that does it
 anyway is refused. A budget exceeded, or an opcode outside what checkpoint
 writers use, is ``OverBudgetError`` naming the file or entry, the budget and
-the number. Cost: ~0.7 µs per opcode in CPython (42 ms for a 295 KB
-``.metadata`` of 63,000 opcodes, which the C unpickler then reads in 4 ms;
-2026-12-06, AMD EPYC Zen 4): the price of reading a hostile pickle without
-a C scanner, paid once per reader per load.
+the number. Cost: ~0.4 µs per opcode in CPython (24 ms for a 295 KB
+``.metadata`` of 63,000 opcodes, which the C unpickler reads in 3 ms), so
+it reads what is small (a byte entry's ``data.pkl``, a loader's state: KBs)
+and ``.metadata`` only where its tuples may nest past what hashing survives;
+``.metadata`` is otherwise guarded inside the C unpickler
+(``unpickling.unpickle_metadata``).
 """
 
 from __future__ import annotations
@@ -139,12 +141,7 @@ def _scan(raw: bytes, budget: Budget) -> None:
             memo.append(stack[-1])
             continue
         if op == _BINGET or op == _LONG_BINGET:
-            if op == _BINGET:
-                key = raw[pos] if pos < end else -1
-                pos += 1
-            else:
-                key = _U32(raw, pos)[0] if pos + 4 <= end else -1
-                pos += 4
+            key, pos = _memo_key(raw, pos, op == _BINGET)
             if 0 <= key < len(memo):
                 stack.append(memo[key])
             elif key in puts:
@@ -236,12 +233,7 @@ def _scan(raw: bytes, budget: Budget) -> None:
         elif op == _MARK_OP:
             stack.append(_MARK)
         elif op == _BINPUT or op == _LONG_BINPUT:
-            if op == _BINPUT:
-                key = raw[pos] if pos < end else -1
-                pos += 1
-            else:
-                key = _U32(raw, pos)[0] if pos + 4 <= end else -1
-                pos += 4
+            key, pos = _memo_key(raw, pos, op == _BINPUT)
             if not stack:
                 raise _Refused("a memo put on an empty stack")
             if key == len(memo):
@@ -264,6 +256,14 @@ def _scan(raw: bytes, budget: Budget) -> None:
             return
         else:
             raise _Refused(f"opcode {c:#04x}, which no checkpoint writer uses")
+
+
+def _memo_key(raw: bytes, pos: int, short: bool) -> tuple[int, int]:
+    """The memo index of a BIN(GET|PUT) (one byte) or LONG_BIN(GET|PUT) (four), and the position after it;
+    -1 where the pickle is cut short (no memo holds it: refused as a get, kept apart as a put)."""
+    if short:
+        return (raw[pos] if pos < len(raw) else -1), pos + 1
+    return (_U32(raw, pos)[0] if pos + 4 <= len(raw) else -1), pos + 4
 
 
 def _text(raw: bytes, pos: int, c: int) -> tuple[int, int, int]:

@@ -22,12 +22,16 @@ An allowlisted callable must be harmless whatever its arguments (a class
 whose constructor only stores them, a lookup): ``find_class`` is the only
 door a pickle has to code, so what it hands out is all a hostile pickle can
 call. A refusal is ``ForbiddenObjectError``, naming the file or entry and
-the global.
+the global. Allowed types alone can still crash or exhaust a reader (deep
+nesting, shared objects copied per use, a deflated archive member): every
+read here is also within budgets (``pickle_budget``; ``.metadata`` inside
+the C unpickler, ``unpickle_metadata``; archives, ``check_archive``).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import pathlib
 import pickle
@@ -166,7 +170,7 @@ def _guards() -> dict[tuple[str, str], Any]:
     for module, name in METADATA_GLOBALS:
         obj = getattr({"torch.distributed.checkpoint.metadata": metadata, "torch.distributed.checkpoint.filesystem":
                        filesystem}.get(module), name, None)
-        if isinstance(obj, type) and hasattr(obj, "__dataclass_fields__"):
+        if isinstance(obj, type) and dataclasses.is_dataclass(obj):
             out[(module, name)] = _guarded_class(obj)
     out[("torch", "Size")] = _charged(torch.Size, (tuple, list), len)
     out[("collections", "OrderedDict")] = _charged(collections.OrderedDict, (list, tuple), len)
@@ -200,7 +204,7 @@ def _restore(md: Any) -> None:
             object.__setattr__(obj, "__class__", base)  # frozen dataclasses too
 
     back(md)
-    fields = md.__dict__ if isinstance(md, object) and hasattr(md, "__dict__") else {}
+    fields = getattr(md, "__dict__", {})  # any object a pickle built: read without attribute lookups
     entries, items = fields.get("state_dict_metadata"), fields.get("storage_data")
     for entry in entries.values() if type(entries) is dict else ():
         back(entry)

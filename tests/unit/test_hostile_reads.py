@@ -14,6 +14,7 @@ verify's.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -238,10 +239,10 @@ def test_the_budget_passes_what_savers_write(clean):
 
 def test_a_deflate_bomb_in_a_byte_entry_is_refused_before_it_inflates(clean, clean_rss, tmp_path):
     step = _copy(clean, tmp_path)
-    buf = __import__("io").BytesIO()
+    buf = io.BytesIO()
     torch.save(torch.zeros(64 << 20, dtype=torch.uint8), buf)  # 64 MiB stored
-    bomb = __import__("io").BytesIO()
-    with zipfile.ZipFile(__import__("io").BytesIO(buf.getvalue())) as src, \
+    bomb = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as src, \
             zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as dst:
         for info in src.infolist():
             dst.writestr(info.filename, src.read(info))
