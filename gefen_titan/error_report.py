@@ -14,7 +14,15 @@ traceback per rank plus torchrun's own summary buried its one useful line.
   every rank, holding the same block, so torchrun's "Root Cause" shows it
   whichever rank torchrun names, and a message only another rank raised is
   in torchrun's "Failures" list;
-* exit status 1, with no traceback.
+* exit status 1, with no traceback, at once on each node's local rank 0. The
+  other ranks wait for torchrun to stop them (``LAGGARD_WAIT_S``) and leave
+  with status 0 when it does: torchrun lists every rank that exited non-zero,
+  the ones it stopped included, each with its error file, so with every rank
+  failing the message was printed once per rank in its summary (49 lines of
+  output on 2 ranks, 40 now). The job still fails (torchrun's status is its
+  first failure's). A rank that torchrun does not stop in time (its node's
+  first rank did not fail: a message only it raised) exits 1 after the wait,
+  and its error file shows its message.
 
 ``GEFEN_TITAN_TRACEBACK=1`` re-raises instead (every rank's traceback, as
 before). Every other exception is left alone: the entry point's ``@record``
@@ -26,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -36,6 +45,19 @@ __all__ = ["TRACEBACK_ENV", "format_block", "reported"]
 
 TRACEBACK_ENV = "GEFEN_TITAN_TRACEBACK"
 """Set to 1 for the traceback of a user's error (on every rank)."""
+
+LAGGARD_WAIT_S = 20.0
+"""How long a rank other than its node's first waits for torchrun to stop it. torchrun
+polls its workers every 0.1 s by default (``--monitor-interval``) and stops the rest
+with SIGTERM once one has failed; the wait only bounds the case where it does not
+(its node's first rank did not fail), so it is generous rather than tight."""
+
+
+def _stopped(signum, frame) -> None:
+    """A laggard's SIGTERM handler: exit 0, the failure is its node's first rank's, already
+    reported; no interpreter teardown, nothing of this failed run is worth it."""
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def format_block(error: UserError) -> str:
@@ -72,11 +94,22 @@ def reported() -> Iterator[None]:
         if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             raise
         block = format_block(e)
+        # Not its node's first rank under torchrun: let torchrun see that one fail
+        # alone and stop this one, so its summary shows the message once, under
+        # "Root Cause". The handler goes in before the error file, which is what
+        # tells a watcher (torchrun, a test) that this rank has failed.
+        laggard = bool(os.environ.get("TORCHELASTIC_ERROR_FILE")) and os.environ.get("LOCAL_RANK", "0") != "0"
+        if laggard:
+            signal.signal(signal.SIGTERM, _stopped)
         # Another rank's message reaches the user through its error file (torchrun's
         # summary); with no error file (another launcher) each rank prints its own.
         carried = write_error_file(block)
         if os.environ.get("RANK", "0") == "0" or not carried:
             print(block, file=sys.stderr, flush=True)
+        if laggard and carried:
+            time.sleep(LAGGARD_WAIT_S)
+        if laggard:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         # SystemExit, not an Exception: the entry point's ``@record`` re-raises
         # it as it is instead of overwriting the error file with a traceback.
         raise SystemExit(1) from None

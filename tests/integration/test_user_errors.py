@@ -18,12 +18,12 @@ from tests.helpers import processes
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "v2_debug_fsdp2_step3"
-# What follows the error on 2 ranks (Python 3.11) is torchrun's, whatever the ranks print:
-# its failure lines (1-3), its own traceback of ChildFailedError (17 lines) and its
-# summary (22 lines, plus the message's lines once per failed rank that wrote an error
-# file). Ours is the block (2 lines). What comes before the error (torchrun's
-# OMP_NUM_THREADS notice, torchtitan's start-up logs and warnings) is not the error's.
-TORCHRUN_TAIL = 42
+# What follows our block on 2 ranks (Python 3.11) is torchrun's, whatever the ranks print,
+# and we cannot shorten it: its failure lines (1-3), its own traceback of ChildFailedError
+# (17 lines) and its summary (14 lines with one failure listed, plus the message's lines
+# under "Root Cause"). Ours is the block (2 lines). What comes before the error
+# (torchrun's OMP_NUM_THREADS notice, torchtitan's start-up logs) is not the error's.
+TORCHRUN_OWN = 3 + 17 + 14
 
 
 def launch(*args):
@@ -42,9 +42,13 @@ def check_reported(rc, out, *needles):
     assert out.count("Traceback (most recent call last)") == 1, out[-4000:]
     root = out[out.index("Root Cause (first observed failure)"):]
     assert ours[0][:120] in root, root  # torchrun's error file shows the message
+    # ... and only there: rank 1 left when torchrun stopped it, so it is no second failure
+    assert out.count(ours[0][len("gefen-titan: error: "):][:120]) == 2, out[-4000:]
+    assert "<NO_OTHER_FAILURES>" in out, out[-4000:]
     lines = out.splitlines()
     tail = lines[lines.index(ours[0]):]
-    assert len(tail) <= TORCHRUN_TAIL + 3 * 2, "\n".join(tail)
+    block = 1 + next(i for i, line in enumerate(tail) if "GEFEN_TITAN_TRACEBACK=1 shows" in line)
+    assert len(tail) <= TORCHRUN_OWN + 2 * block + 1, "\n".join(tail)
     return ours[0]
 
 

@@ -3,6 +3,11 @@ block on rank 0 and in torchelastic's error file, exit 1, no traceback; anything
 passes through untouched."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -17,6 +22,7 @@ from gefen_titan.recipe import RecipeError
 def env(monkeypatch, tmp_path):
     monkeypatch.delenv(TRACEBACK_ENV, raising=False)
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
     return tmp_path / "error.json"
 
@@ -50,6 +56,50 @@ def test_without_an_error_file_every_rank_prints(env, capsys, monkeypatch):
     with pytest.raises(SystemExit), reported():
         raise GefenCheckpointError("refused")
     assert capsys.readouterr().err.startswith("gefen-titan: error: refused")
+
+
+LAGGARD = """
+import sys
+from gefen_titan import error_report
+from gefen_titan.errors import UserError
+error_report.LAGGARD_WAIT_S = float(sys.argv[1])
+with error_report.reported():
+    raise UserError("refused on every rank")
+"""
+
+
+def _laggard(tmp_path, wait_s):
+    error_file = tmp_path / "error.json"
+    env = {**os.environ, "RANK": "1", "LOCAL_RANK": "1", "TORCHELASTIC_ERROR_FILE": str(error_file)}
+    env.pop(TRACEBACK_ENV, None)
+    proc = subprocess.Popen([sys.executable, "-c", LAGGARD, str(wait_s)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, error_file
+
+
+def test_a_laggard_rank_stopped_by_torchrun_is_not_another_failure(tmp_path):
+    """Local rank 1 writes its error file, then waits; torchrun's SIGTERM (sent once local
+    rank 0 has failed) ends it with status 0, so torchrun's summary does not list the
+    same message again under "Failures"."""
+    proc, error_file = _laggard(tmp_path, 600)
+    deadline = time.monotonic() + 120
+    while not error_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()  # still waiting, not exited with the error
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "refused on every rank" in json.loads(error_file.read_text())["message"]["message"]
+    assert err == ""  # rank 1 prints nothing: rank 0 does
+
+
+def test_a_laggard_rank_not_stopped_fails_after_its_wait(tmp_path):
+    """A message only rank 1 raised: nobody stops it, so it fails itself after the wait."""
+    proc, error_file = _laggard(tmp_path, 0.2)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err
+    assert "refused on every rank" in json.loads(error_file.read_text())["message"]["message"]
 
 
 def test_traceback_switch_reraises(env, monkeypatch):
