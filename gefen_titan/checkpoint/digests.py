@@ -61,7 +61,7 @@ from typing import Any, BinaryIO
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint import files, schema
 from gefen_titan.checkpoint.digest_keys import (
     ALGORITHM,
     KEYED_ALGORITHM,
@@ -77,7 +77,7 @@ from gefen_titan.checkpoint.errors import GefenCheckpointError, fall_back
 __all__ = ["FILE", "METADATA_FILE", "ALGORITHM", "KEYED_ALGORITHM", "MARKER", "PIECE", "key_from_env", "keyed",
            "current_key", "expects_digests", "CorruptCheckpointError", "Digests", "new_hasher",
            "hexdigest", "read", "parsed_once", "corrupt_message", "file_table", "MAX_INDEX_BYTES",
-           "MAX_V1_BYTES", "MAX_ROW_BYTES"]
+           "MAX_V1_BYTES", "MAX_ROW_BYTES", "step_problem"]
 
 FILE = ".digests"
 METADATA_FILE = ".metadata"  # DCP's name for it
@@ -204,6 +204,10 @@ class Digests:
             if rows > counts.get(file, 0):
                 raise _bad(self._source, f"its index gives {file} {rows:,} rows, and .metadata stores "
                                          f"{counts.get(file, 0):,} items in it")
+
+    def file_size(self, file: str) -> int:
+        """The bytes ``file`` holds as saved (every byte of a data file lies in one item); reads its section."""
+        return max((offset + length for offset, (length, _) in self._rows(file).items()), default=0)
 
     def check(self, file: str) -> None:
         """Read and check ``file``'s section now (``ckpt verify``; a load reads those it needs when it needs them)."""
@@ -411,10 +415,43 @@ def _decode_v1(body: bytes, digest: str, checkpoint_id: str) -> Digests:
         raise _bad(checkpoint_id, f"unreadable contents ({type(e).__name__}: {e})") from e
 
 
+def step_problem(checkpoint_id: str) -> str | None:
+    """Why the local step folder ``checkpoint_id`` would not load, by what can be checked without reading
+    its data (None: it checks out). The step a refusal offers instead (``errors.fall_back``) must pass it.
+
+    Checked: ``.digests``' header, index and sections (every row); ``.metadata``'s size and digest
+    against them; each data file they name present, a regular file, exactly as long as its items
+    (every byte of a data file lies in one item). Not checked: the data's own bytes, which would mean
+    reading the whole step (``gefen-titan ckpt verify`` does). A step saved without ``.digests`` has
+    nothing to check against: ``.metadata`` must be there, as for any step offered.
+    """
+    folder = os.fspath(checkpoint_id)
+    try:
+        if files.regular_size(os.path.join(folder, METADATA_FILE)) is None:
+            return f"it has no {METADATA_FILE}"
+        if files.regular_size(os.path.join(folder, FILE)) is None:
+            return None
+        record = read(lambda: files.open_regular(os.path.join(folder, FILE))[0], folder)
+        stream, size = files.open_regular(os.path.join(folder, METADATA_FILE))
+        with stream:
+            if size != record.metadata_size:
+                return f"{METADATA_FILE} is {size:,} bytes, its save wrote {record.metadata_size:,}"
+            record.check_metadata(files.read_whole(stream, size, size, METADATA_FILE, "its recorded size"), folder)
+        for file in record.files():
+            expected = record.file_size(file)
+            found = files.regular_size(os.path.join(folder, file))
+            if found != expected:
+                return f"{file} is {'missing' if found is None else f'{found:,} bytes'}, its save wrote {expected:,}"
+    except (GefenCheckpointError, OSError) as e:
+        return getattr(e, "what", None) or str(e)
+    return None
+
+
 def corrupt_message(checkpoint_id: str, file: str, entry: str | None, what: str) -> str:
     """The refusal every rank raises: the file, the entry, and what to do."""
     return (f"checkpoint {checkpoint_id} is corrupt: {file}" + (f", entry {entry}" if entry else "")
-            + f": {what}. Restore the file from a copy, or {fall_back(checkpoint_id)}; `gefen-titan ckpt verify "
+            + f": {what}. Restore the file from a copy, or {fall_back(checkpoint_id, step_problem)}; "
+            f"`gefen-titan ckpt verify "
             f"{checkpoint_id}` lists every damaged file. Nothing was loaded.")
 
 

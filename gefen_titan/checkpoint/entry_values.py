@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gefen_titan.checkpoint import digests
 from gefen_titan.checkpoint.errors import GefenCheckpointError, fall_back
 
 __all__ = ["COUNT_BOUND", "EntryValueError", "LOADER_COUNTERS", "WORLD_BOUND", "check", "check_loader_state"]
@@ -71,7 +72,8 @@ class EntryValueError(GefenCheckpointError):
 def _refuse(source: str, where: str, what: str) -> EntryValueError:
     return EntryValueError(
         f"checkpoint {source}: {where} {what}. No save of gefen-titan or torchtitan writes this (edited, or "
-        f"damaged): restore the checkpoint from a copy or {fall_back(source)}. Nothing was loaded.")
+        f"damaged): restore the checkpoint from a copy or {fall_back(source, digests.step_problem)}. "
+        "Nothing was loaded.")
 
 
 def _shown(value: Any) -> str:

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import os
 import re
+import threading
+from collections.abc import Callable
 
 from gefen_titan.distributed import raise_on_any_rank
 from gefen_titan.errors import UserError
 
 __all__ = ["CONVERT_TARGETS", "GefenCheckpointError", "Verdict", "convert_advice", "fall_back", "no_such_step",
-           "not_a_checkpoint", "older_steps", "other_model_advice", "refuse_on_any_rank", "root_cause", "saved_steps",
-           "unreadable"]
+           "not_a_checkpoint", "older_steps", "other_model_advice", "refuse_on_any_rank", "restore_advice",
+           "root_cause", "saved_steps", "StepCheck", "unreadable"]
 
 METADATA_FILE = ".metadata"  # DCP's index of a checkpoint folder, the last file a save writes
 
@@ -74,18 +76,60 @@ def older_steps(checkpoint_id: str) -> list[int]:
     return sorted((s for s in saved_steps(parent) if s < int(m.group(1))), reverse=True)
 
 
-def fall_back(checkpoint_id: str) -> str:
-    """What to load instead of a checkpoint refused for its bytes: the newest older step, by number."""
-    older = older_steps(checkpoint_id)
-    if older:
-        return f"resume from the newest older step with --checkpoint.load_step {older[0]}"
+StepCheck = Callable[[str], "str | None"]
+"""A step folder -> why it would not load (None: it checks out). ``digests.step_problem`` is the one
+the package passes; this module cannot import it (``digests`` words its refusals with ``fall_back``)."""
+
+MAX_FALL_BACK_CHECKS = 10
+"""Older steps ``fall_back`` checks at most, newest first: torchtitan keeps 10 by default
+(``checkpoint.keep_latest_k``), and each check reads a step's index and ``.metadata``."""
+
+_checked = threading.local()  # .seen: folder -> check's verdict, within one outermost fall_back
+
+
+def fall_back(checkpoint_id: str, check: StepCheck | None) -> str:
+    """What to load instead of a checkpoint refused for its bytes: the newest older step that ``check``
+    passes, by number (``check`` None: the newest older step, unchecked).
+
+    A check may itself refuse a damaged older step, and word that refusal
+    with ``fall_back`` for the steps older still: within one outermost call
+    each folder is checked once, so the nesting costs no more reads.
+    """
+    older = older_steps(checkpoint_id)[:MAX_FALL_BACK_CHECKS]
+    if check is None:
+        if older:
+            return f"resume from the newest older step with --checkpoint.load_step {older[0]}"
+        return "resume from another checkpoint (none older is beside it: --checkpoint.initial_load_path PATH)"
+    outermost = getattr(_checked, "seen", None) is None
+    if outermost:
+        _checked.seen = {}
+    try:
+        parent = os.path.dirname(str(checkpoint_id).rstrip("/"))
+        damaged = []
+        for step in older:
+            folder = os.path.join(parent, f"step-{step}")
+            if folder not in _checked.seen:
+                try:
+                    _checked.seen[folder] = check(folder)
+                except Exception as e:  # a check that cannot tell: the step is not offered
+                    _checked.seen[folder] = f"{type(e).__name__}: {e}"
+            if _checked.seen[folder] is None:
+                return (f"resume from step {step}, the newest older step whose files check out, with "
+                        f"--checkpoint.load_step {step}")
+            damaged.append(step)
+    finally:
+        if outermost:
+            _checked.seen = None
+    if damaged:
+        return (f"resume from another checkpoint (the older steps beside it, {', '.join(map(str, damaged))}, "
+                "do not check out either: --checkpoint.initial_load_path PATH)")
     return "resume from another checkpoint (none older is beside it: --checkpoint.initial_load_path PATH)"
 
 
-def restore_advice(checkpoint_id: str, file: str | None) -> str:
+def restore_advice(checkpoint_id: str, file: str | None, check: StepCheck | None) -> str:
     """What ``ckpt verify`` advises for a checkpoint it failed: restore the first bad file, or fall back."""
     what = f"restore {file} from a copy of this checkpoint" if file else "restore this checkpoint from a copy"
-    return f"{what}, or {fall_back(checkpoint_id)} (`gefen-titan ckpt verify` it first). Nothing was changed."
+    return f"{what}, or {fall_back(checkpoint_id, check)} (`gefen-titan ckpt verify` it first). Nothing was changed."
 
 
 def not_a_checkpoint(path: str) -> str | None:
@@ -127,13 +171,13 @@ def other_model_advice(what: str) -> str:
             "(checkpoint.exclude_from_loading = [\"optimizer\"] starts the optimizer fresh)")
 
 
-def unreadable(checkpoint_id: str, error: Exception) -> GefenCheckpointError:
+def unreadable(checkpoint_id: str, error: Exception, check: StepCheck | None) -> GefenCheckpointError:
     what = not_a_checkpoint(checkpoint_id)
     if what is not None:
         return GefenCheckpointError(f"{what}. Nothing was loaded.")
     return GefenCheckpointError(
         f"cannot read checkpoint {checkpoint_id} ({root_cause(error)}): a file is "
-        f"missing, truncated or unreadable. Restore it, or {fall_back(checkpoint_id)}. "
+        f"missing, truncated or unreadable. Restore it, or {fall_back(checkpoint_id, check)}. "
         "Nothing was loaded into the optimizer."
     )
 

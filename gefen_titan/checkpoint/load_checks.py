@@ -64,7 +64,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from gefen_titan.checkpoint import entry_values, record_checks, schema, unpickling
+from gefen_titan.checkpoint import digests, entry_values, record_checks, schema, unpickling
 from gefen_titan.checkpoint.errors import GefenCheckpointError, fall_back
 
 __all__ = ["Check", "CHECKS", "Problem", "StepMismatchError", "metadata_problems", "allocation", "refusal",
@@ -140,8 +140,8 @@ def refusal(checkpoint_id: str, problems: list[Problem]) -> str:
     when = (" It was refused before any buffer was allocated or any data byte read."
             if all(_STAGES[p.check] == "metadata" for p in problems) else "")
     return (f"checkpoint {checkpoint_id} is malformed: {shown}{more}.{when} No save of gefen-titan or torchtitan "
-            f"writes this (edited, or damaged): restore it from a copy or {fall_back(checkpoint_id)}. "
-            "Nothing was loaded.")
+            f"writes this (edited, or damaged): restore it from a copy or "
+            f"{fall_back(checkpoint_id, digests.step_problem)}. Nothing was loaded.")
 
 
 # ------------------------------------------------------------------ metadata

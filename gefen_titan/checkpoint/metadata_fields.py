@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from gefen_titan.checkpoint import digests
 from gefen_titan.checkpoint.errors import GefenCheckpointError, fall_back
 
 __all__ = ["MalformedMetadataError", "MAX_DIMS", "MAX_PATH", "MAX_NAME", "MAX_SLOTS_PER_ENTRY", "problem", "check",
@@ -64,7 +65,7 @@ class MalformedMetadataError(GefenCheckpointError):
         self.checkpoint_id, self.what = checkpoint_id, what
         super().__init__(f"checkpoint {checkpoint_id} is malformed: .metadata: {what} [metadata fields]. No save of "
                          f"gefen-titan or torchtitan writes this (edited, or damaged): restore it from a copy or "
-                         f"{fall_back(checkpoint_id)}. Nothing was loaded.")
+                         f"{fall_back(checkpoint_id, digests.step_problem)}. Nothing was loaded.")
 
     def __reduce__(self) -> tuple:  # pickled to every rank by DCP's gather: keep the fields
         return type(self), (self.checkpoint_id, self.what), self.__dict__

@@ -224,7 +224,7 @@ class _CheckedReading(ItemReads):
         except GefenCheckpointError as e:
             return str(e)
         except Exception as e:  # OSError, a foreign file
-            return str(unreadable(self._id(), e))
+            return str(unreadable(self._id(), e, dg.step_problem))
         try:
             return self._check_folder(metadata, record)
         except Exception as e:  # a verdict on this rank for every rank, never a lone traceback
@@ -246,7 +246,7 @@ class _CheckedReading(ItemReads):
             except GefenCheckpointError as e:  # a data file that is no regular file (checkpoint.files)
                 return str(e)
             except OSError as e:
-                return str(unreadable(self._id(), e))
+                return str(unreadable(self._id(), e, dg.step_problem))
             except Exception as e:
                 return _failed_check(self._id(), "the metadata stage (load_checks.metadata_problems)", e)
             if bounds:

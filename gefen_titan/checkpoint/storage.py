@@ -192,7 +192,7 @@ def refusal(checkpoint_id: str, error: Exception) -> GefenCheckpointError:
         cause = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(cause, GefenCheckpointError):
             return GefenCheckpointError(str(cause))
-    return unreadable(checkpoint_id, error)
+    return unreadable(checkpoint_id, error, digests.step_problem)
 
 
 def storage_writer(checkpoint_id: str | os.PathLike, digests: bool = True,

@@ -370,7 +370,7 @@ def _verify(path: str) -> dict[str, Any]:
     }
     if first is not None:
         report["first_bad_file"] = first.file
-        report["advice"] = restore_advice(path, first.file)
+        report["advice"] = restore_advice(path, first.file, digests.step_problem)
     return report
 
 

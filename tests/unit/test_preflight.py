@@ -84,13 +84,13 @@ def test_fall_back_names_the_newest_older_step(tmp_path):
     step(tmp_path, 5)
     step(tmp_path, 7, metadata=False)
     here = step(tmp_path, 9)
-    assert fall_back(str(here)).endswith("--checkpoint.load_step 5")
-    assert "--checkpoint.load_step" not in fall_back(str(tmp_path / "step-2"))
-    assert "--checkpoint.load_step 5" in str(unreadable(str(here), OSError("short read")))
+    assert fall_back(str(here), None).endswith("--checkpoint.load_step 5")
+    assert "--checkpoint.load_step" not in fall_back(str(tmp_path / "step-2"), None)
+    assert "--checkpoint.load_step 5" in str(unreadable(str(here), OSError("short read"), None))
 
 
 def test_unreadable_folder_that_is_no_checkpoint_says_so(tmp_path):
-    msg = str(unreadable(str(tmp_path), FileNotFoundError("no .metadata")))
+    msg = str(unreadable(str(tmp_path), FileNotFoundError("no .metadata"), None))
     assert "is not a checkpoint: it has no .metadata" in msg and "missing, truncated" not in msg
     assert not_a_checkpoint(str(step(tmp_path, 1))) is None
 
@@ -111,7 +111,7 @@ def test_verify_advises_in_the_load_refusals_words(tmp_path):
     for step in (2, 5, 7):
         (tmp_path / f"step-{step}").mkdir()
         (tmp_path / f"step-{step}" / ".metadata").write_bytes(b"")
-    advice = restore_advice(str(tmp_path / "step-7"), "__0_0.distcp")
+    advice = restore_advice(str(tmp_path / "step-7"), "__0_0.distcp", None)
     assert advice.startswith("restore __0_0.distcp from a copy of this checkpoint, or ")
-    assert fall_back(str(tmp_path / "step-7")) in advice and "--checkpoint.load_step 5" in advice
-    assert "another checkpoint (none older" in restore_advice(str(tmp_path / "step-2"), None)
+    assert fall_back(str(tmp_path / "step-7"), None) in advice and "--checkpoint.load_step 5" in advice
+    assert "another checkpoint (none older" in restore_advice(str(tmp_path / "step-2"), None, None)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 from torch.distributed.tensor import DTensor
 
-from gefen_titan.checkpoint import schema_records
+from gefen_titan.checkpoint import digests, schema_records
 from gefen_titan.checkpoint.errors import GefenCheckpointError, Verdict, fall_back
 from gefen_titan.distributed import all_gather_objects, is_distributed
 from gefen_titan.optim.checkpointing.load_context import LoadContext
@@ -117,7 +117,7 @@ class StagedLoad(ABC):
             try:
                 staged = self._stage(plan, state_dict)
             except (GefenCheckpointError, ValueError, KeyError) as e:  # what was read is damaged
-                verdict.refuse(f"{self.kind} state: {e}; {fall_back(self._checkpoint_id)}")
+                verdict.refuse(f"{self.kind} state: {e}; {fall_back(self._checkpoint_id, digests.step_problem)}")
         self._staged = (plan, staged) if plan is not None and verdict.ok else None
 
     def commit_load(self) -> None:
