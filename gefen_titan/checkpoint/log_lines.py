@@ -10,10 +10,18 @@ say (``written_by``: the ranks that wrote data files, and how one 2-D
 tensor is cut into chunks), and the live side what the load's first 2-D
 DTensor target says (its device mesh's dimension names and sizes, and its
 cuts): the same tensor on both sides, so the two cuts compare directly.
+
+torchtitan's two bare lines that these replace ("Saving the checkpoint." of a
+synchronous save, "Loading the checkpoint from <folder>.") are dropped from its
+log (``drop_superseded``, installed by the manager): a filter on the root logger,
+which torchtitan logs through, matching only those messages of its checkpointer
+module. Its "Staging the checkpoint." (async saves, which ``saved`` does not
+cover) and its "Finished ... in N seconds." lines stay.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import Any
@@ -23,9 +31,28 @@ from torch.distributed.tensor import DTensor
 
 from gefen_titan.checkpoint import storage
 
-__all__ = ["loading", "saved", "step_of", "written_by"]
+__all__ = ["SupersededLines", "drop_superseded", "loading", "saved", "step_of", "written_by"]
 
 _DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp$")  # DCP's data files: __<rank>_<n>.distcp
+
+
+class SupersededLines(logging.Filter):
+    """Drops torchtitan's checkpointer lines that ``saved`` and ``loading`` say with more."""
+
+    MODULE = os.path.join("torchtitan", "components", "checkpointer", "dcp.py")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.pathname.endswith(self.MODULE):
+            return True
+        message = record.getMessage()
+        return not (message == "Saving the checkpoint." or message.startswith("Loading the checkpoint from "))
+
+
+def drop_superseded(logger: logging.Logger | None = None) -> None:
+    """Install ``SupersededLines`` on ``logger`` (default: the root logger, torchtitan's) once."""
+    logger = logging.getLogger() if logger is None else logger
+    if not any(isinstance(f, SupersededLines) for f in logger.filters):
+        logger.addFilter(SupersededLines())
 
 
 def step_of(checkpoint_id: str | os.PathLike) -> str:

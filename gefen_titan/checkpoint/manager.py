@@ -133,6 +133,7 @@ class GefenCheckpointManager(CheckpointManager):
         super().__init__(config, **kwargs)
         if not self.enable:  # torchtitan keeps no states then
             return
+        log_lines.drop_superseded()  # our save and load lines say what torchtitan's bare ones do, and more
         for component in self.states.values():
             if isinstance(component, SnapshotsOnSave):
                 component.snapshot_on_save = str(config.async_mode) != "disabled"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import torch
@@ -41,3 +42,34 @@ def test_the_saved_line_names_the_bytes(tmp_path):
     (step / "__0_0.distcp").write_bytes(b"x" * 1_500_000)
     (step / ".metadata").write_bytes(b"y" * 200_000)
     assert log_lines.saved(step, 0.25) == f"Saved step 5 to {step}: 1.7 MB in 0.25 s"
+
+
+def _run_logs(tmp_path, caplog) -> list[str]:
+    from tests.helpers import tiny_checkpoint
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        tiny_checkpoint.save(tmp_path)
+        tiny_checkpoint.resume(tmp_path)
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_torchtitans_bare_save_and_load_lines_give_way_to_ours(tmp_path, caplog, monkeypatch):
+    """A save and a resume through the manager log ours, not torchtitan's bare lines; with the filter
+    taken off, torchtitan's come back (so a rewording in torchtitan fails here, loudly)."""
+    root = logging.getLogger()
+    try:
+        lines = _run_logs(tmp_path / "a", caplog)
+        assert any(m.startswith("Saved step 1 to ") for m in lines), lines
+        assert any(m.startswith("Loading step 1 from ") for m in lines), lines
+        assert "Saving the checkpoint." not in lines
+        assert not any(m.startswith("Loading the checkpoint from ") for m in lines), lines
+        for f in [f for f in root.filters if isinstance(f, log_lines.SupersededLines)]:
+            root.removeFilter(f)
+        monkeypatch.setattr(log_lines.SupersededLines, "filter", lambda self, record: True)  # installed again
+        lines = _run_logs(tmp_path / "b", caplog)
+        assert "Saving the checkpoint." in lines
+        assert any(m.startswith("Loading the checkpoint from ") for m in lines), lines
+    finally:
+        for f in [f for f in root.filters if isinstance(f, log_lines.SupersededLines)]:
+            root.removeFilter(f)
