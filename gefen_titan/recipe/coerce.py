@@ -47,7 +47,8 @@ def coerce_value(value: Any, tp: Any, where: str, current: Any = None) -> Any:
 
     A TOML table applied to a dataclass-valued field updates that dataclass
     (``current``) in place of replacing it, so unknown keys are caught and
-    the base config's other fields survive.
+    the base config's other fields survive. Each kind of hint has its own
+    coercer below; this picks one.
     """
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -56,71 +57,91 @@ def coerce_value(value: Any, tp: Any, where: str, current: Any = None) -> Any:
     if origin is typing.Annotated:
         return coerce_value(value, args[0], where, current)
     if origin in (typing.Union, types.UnionType):
-        policies = _policies(args)
-        if policies and isinstance(value, dict):
-            return _coerce_policy(value, policies, where, current)
-        members = [a for a in args if a is not type(None)]
-        if isinstance(value, str) and value.lower() == "none" and len(members) < len(args):
-            return None
-        if len(members) == 1:  # ``X | None``: X's own error says what the value should be
-            return coerce_value(value, members[0], where, current)
-        errors = []
-        for member in members:
-            try:
-                return coerce_value(value, member, where, current)
-            except RecipeError as e:
-                errors.append(str(e))
-        raise RecipeError(f"{where.rstrip()}: expected {_type_name(tp)}, got {value!r}")
+        return _coerce_union(value, tp, args, where, current)
     if origin is typing.Literal:
         if value not in args:
             raise RecipeError(f"{where.rstrip()}: must be one of {list(args)}, got {value!r}")
         return value
     if dataclasses.is_dataclass(tp) or dataclasses.is_dataclass(current):
-        if not isinstance(value, dict):
-            raise RecipeError(f"{where.rstrip()}: expected a table, got {value!r}")
-        target = current if dataclasses.is_dataclass(current) else None
-        if target is None:
-            try:
-                target = tp()
-            except TypeError:
-                return _build_dataclass(tp, value, where)
-        _apply_table(target, value, where)
-        return target
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise RecipeError(f"{where.rstrip()}: expected a boolean, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise RecipeError(f"{where.rstrip()}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise RecipeError(f"{where.rstrip()}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise RecipeError(f"{where.rstrip()}: expected a string, got {value!r}")
-        return value
+        return _coerce_dataclass(value, tp, where, current)
+    if tp in _SCALARS:
+        return _coerce_scalar(value, tp, where)
     if origin in (list, tuple) or tp in (list, tuple):
-        if isinstance(value, str) and origin is list and args == (str,):
-            value = value.split(",")  # torchtitan's CLI convention for list[str]
-        if not isinstance(value, list):
-            raise RecipeError(f"{where.rstrip()}: expected an array, got {value!r}")
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise RecipeError(
-                    f"{where.rstrip()}: expected an array of {len(args)} items, got {value!r}"
-                )
-            return tuple(coerce_value(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-        item_tp = args[0] if args else Any
-        items = [coerce_value(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if (origin is tuple or tp is tuple) else items
+        return _coerce_array(value, tp, origin, args, where)
     if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise RecipeError(f"{where.rstrip()}: expected a table, got {value!r}")
-        return dict(value)
+        return dict(_table(value, where))
     raise RecipeError(f"{where.rstrip()}: fields of type {_type_name(tp)} cannot be set from a recipe")
+
+
+def _table(value: Any, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise RecipeError(f"{where.rstrip()}: expected a table, got {value!r}")
+    return value
+
+
+def _coerce_union(value: Any, tp: Any, args: tuple[Any, ...], where: str, current: Any) -> Any:
+    """A tyro subcommand union picked by ``mode``; ``"none"`` for an optional field; else the first
+    member that takes the value (``X | None``: X's own error says what the value should be)."""
+    policies = _policies(args)
+    if policies and isinstance(value, dict):
+        return _coerce_policy(value, policies, where, current)
+    members = [a for a in args if a is not type(None)]
+    if isinstance(value, str) and value.lower() == "none" and len(members) < len(args):
+        return None
+    if len(members) == 1:
+        return coerce_value(value, members[0], where, current)
+    for member in members:
+        try:
+            return coerce_value(value, member, where, current)
+        except RecipeError:
+            continue
+    raise RecipeError(f"{where.rstrip()}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _coerce_dataclass(value: Any, tp: Any, where: str, current: Any) -> Any:
+    """A table into the dataclass already there (``current``), or a new one of ``tp``."""
+    _table(value, where)
+    target = current if dataclasses.is_dataclass(current) else None
+    if target is None:
+        try:
+            target = tp()
+        except TypeError:
+            return _build_dataclass(tp, value, where)
+    _apply_table(target, value, where)
+    return target
+
+
+# type -> (does a TOML value fit it, what the error says it expected, the value to set). bool is
+# an int in Python: an integer or a number field refuses true/false.
+_SCALARS: dict[type, tuple[Any, str, Any]] = {
+    bool: (lambda v: isinstance(v, bool), "a boolean", lambda v: v),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer", lambda v: v),
+    float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number", float),
+    str: (lambda v: isinstance(v, str), "a string", lambda v: v),
+}
+
+
+def _coerce_scalar(value: Any, tp: type, where: str) -> Any:
+    fits, expected, convert = _SCALARS[tp]
+    if not fits(value):
+        raise RecipeError(f"{where.rstrip()}: expected {expected}, got {value!r}")
+    return convert(value)
+
+
+def _coerce_array(value: Any, tp: Any, origin: Any, args: tuple[Any, ...], where: str) -> Any:
+    """A list, a tuple of fixed items, or a tuple of one type; a comma-separated string for a
+    ``list[str]`` (torchtitan's CLI convention)."""
+    if isinstance(value, str) and origin is list and args == (str,):
+        value = value.split(",")
+    if not isinstance(value, list):
+        raise RecipeError(f"{where.rstrip()}: expected an array, got {value!r}")
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        if len(value) != len(args):
+            raise RecipeError(f"{where.rstrip()}: expected an array of {len(args)} items, got {value!r}")
+        return tuple(coerce_value(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    item_tp = args[0] if args else Any
+    items = [coerce_value(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if (origin is tuple or tp is tuple) else items
 
 
 def _policies(args: tuple[Any, ...]) -> dict[str, Any]:
