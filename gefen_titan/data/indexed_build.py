@@ -214,14 +214,31 @@ def build_indexed_dataset(
     plan = _plan(files, tokenizer)
     if chunk_documents < 1 or workers < 1:
         raise ValueError(f"chunk_documents and workers must be >= 1, got {chunk_documents} and {workers}")
+    done = _already_built(out, plan, tokenizer, overwrite)
+    if done is not None:
+        return BuildResult(str(out), done.num_documents, done.num_tokens, time.monotonic() - begin, built=False)
 
+    partial = Path(f"{out}.partial")
+    state = _resume_state(partial, plan, restart)
+    if state is None:  # an earlier run wrote the index and died before the rename
+        return _commit(partial, out, plan, tokenizer, begin, resumed_at=-1)
+    dtype = token_dtype(plan["vocab_size"])
+    resumed_at = state["documents"]
+    _tokenize(files, plan, partial, state, dtype, chunk_documents=chunk_documents, workers=workers,
+              progress=progress, tokenizer=tokenizer)
+    _write_index(partial, plan, dtype, resumed_at)
+    return _commit(partial, out, plan, tokenizer, begin, resumed_at=resumed_at)
+
+
+def _already_built(out: Path, plan: dict[str, Any], tokenizer: Any, overwrite: bool) -> IndexedDataset | None:
+    """The finished dataset at ``out`` if it was built from ``plan``'s inputs (nothing to do); None
+    if there is none, or ``overwrite`` lets another build replace it. Anything else there is refused."""
     if (out / INDEX_FILE).is_file():
         info_path = out / BUILD_INFO_FILE
         info = json.loads(info_path.read_text()) if info_path.is_file() else {}
         diff = _same_build(info.get("plan", {}), plan)
         if diff is None:
-            ds = IndexedDataset.open(out, tokenizer)
-            return BuildResult(str(out), ds.num_documents, ds.num_tokens, time.monotonic() - begin, built=False)
+            return IndexedDataset.open(out, tokenizer)
         if not overwrite:
             raise IndexedDataError(
                 f"{out} already holds a dataset built from other inputs ({diff} differ); pass "
@@ -229,11 +246,15 @@ def build_indexed_dataset(
             )
     elif out.exists():
         raise IndexedDataError(f"{out} exists and is not a token dataset; choose another --out")
+    return None
 
-    partial = Path(f"{out}.partial")
+
+def _resume_state(partial: Path, plan: dict[str, Any], restart: bool) -> dict[str, int] | None:
+    """The documents and tokens an unfinished build of the same inputs in ``partial`` recorded (zero for
+    a fresh one, ``partial`` created); None if that build already wrote its index."""
     if partial.exists() and restart:
         shutil.rmtree(partial)
-    state: dict[str, Any] = {"documents": 0, "tokens": 0}
+    state = {"documents": 0, "tokens": 0}
     if (partial / PROGRESS_FILE).is_file():
         saved = json.loads((partial / PROGRESS_FILE).read_text())
         diff = _same_build(saved["plan"], plan)
@@ -244,26 +265,23 @@ def build_indexed_dataset(
             )
         state = {"documents": int(saved["documents"]), "tokens": int(saved["tokens"])}
     elif (partial / INDEX_FILE).is_file():
-        return _commit(partial, out, plan, tokenizer, begin, resumed_at=-1)
+        return None
     elif partial.exists():
         shutil.rmtree(partial)  # created, nothing recorded yet
     partial.mkdir(parents=True, exist_ok=True)
+    return state
 
-    dtype = token_dtype(plan["vocab_size"])
+
+def _tokenize(files: list[Path], plan: dict[str, Any], partial: Path, state: dict[str, int], dtype: np.dtype, *,
+              chunk_documents: int, workers: int, progress: bool, tokenizer: Any) -> None:
+    """Append the documents after ``state``'s to ``partial``'s token and length files, a chunk at a time,
+    each chunk synced and then recorded in ``PROGRESS_FILE`` (``state`` is updated)."""
     tok_path, len_path = partial / TOKENS_FILE, partial / LENGTHS_FILE
-    resumed_at = state["documents"]
-    # What progress.json vouches for; anything after it is from a chunk that
-    # did not finish and is cut off.
-    for path, size in ((tok_path, state["tokens"] * dtype.itemsize), (len_path, state["documents"] * 8)):
-        with open(path, "ab") as f:
-            if f.tell() < size:
-                raise IndexedDataError(f"{path}: shorter than {PROGRESS_FILE} records; pass --restart to start over")
-            f.truncate(size)
-
+    _cut_to_progress(((tok_path, state["tokens"] * dtype.itemsize), (len_path, state["documents"] * 8)))
     docs = iter_documents(files)
     bar = _progress_bar(sum(s["size"] for s in plan["sources"]), 0, progress)
     at = 0
-    for _ in range(resumed_at):  # the documents an earlier run did
+    for _ in range(state["documents"]):  # the documents an earlier run did
         _, at = next(docs)
     if bar is not None:
         bar.update(at)
@@ -290,7 +308,21 @@ def build_indexed_dataset(
     if state["documents"] == 0:
         raise IndexedDataError(f"{', '.join(map(str, files))}: no documents")
 
-    # Finish: the index (header last, with the hashes), then one rename.
+
+def _cut_to_progress(files: tuple[tuple[Path, int], ...]) -> None:
+    """Cut each (file, size) to what ``PROGRESS_FILE`` vouches for: anything after it is from a chunk
+    that did not finish."""
+    for path, size in files:
+        with open(path, "ab") as f:
+            if f.tell() < size:
+                raise IndexedDataError(f"{path}: shorter than {PROGRESS_FILE} records; pass --restart to start over")
+            f.truncate(size)
+
+
+def _write_index(partial: Path, plan: dict[str, Any], dtype: np.dtype, resumed_at: int) -> None:
+    """Finish ``partial``: the index (header last, with the hashes), the build info, and the progress
+    and length files removed; the rename is ``_commit``'s."""
+    tok_path, len_path = partial / TOKENS_FILE, partial / LENGTHS_FILE
     lengths = np.fromfile(len_path, dtype="<i8")
     offsets = np.zeros(len(lengths) + 1, dtype="<i8")
     np.cumsum(lengths, out=offsets[1:])
@@ -316,7 +348,6 @@ def build_indexed_dataset(
     })
     (partial / PROGRESS_FILE).unlink()
     len_path.unlink()
-    return _commit(partial, out, plan, tokenizer, begin, resumed_at=resumed_at)
 
 
 def _commit(
