@@ -76,7 +76,7 @@ from gefen_titan.checkpoint.errors import GefenCheckpointError, fall_back
 
 __all__ = ["FILE", "METADATA_FILE", "ALGORITHM", "KEYED_ALGORITHM", "MARKER", "PIECE", "key_from_env", "keyed",
            "current_key", "expects_digests", "CorruptCheckpointError", "Digests", "new_hasher",
-           "hexdigest", "read", "parsed_once", "corrupt_message", "file_table", "MAX_INDEX_BYTES",
+           "hexdigest", "read", "parsed_once", "corrupt_message", "MAX_INDEX_BYTES",
            "MAX_V1_BYTES", "MAX_ROW_BYTES", "step_problem"]
 
 FILE = ".digests"
@@ -416,14 +416,10 @@ def _decode_v1(body: bytes, digest: str, checkpoint_id: str) -> Digests:
 
 
 def step_problem(checkpoint_id: str) -> str | None:
-    """Why the local step folder ``checkpoint_id`` would not load, by what can be checked without reading
-    its data (None: it checks out). The step a refusal offers instead (``errors.fall_back``) must pass it.
-
-    Checked: ``.digests``' header, index and sections (every row); ``.metadata``'s size and digest
-    against them; each data file they name present, a regular file, exactly as long as its items
-    (every byte of a data file lies in one item). Not checked: the data's own bytes, which would mean
-    reading the whole step (``gefen-titan ckpt verify`` does). A step saved without ``.digests`` has
-    nothing to check against: ``.metadata`` must be there, as for any step offered.
+    """Why the local step folder ``checkpoint_id`` would not load, checked without reading its data (None:
+    it checks out): ``.digests``' header, index and rows; ``.metadata``'s size and digest; each data file
+    a regular file exactly as long as its items. ``errors.fall_back`` offers only steps that pass it. A
+    step without ``.digests`` (an older save) has nothing to check against but its ``.metadata``.
     """
     folder = os.fspath(checkpoint_id)
     try:
@@ -433,10 +429,9 @@ def step_problem(checkpoint_id: str) -> str | None:
             return None
         record = read(lambda: files.open_regular(os.path.join(folder, FILE))[0], folder)
         stream, size = files.open_regular(os.path.join(folder, METADATA_FILE))
-        with stream:
-            if size != record.metadata_size:
-                return f"{METADATA_FILE} is {size:,} bytes, its save wrote {record.metadata_size:,}"
-            record.check_metadata(files.read_whole(stream, size, size, METADATA_FILE, "its recorded size"), folder)
+        with stream:  # refused by its size before it is read, if it is not the size recorded
+            raw = files.read_whole(stream, size, record.metadata_size, METADATA_FILE, "the size .digests records")
+            record.check_metadata(raw, folder, size)
         for file in record.files():
             expected = record.file_size(file)
             found = files.regular_size(os.path.join(folder, file))
@@ -453,21 +448,3 @@ def corrupt_message(checkpoint_id: str, file: str, entry: str | None, what: str)
             + f": {what}. Restore the file from a copy, or {fall_back(checkpoint_id, step_problem)}; "
             f"`gefen-titan ckpt verify "
             f"{checkpoint_id}` lists every damaged file. Nothing was loaded.")
-
-
-def file_table() -> str:
-    """``docs/checkpoint_format.md``'s table of the ``.digests`` file, generated from this module."""
-    rows = [
-        ("line 1", f"`{MAGIC} {FILE_VERSION} {ALGORITHM} <hex>`",
-         "format name, version, algorithm, and the digest of line 2 (the index); saved with a key "
-         f"(`checkpoint.digest_key_env`) the algorithm is `{KEYED_ALGORITHM}` and every digest of the file "
-         "is a MAC"),
-        ("line 2: `metadata.size`, `metadata.digest`", "int, hex", f"size and {ALGORITHM} of `{METADATA_FILE}`"),
-        ("line 2: `files[file]`", "`[start, length, rows, hex]`",
-         "where the data file's section lies (counted from the first byte after line 2), its row count and its "
-         f"{ALGORITHM}"),
-        ("each section: one line per item", "`<offset> <length> <hex>`",
-         f"the {ALGORITHM} of the item's stored bytes, named by file and offset as `{METADATA_FILE}` names it; "
-         "sections in the index's order, rows by offset"),
-    ]
-    return "\n".join(["| field | value | what |", "|---|---|---|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)])

@@ -8,9 +8,9 @@ fails when the doc's tables and these rows differ.
 
 from __future__ import annotations
 
-from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint import digests, schema
 
-__all__ = ["KEYS", "key_table"]
+__all__ = ["KEYS", "file_table", "key_table"]
 
 _RECORD = ('str (json): "blocking", "deterministic", "global_step", and per parameter in order: "fqn", "shape", '
            '"period" (0: no state yet), "step", "vmean_step", "group" (lr, beta1, beta2, eps, weight_decay)')
@@ -73,3 +73,22 @@ def key_table(version: int) -> str:
     rows = ["| key | value | written by |", "|---|---|---|"]
     rows += [f"| `{key}` | {value} | {by} |" for key, value, by in KEYS[version]]
     return "\n".join(rows)
+
+
+def file_table() -> str:
+    """``docs/checkpoint_format.md``'s table of the ``.digests`` file, generated from ``digests``' constants."""
+    algo, md = digests.ALGORITHM, digests.METADATA_FILE
+    rows = [
+        ("line 1", f"`{digests.MAGIC} {digests.FILE_VERSION} {algo} <hex>`",
+         "format name, version, algorithm, and the digest of line 2 (the index); saved with a key "
+         f"(`checkpoint.digest_key_env`) the algorithm is `{digests.KEYED_ALGORITHM}` and every digest of the file "
+         "is a MAC"),
+        ("line 2: `metadata.size`, `metadata.digest`", "int, hex", f"size and {algo} of `{md}`"),
+        ("line 2: `files[file]`", "`[start, length, rows, hex]`",
+         "where the data file's section lies (counted from the first byte after line 2), its row count and its "
+         f"{algo}"),
+        ("each section: one line per item", "`<offset> <length> <hex>`",
+         f"the {algo} of the item's stored bytes, named by file and offset as `{md}` names it; "
+         "sections in the index's order, rows by offset"),
+    ]
+    return "\n".join(["| field | value | what |", "|---|---|---|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)])

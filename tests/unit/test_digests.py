@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from gefen_titan.checkpoint import digests, storage
+from gefen_titan.checkpoint import digests, schema_doc, storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.ckpt_tools.verify import verify_checkpoint
 
@@ -228,8 +228,8 @@ def test_corrupt_error_pickles_across_ranks():
 
 
 def test_doc_shows_the_digest_file_table():
-    assert digests.file_table() in DOC, ("docs/checkpoint_format.md's .digests table differs from "
-                                         "gefen_titan.checkpoint.digests.file_table(); paste it into the doc")
+    assert schema_doc.file_table() in DOC, ("docs/checkpoint_format.md's .digests table differs from "
+                                         "gefen_titan.checkpoint.schema_doc.file_table(); paste it into the doc")
 
 
 def test_digests_handed_to_the_reader_are_kept(tmp_path):
