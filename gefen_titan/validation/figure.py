@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from gefen_titan.validation.layouts import parse_side
 from gefen_titan.validation.report import PairResult, state_verdict
@@ -121,6 +122,7 @@ def pair_figure(r: PairResult, settings: Settings, uninterrupted_at_target: Run 
     ax.axvline(s + 0.5, color="grey", lw=0.8, ls=":")
     ax.annotate(f"save at step {s}", (s + 0.5, 1.0), xycoords=("data", "axes fraction"), xytext=(4, -12),
                 textcoords="offset points", fontsize=8, color="grey")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 2.5
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("Loss", fontsize=10)
@@ -137,7 +139,7 @@ def pair_figure(r: PairResult, settings: Settings, uninterrupted_at_target: Run 
     curve(dev_ax, resumed_dev, "s-", ms=5, color="tab:red" if r.failures else "tab:orange", label="resumed")
     dev_ax.set_xticks(steps)
     top = max([r.loss_band, *resumed_dev.values(), *dropped_dev.values()])
-    dev_ax.set_ylim(0, top * 1.2 if top > 0 else 1e-5)
+    dev_ax.set_ylim(0, top * 1.45 if top > 0 else 1e-5)  # room for the legend above the band's line
     dev_ax.set_xlabel("step after the resume")
     dev_ax.set_ylabel("|loss - reference|")
     dev_ax.set_title("Deviation from the reference, per step", fontsize=10)
