@@ -102,7 +102,19 @@ from typing import Any
 
 import torch
 
+from benchmarks import scale_moe
 from benchmarks.meta import build_on_meta
+from benchmarks.scale_parts import (
+    LAYER,
+    MUON_NS_STEPS,
+    Built,
+    Chunks,
+    Mesh,
+    Param,
+    fmt_bytes,
+    is_muon,
+    muon_table,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/llama3_8b_gefen.toml"
@@ -127,45 +139,8 @@ WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
 # min on a 2-core host and printed nothing until its first cell finished): --full asks for it.
 SMALL = {"flavors": ("8B",), "meshes": ("fsdp",), "worlds": (8, 64, 1024)}
 FLAG_SLOPE = 1.1  # job-wide growth above this slope is "faster than linear"
-_LAYER = re.compile(r"(^|[./])layers\.(\d+)\.")
 
 __all__ = ["Mesh", "mesh_for", "build", "plan", "growth", "flags", "main"]
-
-
-# ----------------------------------------------------------------- meshes
-@dataclass(frozen=True)
-class Mesh:
-    kind: str
-    world: int
-    tp: int = 1
-    replicate: int = 1
-    ep: int = 1
-
-    @property
-    def shard(self) -> int:
-        return self.world // (self.tp * self.replicate)
-
-    @property
-    def name(self) -> str:
-        """The mesh's series for the growth figures (one per EP degree)."""
-        return f"ep{self.ep}" if self.kind == "ep" else self.kind
-
-    @property
-    def label(self) -> str:
-        if self.kind == "ep":
-            return f"EP {self.ep} x efsdp {self.shard // self.ep}"
-        if self.kind == "fsdp_tp":
-            return f"FSDP {self.shard} x TP {self.tp}"
-        if self.kind == "hsdp":
-            return f"HSDP {self.replicate} x {self.shard}"
-        return f"FSDP {self.shard}"
-
-    def parallelism(self) -> dict[str, int]:
-        out = {"data_parallel_shard_degree": self.shard, "data_parallel_replicate_degree": self.replicate,
-               "tensor_parallel_degree": self.tp}
-        if self.kind == "ep":
-            out["expert_parallel_degree"] = self.ep
-        return out
 
 
 def mesh_for(kind: str, world: int, tp: int = 8, hsdp_shard: int = 8, ep: int = 8) -> Mesh:
@@ -184,50 +159,6 @@ def mesh_for(kind: str, world: int, tp: int = 8, hsdp_shard: int = 8, ep: int = 
             raise ValueError(f"hsdp: world {world} is not a multiple of --hsdp-shard {hsdp_shard}")
         return Mesh(kind, world, replicate=world // hsdp_shard)
     raise ValueError(f"unknown mesh kind {kind!r} (known: {', '.join(MESHES + MOE_MESHES)})")
-
-
-# ------------------------------------------------------------------ model
-@dataclass
-class Param:
-    fqn: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    placements: tuple
-    mesh_shape: tuple[int, ...]
-    coords: list[tuple[int, ...]]  # rank -> coordinate in the parameter's mesh
-    unit: int  # 0: period 1 by Gefen's rules
-    candidates: list[int]
-    tensor: Any = field(default=None, repr=False, compare=False)  # the (meta) parameter: its mesh for the layout
-
-    @property
-    def layer(self) -> int | None:
-        m = _LAYER.search(self.fqn)
-        return int(m.group(2)) if m else None
-
-    def period(self, rule: str) -> int:
-        if not self.unit:
-            return 1
-        if rule == "fallback":
-            return self.unit if self.unit >= 8 else 1
-        if rule == "finest":
-            return next((c for c in self.candidates if c >= 8), self.unit if self.unit >= 8 else 1)
-        raise ValueError(f"unknown period rule {rule!r}")
-
-
-@dataclass
-class Built:
-    flavor: str
-    mesh: Mesh
-    numel: int
-    params: list[Param]
-    checkpoint_id: str
-    adamw_template: list[tuple[str, str, Any]]  # (key pattern with {fqn}, kind, dtype or value)
-    gefen_hyper: dict[str, float]
-    deterministic: bool
-    # GefenMuon's matrices: the FQNs GefenMuonHybrid routes to it (MoE flavors: the hidden matrices and the
-    # routed experts) and its Newton-Schulz steps; None: the muon recipe's pattern (MUON_PATTERN, dense).
-    muon_fqns: frozenset[str] | None = None
-    muon_ns_steps: int = 5  # MUON_NS_STEPS
 
 
 def _coords(mesh, world: int, fqn: str) -> list[tuple[int, ...]]:
@@ -441,43 +372,6 @@ def saved_length(obj: Any) -> int:
     return _SAVED[key]
 
 
-class Chunks:
-    """Every rank's chunk (sizes, offsets) of a DTensor layout, cached by layout."""
-
-    def __init__(self) -> None:
-        self._tables: dict[Any, list[tuple[tuple, tuple]]] = {}
-
-    def per_rank(self, shape: tuple[int, ...], param: Param) -> list[tuple[tuple, tuple]]:
-        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
-        key = (shape, param.placements, param.mesh_shape, id(param.coords))
-        if key not in self._tables:
-            by_coord: dict[tuple, tuple] = {}
-            table = []
-            for coord in param.coords:
-                if coord not in by_coord:
-                    sizes, offsets = _compute_local_shape_and_global_offset(
-                        shape, param.mesh_shape, list(coord), param.placements)
-                    by_coord[coord] = (tuple(sizes), tuple(offsets))
-                table.append(by_coord[coord])
-            self._tables[key] = table
-        return self._tables[key]
-
-    def groups(self, shape: tuple[int, ...], param: Param) -> list[tuple[tuple, list[int], list[tuple]]]:
-        """(offsets, ranks holding a chunk there ascending, their chunk sizes) per distinct chunk offset."""
-        key = ("g", shape, param.placements, param.mesh_shape, id(param.coords))
-        if key not in self._tables:
-            by: dict[tuple, list] = {}
-            for r, (sizes, offsets) in enumerate(self.per_rank(shape, param)):
-                g = by.get(offsets)
-                if g is None:
-                    by[offsets] = g = [[], []]
-                g[0].append(r)
-                g[1].append(sizes)
-            self._tables[key] = [(offsets, ranks, sizes) for offsets, (ranks, sizes) in by.items()]
-        return self._tables[key]  # type: ignore[return-value]
-
-
 @dataclass
 class Accounting:
     entries: int
@@ -682,7 +576,7 @@ def layer_kinds(entries: list[Entry]) -> list[list[int]]:
     for e in entries:
         if e.layer is not None:
             layout = (e.param.placements, e.param.mesh_shape) if e.param is not None else None
-            signature[e.layer].append((_LAYER.sub(r"\1layers.#.", e.key), e.kind, e.dtype, e.shape, str(layout)))
+            signature[e.layer].append((LAYER.sub(r"\1layers.#.", e.key), e.kind, e.dtype, e.shape, str(layout)))
     kinds: dict[tuple, list[int]] = defaultdict(list)
     for layer in sorted(signature):
         kinds[tuple(signature[layer])].append(layer)
@@ -765,18 +659,6 @@ def collectives(built: Built) -> list[dict[str, Any]]:
         out.append({"what": what, "op": op, "dtype": str(dtype).replace("torch.", ""), "numel": numel,
                     "payload": payload, "per_rank": per_rank})
     return out
-
-
-# recipes/llama_gefen_muon.toml's GefenMuon group: the hidden matrices.
-MUON_PATTERN = re.compile(r"^layers\.\d+\.(attention|feed_forward)\.")
-MUON_NS_STEPS = 5  # the recipe's (gefen-x's default)
-
-
-def is_muon(built: Built, p: Param) -> bool:
-    """A GefenMuon parameter of the plan (``Built.muon_fqns``, or the muon recipe's pattern)."""
-    if built.muon_fqns is not None:
-        return p.fqn in built.muon_fqns
-    return len(p.shape) == 2 and bool(MUON_PATTERN.match(p.fqn))
 
 
 def muon_specs(built: Built, rank: int = 0) -> list:
@@ -871,9 +753,8 @@ def plan(built: Built, exact_items: int = 100_000, muon_bucket_mib: float | None
     if specs is not None:
         row["muon"] = muon_plan(built, muon_bucket_mib, specs)
     if built.muon_fqns is not None:  # an MoE flavor
-        from benchmarks.scale_moe import moe_figures
 
-        row["moe"] = moe_figures(built, specs)
+        row["moe"] = scale_moe.moe_figures(built, specs)
     return row
 
 
@@ -923,21 +804,11 @@ def flags(rows: list[dict]) -> list[dict]:
             continue
         figures = dict(FIGURES)
         if all(r.get("moe") for r in rs):
-            from benchmarks.scale_moe import MOE_FIGURES
-
-            figures.update(MOE_FIGURES)
+            figures.update(scale_moe.MOE_FIGURES)
         for name, (per_rank, job) in figures.items():
             g = growth(rs, per_rank, job)
             out.append({"flavor": flavor, "mesh": mesh, "figure": name, **g, "flag": g["job"] > FLAG_SLOPE})
     return out
-
-
-# ----------------------------------------------------------------- report
-def _b(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}" if n / size < 100 else f"{n / size:,.0f} {unit}"
-    return f"{n:.0f} B"
 
 
 def table(rows: list[dict]) -> str:
@@ -947,37 +818,13 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         g, a = r["gefen"], r["adamw"]
         lines.append(
-            f"| {r['flavor']} | {r['label']} | {r['world']} | {_b(r['gefen_state'])} ({_b(r['gefen_state_finest'])}) "
-            f"| {_b(r['adamw_state'])} | {_b(g['written_max'])} | {_b(a['written_max'])} "
+            f"| {r['flavor']} | {r['label']} | {r['world']} | {fmt_bytes(r['gefen_state'])} "
+            f"({fmt_bytes(r['gefen_state_finest'])}) "
+            f"| {fmt_bytes(r['adamw_state'])} | {fmt_bytes(g['written_max'])} | {fmt_bytes(a['written_max'])} "
             f"| {g['entries']:,} / {g['chunks']:,} | {a['entries']:,} / {a['chunks']:,} "
-            f"| {'' if g['exact'] else '~'}{_b(g['metadata'])} | {'' if a['exact'] else '~'}{_b(a['metadata'])} "
-            f"| {_b(r['agreement_per_rank'])} |")
-    return "\n".join(lines)
-
-
-def _flops(n: float) -> str:
-    for unit, size in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} FLOP"
-
-
-def muon_table(rows: list[dict]) -> str:
-    lines = ["| flavor | mesh | W | matrices / group / buckets | busiest owner NS | mean | largest matrix "
-             "| busiest / max(largest, 1.1 x mean) | buckets' busiest, summed | serial sum (before) "
-             "| exchange/rank/step | in flight/rank (bound) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        m = r.get("muon")
-        if not m:
-            continue
-        target = max(m["largest_flops"], 1.1 * m["mean_flops"])
-        lines.append(
-            f"| {r['flavor']} | {r['label']} | {r['world']} | {m['matrices']} / {m['group']} / {m['buckets']} "
-            f"| {_flops(m['busiest_flops'])} | {_flops(m['mean_flops'])} | {_flops(m['largest_flops'])} "
-            f"| {m['busiest_flops'] / target:.2f} | {_flops(m['critical_flops'])} | {_flops(m['serial_flops'])} "
-            f"| {_b(m['exchange_max'])} "
-            f"| {_b(m['inflight_max'])} ({_b(m['bound'])}) |")
+            f"| {'' if g['exact'] else '~'}{fmt_bytes(g['metadata'])} "
+            f"| {'' if a['exact'] else '~'}{fmt_bytes(a['metadata'])} "
+            f"| {fmt_bytes(r['agreement_per_rank'])} |")
     return "\n".join(lines)
 
 
@@ -1027,15 +874,14 @@ def report(rows: list[dict], max_tp: int) -> list[dict]:
               "limit)\n")
         print(muon_table(dense))
     if any(r.get("moe") for r in rows):
-        from benchmarks.scale_moe import report_moe
 
-        report_moe([r for r in rows if r.get("moe")])
+        scale_moe.report_moe([r for r in rows if r.get("moe")])
     if rows:
         r = rows[-1]
-        collectives = "; ".join(f"{c['what']} {c['op']} {c['numel']:,} x {c['dtype']} -> {_b(c['per_rank'])}/rank"
-                                for c in r["collectives"])
+        collectives = "; ".join(f"{c['what']} {c['op']} {c['numel']:,} x {c['dtype']} -> "
+                                f"{fmt_bytes(c['per_rank'])}/rank" for c in r["collectives"])
         print(f"\nfirst-step collectives of the agreement ({r['flavor']}, {r['label']}): {collectives}; "
-              f"total {_b(r['agreement_per_rank'])} received per rank")
+              f"total {fmt_bytes(r['agreement_per_rank'])} received per rank")
     return found
 
 

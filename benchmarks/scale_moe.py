@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.scale import Built, Chunks, Param, is_muon
+from benchmarks.scale_parts import Built, Chunks, Param, fmt_bytes, fmt_flops, is_muon, muon_table
 
 __all__ = ["MOE_FIGURES", "distmuon_plan", "moe_figures", "moe_table", "rank_local_placeholders", "report_moe",
            "state_per_rank"]
@@ -167,7 +167,6 @@ def moe_figures(built: Built, specs: list | None) -> dict[str, Any]:
 
 
 def moe_table(rows: list[dict]) -> str:
-    from benchmarks.scale import _b, _flops
 
     lines = ["| flavor | mesh | W | experts (placements) | Muon share | GefenMuonHybrid state/rank | Gefen "
              "state/rank | DistMuon + AdamW state/rank | AdamW state/rank | GefenMuon busiest NS (/ mean) "
@@ -178,17 +177,18 @@ def moe_table(rows: list[dict]) -> str:
         if not m:
             continue
         mu, d = r.get("muon") or {}, m.get("distmuon") or {}
-        ours = (f"{_flops(mu['busiest_flops'])} ({mu['busiest_flops'] / mu['mean_flops']:.2f})" if mu else "")
+        ours = (f"{fmt_flops(mu['busiest_flops'])} ({mu['busiest_flops'] / mu['mean_flops']:.2f})" if mu else "")
         if d.get("applies"):
-            theirs = f"{_flops(d['busiest_flops'])} ({d['busiest_experts']}; {d['idle_expert_ranks']})"
+            theirs = f"{fmt_flops(d['busiest_flops'])} ({d['busiest_experts']}; {d['idle_expert_ranks']})"
             ratio = f"{d['busiest_flops'] / mu['busiest_flops']:.2f}" if mu else ""
         else:
             theirs, ratio = d.get("why", ""), ""
         e = m.get("experts") or {"weights": 0, "per_weight": 0, "per_rank": 0, "placements": ""}
         lines.append(
             f"| {r['flavor']} | {r['label']} | {r['world']} | {e['weights']} x {e['per_weight']}, {e['per_rank']}/rank "
-            f"({e['placements']}) | {m['muon_share']:.3f} | {_b(m['hybrid_state'])} | {_b(r['gefen_state'])} "
-            f"| {_b(m['distmuon_state'])} | {_b(r['adamw_state'])} | {ours} | {theirs} | {ratio} |")
+            f"({e['placements']}) | {m['muon_share']:.3f} | {fmt_bytes(m['hybrid_state'])} "
+            f"| {fmt_bytes(r['gefen_state'])} "
+            f"| {fmt_bytes(m['distmuon_state'])} | {fmt_bytes(r['adamw_state'])} | {ours} | {theirs} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -203,7 +203,6 @@ MOE_FIGURES = {
 
 def report_moe(rows: list[dict]) -> None:
     """Print the MoE rows' GefenMuon step and their comparison table."""
-    from benchmarks.scale import muon_table
 
     if any(r.get("muon") for r in rows):
         mib = next(r["muon"]["bucket_mib"] for r in rows if r.get("muon"))
