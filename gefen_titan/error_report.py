@@ -77,9 +77,12 @@ def write_error_file(block: str) -> bool:
         return False
     data = {"message": {"message": block,
                         "extraInfo": {"py_callstack": block, "timestamp": str(int(time.time()))}}}
+    # Whole or not at all (a rank stopped mid-write leaves no half file): written beside it, then renamed.
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(path, "w") as f:
+        with open(tmp, "w") as f:
             json.dump(data, f)
+        os.replace(tmp, path)
     except OSError:
         return False
     return True
