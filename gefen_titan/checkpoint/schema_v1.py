@@ -3,7 +3,7 @@
 Part of the one definition of the format (``schema``: keys, header, the v2
 and v3 records; this module: what only v1 writes). A v1 checkpoint keeps
 each rank's own codebook and periods; its loads re-block and requantize
-where the layout changed (``gefen_titan.optim.checkpointing.gefen_per_rank``).
+where the layout changed (``gefen_titan.optim.kinds.gefen.per_rank``).
 
 As in ``schema``, the JSON is part of the format: ``to_json`` must stay
 byte-for-byte what earlier versions wrote.

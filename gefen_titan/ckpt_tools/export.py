@@ -30,6 +30,7 @@ from gefen_titan.checkpoint import kinds, storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause
 from gefen_titan.ckpt_tools.verify import nonnegative_entry
 from gefen_titan.ckpt_tools.view import CkptError
+from gefen_titan.optim.kinds import register_builtins
 
 __all__ = ["export", "render"]
 
@@ -61,6 +62,7 @@ def _check_values(path: str, sd: dict[str, Any]) -> None:
 
 
 def export(path: str, out: str) -> dict[str, Any]:
+    register_builtins()  # the built-in kinds' descriptions, which its checks read
     if os.path.exists(out):
         raise CkptError(f"{out} exists: give export a new file name (nothing was written)")
     if not os.path.isdir(path):

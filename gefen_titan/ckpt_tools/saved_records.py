@@ -19,10 +19,6 @@ from gefen_titan.checkpoint import schema
 from gefen_titan.checkpoint.record_checks import SavedRecords, read_saved, small_names
 from gefen_titan.ckpt_tools.view import Checkpoint, CkptError
 
-# The registry registers every kind's description with checkpoint.kinds (OptimizerSpec.checkpoint): what the
-# records stage and the tools iterate over. Imported here so the tools never run with none registered.
-from gefen_titan.optim import registry  # noqa: F401
-
 __all__ = ["SavedRecords", "read_records", "codebook_summary", "optimizer_entries"]
 
 

@@ -60,6 +60,7 @@ from gefen_titan.checkpoint import (
 from gefen_titan.checkpoint.errors import GefenCheckpointError, restore_advice
 from gefen_titan.ckpt_tools.saved_records import read_records
 from gefen_titan.ckpt_tools.view import Checkpoint, CkptError, Entry, split_state_key
+from gefen_titan.optim.kinds import register_builtins
 
 __all__ = ["Problem", "nonnegative_entry", "verify_checkpoint", "render"]
 
@@ -78,6 +79,7 @@ def nonnegative_entry(component: str, name: str) -> bool:
     """Whether entry ``name`` of ``component`` holds values that are finite and >= 0 in any state its kind
     makes (the kinds' ``nonnegative``, which the load refuses otherwise; torch's second moments): ``verify``,
     ``export`` and ``convert`` check them with the load's function (``kinds.nonnegative_problem``)."""
+    register_builtins()  # the built-in kinds' descriptions, which its checks read
     if component != OPTIMIZER:
         return False
     key = schema.parse_key(name)
@@ -335,6 +337,7 @@ def verify_checkpoint(path: str, key: bytes | None = None) -> dict[str, Any]:
     ``key``: check keyed digests (a MAC) with it; a checkpoint not signed
     with it fails.
     """
+    register_builtins()  # the built-in kinds' descriptions, which the checks and summaries read
     with digests.keyed(key):
         return _verify(path)
 

@@ -22,6 +22,7 @@ from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, MODEL, OP
 
 from gefen_titan.checkpoint import load_checks, schema, schema_records, storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause
+from gefen_titan.optim.kinds import register_builtins
 
 __all__ = ["CkptError", "Entry", "Checkpoint", "split_state_key"]
 
@@ -99,6 +100,7 @@ class Checkpoint:
     """The entries, files and small values of one checkpoint folder."""
 
     def __init__(self, path: str) -> None:
+        register_builtins()  # the built-in kinds' descriptions, which its checks read
         self.path = str(path)
         try:
             if not storage.is_remote(self.path) and storage.file_size(self.path, ".metadata") is None:

@@ -10,10 +10,11 @@
 * ``hybrid``: ``name = "GefenMuonHybrid"``, GefenMuon and Gefen/AdamW
   param groups routed by module (a registry ``CompositeSpec``), and its
   options table ``[optimizer.hybrid]``;
-* ``gefen_options``: ``[optimizer.gefen]``, Gefen's own options (GefenMuon's
-  are ``muon.options``);
-* ``state``: how Gefen's state becomes checkpoint entries and back (format
-  v3 (and v2 loads) under agreed blocking, v1 under per-rank blocking).
+* ``registry``: what gefen-titan knows about each optimizer a recipe can name
+  (the mechanism); ``kinds``: the built-in kinds, a folder each (entry,
+  options table, state adapters), and ``register_builtins()``;
+* ``checkpointing``: the state adapters' mechanism (how a kind's state becomes
+  checkpoint entries and back, and the load's records read).
 """
 
 from gefen_titan.optim.container import GefenOptimizersContainer

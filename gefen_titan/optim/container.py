@@ -52,12 +52,12 @@ from torchtitan.tools.logging import logger
 from gefen_titan.checkpoint.errors import Verdict
 from gefen_titan.distributed import any_rank
 from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim import option_routes, param_groups, registry
+from gefen_titan.optim import kinds, option_routes, param_groups, registry
 from gefen_titan.optim.blocking import AgreedBlocking
 from gefen_titan.optim.checkpointing import StateAdapter, kinds_refusal, read_load_context
-from gefen_titan.optim.gefen_options import GefenOptions
 from gefen_titan.optim.hybrid import HybridOptions, RoutedGroup
-from gefen_titan.optim.muon.options import MuonOptions
+from gefen_titan.optim.kinds.gefen.options import GefenOptions
+from gefen_titan.optim.kinds.gefen_muon.options import MuonOptions
 from gefen_titan.optim.param_groups import GROUP_DEFAULTS, SHORTHAND_DEFAULTS
 from gefen_titan.optim.state_size import state_bytes
 
@@ -65,6 +65,10 @@ __all__ = ["GefenOptimizersContainer", "GROUP_DEFAULTS", "SHORTHAND_DEFAULTS", "
 
 # The names ``[optimizer] name`` accepts (its type, so the recipe check and
 # the command line both list them): the registry's optimizers and composites.
+# The Config types ``name`` with the registered names, which tyro needs as they are when the
+# class is defined: the built-in kinds are registered here, explicitly, before it (a second
+# call, by a tool, does nothing). A kind registered later (a test's) is looked up at run time.
+kinds.register_builtins()
 _REGISTERED = registry.names() + registry.composite_names()
 
 # The Config's per-kind tables (field -> options class), for ``flat_keys``.
@@ -145,9 +149,9 @@ class GefenOptimizersContainer(OptimizersContainer):
         # names (``OptimizerSpec.options``); flat [optimizer] keys of older
         # recipes are read into them by the recipe layer (``flat_keys``).
         gefen: GefenOptions = field(default_factory=GefenOptions)
-        """Gefen's options (``optim.gefen_options``), for every Gefen optimizer."""
+        """Gefen's options (``optim.kinds.gefen.options``), for every Gefen optimizer."""
         muon: MuonOptions = field(default_factory=MuonOptions)
-        """GefenMuon's options (``optim.muon.options``), for every GefenMuon optimizer."""
+        """GefenMuon's options (``optim.kinds.gefen_muon.options``), for every GefenMuon optimizer."""
         hybrid: HybridOptions = field(default_factory=HybridOptions)
         """``name = "GefenMuonHybrid"``'s options (``optim.hybrid``)."""
 

@@ -6,7 +6,10 @@ torchtitan 0.3.0 resolves ``optimizer_name`` through a hard-coded dict
 torchtitan's dict for the rest (DistMuon, and whatever a later torchtitan
 adds). An entry (``OptimizerSpec``) is everything the container, the recipe
 checks and the checkpoint need to know about one optimizer, so a new Gefen
-variant is one ``register`` call plus its state type and records:
+variant is one ``register`` call plus its state type and records. This module
+is the mechanism only: the built-in entries are ``gefen_titan.optim.kinds``'
+(one folder per kind), registered by its ``register_builtins()``, which the
+container and every tool call before they look a name up:
 
 * ``factory``: torchtitan's factory signature, ``(param_groups, **kwargs)``;
 * ``owns``: whether a built optimizer is of this entry, by exact type. gefen-x's
@@ -71,31 +74,26 @@ only those optimizers' records.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint import gefen_muon_records, gefen_records, kinds
+from gefen_titan.checkpoint import kinds
 from gefen_titan.checkpoint.kinds import KindDescription
-from gefen_titan.distributed import local
-from gefen_titan.optim import cpu_step, hybrid
-from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.checkpointing import StateAdapter
-from gefen_titan.optim.checkpointing.gefen_muon_sharded import GefenMuonShardedAdapter
-from gefen_titan.optim.checkpointing.gefen_per_rank import GefenPerRankAdapter
-from gefen_titan.optim.checkpointing.gefen_sharded import GefenShardedAdapter
-from gefen_titan.optim.checkpointing.gefen_validation import VALIDATION as GEFEN_VALIDATION
 from gefen_titan.optim.kind_validation import KindValidation
-from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB, ShardedMuonStep
-from gefen_titan.optim.state_cost import StateCost, dense
+from gefen_titan.optim.state_cost import StateCost
 
-__all__ = ["GEFEN_OPTION_KEYS", "MUON_OPTION_KEYS", "SHORTHAND_KEYS", "CompositeSpec", "OptimizerSpec", "StateOptions",
-           "build_gefen", "build_gefen_muon", "codebook_families", "codebook_family", "composite", "composite_names",
-           "get", "names", "record_kinds", "register", "register_composite", "spec_of", "specs", "unregister"]
+if TYPE_CHECKING:  # annotations only
+    import torch
+
+    from gefen_titan.optim import gefenx as gx
+
+__all__ = ["SHORTHAND_KEYS", "CompositeSpec", "OptimizerSpec", "StateOptions", "codebook_families",
+           "codebook_family", "composite", "composite_names", "get", "names", "record_kinds", "register",
+           "register_composite", "spec_of", "specs", "unregister"]
 
 # The [optimizer] shorthand hyperparameters a group can take as defaults.
 SHORTHAND_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -229,220 +227,3 @@ def codebook_family(optim: Optimizer) -> int:
 def spec_of(optim: Optimizer) -> OptimizerSpec | None:
     """The entry that owns a built optimizer (by exact type), None if none does."""
     return next((s for s in _REGISTRY.values() if s.owns(optim)), None)
-
-
-# ------------------------------------------------------------------ built-ins
-# Gefen constructor options that apply to the whole optimizer (the container
-# fills them in from [optimizer.gefen] for every Gefen group); ``cpu_step`` is
-# gefen-titan's (which path runs the step on CPU tensors: ``optim.cpu_step``).
-GEFEN_OPTION_KEYS = ("factored_v_2d", "force_1d_period_one", "period_one_substrings", "codebook_refresh_every",
-                     "deterministic", "cpu_step")
-# Keys torchtitan's container puts into every param group from
-# ``implementation``. Gefen takes ``fused`` as a constructor argument (it would
-# silently carry a group-level ``fused`` as an unused extra key) and has no
-# foreach path.
-_IMPL_KEYS = ("fused", "foreach")
-
-
-def _split_options(param_groups: list[dict[str, Any]], option_keys: tuple[str, ...], name: str
-                   ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """(groups, constructor options) from torchtitan-style param groups.
-
-    Groups carry ``param_names`` (canonical FQNs); gefen-x stores them,
-    lowercased, as the per-parameter state name, so they are also kept as
-    they are under ``gefenx.FQNS_KEY``, which is how checkpoints identify
-    parameters (``gefenx.named_params``).
-
-    Optimizer-wide options (``fused``, ``deterministic``, ...) are constructor
-    arguments, not group options: they are taken from the first group (the
-    container gives every group of the optimizer the same ones) and removed
-    from all of them so they are not carried along as meaningless group keys.
-    """
-    options: dict[str, Any] = {}
-    groups = []
-    for group in param_groups:
-        group = dict(group)
-        for key in _IMPL_KEYS + option_keys:
-            if key in group:
-                value = group.pop(key)
-                if key in options and options[key] != value:
-                    raise ValueError(
-                        f"{name} option {key!r} must be the same for every {name} "
-                        f"param group (got {options[key]!r} and {value!r}); it is "
-                        "a property of the optimizer, not of a group."
-                    )
-                options[key] = value
-        names_ = group.pop("param_names", None)
-        if names_ is not None:
-            # gefen-x takes names only as (name, tensor) pairs; a bare
-            # "param_names" key would be ignored in favour of positional names.
-            group["params"] = list(zip(names_, group["params"], strict=True))
-            group[gx.FQNS_KEY] = list(names_)  # gefen-x lowercases its own copy (gefenx.named_params)
-        groups.append(group)
-    options.pop("foreach", None)
-    # gefen-x's fused path is CUDA-only and downgrades itself with a warning per
-    # optimizer otherwise; decide here so CPU runs stay quiet.
-    options["fused"] = bool(options.get("fused", False)) and torch.cuda.is_available()
-    return groups, options
-
-
-def build_gefen(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Optimizer:
-    """Build ``gefen.Gefen`` from torchtitan-style param groups (see ``_split_options``); its factory kwargs
-    are none (``gefenx.GEFEN_CONSTRUCTOR`` gives each option its place: ``optim.option_routes`` refuses them)."""
-    groups, options = _split_options(param_groups, GEFEN_OPTION_KEYS, "Gefen")
-    if "period_one_substrings" in options:
-        options["period_one_substrings"] = tuple(options["period_one_substrings"])
-    mode = options.pop("cpu_step", "kernel")
-    optim = gx.new_gefen(groups, **options, **factory_kwargs)
-    cpu_step.install(optim, mode, "Gefen")
-    return optim
-
-
-def _gefen_group_key_hint(key: str) -> str:
-    """Hints for keys no constructor keyword of Gefen (those: ``optim.option_routes``)."""
-    if key in ("beta1", "beta2"):
-        return "; set betas = [beta1, beta2]"
-    if key == "foreach":
-        return "; Gefen has no foreach implementation"
-    return ""
-
-
-def _torch_optimizer(cls: type[Optimizer], cost: StateCost) -> OptimizerSpec:
-    return OptimizerSpec(name=cls.__name__, factory=cls, owns=lambda optim: type(optim) is cls,
-                         group_keys=tuple(n for n in inspect.signature(cls).parameters if n != "params"), cost=cost)
-
-
-def _gefen_state(optimizers: list[Optimizer], options: StateOptions) -> StateAdapter:
-    """The run's blocking picks the format it writes and the one it loads (a checkpoint
-    of the other blocking is refused: its state could not be what this run keeps)."""
-    if options.blocking == "agreed":
-        return GefenShardedAdapter(optimizers)
-    return GefenPerRankAdapter(optimizers)
-
-
-def _check_gefen(optim: Optimizer) -> None:
-    if gx.options(optim)["capturable"]:
-        raise ValueError(
-            "Gefen capturable=True keeps its step counters on the device, and gefen_titan "
-            "checkpoints only host counters: remove capturable from "
-            "optimizer.optimizer_factory_kwargs_by_name")
-
-
-def _count_empty_shards(optim: Optimizer) -> None:
-    """Gefen keeps no state for an empty local shard, so it does not count its steps:
-    the container does, for the records (which must agree on every rank)."""
-    for _, p, _ in gx.named_params(optim):
-        if p.grad is not None and local(p).numel() == 0:
-            gx.count_empty_shard_step(optim, p)
-
-
-register(OptimizerSpec(
-    name="Gefen",
-    factory=build_gefen,
-    owns=gx.is_gefen,
-    # gefen-x's add_param_group reads lr/betas/eps/weight_decay and carries any
-    # other key along unread; build_gefen turns ``fused`` into the constructor argument.
-    group_keys=("lr", "betas", "eps", "weight_decay", "fused"),
-    option_keys=GEFEN_OPTION_KEYS,
-    options="gefen",
-    state=_gefen_state,
-    record_kind=GefenShardedAdapter.record_kind,
-    agreed_blocking=True,
-    codebook_family=0,
-    check_built=_check_gefen,
-    after_agreed_step=_count_empty_shards,
-    group_key_hint=_gefen_group_key_hint,
-    checkpoint=gefen_records.description(),
-    validation=GEFEN_VALIDATION,
-    cost=gx.STATE_COST,
-    constructor=gx.GEFEN_CONSTRUCTOR,
-))
-
-# GefenMuon options the container fills in from [optimizer.muon]: gefen-x's
-# ``deterministic``, the sharded step's bucket size and ``cpu_step`` (not gefen-x's).
-MUON_OPTION_KEYS = ("deterministic", "bucket_mib", "cpu_step")
-
-
-def build_gefen_muon(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Optimizer:
-    """Build ``gefen.GefenMuon`` from torchtitan-style param groups (see ``_split_options``).
-
-    Its hyperparameters are group keys (``optimizer_kwargs``); what a group
-    leaves out is gefen-x's default. Its factory kwargs take no option
-    (``gefenx.MUON_CONSTRUCTOR`` gives each its place, or refuses it: those
-    that make its arithmetic depend on the layout or the machine,
-    ``gefenx.MUON_REFUSED``, by every route).
-    Its ``step()`` is the sharded step (``gefen_titan.optim.muon``), never
-    gefen-x's own.
-    """
-    # A 3-D parameter is a grouped experts' weight (E, out, in): one Muon matrix per expert (optim.muon.matrices).
-    not_matrices = [f"{name} {tuple(p.shape)}" for g in param_groups
-                    for name, p in zip(g.get("param_names", ()), g["params"]) if p.dim() not in (2, 3)]
-    if not_matrices:
-        raise ValueError(
-            f"GefenMuon steps matrices only (a grouped experts' weight (E, out, in) as a matrix per expert), "
-            f"and its param group matches "
-            f"{len(not_matrices)} other parameter(s) ({', '.join(not_matrices[:3])}"
-            f"{' ...' if len(not_matrices) > 3 else ''}): narrow the GefenMuon "
-            "pattern in [[optimizer.param_groups]], or match those parameters in an earlier group for Gefen")
-    groups, options = _split_options(param_groups, MUON_OPTION_KEYS, "GefenMuon")
-    bucket_mib = options.pop("bucket_mib", DEFAULT_BUCKET_MIB)
-    mode = options.pop("cpu_step", "kernel")
-    if not bucket_mib > 0:
-        raise ValueError(f"optimizer.muon.bucket_mib must be > 0, got {bucket_mib!r}")
-    optim = gx.new_gefen_muon(groups, lambda o: ShardedMuonStep(o, bucket_bytes=int(bucket_mib * 2**20)),
-                              **options, **factory_kwargs)
-    cpu_step.install(optim, mode, "GefenMuon")
-    return optim
-
-
-def _muon_group_key_hint(key: str) -> str:
-    """Hints for keys no constructor keyword of GefenMuon (those: ``optim.option_routes``)."""
-    if key in ("betas", "beta1", "beta2"):
-        return "; GefenMuon's momentum coefficient is 'momentum'"
-    return ""
-
-
-def _check_gefen_muon(optim: Optimizer) -> None:
-    refused = gx.muon_refused(optim)
-    if refused:
-        raise ValueError("; ".join(f"GefenMuon {k} is not supported: {gx.MUON_REFUSED[k]}" for k in refused))
-
-
-# exp_avg and exp_avg_sq like the parameter, and an fp32 step (amsgrad's max_exp_avg_sq is not counted).
-register(_torch_optimizer(torch.optim.AdamW, dense(2, 4)))
-register(_torch_optimizer(torch.optim.Adam, dense(2, 4)))
-register(OptimizerSpec(
-    name="GefenMuon",
-    factory=build_gefen_muon,
-    owns=gx.is_gefen_muon,
-    group_keys=(*gx.MUON_GROUP_KEYS, "fused"),
-    option_keys=MUON_OPTION_KEYS,
-    options="muon",
-    state=lambda optimizers, options: GefenMuonShardedAdapter(optimizers),
-    record_kind=GefenMuonShardedAdapter.record_kind,
-    agreed_blocking=True,
-    codebook_family=1,
-    # Its sharded step counts its empty shards' steps itself.
-    needs_agreed_blocking=("needs optimizer.blocking = \"agreed\": its sharded step cuts the momentum along the "
-                           "parameter's shards, which needs blocks that no shard cut crosses and one codebook for "
-                           "the job"),
-    check_built=_check_gefen_muon,
-    group_key_hint=_muon_group_key_hint,
-    # eps is the Newton-Schulz normalisation floor here (default 1e-7), not Adam's.
-    shorthand_keys=("lr", "weight_decay"),
-    step_stats=lambda optim: gx.sharded_step(optim).stats,
-    checkpoint=gefen_muon_records.DESCRIPTION,
-    cost=gx.MUON_STATE_COST,
-    constructor=gx.MUON_CONSTRUCTOR,
-))
-
-register_composite(CompositeSpec(
-    name=hybrid.NAME,
-    param_groups=hybrid.param_groups,
-    bind=hybrid.bind,
-    check=hybrid.check,
-    option_keys=hybrid.OPTION_KEYS,
-    refused_keys=hybrid.REFUSED,
-    kind_hint=hybrid.kind_hint,
-    options="hybrid",
-))

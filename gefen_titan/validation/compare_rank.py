@@ -5,7 +5,7 @@ runs per-rank blocking: its own codebook and periods), so a load at another
 layout re-blocks and requantizes. What a kind promises there, and within
 which bounds, is the kind's own: its registry entry's ``validation``
 (``optim.kind_validation``: ``compare_rank`` and ``rank_tolerances``; Gefen's
-in ``optim.checkpointing.gefen_validation``). Here is what is generic:
+in ``optim.kinds.gefen.validation``). Here is what is generic:
 parameters and torch's optimizers' state, resharded element-wise by DCP,
 must be exact everywhere. The inputs are the per-rank dumps of
 ``gefen_titan.validation.hooks``. This module names no kind.

@@ -21,7 +21,7 @@ load and after the saves of chosen steps, writes the raw training state to
   hold different parameters). This is collective: every rank takes part.
 * **per_rank** (format v1): each rank's own picture,
   ``<kind>-<step>-rank<r>.pt``: every parameter's local shard and where it
-  lies in the flattened parameter (``gefen_titan.optim.checkpointing.per_rank_regions.param_region``),
+  lies in the flattened parameter (``gefen_titan.optim.kinds.gefen.per_rank_regions.param_region``),
   each kind's own picture of its state (its ``validation.rank_state``),
   and the tensors of torch's optimizers' state.
 
@@ -71,7 +71,7 @@ from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.data.global_loader import GlobalOrderDataLoader
 from gefen_titan.distributed import all_gather_objects, local, rank_and_world
 from gefen_titan.optim import registry
-from gefen_titan.optim.checkpointing.per_rank_regions import param_region
+from gefen_titan.optim.kinds.gefen.per_rank_regions import param_region
 
 __all__ = ["DumpingCheckpointManager", "RecordingGlobalOrderDataLoader", "dump_state", "record_batches", "DUMP_VERSION"]
 

@@ -52,7 +52,7 @@ from tests.helpers import worker_jobs
 patches.apply_all()  # CPU / gloo FSDP2
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.container import GefenOptimizersContainer
-from gefen_titan.optim.gefen_options import GefenOptions
+from gefen_titan.optim.kinds.gefen.options import GefenOptions
 from tests.helpers import small_model as sm
 
 # A 2-row gate: an empty shard at W=3.

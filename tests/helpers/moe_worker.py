@@ -54,7 +54,7 @@ from torchtitan.trainer import Trainer
 
 from gefen_titan.distributed.layout import local_box
 from gefen_titan.optim.container import ParamGroup
-from gefen_titan.optim.muon.options import MuonOptions
+from gefen_titan.optim.kinds.gefen_muon.options import MuonOptions
 from gefen_titan.recipe.moe_flavors import qwen3_moe
 from tests.helpers import small_model as sm
 

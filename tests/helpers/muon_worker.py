@@ -37,7 +37,7 @@ from gefen_titan.checkpoint.schema import grid_shape
 from gefen_titan.distributed import like_param, like_param_rows, local
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
-from gefen_titan.optim.muon.options import MuonOptions
+from gefen_titan.optim.kinds.gefen_muon.options import MuonOptions
 from tests.helpers import agreed_worker as aw  # applies gefen_titan's CPU patches
 from tests.helpers import small_model as sm
 from tests.helpers import worker_jobs

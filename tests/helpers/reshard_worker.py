@@ -39,7 +39,7 @@ from tests.helpers import worker_jobs
 
 patches.apply_all()  # CPU / gloo FSDP2
 from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim.checkpointing.per_rank_regions import param_region
+from gefen_titan.optim.kinds.gefen.per_rank_regions import param_region
 from tests.helpers import small_model as sm
 
 SIZES = sm.Sizes(vocab=512, dim=128, hidden=384, layers=2)

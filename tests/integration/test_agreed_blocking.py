@@ -33,7 +33,7 @@ from gefen_titan.checkpoint.schema import grid_shape
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.blocking import BlockingError, candidate_periods, histogram, row_unit
 from gefen_titan.optim.container import GefenOptimizersContainer
-from gefen_titan.optim.gefen_options import GefenOptions
+from gefen_titan.optim.kinds.gefen.options import GefenOptions
 from tests.helpers import agreed_runs, worker_jobs
 from tests.helpers.agreed_runs import PAIRS, RUNS, target
 from tests.helpers.bad_checkpoints import V2_CASES, v2_case_key

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from gefen_titan.optim.checkpointing.gefen_validation import TOL_MOMENTUM, TOL_UPDATE, TOL_VMEAN
+from gefen_titan.optim.kinds.gefen.validation import TOL_MOMENTUM, TOL_UPDATE, TOL_VMEAN
 from gefen_titan.validation import bands, compare_global, identity, recipes, runs
 from tests.helpers import processes, suite_cache
 

@@ -45,8 +45,8 @@ from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.container import GefenOptimizersContainer
 from gefen_titan.optim.cpu_step import build, codebook, probe
 from gefen_titan.optim.cpu_step.steps import GefenStep, MuonMomentum, splits_across_threads
-from gefen_titan.optim.gefen_options import GefenOptions
-from gefen_titan.optim.muon.options import MuonOptions
+from gefen_titan.optim.kinds.gefen.options import GefenOptions
+from gefen_titan.optim.kinds.gefen_muon.options import MuonOptions
 from gefen_titan.optim.quant.requant import nearest_codes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

@@ -51,7 +51,7 @@ EXAMPLES = {
     "gefen_titan.optim.blocking.BlockingError": lambda m: m.BlockingError("no"),
     "gefen_titan.optim.live_state.LiveStateError": lambda m: m.LiveStateError("no"),
     "gefen_titan.optim.muon.matrices.MuonLayoutError": lambda m: m.MuonLayoutError("no"),
-    "gefen_titan.optim.checkpointing.per_rank_regions.UnsupportedLayout": lambda m: m.UnsupportedLayout("no"),
+    "gefen_titan.optim.kinds.gefen.per_rank_regions.UnsupportedLayout": lambda m: m.UnsupportedLayout("no"),
     "gefen_titan.recipe.errors.RecipeError": lambda m: m.RecipeError("no"),
     "gefen_titan.validation.layouts.LayoutError": lambda m: m.LayoutError("no"),
     "gefen_titan.ft.transport.HealRefused": lambda m: m.HealRefused("heal payload for step 5: its MAC does not match"),

@@ -22,7 +22,8 @@ from gefen_titan.checkpoint.schema_muon import (
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry, state_size
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
-from gefen_titan.optim.muon.options import MuonOptions
+from gefen_titan.optim.kinds.gefen_muon import entry as gefen_muon_entry
+from gefen_titan.optim.kinds.gefen_muon.options import MuonOptions
 
 
 class Net(nn.Module):
@@ -111,8 +112,8 @@ def test_the_bucket_size_reaches_the_sharded_step_and_a_bad_one_is_refused():
         with pytest.raises(ValueError, match="optimizer.muon.bucket_mib must be > 0"):
             MuonOptions(bucket_mib=bad)
         with pytest.raises(ValueError, match="optimizer.muon.bucket_mib must be > 0"):  # the factory's own check
-            registry.build_gefen_muon([{"params": [nn.Parameter(torch.zeros(4, 4))], "param_names": ["w"],
-                                        "bucket_mib": bad}])
+            gefen_muon_entry.build_gefen_muon([{"params": [nn.Parameter(torch.zeros(4, 4))], "param_names": ["w"],
+                                                "bucket_mib": bad}])
 
 
 # ------------------------------------------------------------------ records

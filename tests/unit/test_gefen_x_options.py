@@ -23,8 +23,8 @@ import torch.nn as nn
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
-from gefen_titan.optim.gefen_options import GefenOptions
-from gefen_titan.optim.muon.options import MuonOptions
+from gefen_titan.optim.kinds.gefen.options import GefenOptions
+from gefen_titan.optim.kinds.gefen_muon.options import MuonOptions
 from gefen_titan.recipe import RecipeError, load_recipe
 from gefen_titan.recipe.cli import load_cli
 

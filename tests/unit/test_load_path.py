@@ -26,8 +26,8 @@ from gefen_titan.ckpt_tools.verify import verify_checkpoint
 from gefen_titan.ckpt_tools.view import CkptError
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry
-from gefen_titan.optim.checkpointing.gefen_sharded import GefenShardedAdapter
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
+from gefen_titan.optim.kinds.gefen.sharded import GefenShardedAdapter
 from tests.helpers.tiny_checkpoint import manager
 
 

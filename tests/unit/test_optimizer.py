@@ -13,7 +13,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, ParamGroupCon
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
-from gefen_titan.optim.gefen_options import GefenOptions
+from gefen_titan.optim.kinds.gefen.options import GefenOptions
 
 
 class Block(nn.Module):  # no forward: these tests never step

@@ -255,8 +255,8 @@ def block_mean_segments_cases(device):
 
 def _build_slot(device, region, sources, g):
     """The adapter's own slot rebuild on synthetic records."""
-    from gefen_titan.optim.checkpointing.gefen_per_rank import GefenPerRankAdapter, _Source
-    from gefen_titan.optim.checkpointing.per_rank_regions import Region
+    from gefen_titan.optim.kinds.gefen.per_rank import GefenPerRankAdapter, _Source
+    from gefen_titan.optim.kinds.gefen.per_rank_regions import Region
 
     srcs, codebooks, blocks_of = [], {}, {}
     for label, (start, length, period) in enumerate(sources):

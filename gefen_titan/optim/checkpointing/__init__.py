@@ -8,17 +8,17 @@ every kind's records (``load_context``), the kinds check, then each
 adapter's two-step load (``adapter``):
 
 * ``sharded``: formats v3 (written) and v2 (loaded), the state sharded like
-  the parameters and resharded by DCP alone; ``gefen_sharded`` (Gefen under
-  agreed blocking) and ``gefen_muon_sharded`` (GefenMuon) are its kinds;
-* ``gefen_per_rank``: format v1, Gefen under per-rank blocking, re-blocked
-  (requantized where the layout changed) on load (``layout``,
-  ``codebook_merge``, ``gefen_titan.optim.quant``).
-
+  the parameters and resharded by DCP alone; each kind's subclass is in its
+  folder (``optim.kinds.gefen.sharded``: Gefen under agreed blocking;
+  ``optim.kinds.gefen_muon.sharded``);
+* format v1 (Gefen under per-rank blocking, re-blocked and requantized where
+  the layout changed on load) is ``optim.kinds.gefen.per_rank``, with
+  ``codebook_merge`` here and ``gefen_titan.optim.quant``.
 The entries' keys and records are defined in ``gefen_titan.checkpoint.schema``.
 """
 
 from gefen_titan.optim.checkpointing.adapter import StateAdapter
 from gefen_titan.optim.checkpointing.load_context import FLAT_KIND, LoadContext, kinds_refusal, read_load_context
 
-# The kinds' adapters are imported from their own modules (by the registry, which names every kind).
+# The kinds' adapters are imported from their own folders (optim.kinds), never from here.
 __all__ = ["FLAT_KIND", "LoadContext", "StateAdapter", "kinds_refusal", "read_load_context"]

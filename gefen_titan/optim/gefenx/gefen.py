@@ -55,7 +55,7 @@ GEFEN_CONSTRUCTOR = Constructor(Gefen, {
     "force_2d_period_one": Refused(
         "gefen-titan has no switch for every 2-D parameter: name the 2-D parameters that should keep per-element "
         "state in optimizer.gefen.period_one_substrings"),
-    # gefen-titan builds every Gefen with factored_v_2d=False (optim.gefen_options.FACTORED_V_2D).
+    # gefen-titan builds every Gefen with factored_v_2d=False (optim.kinds.gefen.options.FACTORED_V_2D).
     "factored_v_2d": Refused(
         "not supported yet (issue 48 will add it sharded): gefen-x falls back to the block second moment (vmean) "
         "for DTensor parameters (FSDP2 shards), and its factored state (v_row, v_col) is not shard-addressable, so "

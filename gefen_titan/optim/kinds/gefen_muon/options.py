@@ -1,6 +1,6 @@
 """GefenMuon's own options, ``[optimizer.muon]``: what every GefenMuon the container builds is built with.
 
-The kind's, not the container's (as ``optim.gefen_options``): the registry
+The kind's, not the container's (as ``optim.kinds.gefen.options``): the registry
 entry names this table (``OptimizerSpec.options``) and the container gives
 each GefenMuon ``kwargs()`` as its constructor options. Older recipes' flat
 ``[optimizer]`` keys (``FLAT_KEYS``) are read into it by the recipe layer.

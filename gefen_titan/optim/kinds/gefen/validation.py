@@ -27,8 +27,8 @@ from gefen_titan.checkpoint import schema, schema_records
 from gefen_titan.checkpoint.schema import HYPER
 from gefen_titan.distributed import local
 from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim.checkpointing.per_rank_regions import param_region
 from gefen_titan.optim.kind_validation import KindValidation, rel_l2
+from gefen_titan.optim.kinds.gefen.per_rank_regions import param_region
 
 __all__ = ["TOL_MOMENTUM", "TOL_UPDATE", "TOL_VMEAN", "VALIDATION", "compare_rank", "dense", "first_update",
            "live_facts", "live_problems", "rank_state"]

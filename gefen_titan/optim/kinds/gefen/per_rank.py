@@ -42,7 +42,7 @@ from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.checkpointing.adapter import StagedLoad, blocking_refusal
 from gefen_titan.optim.checkpointing.codebook_merge import K, merge_codebooks
 from gefen_titan.optim.checkpointing.load_context import LoadContext
-from gefen_titan.optim.checkpointing.per_rank_regions import Region, UnsupportedLayout, param_region, target_period
+from gefen_titan.optim.kinds.gefen.per_rank_regions import Region, UnsupportedLayout, param_region, target_period
 from gefen_titan.optim.quant.requant import Segment, block_mean_segments, dequantize_segments, requantize
 
 __all__ = ["GefenPerRankAdapter"]
