@@ -1,10 +1,10 @@
-"""GefenMuon's sharded step (gefen-titan's own; gefen-x's ``step()`` never runs).
+"""GefenMuon's sharded step (gefen-titan's own; gefen-x's ``step()`` never runs). Its entry,
+options table (``[optimizer.muon]``) and state adapter are ``optim.kinds.gefen_muon``.
 
 * ``step``: ``ShardedMuonStep``, momentum on the shards, Newton-Schulz on every owner at once;
 * ``schedule``: the pure plan: buckets and owners, balanced by Newton-Schulz cost;
 * ``exchange``: one packed point-to-point exchange per bucket and direction;
 * ``layout``: shard groups and the indices each shard holds;
-* ``options``: ``[optimizer.muon]``, GefenMuon's own options (``MuonOptions``).
 """
 
 from gefen_titan.optim.muon.matrices import MuonLayoutError, Piece, shard_groups, shard_indices
