@@ -55,9 +55,9 @@ class RecordsInput:
     values: dict[str, Any]
     header: schema_records.Header
 
-    def names_of(self, kind: str) -> list[str]:
-        """The entries of one key kind, sorted."""
-        return sorted(n for n, k in self.parsed.items() if k.kind == kind)
+    def names_of(self, key_kind: str) -> list[str]:
+        """The entries of one key kind (``schema.Key.kind``), sorted."""
+        return sorted(n for n, k in self.parsed.items() if k.kind == key_kind)
 
 
 @dataclass

@@ -261,7 +261,7 @@ class GefenOptimizersContainer(OptimizersContainer):
         super().__init__(base, model_parts=model_parts)
         for optim in self.optimizers:
             spec = registry.spec_of(optim)
-            if spec is None and gx.is_gefen_family(optim):
+            if spec is None and gx.is_gefenx_optimizer(optim):
                 raise ValueError(
                     f"{type(optim).__name__} is a subclass of Gefen that gefen-titan has no registry entry for: "
                     "its state is not Gefen's, so it can be neither agreed nor checkpointed as Gefen. Use "

@@ -87,7 +87,7 @@ def capture(optimizers: list[Optimizer]) -> list[dict[str, Any]]:
             "state": state,
             "dtensor": dtensors,
         }
-        if gx.is_gefen_family(optim):
+        if gx.is_gefenx_optimizer(optim):
             book = gx.codebook(optim)
             entry["codebook"] = None if book is None else book.detach()
             entry["global_step"] = gx.global_step(optim)
@@ -137,7 +137,7 @@ def _check(optimizers: list[Optimizer], peer: Any) -> str | None:
                 if shape is not None and tuple(value.shape) != tuple(local(p).shape):
                     return (f"{fqn} {key}: the peer's shard is {tuple(value.shape)}, this rank's parameter shard "
                             f"{tuple(local(p).shape)}: the groups run on different meshes")
-        if gx.is_gefen_family(optim) and "codebook" not in entry:
+        if gx.is_gefenx_optimizer(optim) and "codebook" not in entry:
             return f"optimizer {i} ({type(optim).__name__}): the peer sent no codebook entry"
     return None
 
@@ -188,7 +188,7 @@ def restore(optimizers: list[Optimizer], peer: Any) -> None:
                 live = g.get(k)
                 g[k] = _copy(v, live.device if isinstance(live, torch.Tensor) else v.device) \
                     if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-        if gx.is_gefen_family(optim):
+        if gx.is_gefenx_optimizer(optim):
             book = entry["codebook"]
             dev = next((local(p).device for p in params), torch.device("cpu"))
             gx.set_codebook(optim, None if book is None else book.to(dev, copy=True))

@@ -46,7 +46,7 @@ def build(experts: int, world: int, optimizer: str):
 
 
 def periods(opt) -> dict[str, int]:
-    return {fqn: gx.period(optim, p) for optim in opt.optimizers if gx.is_gefen_family(optim)
+    return {fqn: gx.period(optim, p) for optim in opt.optimizers if gx.is_gefenx_optimizer(optim)
             for fqn, p, _ in gx.named_params(optim)}
 
 

@@ -128,7 +128,7 @@ class _GefenVariant(Gefen):
 def test_a_gefen_subclass_is_not_taken_for_gefen():
     variant = _GefenVariant([torch.nn.Parameter(torch.zeros(4, 4))])
     plain = Gefen([torch.nn.Parameter(torch.zeros(4, 4))])
-    assert gx.is_gefen(plain) and not gx.is_gefen(variant) and gx.is_gefen_family(variant)
+    assert gx.is_gefen(plain) and not gx.is_gefen(variant) and gx.is_gefenx_optimizer(variant)
     assert registry.spec_of(plain).name == "Gefen" and registry.spec_of(variant) is None
 
 

@@ -51,9 +51,9 @@ class LoadContext:
     """The records stage's parsed records (``record_checks.SavedRecords``: every kind's, checked;
     None without Gefen state): what the adapters plan from."""
 
-    def keys_of(self, kind: str) -> list[str]:
+    def keys_of(self, key_kind: str) -> list[str]:
         """The entries of one key kind (``schema.parse_key``), sorted."""
-        return sorted(k for k in self.entries if (pk := schema.parse_key(k)) is not None and pk.kind == kind)
+        return sorted(k for k in self.entries if (pk := schema.parse_key(k)) is not None and pk.kind == key_kind)
 
     def foreign_keys(self) -> list[str]:
         """Entries of torch's flat optimizer state (another optimizer's), sorted."""
@@ -96,14 +96,14 @@ def kinds_refusal(ctx: LoadContext, live: dict[str, str], saved_by: dict[str, st
     """
     error = None
     try:
-        saved = {fqn: name for kind, name in saved_by.items() for k in ctx.keys_of(kind)
+        saved = {fqn: kind_name for key_kind, kind_name in saved_by.items() for k in ctx.keys_of(key_kind)
                  for fqn in schema_records.record_fqns(ctx.small[k], f"optimizer record {k}")}
         saved.update({fqn: FLAT_KIND for fqn in live if fqn not in saved and f"param_groups.{fqn}.lr" in ctx.entries})
         moved: dict[tuple[str, str], list[str]] = {}
-        for fqn, kind in live.items():
-            kind = kind if kind in saved_by.values() else FLAT_KIND
-            if saved.get(fqn, kind) != kind:
-                moved.setdefault((saved[fqn], kind), []).append(fqn)
+        for fqn, kind_name in live.items():
+            kind_name = kind_name if kind_name in saved_by.values() else FLAT_KIND
+            if saved.get(fqn, kind_name) != kind_name:
+                moved.setdefault((saved[fqn], kind_name), []).append(fqn)
         error = "; ".join(
             f"{len(fqns)} parameter(s) ({', '.join(sorted(fqns)[:3])}{' ...' if len(fqns) > 3 else ''}) were saved "
             f"by {was} and the recipe gives them to {now}: "

@@ -35,7 +35,7 @@ from gefen_titan.optim.gefenx.constructor import (
 from gefen_titan.optim.state_cost import StateCost
 
 __all__ = [
-    "FQNS_KEY", "K", "ParamState", "is_gefen", "is_gefen_family", "new_gefen", "named_params", "options", "read",
+    "FQNS_KEY", "K", "ParamState", "is_gefen", "is_gefenx_optimizer", "new_gefen", "named_params", "options", "read",
     "write",
     "clear", "has_state", "period", "set_period", "codebook", "set_codebook", "global_step", "set_global_step",
     "count_empty_shard_step", "empty_shard_counters", "set_empty_shard_counters", "finalize_period",
@@ -96,8 +96,9 @@ def is_gefen(optim: Optimizer) -> bool:
     return type(optim) is Gefen
 
 
-def is_gefen_family(optim: Optimizer) -> bool:
-    """Gefen or any subclass of it."""
+def is_gefenx_optimizer(optim: Optimizer) -> bool:
+    """A gefen-x optimizer: ``gefen.Gefen`` or any subclass of it (GefenMuon, a variant), all of which
+    keep gefen-x's per-optimizer codebook and step counters (``is_gefen`` is Gefen exactly)."""
     return isinstance(optim, Gefen)
 
 
