@@ -130,7 +130,7 @@ NAMES_KIND_STILL = {
 }
 _KIND_NAMES = {
     "GefenMuon": (re.compile(r"(?i)(?<!dist)muon"), re.compile(r"(?i)(?<!dist)muon")),  # not torchtitan's DistMuon
-    "Gefen": (re.compile(r"^(is_gefen|new_gefen|build_gefen)$|Gefen(Sharded|PerRank|Param\b|Optimizer\b)|"
+    "Gefen": (re.compile(r"^(is_gefen|new_gefen|build_gefen)$|Gefen(Sharded|PerRank|Param\b|Optimizer\b|Options\b)|"
                          r"gefen_(sharded|per_rank|records)"), re.compile(r"\bGefen\b")),
 }
 
