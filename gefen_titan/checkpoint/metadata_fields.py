@@ -61,14 +61,17 @@ class MalformedMetadataError(GefenCheckpointError):
 
     check = "metadata fields"
 
-    def __init__(self, checkpoint_id: str, what: str) -> None:
+    def __init__(self, checkpoint_id: str, what: str, message: str | None = None) -> None:
         self.checkpoint_id, self.what = checkpoint_id, what
-        super().__init__(f"checkpoint {checkpoint_id} is malformed: .metadata: {what} [metadata fields]. No save of "
-                         f"gefen-titan or torchtitan writes this (edited, or damaged): restore it from a copy or "
-                         f"{fall_back(checkpoint_id, digests.step_problem)}. Nothing was loaded.")
+        super().__init__(message or (
+            f"checkpoint {checkpoint_id} is malformed: .metadata: {what} [metadata fields]. No save of gefen-titan "
+            f"or torchtitan writes this (edited, or damaged): restore it from a copy or "
+            f"{fall_back(checkpoint_id, digests.step_problem)}. Nothing was loaded."))
 
-    def __reduce__(self) -> tuple:  # pickled to every rank by DCP's gather: keep the fields
-        return type(self), (self.checkpoint_id, self.what), self.__dict__
+    def __reduce__(self) -> tuple:
+        # Pickled to every rank by DCP's gather: keep the fields, and the message as worded, so a rank
+        # that unpickles it does not check the older steps for its advice again.
+        return type(self), (self.checkpoint_id, self.what, str(self)), self.__dict__
 
 
 def _name(v: Any) -> bool:

@@ -70,7 +70,6 @@ from gefen_titan.optim.blocking import (
     row_unit,
 )
 from gefen_titan.optim.codebook_solver import codebook_from_counts
-from gefen_titan.optim.kinds import register_builtins
 from gefen_titan.optim.quant.requant import block_mean, dequantize, expand_blocks, requantize
 
 __all__ = ["ConvertOptions", "convert", "render"]
@@ -89,7 +88,6 @@ class ConvertOptions:
 
 def convert(path: str, out: str, to: str, options: ConvertOptions = ConvertOptions()) -> dict[str, Any]:
     """Convert the checkpoint at ``path`` into a new one at ``out``; the report."""
-    register_builtins()  # the built-in kinds' descriptions, which its checks read
     if to not in CONVERT_TARGETS:
         raise CkptError(f"--to {to!r}: expected {' or '.join(CONVERT_TARGETS)}")
     ck = Checkpoint(path)

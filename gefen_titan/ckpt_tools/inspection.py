@@ -22,7 +22,6 @@ from gefen_titan.checkpoint import digests, kinds, schema, storage
 from gefen_titan.checkpoint import report_text as text
 from gefen_titan.ckpt_tools.saved_records import SavedRecords, codebook_summary, read_records
 from gefen_titan.ckpt_tools.view import Checkpoint, CkptError, Entry, split_state_key
-from gefen_titan.optim.kinds import register_builtins
 
 __all__ = ["inspect_checkpoint", "render"]
 
@@ -46,7 +45,6 @@ def _small_values(ck: Checkpoint) -> dict[str, Any]:
 
 def inspect_checkpoint(path: str) -> dict[str, Any]:
     """The report ``inspect`` prints (``--json`` prints exactly this)."""
-    register_builtins()  # the built-in kinds' descriptions, which its checks read
     ck = Checkpoint(path)
     opt = ck.optimizer
     # What the load's metadata stage refuses is flagged, and nothing is then read: a read would

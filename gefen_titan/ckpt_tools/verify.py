@@ -79,7 +79,6 @@ def nonnegative_entry(component: str, name: str) -> bool:
     """Whether entry ``name`` of ``component`` holds values that are finite and >= 0 in any state its kind
     makes (the kinds' ``nonnegative``, which the load refuses otherwise; torch's second moments): ``verify``,
     ``export`` and ``convert`` check them with the load's function (``kinds.nonnegative_problem``)."""
-    register_builtins()  # the built-in kinds' descriptions, which its checks read
     if component != OPTIMIZER:
         return False
     key = schema.parse_key(name)

@@ -100,7 +100,7 @@ class Checkpoint:
     """The entries, files and small values of one checkpoint folder."""
 
     def __init__(self, path: str) -> None:
-        register_builtins()  # the built-in kinds' descriptions, which its checks read
+        register_builtins()  # every tool opens a checkpoint here: the kinds' descriptions its checks read
         self.path = str(path)
         try:
             if not storage.is_remote(self.path) and storage.file_size(self.path, ".metadata") is None:

@@ -100,3 +100,21 @@ def test_the_load_refusal_offers_the_step_that_checks_out(tmp_path):
         tiny_checkpoint.resume(tmp_path, step=3)
     assert "--checkpoint.load_step 1" in str(refused.value), str(refused.value)
     assert "--checkpoint.load_step 2" not in str(refused.value)
+
+
+def test_a_refusal_unpickled_on_another_rank_keeps_its_advice_without_checking_again(steps, monkeypatch):
+    """DCP gathers a refusal to every rank by pickling it: the advice travels as worded, and no rank that
+    unpickles it reads the older steps again."""
+    import pickle
+
+    from gefen_titan.checkpoint.metadata_fields import MalformedMetadataError
+
+    truncate(data_file(steps / "step-5"))
+    calls = []
+    check = digests.step_problem
+    monkeypatch.setattr(digests, "step_problem", lambda folder: calls.append(folder) or check(folder))
+    error = MalformedMetadataError(str(steps / "step-7"), "storage_data is list, not a dict")
+    assert str(error).endswith("--checkpoint.load_step 3. Nothing was loaded."), str(error)
+    seen = len(calls)
+    back = pickle.loads(pickle.dumps(error))
+    assert str(back) == str(error) and back.what == error.what and len(calls) == seen
