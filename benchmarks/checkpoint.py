@@ -18,7 +18,7 @@ names the version); ``v1`` the per-rank format (``blocking = "per_rank"``);
 ``gefen-muon`` (not in the default list) the current format with GefenMuon
 for the hidden matrices and Gefen for the rest, the param groups of
 ``recipes/llama_gefen_muon.toml``. ``current``, ``v1`` and ``gefen-muon`` are
-saved and loaded as ``GefenCheckpointManager`` does it (``checkpoint.storage``'s
+saved and loaded as ``GefenCheckpointManager`` does it (``checkpoint.io.storage``'s
 writer: v3's raw entries and ``.digests``; its checking reader, which checks
 every item on every rank before the first commit); ``gefen-x`` and ``adamw``
 with DCP's own writer and reader, as torchtitan saves them. ``digests`` (not
@@ -30,7 +30,7 @@ the median over rounds of each round's with / without, with its 95%
 interval (separate launches, and even single rounds, differ by more than
 the cost on a shared machine), and the best of each beside it. ``checks``
 (not in the default list) is ``current`` plus the same paired line for the
-load's metadata stage (``checkpoint.load_checks``: ``.metadata`` against the
+load's metadata stage (``checkpoint.checks.load_checks``: ``.metadata`` against the
 files' sizes before anything is allocated): the same checkpoint loaded with
 the stage left out and run. ``reads`` (not in the default list) is the same
 for the read stage: the pickle budgets, the guarded unpickling of
@@ -83,7 +83,7 @@ PAIRED = 60  # --paired default: rounds of a save/load without and with digests 
 def method_label(method: str) -> str:
     """The method's row name; ``current`` names the format a run writes today."""
     if method in ("current", "digests", "checks", "reads"):
-        from gefen_titan.checkpoint import schema
+        from gefen_titan.checkpoint.format import schema
         from gefen_titan.optim.container import GefenOptimizersContainer
 
         blocking = GefenOptimizersContainer.Config().blocking
@@ -195,8 +195,9 @@ def _worker(args) -> None:
     def load_current(ckpt: str, bounds: bool = True, unchecked: bool = False) -> None:  # as the manager reads it
         import functools
 
-        from gefen_titan.checkpoint import digests, storage
-        from gefen_titan.checkpoint.reading import LoadChecks
+        from gefen_titan.checkpoint.format import digests
+        from gefen_titan.checkpoint.io import storage
+        from gefen_titan.checkpoint.io.reading import LoadChecks
 
         with digests.parsed_once():
             # The manager's reader (unchecked: checkpoint.load_without_digests, for method "digests"'s save
@@ -244,7 +245,7 @@ def _worker(args) -> None:
         result["memory_bytes"] = float(totals[0])
         kwargs = {}
         if args.method in OURS:  # as GefenCheckpointManager.dcp_save writes it
-            from gefen_titan.checkpoint import storage
+            from gefen_titan.checkpoint.io import storage
 
             kwargs["storage_writer"] = storage.storage_writer(args.ckpt)
         if args.method == "gefen-x":
@@ -265,7 +266,7 @@ def _worker(args) -> None:
             result["save_s"] = time.perf_counter() - t0
         result["rss"] = {"growth": rss.growth, "state": state_bytes, "shard": largest_shard(), "method": rss.method}
         if args.method == "digests":
-            from gefen_titan.checkpoint import storage
+            from gefen_titan.checkpoint.io import storage
 
             result["paired_s"] = paired(
                 lambda: dcp.save({"optimizer": state_obj()},
@@ -302,7 +303,8 @@ def _worker(args) -> None:
         elif args.method == "reads":  # the same checkpoint, the read stage left out / run
             import pickle
 
-            from gefen_titan.checkpoint import metadata_fields, pickle_budget, unpickling
+            from gefen_titan.checkpoint.checks import metadata_fields
+            from gefen_titan.checkpoint.format import pickle_budget, unpickling
 
             def without_read_stage() -> None:
                 # The budgets, the field types and the guarded unpickling of .metadata left out: this

@@ -8,7 +8,7 @@ A checkpoint saved by W ranks records one digest per stored item: about
 of ``scripts/plan_scale.py``: 1,773 Gefen v3 entries and 1,137 model
 entries per rank, ~3M rows). The benchmark writes a synthetic ``.digests``
 of that shape (random offsets, lengths and digests; one data file per rank)
-in the current file version (``checkpoint.digests``: an index of the data
+in the current file version (``checkpoint.format.digests``: an index of the data
 files, one section of rows per file) and, for comparison, in version 1
 (one JSON object holding every row, what a load read before 2026-12-02),
 then reads each as a rank of an N -> N load does (``digests.read``, then
@@ -28,7 +28,7 @@ import tempfile
 import time
 
 from benchmarks.rss import PeakRSS
-from gefen_titan.checkpoint import digests
+from gefen_titan.checkpoint.format import digests
 
 __all__ = ["main", "synthetic", "measure"]
 

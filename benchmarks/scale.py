@@ -30,7 +30,7 @@ shard from DTensor's own ``_compute_local_shape_and_global_offset``):
   ``exp_avg`` and ``exp_avg_sq`` (fp32) + a scalar ``step`` per parameter.
 * **Checkpoint**: the DCP entries of the optimizer, as the container's
   ``state_dict()`` gives them (Gefen's: format v3, as its entry's checkpoint
-  description plans them, ``checkpoint.kinds.PlannedEntries``; AdamW's
+  description plans them, ``checkpoint.format.kinds.PlannedEntries``; AdamW's
   flat keys taken from a real torchtitan container on a small model), and
   every rank's write items, deduplicated with the same greedy rule as
   DCP's ``dedup_save_plans`` (replicated chunks, the shared records and
@@ -254,7 +254,7 @@ def built_from(flavor: str, mesh: Mesh, numel: int, container, max_tp: int, chec
             coords_by_mesh[key] = _coords(p.device_mesh, mesh.world, fqn)
         params.append(Param(fqn, tuple(p.shape), p.dtype, tuple(p.placements), tuple(p.device_mesh.shape),
                             coords_by_mesh[key], unit, candidates, p))
-    from gefen_titan.checkpoint.schema import HYPER
+    from gefen_titan.checkpoint.format.schema import HYPER
 
     group = container.optimizers_of("Gefen")[0].param_groups[0]
     hyper = {k: float(group[k]) for k in HYPER}
@@ -281,10 +281,10 @@ class Entry:
 def optimizer_entries(built: Built, name: str, rule: str = "fallback", periods: dict[str, int] | None = None,
                       step: int = 1) -> list[Entry]:
     """The v3 entries of one optimizer of kind ``name`` over the plan's parameters: the header, then what its
-    registry entry's description plans (``checkpoint.kinds.PlannedEntries``: Gefen's are
+    registry entry's description plans (``checkpoint.format.kinds.PlannedEntries``: Gefen's are
     ``ShardedAdapter._save_entries``' order and records)."""
-    from gefen_titan.checkpoint import schema, schema_records
-    from gefen_titan.checkpoint.kinds import PlannedParam
+    from gefen_titan.checkpoint.format import schema, schema_records
+    from gefen_titan.checkpoint.format.kinds import PlannedParam
     from gefen_titan.optim import registry
 
     planned = registry.get(name).checkpoint.planned_entries
@@ -399,7 +399,7 @@ def account(entries: list[Entry], world: int, chunks: Chunks, keep_assignment: b
     is the same; ``tests/integration/test_scale.py`` checks it against DCP's own
     function.
     """
-    from gefen_titan.checkpoint import schema
+    from gefen_titan.checkpoint.format import schema
 
     everyone = list(range(world))
     uniques = []  # (first holder, entry position, holders, their chunk sizes, entry, offsets)
@@ -488,7 +488,7 @@ def metadata_bytes(entries: list[Entry], world: int, chunks: Chunks, checkpoint_
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from gefen_titan.checkpoint import schema
+    from gefen_titan.checkpoint.format import schema
 
     sampled = sorted({round(i * (world - 1) / max(1, sample_ranks - 1)) for i in range(sample_ranks)})
     plan_bytes = []

@@ -29,7 +29,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from gefen_titan.checkpoint import storage
+from gefen_titan.checkpoint.io import storage
 
 __all__ = ["SupersededLines", "drop_superseded", "loading", "saved", "step_of", "written_by"]
 

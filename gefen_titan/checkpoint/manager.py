@@ -20,7 +20,7 @@ and DCP's own ``read_metadata`` gets the same object; with no
 Integrity: every DCP save (synchronous or async) goes through
 ``storage.storage_writer``, which also writes ``.digests``; every load's
 reader checks ``.metadata`` against it, checks every stored item, on every
-rank, before the first byte reaches a live tensor (``checkpoint.reading``),
+rank, before the first byte reaches a live tensor (``checkpoint.io.reading``),
 and refuses data files with bytes no item covers or that ``.metadata`` does
 not list (``storage.stray_bytes``). A checkpoint whose ``.metadata`` says its
 save wrote ``.digests`` (``digests.expects_digests``) is refused without
@@ -29,7 +29,7 @@ one unless ``checkpoint.load_without_digests``; one from before digests
 ``checkpoint.digest_key_env`` saves sign ``.digests`` and loads check the
 signature before anything is unpickled (``digests``;
 ``docs/checkpoints.md``, "Threat model"). Nothing read is executed
-(``checkpoint.unpickling``).
+(``checkpoint.format.unpickling``).
 A full disk: a save that fails part-way with ``ENOSPC`` (synchronous, or
 an async save's writer, raised when the next save or the close waits for
 it) is reported in one message (``GefenCheckpointError``: the folder, what
@@ -64,10 +64,11 @@ from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 from torchtitan.tools.utils import GarbageCollection
 
-from gefen_titan.checkpoint import digests, log_lines
-from gefen_titan.checkpoint.entry_values import COUNT_BOUND
+from gefen_titan.checkpoint import log_lines
+from gefen_titan.checkpoint.checks.entry_values import COUNT_BOUND
 from gefen_titan.checkpoint.errors import METADATA_FILE, GefenCheckpointError, refuse_on_any_rank
-from gefen_titan.checkpoint.storage import load_reader, refusal, storage_writer
+from gefen_titan.checkpoint.format import digests
+from gefen_titan.checkpoint.io.storage import load_reader, refusal, storage_writer
 
 __all__ = ["GefenCheckpointManager", "LoadPreparer", "SnapshotsOnSave", "step_folders"]
 

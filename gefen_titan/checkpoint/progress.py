@@ -12,7 +12,7 @@ Here, below every layer that shows one, since ``validation`` and
 ``ckpt_tools`` may not import each other.
 
 ``reading`` is a bar in bytes over everything the checkpoint readers read
-inside it: ``checkpoint.item_reads`` calls ``advance`` after each item it
+inside it: ``checkpoint.io.item_reads`` calls ``advance`` after each item it
 has read and checked (a no-op outside ``reading``), so a tool shows its
 progress without threading a callback through DCP's load.
 """

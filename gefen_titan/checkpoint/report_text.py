@@ -1,5 +1,5 @@
 """Plain-text pieces of the offline tools' reports (tables, shapes, numbers), shared by ``ckpt inspect``
-and the kinds' own rows (``checkpoint.kinds.KindDescription.render``), which sit below the tools."""
+and the kinds' own rows (``checkpoint.format.kinds.KindDescription.render``), which sit below the tools."""
 
 from __future__ import annotations
 

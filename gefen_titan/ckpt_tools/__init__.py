@@ -1,7 +1,7 @@
 """Offline checkpoint tools: ``gefen-titan ckpt inspect | verify | convert | export``.
 
 Each runs as one process with no process group and no accelerator, reading
-through ``gefen_titan.checkpoint.storage`` (local folders and fsspec URLs):
+through ``gefen_titan.checkpoint.io.storage`` (local folders and fsspec URLs):
 
 * ``inspection``: what a checkpoint holds (format, mesh, per optimizer the
   parameters with shapes, periods and bytes, codebooks, counters, model and

@@ -18,8 +18,10 @@ import os
 import sys
 from typing import Any
 
-from gefen_titan.checkpoint import digests, progress, storage
+from gefen_titan.checkpoint import progress
 from gefen_titan.checkpoint.errors import CONVERT_TARGETS, GefenCheckpointError
+from gefen_titan.checkpoint.format import digests
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools import convert, export, inspection, verify
 from gefen_titan.ckpt_tools.view import CkptError
 

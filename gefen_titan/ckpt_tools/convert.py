@@ -26,7 +26,7 @@ decay. So the state maps onto torch's AdamW one to one:
   error of both moments.
 
 The state of any other kind whose description says why it cannot be
-converted (``checkpoint.kinds.KindDescription.convert_refusal``: GefenMuon's
+converted (``checkpoint.format.kinds.KindDescription.convert_refusal``: GefenMuon's
 momentum is Muon's, orthogonalized by Newton-Schulz, with NorMuon's per-row
 second moment, which AdamW's moments cannot hold) is refused, before
 anything is written. This module is Gefen's own: its arithmetic is Gefen's.
@@ -56,9 +56,10 @@ import torch.distributed.checkpoint as dcp
 from torchtitan.components.checkpoint import OPTIMIZER
 from torchtitan.tools import filesystem
 
-from gefen_titan.checkpoint import digests, kinds, schema, schema_records, storage
 from gefen_titan.checkpoint.errors import CONVERT_TARGETS, root_cause
-from gefen_titan.checkpoint.schema import HYPER, grid_shape
+from gefen_titan.checkpoint.format import digests, kinds, schema, schema_records
+from gefen_titan.checkpoint.format.schema import HYPER, grid_shape
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools.saved_records import codebook_summary, read_records
 from gefen_titan.ckpt_tools.view import Checkpoint, CkptError, split_state_key
 from gefen_titan.optim.blocking import (

@@ -5,7 +5,7 @@ DCP folder into one ``torch.save`` file, but it reads through DCP's own
 reader, which refuses format v3's raw Gefen entries (they are stored bytes,
 not ``torch.save`` frames: ``Weights only load failed ... Unsupported operand
 94``). This writes the same kind of file from gefen-titan's reader
-(``checkpoint.storage.load_all``: every entry nested as it was saved, every
+(``checkpoint.io.storage.load_all``: every entry nested as it was saved, every
 byte checked against ``.digests``, nothing unpickled beyond plain data), so
 ``torch.load(path, weights_only=True)`` reads it, after the load's value
 checks (a magnitude or second moment non-finite or negative is refused, as the
@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from torchtitan.components.checkpoint import OPTIMIZER
 
-from gefen_titan.checkpoint import kinds, storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause
+from gefen_titan.checkpoint.format import kinds
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools.verify import nonnegative_entry
 from gefen_titan.ckpt_tools.view import CkptError
 from gefen_titan.optim.kinds import register_builtins

@@ -7,7 +7,7 @@ ranks that wrote data files, the data loader's per-rank entries (the
 data-parallel degree), and how each optimizer tensor was cut into chunks
 (DCP writes one chunk per distinct shard, so replicas, such as HSDP's, and
 pipeline stages are not visible as such). Each optimizer kind's rows and
-their text are its own (``checkpoint.kinds.KindDescription.rows``,
+their text are its own (``checkpoint.format.kinds.KindDescription.rows``,
 ``render``); torch's flat optimizers' are this module's.
 """
 
@@ -18,8 +18,9 @@ from typing import Any
 
 from torchtitan.components.checkpoint import MODEL, OPTIMIZER
 
-from gefen_titan.checkpoint import digests, kinds, schema, storage
 from gefen_titan.checkpoint import report_text as text
+from gefen_titan.checkpoint.format import digests, kinds, schema
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools.saved_records import SavedRecords, codebook_summary, read_records
 from gefen_titan.ckpt_tools.view import Checkpoint, CkptError, Entry, split_state_key
 
@@ -118,7 +119,7 @@ def _format(saved: SavedRecords | None) -> dict[str, Any] | None:
 
 
 class _View:
-    """What a kind's rows (``KindDescription.rows``) read through: ``checkpoint.kinds.InspectView``."""
+    """What a kind's rows (``KindDescription.rows``) read through: ``checkpoint.format.kinds.InspectView``."""
 
     def __init__(self, ck: Checkpoint, version: int) -> None:
         self.ck, self.version = ck, version
@@ -158,7 +159,7 @@ class _View:
 
 
 def _kind_optimizers(ck: Checkpoint, saved: SavedRecords) -> list[dict[str, Any]]:
-    """Each described kind's rows (``checkpoint.kinds``), in registration order."""
+    """Each described kind's rows (``checkpoint.format.kinds``), in registration order."""
     view, out = _View(ck, saved.version), []
     for desc in kinds.descriptions():
         if desc.name in saved.kinds and desc.rows is not None:

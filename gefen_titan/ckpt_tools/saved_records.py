@@ -1,7 +1,7 @@
 """Every optimizer kind's records in a checkpoint, read and checked offline (formats v3, v2 and v1).
 
-The checks are the load's own, not a copy: ``checkpoint.record_checks``
-(the record stage of ``checkpoint.load_checks``, which runs each registered
+The checks are the load's own, not a copy: ``checkpoint.checks.record_checks``
+(the record stage of ``checkpoint.checks.load_checks``, which runs each registered
 kind's description), which the load runs on its one small read of the
 records (``optim.checkpointing.load_context``) and the tools run here on theirs.
 What is left to the load is what needs the live model (the parameters'
@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torchtitan.components.checkpoint import OPTIMIZER
 
-from gefen_titan.checkpoint import schema
-from gefen_titan.checkpoint.record_checks import SavedRecords, read_saved, small_names
+from gefen_titan.checkpoint.checks.record_checks import SavedRecords, read_saved, small_names
+from gefen_titan.checkpoint.format import schema
 from gefen_titan.ckpt_tools.view import Checkpoint, CkptError
 
 __all__ = ["SavedRecords", "read_records", "codebook_summary", "optimizer_entries"]

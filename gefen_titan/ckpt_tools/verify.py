@@ -1,7 +1,7 @@
 """``gefen-titan ckpt verify``: an offline integrity check before an expensive resume.
 
 Verify runs the resume's own checks of what it reads, from the one list
-``checkpoint.load_checks`` (not a copy), and a few more; each problem names
+``checkpoint.checks.load_checks`` (not a copy), and a few more; each problem names
 the file it is in and the check:
 
 1. **Metadata.** The load's metadata stage: every chunk inside its tensor,
@@ -11,7 +11,7 @@ the file it is in and the check:
    files' bytes. Nothing is allocated or read before these pass (an item that
    fails them is not read at all).
 2. **Every byte.** Each data file exists; every item is read in full. When
-   the checkpoint carries ``.digests`` (``checkpoint.digests``: what every
+   the checkpoint carries ``.digests`` (``checkpoint.format.digests``: what every
    load checks), each item's digest and ``.metadata``'s are checked, exactly
    as the load checks them, and ``.digests`` itself, its data files' stray
    bytes included. DCP writes each item with ``torch.save``, a zip archive
@@ -20,14 +20,14 @@ the file it is in and the check:
    Then the load's entry stage: byte entries unpickled with the allowlists
    (a data loader's pickled state inside one too), a stored tensor against
    its chunk record, ``train_state.step`` against the folder's step, the
-   known byte entries' types and ranges (``checkpoint.entry_values``). The
+   known byte entries' types and ranges (``checkpoint.checks.entry_values``). The
    tensors each kind's description names ``nonnegative`` finite and >= 0,
    by the load's own function (``kinds.nonnegative_problem``, which its
    adapters run). Beyond the load: every other floating value finite (the
    model's too) and AdamW's ``exp_avg_sq`` >= 0.
-3. **Records.** The load's records stage (``checkpoint.record_checks``):
+3. **Records.** The load's records stage (``checkpoint.checks.record_checks``):
    every registered kind's records, codebooks and the tensors they imply
-   (its ``checkpoint.kinds.KindDescription``), an entry of a key kind no
+   (its ``checkpoint.format.kinds.KindDescription``), an entry of a key kind no
    description claims; and torch optimizers' state (each parameter's
    ``exp_avg``/``exp_avg_sq`` of one shape, with a ``step``). The summary
    has one field per kind with state (its description's ``report_key``).
@@ -46,18 +46,11 @@ from typing import Any
 import torch
 from torchtitan.components.checkpoint import OPTIMIZER
 
-from gefen_titan.checkpoint import (
-    digests,
-    entry_values,
-    kinds,
-    load_checks,
-    metadata_fields,
-    progress,
-    schema,
-    storage,
-    unpickling,
-)
+from gefen_titan.checkpoint import progress
+from gefen_titan.checkpoint.checks import entry_values, load_checks, metadata_fields
 from gefen_titan.checkpoint.errors import GefenCheckpointError, restore_advice
+from gefen_titan.checkpoint.format import digests, kinds, schema, unpickling
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools.saved_records import read_records
 from gefen_titan.ckpt_tools.view import Checkpoint, CkptError, Entry, split_state_key
 from gefen_titan.optim.kinds import register_builtins
@@ -113,7 +106,7 @@ class _Verifier:
             self.has_digests = True
             self.add(err.file, None, err.what, "digests")
             return False
-        except GefenCheckpointError as err:  # a FIFO, a device (checkpoint.files)
+        except GefenCheckpointError as err:  # a FIFO, a device (checkpoint.format.files)
             self.add(None, None, str(err), err.check)
             return False
         except Exception as err:  # a .digests of wrong types the parser has no word for: the resume

@@ -1,7 +1,7 @@
 """An offline, single-process view of one DCP checkpoint (one ``step-N`` folder).
 
 The ``ckpt`` tools run as one process without a process group, on a machine
-that may have no accelerator: every read goes through ``gefen_titan.checkpoint.storage``
+that may have no accelerator: every read goes through ``gefen_titan.checkpoint.io.storage``
 (local folders and fsspec URLs, as torchtitan writes them) and DCP runs with
 ``no_dist=True``. Tensors are read whole (all chunks assembled), so a read
 costs the memory of the entries it names, never of the whole checkpoint.
@@ -20,8 +20,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, MODEL, OPTIMIZER, TRAIN_STATE
 
-from gefen_titan.checkpoint import load_checks, schema, schema_records, storage
+from gefen_titan.checkpoint.checks import load_checks
 from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause
+from gefen_titan.checkpoint.format import schema, schema_records
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.optim.kinds import register_builtins
 
 __all__ = ["CkptError", "Entry", "Checkpoint", "split_state_key"]
@@ -115,7 +117,7 @@ class Checkpoint:
         # them. ``load`` refuses while any problem stands; inspect flags them, verify lists them.
         try:
             self.problems = storage.metadata_problems(self.path, self.metadata)
-        except GefenCheckpointError as e:  # a data file that is no regular file (checkpoint.files)
+        except GefenCheckpointError as e:  # a data file that is no regular file (checkpoint.format.files)
             raise CkptError(str(e), e.check) from e
         self.allocation = load_checks.allocation(self.metadata)
         mapping = self.metadata.planner_data or {}

@@ -56,7 +56,7 @@ from torchtitan.components.tokenizer import BaseTokenizer
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.tools.logging import logger
 
-from gefen_titan.checkpoint.unpickling import loads_loader_state
+from gefen_titan.checkpoint.format.unpickling import loads_loader_state
 from gefen_titan.data.corpus import register_datasets
 from gefen_titan.data.elastic_dataset import (
     PASS_KEY,
@@ -194,7 +194,7 @@ class ElasticTextDataLoader(HuggingFaceTextDataLoader):
     # -- loading ----------------------------------------------------------
 
     def _unpickle(self, raw: bytes, rank: int | None = None) -> Any:
-        """A rank's pickled loader state, read with plain data only (``checkpoint.unpickling``)."""
+        """A rank's pickled loader state, read with plain data only (``checkpoint.format.unpickling``)."""
         return loads_loader_state(raw, f"dataloader.dp_rank_{self.dp_rank if rank is None else rank}")
 
     def _load_own(self, state_dict: dict[str, Any]) -> None:

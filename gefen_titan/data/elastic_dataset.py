@@ -243,7 +243,7 @@ class ElasticTextDataset(HuggingFaceTextDataset):
         it) within the documents it reads: its pass's (after a reshard) or its share of the dataset, split
         among the workers as ``_get_data_iter`` splits it. Beyond them torchtitan's resume skips past the
         end and starts the next epoch: other data than the run saved (issue 50). The entry stage already
-        refused a non-int or one outside [0, 2^53] (``checkpoint.entry_values``)."""
+        refused a non-int or one outside [0, 2^53] (``checkpoint.checks.entry_values``)."""
         position = state_dict.get("sample_idx", 0)
         encoded = state_dict.get(PASS_KEY)
         documents = len(self._decode(encoded)) if encoded is not None else len(self._original_data)

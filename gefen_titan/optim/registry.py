@@ -51,10 +51,10 @@ container and every tool call before they look a name up:
 * ``step_stats``: a built optimizer's step statistics on this rank (GefenMuon:
   its sharded step's ``MuonStepStats``), for the container's ``step_stats``;
 * ``checkpoint``: the kind's description of its checkpoint state
-  (``checkpoint.kinds.KindDescription``, built by the kind's own files:
+  (``checkpoint.format.kinds.KindDescription``, built by the kind's own files:
   its key kinds, its records' checks, its rows in ``ckpt inspect``, its
   ``verify`` summary and non-negative tensors, why ``convert`` refuses it).
-  ``register`` registers it with ``checkpoint.kinds``, where the load's
+  ``register`` registers it with ``checkpoint.format.kinds``, where the load's
   records stage and the offline tools find it;
 * ``validation``: its part of the reshard validation (``optim.kind_validation``:
   live facts, dense state, per-rank comparison); None: compared as entries only;
@@ -80,8 +80,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint import kinds
-from gefen_titan.checkpoint.kinds import KindDescription
+from gefen_titan.checkpoint.format import kinds
+from gefen_titan.checkpoint.format.kinds import KindDescription
 from gefen_titan.optim.checkpointing import StateAdapter
 from gefen_titan.optim.kind_validation import KindValidation
 from gefen_titan.optim.state_cost import StateCost

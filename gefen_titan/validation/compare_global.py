@@ -5,9 +5,9 @@ reshards it with no requantization (``docs/checkpoint_format.md``), so the
 comparison has no tolerance: everything must be bit-exact, for splits and
 merges alike. The inputs are the global dumps of
 ``gefen_titan.validation.hooks`` (``dumps.merge_global`` joins the writers').
-Entry keys are read only through ``gefen_titan.checkpoint.schema``, and an
+Entry keys are read only through ``gefen_titan.checkpoint.format.schema``, and an
 entry's kind through the kinds' checkpoint descriptions
-(``checkpoint.kinds``); what only a kind knows (its live facts, its dense
+(``checkpoint.format.kinds``); what only a kind knows (its live facts, its dense
 state) it answers through its registry entry's ``validation``
 (``optim.kind_validation``). This module names no kind.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from gefen_titan.checkpoint import kinds, schema
+from gefen_titan.checkpoint.format import kinds, schema
 from gefen_titan.optim import registry
 from gefen_titan.optim.kind_validation import DENSE_FIGURES, rel_l2
 from gefen_titan.validation.dumps import merge_global

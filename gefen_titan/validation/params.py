@@ -6,7 +6,7 @@ steps later equal to an uninterrupted run at the target layout up to the
 reduction order. This module checks the second, on what every run already
 writes: the model-only checkpoint of its last step (``Settings.overrides``:
 ``--checkpoint.last_save_model_only true``), read through gefen_titan's
-checked reader (``gefen_titan.checkpoint.storage``: ``.metadata`` checked
+checked reader (``gefen_titan.checkpoint.io.storage``: ``.metadata`` checked
 before it is unpickled, every item against ``.digests``), entry by entry in
 chunks, so a comparison holds two chunks in memory, never two models.
 
@@ -33,7 +33,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, OPTIMIZER, TRAIN_STATE
 
-from gefen_titan.checkpoint import storage
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.validation.bands import LOSS_K
 from gefen_titan.validation.layouts import Side, as_side
 from gefen_titan.validation.runs import Run, Settings

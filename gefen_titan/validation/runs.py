@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torchtitan.config.override import format_cli_imports
 
-from gefen_titan.checkpoint import storage
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.data.global_loader import GlobalOrderDataLoader
 from gefen_titan.distributed import free_port
 from gefen_titan.validation.identity import run_identity

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
 
-from gefen_titan.checkpoint.storage import load_all
+from gefen_titan.checkpoint.io.storage import load_all
 
 Edit = Callable[[dict], None]
 

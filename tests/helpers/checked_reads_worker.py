@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from gefen_titan.checkpoint import storage
-from gefen_titan.checkpoint.reading import CheckedFileSystemReader
+from gefen_titan.checkpoint.io import storage
+from gefen_titan.checkpoint.io.reading import CheckedFileSystemReader
 
 SENTINEL = -7.0
 

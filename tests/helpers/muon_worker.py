@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 from gefen import GefenMuon
 
-from gefen_titan.checkpoint.schema import grid_shape
+from gefen_titan.checkpoint.format.schema import grid_shape
 from gefen_titan.distributed import like_param, like_param_rows, local
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from gefen_titan.checkpoint.storage import storage_writer
+from gefen_titan.checkpoint.io.storage import storage_writer
 from gefen_titan.distributed import local
 from gefen_titan.optim import gefenx as gx
 from tests.helpers import moe_worker, worker_jobs

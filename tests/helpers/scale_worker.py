@@ -49,7 +49,7 @@ import torch.distributed as dist
 from benchmarks import scale
 from benchmarks.meta import fake_process_group
 from gefen_titan import patches
-from gefen_titan.checkpoint import schema_records
+from gefen_titan.checkpoint.format import schema_records
 from gefen_titan.recipe import flavors
 
 patches.apply_all()  # CPU / gloo FSDP2
@@ -97,8 +97,8 @@ def checkpoint(step_dir: str, built) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from gefen_titan.checkpoint import schema
-    from gefen_titan.checkpoint.storage import read_small
+    from gefen_titan.checkpoint.format import schema
+    from gefen_titan.checkpoint.io.storage import read_small
 
     md = FileSystemReader(step_dir).read_metadata()
     prefix = "optimizer."

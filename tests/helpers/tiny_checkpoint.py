@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from gefen_titan.checkpoint import storage
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.optim.container import GefenOptimizersContainer
 from tests.helpers.untrusted import rewrite_digests

@@ -6,7 +6,8 @@ import copy
 import pickle
 from pathlib import Path
 
-from gefen_titan.checkpoint import digests, storage
+from gefen_titan.checkpoint.format import digests
+from gefen_titan.checkpoint.io import storage
 
 
 class Payload:

@@ -28,8 +28,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gefen_titan.checkpoint import schema
-from gefen_titan.checkpoint.schema import grid_shape
+from gefen_titan.checkpoint.format import schema
+from gefen_titan.checkpoint.format.schema import grid_shape
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.blocking import BlockingError, candidate_periods, histogram, row_unit
 from gefen_titan.optim.container import GefenOptimizersContainer

@@ -37,7 +37,8 @@ import pytest
 import torch
 
 import gefen_titan.train
-from gefen_titan.checkpoint import digests, storage
+from gefen_titan.checkpoint.format import digests
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools.verify import verify_checkpoint
 from tests.helpers import processes
 from tests.helpers.integrity_worker import resume_flipped

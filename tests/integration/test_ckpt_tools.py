@@ -35,7 +35,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import gefen_titan.train
-from gefen_titan.checkpoint import schema, storage
+from gefen_titan.checkpoint.format import schema
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools import cli
 from gefen_titan.ckpt_tools.view import Checkpoint
 from tests.helpers import processes
@@ -119,7 +120,7 @@ def _same(a, b, path="") -> list[str]:
 def test_export_writes_what_torch_load_reads_weights_only(runs, capsys, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from gefen_titan.checkpoint import storage
+    from gefen_titan.checkpoint.io import storage
 
     src = step_dir(runs["base"], "gefen", 4)
     # DCP's own tool cannot read format v3's raw entries: the reason for the command.

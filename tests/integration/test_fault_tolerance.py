@@ -41,7 +41,7 @@ import re
 import pytest
 import torch
 
-from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint.format import schema
 from tests.helpers import processes
 from tests.helpers import reference_curves as urc
 from tests.helpers.ft_runs import DIED, differences, faulted, load_dump, uninterrupted

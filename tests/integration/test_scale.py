@@ -304,7 +304,7 @@ def test_benchmark_arguments_are_checked():
 
 
 def test_checkpoint_targets_report_misses_with_the_figure():
-    from gefen_titan.checkpoint import schema
+    from gefen_titan.checkpoint.format import schema
 
     assert f"v{schema.VERSION}" in bench_ckpt.method_label("current")
     rss = [{"growth": 150, "state": 100, "shard": 50}, {"growth": 10, "state": 100, "shard": 50}]

@@ -92,8 +92,8 @@ def test_components_in_torchtitans_own_trainer(tmp_path):
     """``examples/torchtitan_config.py`` (the README's "own trainer" example):
     torchtitan's entry point and CLI, our optimizer container and checkpoint
     manager, no recipe."""
-    from gefen_titan.checkpoint import schema
-    from gefen_titan.checkpoint.storage import read_metadata
+    from gefen_titan.checkpoint.format import schema
+    from gefen_titan.checkpoint.io.storage import read_metadata
 
     env = {**os.environ, "PYTHONPATH": str(ROOT / "examples")}
     proc = processes.torchrun(1, "-m", "torchtitan.train", "--module", "torchtitan_config", "--config",

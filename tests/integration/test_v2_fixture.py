@@ -21,7 +21,7 @@ import torch
 from torchtitan.components.checkpoint import OPTIMIZER
 
 import gefen_titan.train
-from gefen_titan.checkpoint import schema, schema_records
+from gefen_titan.checkpoint.format import schema, schema_records
 from gefen_titan.ckpt_tools.view import Checkpoint
 from tests.helpers import processes
 

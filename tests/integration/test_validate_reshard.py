@@ -217,7 +217,7 @@ def _global_dump(world=2):
     """A tiny agreed-blocking dump as ``gefen_titan.validation.hooks`` writes it."""
     import torch
 
-    from gefen_titan.checkpoint import schema
+    from gefen_titan.checkpoint.format import schema
 
     g = torch.Generator().manual_seed(0)
     codebook = torch.linspace(-1, 1, 256)
@@ -242,7 +242,7 @@ def _global_dump(world=2):
 
 
 def test_global_comparison_is_bit_exact_and_names_what_differs():
-    from gefen_titan.checkpoint import schema
+    from gefen_titan.checkpoint.format import schema
 
     ref = _global_dump()
     st = compare_global.compare_global_state([ref], [copy.deepcopy(ref)])
@@ -288,7 +288,7 @@ def test_state_comparisons_ask_each_kind_through_its_entry():
     problem, and a kind's record names the field that differs."""
     import torch
 
-    from gefen_titan.checkpoint import schema
+    from gefen_titan.checkpoint.format import schema
     from gefen_titan.optim import registry
     from gefen_titan.optim.kind_validation import KindValidation
     from gefen_titan.validation import compare_rank

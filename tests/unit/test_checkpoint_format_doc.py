@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from gefen_titan.checkpoint import schema, schema_doc
+from gefen_titan.checkpoint.format import schema, schema_doc
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "checkpoint_format.md").read_text()
 
@@ -13,7 +13,7 @@ DOC = (Path(__file__).resolve().parents[2] / "docs" / "checkpoint_format.md").re
 @pytest.mark.parametrize("version", sorted(schema_doc.KEYS))
 def test_doc_key_table_matches_code(version):
     assert schema_doc.key_table(version) in DOC, (
-        f"docs/checkpoint_format.md's v{version} key table differs from gefen_titan.checkpoint.schema_doc.KEYS; "
+        f"docs/checkpoint_format.md's v{version} key table differs from gefen_titan.checkpoint.format.schema_doc.KEYS; "
         "paste schema_doc.key_table(%d) into the doc" % version)
 
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from gefen_titan.checkpoint import reading
 from gefen_titan.checkpoint.errors import GefenCheckpointError
+from gefen_titan.checkpoint.io import reading
 from gefen_titan.checkpoint.manager import GefenCheckpointManager, LoadPreparer, SnapshotsOnSave
 from tests.helpers.loader_checkpoint import Blob
 

@@ -1,6 +1,6 @@
 """What gefen-titan's checkpoint storage takes from DCP's internals (torch is not pinned exactly).
 
-``checkpoint/writing.py`` lays out data files with DCP's private
+``checkpoint/io/writing.py`` lays out data files with DCP's private
 ``_split_by_size_and_type``, ``DEFAULT_SUFFIX`` and ``_StorageInfo``;
 ``checkpoint/storage.load_all`` is DCP's ``dcp_to_torch_save`` through our
 reader (``_load_state_dict``, ``_EmptyStateDictLoadPlanner``). If a torch
@@ -20,7 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _split_by_size_and_type, _StorageInfo
 
-from gefen_titan.checkpoint import schema, schema_records, storage
+from gefen_titan.checkpoint.format import schema, schema_records
+from gefen_titan.checkpoint.io import storage
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
 
@@ -58,7 +59,7 @@ def test_load_all_returns_every_entry(tmp_path):
 
 
 def test_default_load_planner_load_bytes_is_what_the_safe_reader_mirrors():
-    """``checkpoint.item_reads.load_bytes`` does what ``DefaultLoadPlanner.load_bytes`` does with a byte
+    """``checkpoint.io.item_reads.load_bytes`` does what ``DefaultLoadPlanner.load_bytes`` does with a byte
     entry, given a value unpickled with ``weights_only=True`` (DCP's would ``torch.load`` it unrestricted):
     if DCP changes where that value goes, the reader must change with it."""
     import inspect
@@ -79,7 +80,7 @@ def test_the_safe_reader_never_calls_the_planners_load_bytes(tmp_path, monkeypat
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from gefen_titan.checkpoint import storage
+    from gefen_titan.checkpoint.io import storage
 
     dcp.save({"a": {"n": 3, "s": "x"}, "t": torch.ones(2)}, storage_writer=storage.storage_writer(tmp_path / "c"),
              no_dist=True)

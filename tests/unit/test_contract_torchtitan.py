@@ -110,7 +110,7 @@ def test_checkpoint_manager_save_path():
 
 
 def test_remote_paths_rule():
-    """gefen_titan.checkpoint.storage picks fsspec exactly where torchtitan does."""
+    """gefen_titan.checkpoint.io.storage picks fsspec exactly where torchtitan does."""
     from torchtitan.tools import filesystem
 
     assert filesystem.is_remote("s3://b/ckpt") and filesystem.is_remote("file:///x")

@@ -1,7 +1,7 @@
 """``.digests``: written by every save through ``storage.storage_writer``, checked by every load.
 
 One process, DCP with ``no_dist=True``: the writer and reader pair of
-``checkpoint.writing`` and ``checkpoint.reading`` on a small state dict of tensors and an object
+``checkpoint.io.writing`` and ``checkpoint.io.reading`` on a small state dict of tensors and an object
 entry. The multi-rank resume of a real recipe is
 tests/integration/test_checkpoint_integrity.py.
 """
@@ -17,8 +17,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from gefen_titan.checkpoint import digests, schema_doc, storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError
+from gefen_titan.checkpoint.format import digests, schema_doc
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools.verify import verify_checkpoint
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "checkpoint_format.md").read_text()
@@ -229,7 +230,7 @@ def test_corrupt_error_pickles_across_ranks():
 
 def test_doc_shows_the_digest_file_table():
     assert schema_doc.file_table() in DOC, ("docs/checkpoint_format.md's .digests table differs from "
-                                         "gefen_titan.checkpoint.schema_doc.file_table(); paste it into the doc")
+                                         "gefen_titan.checkpoint.format.schema_doc.file_table(); paste it into the doc")
 
 
 def test_digests_handed_to_the_reader_are_kept(tmp_path):

@@ -1,4 +1,4 @@
-"""The byte entries' values (issue 50, items 1 and 3: ``checkpoint.entry_values``, run by the load's entry
+"""The byte entries' values (issue 50, items 1 and 3: ``checkpoint.checks.entry_values``, run by the load's entry
 stage ``load_checks.read_byte_entry``): what torchtitan's components save passes, a type or range no save
 writes is refused naming the entry and the field, by the resume (before anything reaches the model) and
 by ``ckpt verify`` alike. One process."""
@@ -16,7 +16,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
 
-from gefen_titan.checkpoint import entry_values, load_checks
+from gefen_titan.checkpoint.checks import entry_values, load_checks
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.ckpt_tools.verify import verify_checkpoint
 from tests.helpers import tiny_checkpoint

@@ -24,22 +24,23 @@ import gefen_titan.patches
 # One instance of every exception class, with its attributes set (qualified name -> factory).
 EXAMPLES = {
     "gefen_titan.checkpoint.errors.GefenCheckpointError": lambda m: m.GefenCheckpointError("refused: x"),
-    "gefen_titan.checkpoint.digests.CorruptCheckpointError":
+    "gefen_titan.checkpoint.format.digests.CorruptCheckpointError":
         lambda m: m.CorruptCheckpointError("corrupt: x", file="__0_0.distcp", entry="model.w", what="digest"),
-    "gefen_titan.checkpoint.load_checks.StepMismatchError": lambda m: m.StepMismatchError("step 3, folder step-4"),
-    "gefen_titan.checkpoint.entry_values.EntryValueError": lambda m: m.EntryValueError("train_state.step is -1"),
-    "gefen_titan.checkpoint.schema.FormatError": lambda m: m.FormatError("bad record"),
-    "gefen_titan.checkpoint.unpickling.ForbiddenObjectError":
+    "gefen_titan.checkpoint.checks.load_checks.StepMismatchError":
+        lambda m: m.StepMismatchError("step 3, folder step-4"),
+    "gefen_titan.checkpoint.checks.entry_values.EntryValueError": lambda m: m.EntryValueError("train_state.step is -1"),
+    "gefen_titan.checkpoint.format.schema.FormatError": lambda m: m.FormatError("bad record"),
+    "gefen_titan.checkpoint.format.unpickling.ForbiddenObjectError":
         lambda m: m.ForbiddenObjectError("entry train_state.step", "builtins.eval", "/ckpt/step-4"),
-    "gefen_titan.checkpoint.files.NotARegularFileError":
+    "gefen_titan.checkpoint.format.files.NotARegularFileError":
         lambda m: m.NotARegularFileError("/ckpt/step-4/.digests", "a FIFO (named pipe)"),
-    "gefen_titan.checkpoint.files.TooLargeError":
+    "gefen_titan.checkpoint.format.files.TooLargeError":
         lambda m: m.TooLargeError("/ckpt/step-4/.metadata", 1 << 34, 1 << 30, "the format"),
-    "gefen_titan.checkpoint.metadata_fields.MalformedMetadataError":
+    "gefen_titan.checkpoint.checks.metadata_fields.MalformedMetadataError":
         lambda m: m.MalformedMetadataError("/ckpt/step-4", "storage_data is list, not a dict"),
-    "gefen_titan.checkpoint.pickle_budget.OverBudgetError":
+    "gefen_titan.checkpoint.format.pickle_budget.OverBudgetError":
         lambda m: m.OverBudgetError(".metadata", "objects nested more than 64 deep", "/ckpt/step-4"),
-    "gefen_titan.checkpoint.pickle_budget._Refused": lambda m: m._Refused("nested too deep"),
+    "gefen_titan.checkpoint.format.pickle_budget._Refused": lambda m: m._Refused("nested too deep"),
     "gefen_titan.ckpt_tools.view.CkptError": lambda m: m.CkptError("cannot read", "metadata fields"),
     "gefen_titan.data.elastic_dataset.DataLoaderReshardError": lambda m: m.DataLoaderReshardError("no"),
     "gefen_titan.data.elastic_dataset.DataLoaderPositionError": lambda m: m.DataLoaderPositionError("no"),

@@ -118,7 +118,7 @@ def test_unexpected_errors_pass_through(env, capsys):
 @pytest.mark.parametrize("cls", [
     "gefen_titan.recipe.errors.RecipeError",
     "gefen_titan.checkpoint.errors.GefenCheckpointError",
-    "gefen_titan.checkpoint.digests.CorruptCheckpointError",
+    "gefen_titan.checkpoint.format.digests.CorruptCheckpointError",
     "gefen_titan.data.indexed.IndexedDataError",
     "gefen_titan.data.global_loader.DataOrderError",
     "gefen_titan.data.registry.UnknownLoaderError",

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from gefen_titan.checkpoint import digests
 from gefen_titan.checkpoint.errors import GefenCheckpointError, fall_back, restore_advice
+from gefen_titan.checkpoint.format import digests
 from tests.helpers import tiny_checkpoint
 
 
@@ -107,7 +107,7 @@ def test_a_refusal_unpickled_on_another_rank_keeps_its_advice_without_checking_a
     unpickles it reads the older steps again."""
     import pickle
 
-    from gefen_titan.checkpoint.metadata_fields import MalformedMetadataError
+    from gefen_titan.checkpoint.checks.metadata_fields import MalformedMetadataError
 
     truncate(data_file(steps / "step-5"))
     calls = []

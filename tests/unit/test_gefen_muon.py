@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 from gefen import GefenMuon
 
-from gefen_titan.checkpoint.schema import FormatError
-from gefen_titan.checkpoint.schema_muon import (
+from gefen_titan.checkpoint.format.schema import FormatError
+from gefen_titan.checkpoint.format.schema_muon import (
     MUON_HYPER,
     MuonOptimizerRecord,
     MuonParamRecord,

@@ -29,8 +29,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gefen_titan.checkpoint import digests, load_checks, pickle_budget, storage, unpickling
+from gefen_titan.checkpoint.checks import load_checks
 from gefen_titan.checkpoint.errors import GefenCheckpointError
+from gefen_titan.checkpoint.format import digests, pickle_budget, unpickling
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools.verify import verify_checkpoint
 from tests.helpers.tiny_checkpoint import STEP, build, edit_metadata, manager, save
 from tests.helpers.untrusted import as_pre_digest, digest_rows, replace_item, rewrite_digests
@@ -55,7 +57,7 @@ _CHILD = textwrap.dedent("""
                 report = verify_checkpoint(str(step))
                 out = {"ok": report["ok"], "message": " | ".join(p["what"] for p in report["problems"])}
             elif what == "export":
-                from gefen_titan.checkpoint import storage
+                from gefen_titan.checkpoint.io import storage
                 storage.load_all(step)
                 out = {"ok": True, "message": ""}
             else:

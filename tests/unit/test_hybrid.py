@@ -288,7 +288,7 @@ def test_kinds_check_refuses_the_other_backup_naming_backup_optimizer(saved_back
     ``param_groups.<fqn>.lr`` entries, against the other backup live."""
     import json
 
-    from gefen_titan.checkpoint import schema
+    from gefen_titan.checkpoint.format import schema
     from gefen_titan.optim import checkpointing
 
     records = {schema.muon_optimizer_key("0"): json.dumps({"params": [{"fqn": "layers.0.w1.weight"}]})}
@@ -313,7 +313,7 @@ def test_kinds_check_refuses_the_other_backup_naming_backup_optimizer(saved_back
 def test_kinds_check_refuses_a_hybrid_checkpoint_in_a_gefen_recipe():
     import json
 
-    from gefen_titan.checkpoint import schema
+    from gefen_titan.checkpoint.format import schema
     from gefen_titan.optim import checkpointing
 
     records = {schema.muon_optimizer_key("0"): json.dumps({"params": [{"fqn": "layers.0.w1.weight"}]}),

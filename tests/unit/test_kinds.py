@@ -1,5 +1,5 @@
-"""The records stage's checks across kinds (``checkpoint.record_checks``) and the kinds' descriptions
-(``checkpoint.kinds``), on records built in memory and on the stored v2 checkpoint's (tests/fixtures):
+"""The records stage's checks across kinds (``checkpoint.checks.record_checks``) and the kinds' descriptions
+(``checkpoint.format.kinds``), on records built in memory and on the stored v2 checkpoint's (tests/fixtures):
 no checkpoint is written (milliseconds)."""
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
-from gefen_titan.checkpoint import kinds, record_checks, schema, schema_records, storage
-from gefen_titan.checkpoint.schema_muon import MuonOptimizerRecord, MuonParamRecord
+from gefen_titan.checkpoint.checks import record_checks
+from gefen_titan.checkpoint.format import kinds, schema, schema_records
+from gefen_titan.checkpoint.format.schema_muon import MuonOptimizerRecord, MuonParamRecord
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.optim import registry
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v2_debug_fsdp2_step3"

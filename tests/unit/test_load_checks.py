@@ -38,8 +38,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from gefen_titan.checkpoint import load_checks, schema, storage
+from gefen_titan.checkpoint.checks import load_checks
 from gefen_titan.checkpoint.errors import GefenCheckpointError
+from gefen_titan.checkpoint.format import schema
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools.inspection import inspect_checkpoint
 from gefen_titan.ckpt_tools.inspection import render as render_inspection
 from gefen_titan.ckpt_tools.verify import verify_checkpoint

@@ -5,7 +5,7 @@ once by GefenCheckpointManager (``saved``); each test loads it, or a copy
 damaged or edited one way (``tests.helpers.bad_checkpoints.edited``: DCP's
 own writer, so the copy has no ``.digests`` and only the record checks
 stand between it and the optimizer), through a fresh manager, as a resume
-does. The byte checks of ``checkpoint.reading`` (items no plan reads, items
+does. The byte checks of ``checkpoint.io.reading`` (items no plan reads, items
 without a digest) run on the saved checkpoint as it is, and the raw-entry
 reads of a reshard on DTensor shards of a fake process group (every rank of
 a 2- or 3-rank mesh in turn, DCP with ``no_dist``).
@@ -41,8 +41,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from gefen_titan.checkpoint import digests, schema, storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError
+from gefen_titan.checkpoint.format import digests, schema
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup

@@ -17,8 +17,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from gefen import Gefen
 
-from gefen_titan.checkpoint import gefen_records, kinds, schema, schema_records, storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError
+from gefen_titan.checkpoint.format import gefen_records, kinds, schema, schema_records
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools.convert import convert
 from gefen_titan.ckpt_tools.inspection import inspect_checkpoint
 from gefen_titan.ckpt_tools.inspection import render as render_inspection
@@ -161,7 +162,7 @@ def _variant(groups, **kw):
 @pytest.fixture
 def variant_registered(monkeypatch):
     """The things a kind adds: its records' keys (schema), its registry entry with its state type and
-    its checkpoint description (``checkpoint.kinds``: what the load's records stage and the offline
+    its checkpoint description (``checkpoint.format.kinds``: what the load's records stage and the offline
     tools know of it), registered for this test and dropped after."""
     monkeypatch.setattr(schema, "PATTERNS", dict(schema.PATTERNS))
     monkeypatch.setattr(schema, "SMALL_KINDS", dict(schema.SMALL_KINDS))

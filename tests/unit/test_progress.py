@@ -5,7 +5,8 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from gefen_titan.checkpoint import progress, storage
+from gefen_titan.checkpoint import progress
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools import verify
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v2_debug_fsdp2_step3"

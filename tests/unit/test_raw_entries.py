@@ -1,7 +1,7 @@
 """Format v3's raw entries: written without torch.save's framing, read back bit for bit.
 
 One process, DCP with ``no_dist=True``, the writer and reader of
-``checkpoint.storage`` on a state dict that mixes raw entries (Gefen state
+``checkpoint.io.storage`` on a state dict that mixes raw entries (Gefen state
 keys) with ordinary ones (a model weight, a record, a counter). The
 multi-rank saves and reshards of real state are
 tests/integration/test_agreed_blocking.py and test_v2_fixture.py.
@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from gefen_titan.checkpoint import digests, schema, schema_records, storage
+from gefen_titan.checkpoint.format import digests, schema, schema_records
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools.verify import verify_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")

@@ -5,7 +5,7 @@
 * ``optim.state_size`` counts a kind's per-optimizer tensors through its entry: a third kind's buffer is
   counted while its entry names it, and not once the entry is gone.
 * The scale plan (``benchmarks/scale.py``) reads a kind's cost and its planned checkpoint entries
-  (``checkpoint.kinds.PlannedEntries``) from its entry: a third kind with rules of its own gets its own
+  (``checkpoint.format.kinds.PlannedEntries``) from its entry: a third kind with rules of its own gets its own
   figures; Gefen's planned entries are the ones its state adapter writes.
 """
 
@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Shard
 
 from benchmarks import scale
-from gefen_titan.checkpoint import kinds, schema
+from gefen_titan.checkpoint.format import kinds, schema
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry, state_size
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup

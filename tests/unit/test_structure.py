@@ -88,7 +88,7 @@ def test_the_launcher_check_catches_what_it_is_for():
 # ------------------------------------------------------------------ optimizer kinds
 # A kind's knowledge lives in its own files (its folder under optim/kinds/, and what the checkpoint
 # layer below still holds of it) and reaches everything else through its registry entry (registered by
-# optim/kinds/__init__.py, which may name every kind) and its checkpoint description (checkpoint/kinds.py):
+# optim/kinds/__init__.py, which may name every kind) and its checkpoint description (checkpoint/format/kinds.py):
 # a module outside a kind's files that names it is a place a new kind would have to be added by hand.
 # Names are code, not prose: identifiers and string constants (messages included), not docstrings or
 # comments, which may speak of the kinds.
@@ -98,16 +98,16 @@ KIND_FILES = {
         "gefen_titan/optim/muon/",  # its sharded step (step, schedule, exchange, matrices)
         "gefen_titan/optim/gefenx/muon.py",  # its accessors of gefen-x's private state
         "gefen_titan/optim/kinds/gefen_muon/",  # its entry, options table and state <-> checkpoint entries
-        "gefen_titan/checkpoint/schema_muon.py",  # its records in the format
-        "gefen_titan/checkpoint/gefen_muon_records.py",  # its checkpoint description
+        "gefen_titan/checkpoint/format/schema_muon.py",  # its records in the format
+        "gefen_titan/checkpoint/format/gefen_muon_records.py",  # its checkpoint description
     ),
     "Gefen": (
         "gefen_titan/optim/gefenx/gefen.py",
         "gefen_titan/optim/kinds/gefen/",  # its entry, options table, state adapters and validation part
         "gefen_titan/optim/quant/",  # its dequantize / re-block / requantize arithmetic
-        "gefen_titan/checkpoint/schema_records.py",
-        "gefen_titan/checkpoint/schema_v1.py",
-        "gefen_titan/checkpoint/gefen_records.py",  # its checkpoint description
+        "gefen_titan/checkpoint/format/schema_records.py",
+        "gefen_titan/checkpoint/format/schema_v1.py",
+        "gefen_titan/checkpoint/format/gefen_records.py",  # its checkpoint description
         "gefen_titan/ckpt_tools/convert.py",  # Gefen <-> AdamW: its arithmetic is Gefen's
     ),
 }
@@ -115,8 +115,8 @@ KIND_FILES = {
 BOTH = (
     REGISTRY,
     "gefen_titan/optim/kinds/__init__.py",  # register_builtins: the list of the built-in kinds
-    "gefen_titan/checkpoint/schema.py",  # the one definition of the format: every kind's keys
-    "gefen_titan/checkpoint/schema_doc.py",  # the format's key table, every kind's rows
+    "gefen_titan/checkpoint/format/schema.py",  # the one definition of the format: every kind's keys
+    "gefen_titan/checkpoint/format/schema_doc.py",  # the format's key table, every kind's rows
     "gefen_titan/optim/gefenx/__init__.py",  # the one importer of gefen-x: every kind's accessors
     "gefen_titan/optim/gefenx/routing.py",
     "gefen_titan/optim/cpu_step/",  # the CPU kernels: Gefen's step and GefenMuon's momentum

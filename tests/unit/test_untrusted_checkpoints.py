@@ -21,8 +21,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from gefen_titan.checkpoint import digests, storage, unpickling
 from gefen_titan.checkpoint.errors import GefenCheckpointError
+from gefen_titan.checkpoint.format import digests, unpickling
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.ckpt_tools.verify import verify_checkpoint
 from gefen_titan.ckpt_tools.view import Checkpoint, CkptError

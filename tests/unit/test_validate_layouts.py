@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from gefen_titan.checkpoint import storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.validation import bands, command, identity, params, preflight, report, runs
 from gefen_titan.validation.layouts import LayoutError, Side, parse_pairs, parse_side
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gefen_titan.checkpoint import digests, schema, storage
 from gefen_titan.checkpoint.errors import GefenCheckpointError
+from gefen_titan.checkpoint.format import digests, schema
+from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools import cli
 from gefen_titan.ckpt_tools.verify import verify_checkpoint
 from tests.helpers.tiny_checkpoint import STEP, resume, save

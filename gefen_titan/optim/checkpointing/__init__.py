@@ -14,7 +14,7 @@ adapter's two-step load (``adapter``):
 * format v1 (Gefen under per-rank blocking, re-blocked and requantized where
   the layout changed on load) is ``optim.kinds.gefen.per_rank``, with
   ``codebook_merge`` here and ``gefen_titan.optim.quant``.
-The entries' keys and records are defined in ``gefen_titan.checkpoint.schema``.
+The entries' keys and records are defined in ``gefen_titan.checkpoint.format.schema``.
 """
 
 from gefen_titan.optim.checkpointing.adapter import StateAdapter

@@ -18,8 +18,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 from torch.distributed.tensor import DTensor
 
-from gefen_titan.checkpoint import digests, schema_records
 from gefen_titan.checkpoint.errors import GefenCheckpointError, Verdict, fall_back
+from gefen_titan.checkpoint.format import digests, schema_records
 from gefen_titan.distributed import all_gather_objects, is_distributed
 from gefen_titan.optim.checkpointing.load_context import LoadContext
 

@@ -4,7 +4,7 @@
 header, every optimizer record and every codebook of every kind (and v1's
 rank tables), parsed into a ``LoadContext`` that the container's kinds
 check (``kinds_refusal``) and every ``StateAdapter.prepare_load`` plan from,
-and checked by the records stage of ``checkpoint.load_checks`` (what ``ckpt
+and checked by the records stage of ``checkpoint.checks.load_checks`` (what ``ckpt
 verify`` runs: the checks that need no live model), whose refusal comes
 after the model-aware checks (``LoadContext.records_refusal``). Every check
 of this phase notes its refusal in the phase's ``errors.Verdict``, which the
@@ -20,9 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gefen_titan.checkpoint import load_checks, schema, schema_records
+from gefen_titan.checkpoint.checks import load_checks
 from gefen_titan.checkpoint.errors import Verdict, convert_advice
-from gefen_titan.checkpoint.storage import read_small
+from gefen_titan.checkpoint.format import schema, schema_records
+from gefen_titan.checkpoint.io.storage import read_small
 
 __all__ = ["FLAT_KIND", "LoadContext", "kinds_refusal", "read_load_context"]
 

@@ -17,7 +17,7 @@ live model (the records cover every live parameter with its shape and
 implies is present with its local shape), its destinations and the commit
 of the codebook and global step. The records themselves (parsed; counters,
 hyperparameters, codebooks valid and one) are the load's records stage's,
-run once by the kind's description (``checkpoint.kinds``) for the load and
+run once by the kind's description (``checkpoint.format.kinds``) for the load and
 ``ckpt verify`` alike: the plan reads them from ``LoadContext.saved``. A
 kind supplies its record kinds, its tensors and its save and install.
 """
@@ -32,8 +32,8 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint import kinds, schema, schema_records
 from gefen_titan.checkpoint.errors import GefenCheckpointError, other_model_advice, refuse_on_any_rank
+from gefen_titan.checkpoint.format import kinds, schema, schema_records
 from gefen_titan.distributed import like_param, local
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.blocking import check_period_fits
@@ -172,7 +172,7 @@ class ShardedAdapter(StagedLoad):
 
     # ------------------------------------------------------------------ load
     def _plan_from(self, ctx: LoadContext) -> Plan:
-        # The records as the load's records stage parsed and checked them (checkpoint.record_checks,
+        # The records as the load's records stage parsed and checked them (checkpoint.checks.record_checks,
         # by the kind's description: counters, hyperparameters, codebooks; what ckpt verify runs), so
         # none is parsed or checked twice. What it refuses it refuses after these model-aware checks
         # (LoadContext.records_refusal); a check here that a record the stage dropped would fail

@@ -20,7 +20,7 @@ import torch
 from gefen import Gefen, partitioning
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint.format import schema
 from gefen_titan.optim.gefenx.constructor import (
     CAPTURABLE,
     IMPLEMENTATION,

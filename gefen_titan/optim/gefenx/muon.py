@@ -23,7 +23,7 @@ from gefen.gefen_muon import NS_SCHEDULES, _adjust_lr, _zeropower_via_newtonschu
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint.schema_muon import MUON_HYPER
+from gefen_titan.checkpoint.format.schema_muon import MUON_HYPER
 from gefen_titan.optim.gefenx.constructor import (
     CAPTURABLE,
     IMPLEMENTATION,

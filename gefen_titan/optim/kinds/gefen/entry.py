@@ -6,7 +6,7 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint import gefen_records
+from gefen_titan.checkpoint.format import gefen_records
 from gefen_titan.distributed import local
 from gefen_titan.optim import cpu_step
 from gefen_titan.optim import gefenx as gx

@@ -1,7 +1,7 @@
 """Save Gefen state compactly and load it at any data-parallel degree.
 
 The adapter sits behind ``GefenOptimizersContainer.state_dict()`` /
-``load_state_dict()``. Saving hands DCP the state as it is (the v1 records: ``checkpoint/schema_v1.py``).
+``load_state_dict()``. Saving hands DCP the state as it is (the v1 records: ``checkpoint/format/schema_v1.py``).
 Loading is two-phase because Gefen's per-rank state differs in size:
 
 1. ``prepare_load`` (all ranks, before torchtitan's ``dcp.load``) takes the
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint import kinds, schema, schema_records, schema_v1
 from gefen_titan.checkpoint.errors import GefenCheckpointError, other_model_advice
-from gefen_titan.checkpoint.schema import HYPER
+from gefen_titan.checkpoint.format import kinds, schema, schema_records, schema_v1
+from gefen_titan.checkpoint.format.schema import HYPER
 from gefen_titan.distributed import like_param, local
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.checkpointing.adapter import StagedLoad, blocking_refusal

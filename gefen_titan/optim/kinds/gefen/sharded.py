@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint import schema, schema_records
-from gefen_titan.checkpoint.schema import HYPER, grid_shape
+from gefen_titan.checkpoint.format import schema, schema_records
+from gefen_titan.checkpoint.format.schema import HYPER, grid_shape
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.checkpointing.adapter import blocking_refusal
 from gefen_titan.optim.checkpointing.sharded import ShardedAdapter, Slot, check_finite_nonnegative

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint import schema, schema_records
-from gefen_titan.checkpoint.schema import HYPER
+from gefen_titan.checkpoint.format import schema, schema_records
+from gefen_titan.checkpoint.format.schema import HYPER
 from gefen_titan.distributed import local
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.kind_validation import KindValidation, rel_l2

@@ -1,2 +1,2 @@
 """GefenMuon: its registry entry (``entry``), options table (``options``) and state adapter
-(``sharded``). Its sharded step is ``optim.muon``; its records are ``checkpoint.gefen_muon_records``."""
+(``sharded``). Its sharded step is ``optim.muon``; its records are ``checkpoint.format.gefen_muon_records``."""

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint import schema
-from gefen_titan.checkpoint.schema import grid_shape
-from gefen_titan.checkpoint.schema_muon import (
+from gefen_titan.checkpoint.format import schema
+from gefen_titan.checkpoint.format.schema import grid_shape
+from gefen_titan.checkpoint.format.schema_muon import (
     MuonOptimizerRecord,
     MuonParamRecord,
     muon_tensor_specs,

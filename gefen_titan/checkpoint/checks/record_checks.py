@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gefen_titan.checkpoint import kinds, schema, schema_records
-from gefen_titan.checkpoint.kinds import CODEBOOKS, RECORD_TENSORS, RECORDS, KindRecords, Problem
+from gefen_titan.checkpoint.format import kinds, schema, schema_records
+from gefen_titan.checkpoint.format.kinds import CODEBOOKS, RECORD_TENSORS, RECORDS, KindRecords, Problem
 
 __all__ = ["RECORDS", "RECORD_TENSORS", "CODEBOOKS", "SavedRecords", "read_saved", "small_names"]
 

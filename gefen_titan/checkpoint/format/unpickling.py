@@ -43,8 +43,8 @@ from typing import Any, BinaryIO
 import torch
 from torch.distributed.checkpoint import filesystem, metadata
 
-from gefen_titan.checkpoint import pickle_budget
 from gefen_titan.checkpoint.errors import GefenCheckpointError
+from gefen_titan.checkpoint.format import pickle_budget
 
 __all__ = ["ForbiddenObjectError", "METADATA_GLOBALS", "ENTRY_GLOBALS", "LOADER_GLOBALS", "unpickle_metadata",
            "load_entry", "check_archive", "loads_loader_state"]

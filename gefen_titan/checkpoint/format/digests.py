@@ -3,7 +3,7 @@
 DCP checks no integrity on load, and torch's zip records carry a CRC32 only
 of their members (not of the zip headers, padding and directory around
 them) while ``.metadata`` carries none. So every save through
-``gefen_titan.checkpoint.writing``'s writers records, beside DCP's files:
+``gefen_titan.checkpoint.io.writing``'s writers records, beside DCP's files:
 
 * the xxh3-64 digest of every stored item (the bytes ``[offset, offset +
   length)`` of its data file that ``.metadata`` points to: every byte of a
@@ -61,8 +61,9 @@ from typing import Any, BinaryIO
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from gefen_titan.checkpoint import files, schema
-from gefen_titan.checkpoint.digest_keys import (
+from gefen_titan.checkpoint.errors import GefenCheckpointError, fall_back
+from gefen_titan.checkpoint.format import files, schema
+from gefen_titan.checkpoint.format.digest_keys import (
     ALGORITHM,
     KEYED_ALGORITHM,
     algorithm,
@@ -72,7 +73,6 @@ from gefen_titan.checkpoint.digest_keys import (
     keyed,
     new_hasher,
 )
-from gefen_titan.checkpoint.errors import GefenCheckpointError, fall_back
 
 __all__ = ["FILE", "METADATA_FILE", "ALGORITHM", "KEYED_ALGORITHM", "MARKER", "PIECE", "key_from_env", "keyed",
            "current_key", "expects_digests", "CorruptCheckpointError", "Digests", "new_hasher",
@@ -303,7 +303,7 @@ def read(open_stream: Callable[[], BinaryIO], checkpoint_id: str, key: Any = Non
     (``Digests.item``, ``Digests.check``). ``key``: check it as a keyed
     file with that key (default: ``current_key()``); a keyed file without
     a key, or an unkeyed one with a key, is refused. The stream must be a
-    regular file's (``checkpoint.files``): its size is taken first, and no
+    regular file's (``checkpoint.format.files``): its size is taken first, and no
     read goes past ``MAX_INDEX_BYTES`` before the index is found
     (``MAX_V1_BYTES`` for a version 1 file, read whole).
     """

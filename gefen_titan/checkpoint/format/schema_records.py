@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Generic, Self, TypeVar
 
 import torch
 
-from gefen_titan.checkpoint.schema import (
+from gefen_titan.checkpoint.format.schema import (
     AGREED_VERSIONS,
     FORMAT,
     HYPER,

@@ -41,8 +41,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from gefen_titan.checkpoint import digests
 from gefen_titan.checkpoint.errors import GefenCheckpointError, fall_back
+from gefen_titan.checkpoint.format import digests
 
 __all__ = ["MalformedMetadataError", "MAX_DIMS", "MAX_PATH", "MAX_NAME", "MAX_SLOTS_PER_ENTRY", "problem", "check",
            "items_per_file"]

@@ -23,7 +23,7 @@ free in the planning round DCP makes anyway: each rank reads it in
 ``prepare_local_plan`` (an unreadable one raises there, and DCP raises that
 on every rank) and says whether it found one; the coordinator refuses
 ranks that disagree. A raw item (its key says so:
-``schema.is_raw_entry``; ``checkpoint.writing``) is viewed where
+``schema.is_raw_entry``; ``checkpoint.io.writing``) is viewed where
 it was read, its dtype and sizes taken from its chunk record in
 ``.metadata``, so checking it costs the hash and no copy; a torch.saved one
 goes through ``torch.load`` as DCP does it. With ``check_unread`` the
@@ -55,10 +55,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.futures import Future
 from torchtitan.tools.logging import logger
 
-from gefen_titan.checkpoint import digests as dg
-from gefen_titan.checkpoint import files, load_checks, metadata_fields, unpickling
+from gefen_titan.checkpoint.checks import load_checks, metadata_fields
 from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause, unreadable
-from gefen_titan.checkpoint.item_reads import ItemReads, load_bytes
+from gefen_titan.checkpoint.format import digests as dg
+from gefen_titan.checkpoint.format import files, unpickling
+from gefen_titan.checkpoint.io.item_reads import ItemReads, load_bytes
 
 __all__ = ["CheckedFileSystemReader", "CheckedFsspecReader", "LoadChecks", "read_and_check_metadata"]
 
@@ -243,7 +244,7 @@ class _CheckedReading(ItemReads):
         if checks.bounds is not None:  # before any buffer is allocated or any read issued
             try:
                 bounds = checks.bounds(metadata)
-            except GefenCheckpointError as e:  # a data file that is no regular file (checkpoint.files)
+            except GefenCheckpointError as e:  # a data file that is no regular file (checkpoint.format.files)
                 return str(e)
             except OSError as e:
                 return str(unreadable(self._id(), e, dg.step_problem))

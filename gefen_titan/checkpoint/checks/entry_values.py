@@ -2,7 +2,7 @@
 
 Why here: a checkpoint folder can be written by anyone who can write to it
 (``docs/checkpoints.md``, "Threat model"), ``.digests`` included when it is
-unsigned. Unpickling with the allowlists (``checkpoint.unpickling``) keeps
+unsigned. Unpickling with the allowlists (``checkpoint.format.unpickling``) keeps
 code out, but a plain value of the wrong type or size still goes straight
 into torchtitan's components: a tensor where ``lr_scheduler.last_epoch``'s
 int was makes the LR lambda raise ``Boolean value of Tensor with more than
@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gefen_titan.checkpoint import digests
 from gefen_titan.checkpoint.errors import GefenCheckpointError, fall_back
+from gefen_titan.checkpoint.format import digests
 
 __all__ = ["COUNT_BOUND", "EntryValueError", "LOADER_COUNTERS", "WORLD_BOUND", "check", "check_loader_state"]
 

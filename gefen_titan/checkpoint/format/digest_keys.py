@@ -1,6 +1,6 @@
 """The digests' hashers and keys: xxh3-64, or keyed BLAKE2b-64 (a MAC) with the key a job names.
 
-Part of ``checkpoint.digests`` (which re-exports every name here): how one
+Part of ``checkpoint.format.digests`` (which re-exports every name here): how one
 digest is computed, the key from ``checkpoint.digest_key_env``, and the
 scope (``keyed``) within which the readers made on a thread check digests
 with it. The key is never written or logged.

@@ -8,7 +8,7 @@ fails when the doc's tables and these rows differ.
 
 from __future__ import annotations
 
-from gefen_titan.checkpoint import digests, schema
+from gefen_titan.checkpoint.format import digests, schema
 
 __all__ = ["KEYS", "file_table", "key_table"]
 

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from gefen_titan.checkpoint import schema, schema_records
+from gefen_titan.checkpoint.format import schema, schema_records
 
 __all__ = ["RECORDS", "RECORD_TENSORS", "CODEBOOKS", "Problem", "RecordsInput", "KindRecords", "KindDescription",
            "InspectView", "PlannedParam", "PlannedEntries", "register", "unregister", "descriptions",

@@ -25,8 +25,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from gefen_titan.checkpoint.schema import FormatError, grid_shape, muon_tensor_keys
-from gefen_titan.checkpoint.schema_records import KindOptimizerRecord, KindParamRecord
+from gefen_titan.checkpoint.format.schema import FormatError, grid_shape, muon_tensor_keys
+from gefen_titan.checkpoint.format.schema_records import KindOptimizerRecord, KindParamRecord
 
 __all__ = ["KIND", "MUON_HYPER", "MuonParamRecord", "MuonOptimizerRecord", "muon_group", "muon_tensor_specs",
            "check_muon_hyper", "check_muon_counters"]

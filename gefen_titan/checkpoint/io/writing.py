@@ -18,7 +18,7 @@ for these items. ``.digests`` is written, then ``.metadata`` renamed into
 place: a step folder with a ``.metadata`` has its ``.digests``. The digest
 rides on bytes already in memory, so synchronous and asynchronous saves
 (threads or a process: the writer pickles) cost one pass of xxh3 over the
-bytes written. The readers are ``checkpoint.reading``'s.
+bytes written. The readers are ``checkpoint.io.reading``'s.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from gefen_titan.checkpoint import digests as dg
-from gefen_titan.checkpoint import schema
+from gefen_titan.checkpoint.format import digests as dg
+from gefen_titan.checkpoint.format import schema
 
 __all__ = ["DigestingFileSystemWriter", "DigestingFsspecWriter"]
 

@@ -13,12 +13,12 @@ recipe) stays with the load (``optim.checkpointing``).
 
 Stages, in the order a load meets them:
 
-* ``read`` (``checkpoint.files``, ``pickle_budget``, ``metadata_fields``):
+* ``read`` (``checkpoint.format.files``, ``pickle_budget``, ``metadata_fields``):
   every file opened as a regular file only, its size against its bound
   before it is read; every pickle's opcodes within their budgets before it
   is unpickled; ``.metadata``'s field types before any other check reads a
   field. A file refused here is not read further.
-* ``digests`` (``checkpoint.digests``, ``reading``, ``storage.stray_bytes``):
+* ``digests`` (``checkpoint.format.digests``, ``reading``, ``storage.stray_bytes``):
   every stored byte against ``.digests``; ``.digests`` present where the save
   wrote one; no byte of a data file outside an item.
 * ``metadata`` (``metadata_problems``): ``.metadata`` against the folder's
@@ -30,16 +30,16 @@ Stages, in the order a load meets them:
   item against its file's size before it allocates the item's buffer.
 * ``entry`` (``read_byte_entry``, ``stored_tensor_problem``): each stored item
   as it is read: byte entries unpickled with the allowlists only
-  (``checkpoint.unpickling``), a data loader's pickled state inside one too,
+  (``checkpoint.format.unpickling``), a data loader's pickled state inside one too,
   a torch.saved tensor against its chunk record, and the train state's step
   against the folder's (step binding). The reader runs them on the items of
   its plan and on the byte items no rank reads (``check_unread``).
-* ``records`` (``checkpoint.record_checks``): the optimizer's records and
+* ``records`` (``checkpoint.checks.record_checks``): the optimizer's records and
   codebooks, on the load's one small read of them
   (``optim.checkpointing.load_context``; refused after the model-aware checks, so a
   checkpoint of another model is named as such first) and on the tools'
   (``ckpt_tools.saved_records``). What each kind checks is its own
-  (``checkpoint.kinds.KindDescription.read``, registered with its registry
+  (``checkpoint.format.kinds.KindDescription.read``, registered with its registry
   entry); the stage runs every registered kind's and names none.
 
 Cost: the metadata stage is one pass over ``.metadata``'s entries and items
@@ -64,8 +64,9 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from gefen_titan.checkpoint import digests, entry_values, record_checks, schema, unpickling
+from gefen_titan.checkpoint.checks import entry_values, record_checks
 from gefen_titan.checkpoint.errors import GefenCheckpointError, fall_back
+from gefen_titan.checkpoint.format import digests, schema, unpickling
 
 __all__ = ["Check", "CHECKS", "Problem", "StepMismatchError", "metadata_problems", "allocation", "refusal",
            "item_past_end",

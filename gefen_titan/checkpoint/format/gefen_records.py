@@ -24,8 +24,8 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gefen_titan.checkpoint import report_text as text
-from gefen_titan.checkpoint import schema, schema_records, schema_v1
-from gefen_titan.checkpoint.kinds import (
+from gefen_titan.checkpoint.format import schema, schema_records, schema_v1
+from gefen_titan.checkpoint.format.kinds import (
     CODEBOOKS,
     RECORD_TENSORS,
     RECORDS,

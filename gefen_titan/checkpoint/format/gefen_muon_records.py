@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from gefen_titan.checkpoint import kinds, schema
 from gefen_titan.checkpoint import report_text as text
-from gefen_titan.checkpoint.schema_muon import (
+from gefen_titan.checkpoint.format import kinds, schema
+from gefen_titan.checkpoint.format.schema_muon import (
     KIND,
     MuonOptimizerRecord,
     MuonParamRecord,

@@ -1,4 +1,4 @@
-"""How a checked reader (``checkpoint.reading``) reads and decodes a rank's items: each piece hashed while
+"""How a checked reader (``checkpoint.io.reading``) reads and decodes a rank's items: each piece hashed while
 it is still in cache (one pass over memory, not two), raw items into uninitialized buffers (no zero fill)
 or straight into their target, torch.saved items as ``bytes`` that ``io.BytesIO`` reads in place;
 ``ItemReads`` is the reader's half that reads a plan's items, checks each (its file's size, its digest,
@@ -20,9 +20,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
-from gefen_titan.checkpoint import digests as dg
-from gefen_titan.checkpoint import files, load_checks, progress, schema, unpickling
+from gefen_titan.checkpoint import progress
+from gefen_titan.checkpoint.checks import load_checks
 from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause
+from gefen_titan.checkpoint.format import digests as dg
+from gefen_titan.checkpoint.format import files, schema, unpickling
 
 __all__ = ["ItemReads", "load_bytes", "read_into", "read_raw", "read_framed"]
 

@@ -9,9 +9,9 @@ tools) comes from here, so it sees the same storage torchtitan wrote to. The ``c
 checkpoint's files byte for byte (``list_files``, ``file_size``,
 ``open_file``) and write converted checkpoints (``storage_writer``).
 
-Every writer made here is ``gefen_titan.checkpoint.writing``'s (format v3's
+Every writer made here is ``gefen_titan.checkpoint.io.writing``'s (format v3's
 raw entries; ``.digests``, a digest of every stored byte), every reader
-``gefen_titan.checkpoint.reading``'s (checks ``.metadata`` before unpickling
+``gefen_titan.checkpoint.io.reading``'s (checks ``.metadata`` before unpickling
 it and every item before it is used; reads raw entries).
 """
 
@@ -31,11 +31,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torchtitan.tools import filesystem
 
-from gefen_titan.checkpoint import digests, files, load_checks
-from gefen_titan.checkpoint.digests import Digests
+from gefen_titan.checkpoint.checks import load_checks
 from gefen_titan.checkpoint.errors import GefenCheckpointError, unreadable
-from gefen_titan.checkpoint.reading import CheckedFileSystemReader, CheckedFsspecReader, LoadChecks
-from gefen_titan.checkpoint.writing import DigestingFileSystemWriter, DigestingFsspecWriter
+from gefen_titan.checkpoint.format import digests, files
+from gefen_titan.checkpoint.format.digests import Digests
+from gefen_titan.checkpoint.io.reading import CheckedFileSystemReader, CheckedFsspecReader, LoadChecks
+from gefen_titan.checkpoint.io.writing import DigestingFileSystemWriter, DigestingFsspecWriter
 
 __all__ = ["is_remote", "load_all", "load_reader", "stray_bytes", "metadata_problems",
            "read_metadata", "read_checked_metadata", "read_digests", "read_small",
@@ -115,7 +116,7 @@ def read_small(checkpoint_id: str, metadata: Metadata, prefix: str, tensors: lis
     Collective: every rank calls it with the same keys; an unreadable file
     or a damaged byte raises the same ``GefenCheckpointError`` on every rank
     (DCP raises its exception on all of them). Its targets are new
-    tensors, as the checking reader requires (``checkpoint.reading``).
+    tensors, as the checking reader requires (``checkpoint.io.reading``).
     """
     if not tensors and not strings:  # the same on every rank: they all skip the read
         return {}
@@ -231,7 +232,7 @@ def file_size(checkpoint_id: str | os.PathLike, name: str) -> int | None:
 
 
 def open_file(checkpoint_id: str | os.PathLike, name: str) -> BinaryIO:
-    """A binary read stream on a file of the checkpoint (a regular file only: ``checkpoint.files``)."""
+    """A binary read stream on a file of the checkpoint (a regular file only: ``checkpoint.format.files``)."""
     path = join(checkpoint_id, name)
     if is_remote(path):
         fs, p = url_to_fs(path)
