@@ -254,7 +254,7 @@ def built_from(flavor: str, mesh: Mesh, numel: int, container, max_tp: int, chec
             coords_by_mesh[key] = _coords(p.device_mesh, mesh.world, fqn)
         params.append(Param(fqn, tuple(p.shape), p.dtype, tuple(p.placements), tuple(p.device_mesh.shape),
                             coords_by_mesh[key], unit, candidates, p))
-    from gefen_titan.checkpoint.format.schema import HYPER
+    from gefen_titan.optim.kinds.gefen.keys import HYPER
 
     group = container.optimizers_of("Gefen")[0].param_groups[0]
     hyper = {k: float(group[k]) for k in HYPER}

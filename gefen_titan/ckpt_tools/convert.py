@@ -58,7 +58,7 @@ from torchtitan.tools import filesystem
 
 from gefen_titan.checkpoint.errors import CONVERT_TARGETS, root_cause
 from gefen_titan.checkpoint.format import digests, kinds, schema, schema_records
-from gefen_titan.checkpoint.format.schema import HYPER, grid_shape
+from gefen_titan.checkpoint.format.schema import grid_shape
 from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools.saved_records import codebook_summary, read_records
 from gefen_titan.ckpt_tools.view import Checkpoint, CkptError, split_state_key
@@ -71,6 +71,9 @@ from gefen_titan.optim.blocking import (
     row_unit,
 )
 from gefen_titan.optim.codebook_solver import codebook_from_counts
+from gefen_titan.optim.kinds.gefen import keys as gefen_keys
+from gefen_titan.optim.kinds.gefen import records as gefen_records
+from gefen_titan.optim.kinds.gefen.keys import HYPER
 from gefen_titan.optim.quant.requant import block_mean, dequantize, expand_blocks, requantize
 
 __all__ = ["ConvertOptions", "convert", "render"]
@@ -202,11 +205,11 @@ def _to_adamw(ck: Checkpoint, options: ConvertOptions):
     for p in gefen.params:
         numel = math.prod(p.shape)
         if p.period:
-            keys = schema.param_tensor_keys(p.fqn, saved.version)
+            keys = gefen_keys.param_tensor_keys(p.fqn, saved.version)
             vals = ck.load_names(OPTIMIZER, list(keys.values()))
             tensors = {name: vals[key] for name, key in keys.items()}
             codes = tensors["codes"].reshape(-1)
-            mag, vmean = (t.reshape(-1) for t in schema.unpack_blocks(saved.version, tensors))
+            mag, vmean = (t.reshape(-1) for t in gefen_keys.unpack_blocks(saved.version, tensors))
             for what, t in (("magnitude", mag), ("vmean", vmean)):  # the load's check of them, before any write
                 why = kinds.nonnegative_problem(t)
                 if why:
@@ -267,7 +270,7 @@ def _gefen_group(fqn: str, group: dict[str, Any]) -> dict[str, float]:
         raise CkptError(f"{fqn}: Adam's coupled (L2) weight decay {out['weight_decay']} differs from Gefen's "
                         "decoupled one; only AdamW, or Adam with weight_decay 0, converts")
     try:
-        schema_records.check_hyper(fqn, out)
+        gefen_records.check_hyper(fqn, out)
     except schema.FormatError as e:
         raise CkptError(str(e)) from e
     return {k: float(out[k]) for k in HYPER}
@@ -325,16 +328,16 @@ def _to_gefen(ck: Checkpoint, options: ConvertOptions):
     for fqn in states:
         shape = tuple(states[fqn]["exp_avg"].shape)
         period = periods.get(fqn, 0)
-        params.append(schema_records.ParamRecord(fqn, shape, period, steps[fqn], steps[fqn], groups[fqn]))
+        params.append(gefen_records.ParamRecord(fqn, shape, period, steps[fqn], steps[fqn], groups[fqn]))
         if not period:
             continue
         m, v = moments(fqn)
         codes, mag = requantize(m.reshape(-1), codebook, period)
         vmean = block_mean(v.reshape(-1), period)
         grid = grid_shape(shape, period)
-        keys = schema.param_tensor_keys(fqn)
+        keys = gefen_keys.param_tensor_keys(fqn)
         entries[keys["codes"]] = codes.reshape(shape)
-        entries[keys["grid"]] = schema.pack_blocks(mag.reshape(grid), vmean.reshape(grid))
+        entries[keys["grid"]] = gefen_keys.pack_blocks(mag.reshape(grid), vmean.reshape(grid))
         back_m = dequantize(codes.reshape(-1), codebook, mag.reshape(-1), period)
         back_v = expand_blocks(vmean.reshape(-1), period, 0, m.numel())
         err_m += float((back_m.double() - m.reshape(-1).double()).square().sum())
@@ -342,11 +345,11 @@ def _to_gefen(ck: Checkpoint, options: ConvertOptions):
         err_v += float((back_v.double() - v.reshape(-1).double()).square().sum())
         norm_v += float(v.double().square().sum())
     opt_id = schema.optimizer_id(list(states))  # the one optimizer's first parameter, as a save names it
-    record = schema_records.OptimizerRecord(bool(options.deterministic), max(steps.values()), params)
+    record = gefen_records.OptimizerRecord(bool(options.deterministic), max(steps.values()), params)
     entries[schema.header_key()] = schema_records.Header.for_blocking("agreed").to_json()
-    entries[schema.optimizer_key(opt_id)] = record.to_json()
+    entries[gefen_keys.optimizer_key(opt_id)] = record.to_json()
     if codebook is not None:
-        entries[schema.codebook_key(opt_id)] = codebook.float().clone()
+        entries[gefen_keys.codebook_key(opt_id)] = codebook.float().clone()
     replaced = {opt[n].key for n in opt if split_state_key(n) and split_state_key(n)[0] in states}
     replaced |= {opt[n].key for n in opt if n.startswith("param_groups.") and
                  n[len("param_groups."):].rpartition(".")[0] in states}

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from benchmarks import scale
 from benchmarks.meta import fake_process_group
 from gefen_titan import patches
-from gefen_titan.checkpoint.format import schema_records
+from gefen_titan.optim.kinds.gefen import records as gefen_records
 from gefen_titan.recipe import flavors
 
 patches.apply_all()  # CPU / gloo FSDP2
@@ -105,7 +105,7 @@ def checkpoint(step_dir: str, built) -> dict:
     name = next(k[len(prefix):] for k in md.state_dict_metadata if k.startswith(prefix)
                 and (key := schema.parse_key(k[len(prefix):])) is not None and key.kind == "gefen")
     raw = read_small(step_dir, md, prefix, [], [name])[name]
-    record = schema_records.OptimizerRecord.from_json(raw, schema.parse_key(name).name)
+    record = gefen_records.OptimizerRecord.from_json(raw, schema.parse_key(name).name)
     built = dataclasses.replace(built, gefen_hyper=record.params[0].group)
     periods = {p.fqn: p.period for p in record.params}
     entries = scale.optimizer_entries(built, "Gefen", periods=periods, step=record.global_step)

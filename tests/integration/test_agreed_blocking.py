@@ -28,11 +28,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gefen_titan.checkpoint.format import schema
 from gefen_titan.checkpoint.format.schema import grid_shape
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.blocking import BlockingError, candidate_periods, histogram, row_unit
 from gefen_titan.optim.container import GefenOptimizersContainer
+from gefen_titan.optim.kinds.gefen import keys as gefen_keys
 from gefen_titan.optim.kinds.gefen.options import GefenOptions
 from tests.helpers import agreed_runs, worker_jobs
 from tests.helpers.agreed_runs import PAIRS, RUNS, target
@@ -221,7 +221,7 @@ def test_the_state_is_quantized_and_compact(agreed):
     periods = ref["periods"]
     assert all(p > 1 for n, p in periods.items() if "norm" not in n)
     # uneven rows and an empty shard were really exercised
-    assert ref[schema.qcodes_key("gate.weight")].shape == (2, 64)
+    assert ref[gefen_keys.qcodes_key("gate.weight")].shape == (2, 64)
     state_bytes, numel = load(out, "fsdp1")[0]["ref"]["bytes"]
     assert 1.0 < state_bytes / numel < 1.6
 

@@ -39,6 +39,8 @@ from gefen_titan.checkpoint.format import schema
 from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools import cli
 from gefen_titan.ckpt_tools.view import Checkpoint
+from gefen_titan.optim.kinds.gefen import keys as gefen_keys
+from gefen_titan.optim.kinds.gefen_muon import keys as muon_keys
 from tests.helpers import processes
 from tests.helpers.bad_checkpoints import drop_entry, edited, set_entry
 
@@ -162,7 +164,7 @@ def test_inspect_gefen_checkpoint(runs, capsys):
     assert [p["fqn"] for p in opt["params"]] == [p["fqn"] for p in record["params"]]
     for row, rec in zip(opt["params"], record["params"]):
         assert row["period"] == rec["period"] and row["step"] == rec["step"] == 2
-        packed = tuple(md["optimizer." + schema.grid_key(row["fqn"])].size)
+        packed = tuple(md["optimizer." + gefen_keys.grid_key(row["fqn"])].size)
         grid = packed[:-1]
         assert packed[-1] == 2 and tuple(row["grid"]) == grid == tuple(rec["shape"][:-1]) + (
             rec["shape"][-1] // rec["period"],)
@@ -251,7 +253,7 @@ def test_verify_truncated_file(copy, capsys):
 
 def test_verify_corrupted_record_bytes(copy, capsys):
     """One flipped byte inside the stored Gefen record: the CRC32 of its torch.save archive catches it."""
-    key = "optimizer." + schema.optimizer_key("tok_embeddings.weight")
+    key = "optimizer." + gefen_keys.optimizer_key("tok_embeddings.weight")
     info = _item(copy, key)
     with open(copy / info.relative_path, "r+b") as f:
         f.seek(info.offset + info.length // 2)
@@ -268,19 +270,19 @@ def test_verify_inconsistent_records_and_non_finite_grid(copy, tmp_path, capsys)
     """A well-formed checkpoint with wrong content: a period its grid does not match, a NaN magnitude."""
     ck = Checkpoint(str(copy))
     sd = ck.load(list(ck.entries))
-    key = "optimizer." + schema.optimizer_key("tok_embeddings.weight")
+    key = "optimizer." + gefen_keys.optimizer_key("tok_embeddings.weight")
     record = json.loads(sd[key])
     wo = next(p for p in record["params"] if p["fqn"] == "layers.0.attention.wo.weight")
     wo["period"] = 64 if wo["period"] != 64 else 32
     sd[key] = json.dumps(record)
-    sd["optimizer." + schema.grid_key("lm_head.weight")][3, 1, 0] = float("nan")
+    sd["optimizer." + gefen_keys.grid_key("lm_head.weight")][3, 1, 0] = float("nan")
     bad = tmp_path / "bad" / "step-4"
     dcp.save(sd, checkpoint_id=str(bad), no_dist=True)
     rc, report = ckpt_json(capsys, "verify", bad)
     assert rc == 1
     whats = [p["what"] for p in report["problems"]]
     assert any("non-finite" in w for w in whats), whats
-    assert any(schema.grid_key("layers.0.attention.wo.weight") in w and "expected" in w for w in whats), whats
+    assert any(gefen_keys.grid_key("layers.0.attention.wo.weight") in w and "expected" in w for w in whats), whats
     assert report["first_bad_file"] == "__0_0.distcp"
 
 
@@ -336,12 +338,12 @@ def test_convert_gefen_to_adamw_resumes(runs, capsys):
     assert report["params"] == 45 and report["steps"] == {"2": 45}
     # exp_avg is codebook[code] * magnitude of its block, exp_avg_sq the block's vmean (computed here anew).
     fqn = "layers.0.feed_forward.w2.weight"
-    keys = {k: "optimizer." + f(fqn) for k, f in (("codes", schema.qcodes_key), ("grid", schema.grid_key))}
-    cb_key = "optimizer." + schema.codebook_key("tok_embeddings.weight")
+    keys = {k: "optimizer." + f(fqn) for k, f in (("codes", gefen_keys.qcodes_key), ("grid", gefen_keys.grid_key))}
+    cb_key = "optimizer." + gefen_keys.codebook_key("tok_embeddings.weight")
     md = Checkpoint(str(src)).metadata.state_dict_metadata
     g = {k: torch.empty(md[k].size, dtype=md[k].properties.dtype) for k in [*keys.values(), cb_key]}
     dcp.load(g, storage_reader=storage.storage_reader(src), no_dist=True)  # raw entries: gefen-titan's reader
-    mag, vmean = schema.unpack_blocks(schema.VERSION, {"grid": g[keys["grid"]]})
+    mag, vmean = gefen_keys.unpack_blocks(schema.VERSION, {"grid": g[keys["grid"]]})
     a = {f"optimizer.state.{fqn}.{s}": torch.empty(md[keys["codes"]].size) for s in ("exp_avg", "exp_avg_sq")}
     a[f"optimizer.state.{fqn}.step"] = torch.empty(())
     dcp.load(a, checkpoint_id=str(out), no_dist=True)
@@ -451,7 +453,7 @@ def test_inspect_gefen_muon_checkpoint(muon, capsys):
     record = json.loads(values[rec_key])
     assert record["kind"] == "GefenMuon" and [p["fqn"] for p in gm["params"]] == [p["fqn"] for p in record["params"]]
     for row, rec in zip(gm["params"], record["params"]):
-        keys = {k: "optimizer." + v for k, v in schema.muon_tensor_keys(row["fqn"]).items()}
+        keys = {k: "optimizer." + v for k, v in muon_keys.muon_tensor_keys(row["fqn"]).items()}
         assert row["period"] == rec["period"] > 0 and row["step"] == row["rows_step"] == 2
         grid = tuple(md[keys["magnitude"]].size)
         assert tuple(row["grid"]) == grid == tuple(rec["shape"][:-1]) + (rec["shape"][-1] // rec["period"],)
@@ -465,7 +467,7 @@ def test_inspect_gefen_muon_checkpoint(muon, capsys):
     assert 1.0 < gm["stored_bytes_per_param"] < 1.2 and 1.0 < totals["stored_bytes_per_param"] < 1.2
     rc, text = ckpt(capsys, "inspect", path)
     assert rc == 0
-    rec_name = schema.muon_optimizer_key(record["params"][0]["fqn"])
+    rec_name = muon_keys.muon_optimizer_key(record["params"][0]["fqn"])
     assert f"optimizer   GefenMuon (records {rec_name}): 30 parameters, global step 2" in text
     assert "momentum 0.95  nesterov True  ns_steps 5  adjust_lr_fn match_rms_adamw  normuon True" in text
     assert re.search(r"layers\.0\.attention\.wo\.weight\s+256x256\s+\d+\s+256x\d+\s+2\s+2\s+[\d,]+\s+2x1", text), text
@@ -487,13 +489,13 @@ def _bad_group(opt_id: str):
         record = json.loads(raw)
         record["params"][-1]["group"]["ns_steps"] = 0
         return json.dumps(record)
-    return set_entry(schema.muon_optimizer_key(opt_id), ns_steps_zero)
+    return set_entry(muon_keys.muon_optimizer_key(opt_id), ns_steps_zero)
 
 
 def test_verify_damaged_gefen_muon_state(muon, tmp_path, capsys):
     """Each damage alone fails verify, with a problem naming the damaged entry."""
     fqn = "layers.1.feed_forward.w2.weight"
-    keys = schema.muon_tensor_keys(fqn)
+    keys = muon_keys.muon_tensor_keys(fqn)
     opt_id = next(k.name for n in Checkpoint(str(_muon_path(muon))).optimizer
                   if (k := schema.parse_key(n)) and k.kind == "muon")
     cases = {
@@ -501,7 +503,7 @@ def test_verify_damaged_gefen_muon_state(muon, tmp_path, capsys):
                           "optimizer." + keys["magnitude"], "non-finite"),
         "negative_rows": (set_entry(keys["rows"], lambda v: -1 - v.abs()), "optimizer." + keys["rows"], "negative"),
         "no_rows": (drop_entry(keys["rows"]), keys["rows"], "missing"),
-        "bad_group": (_bad_group(opt_id), "optimizer." + schema.muon_optimizer_key(opt_id), "ns_steps=0"),
+        "bad_group": (_bad_group(opt_id), "optimizer." + muon_keys.muon_optimizer_key(opt_id), "ns_steps=0"),
     }
     for name, (edit, entry, what) in cases.items():
         root = tmp_path / name

@@ -23,6 +23,7 @@ from torchtitan.components.checkpoint import OPTIMIZER
 import gefen_titan.train
 from gefen_titan.checkpoint.format import schema, schema_records
 from gefen_titan.ckpt_tools.view import Checkpoint
+from gefen_titan.optim.kinds.gefen import keys as gefen_keys
 from tests.helpers import processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,10 +61,10 @@ def _as_v3(v2: dict) -> dict:
     for name, value in v2.items():
         key = schema.parse_key(name)
         if key.kind == "magnitude":
-            tensors = {n: v2[k] for n, k in schema.param_tensor_keys(key.name, schema.V2).items()}
-            out[schema.grid_key(key.name)] = schema.pack_blocks(*schema.unpack_blocks(schema.V2, tensors))
+            tensors = {n: v2[k] for n, k in gefen_keys.param_tensor_keys(key.name, schema.V2).items()}
+            out[gefen_keys.grid_key(key.name)] = gefen_keys.pack_blocks(*gefen_keys.unpack_blocks(schema.V2, tensors))
         elif key.kind == "codes":
-            out[schema.qcodes_key(key.name)] = value
+            out[gefen_keys.qcodes_key(key.name)] = value
         elif key.kind not in ("vmean", "header"):
             out[name] = value
     return out

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from gefen_titan.optim.kinds.gefen import keys as gefen_keys
 from gefen_titan.optim.kinds.gefen.validation import TOL_MOMENTUM, TOL_UPDATE, TOL_VMEAN
 from gefen_titan.validation import bands, compare_global, identity, recipes, runs
 from tests.helpers import processes, suite_cache
@@ -226,11 +227,11 @@ def _global_dump(world=2):
               "params": [{"fqn": "w", "shape": [4, 8], "period": 4, "step": 4, "vmean_step": 4, "group": hyper}]}
     state = {
         schema.header_key(): json.dumps({"format": "gefen-titan", "version": 2, "blocking": "agreed"}),
-        schema.optimizer_key("w"): json.dumps(record, sort_keys=True),
-        schema.codebook_key("w"): codebook,
-        schema.codes_key("w"): torch.randint(0, 256, (4, 8), generator=g, dtype=torch.uint8),
-        schema.magnitude_key("w"): torch.rand(4, 2, generator=g),
-        schema.vmean_key("w"): torch.rand(4, 2, generator=g),
+        gefen_keys.optimizer_key("w"): json.dumps(record, sort_keys=True),
+        gefen_keys.codebook_key("w"): codebook,
+        gefen_keys.codes_key("w"): torch.randint(0, 256, (4, 8), generator=g, dtype=torch.uint8),
+        gefen_keys.magnitude_key("w"): torch.rand(4, 2, generator=g),
+        gefen_keys.vmean_key("w"): torch.rand(4, 2, generator=g),
         "state.n.exp_avg": torch.randn(8, generator=g),
     }
     live = {"params": {"w": {"optimizer": "w", "period": 4, "step": 4, "vmean_step": 4, "has_state": True,
@@ -249,9 +250,9 @@ def test_global_comparison_is_bit_exact_and_names_what_differs():
     assert st["exact"] and not st["problems"] and st["momentum_rel_l2"] == 0.0
 
     res = copy.deepcopy(ref)
-    res["state"][schema.codes_key("w")][1, 2] ^= 1  # one code, one bit
+    res["state"][gefen_keys.codes_key("w")][1, 2] ^= 1  # one code, one bit
     st = compare_global.compare_global_state([ref], [res])
-    assert not st["exact"] and st["entries_differ"] == [schema.codes_key("w")]
+    assert not st["exact"] and st["entries_differ"] == [gefen_keys.codes_key("w")]
     assert "not bit-exact" in st["problems"][0] and 0 < st["momentum_rel_l2"] < 1
 
     res = copy.deepcopy(ref)
@@ -272,9 +273,9 @@ def test_global_comparison_is_bit_exact_and_names_what_differs():
     assert "format's shared entries differ" in compare_global.compare_global_state([ref], [res])["problems"][0]
 
     res = copy.deepcopy(ref)
-    del res["state"][schema.vmean_key("w")]
+    del res["state"][gefen_keys.vmean_key("w")]
     st = compare_global.compare_global_state([ref], [res])
-    assert f"{schema.vmean_key('w')} (missing)" in st["entries_differ"]
+    assert f"{gefen_keys.vmean_key('w')} (missing)" in st["entries_differ"]
     assert any("have no optimizer state" in p for p in st["problems"])
 
     res = copy.deepcopy(ref)
@@ -288,18 +289,17 @@ def test_state_comparisons_ask_each_kind_through_its_entry():
     problem, and a kind's record names the field that differs."""
     import torch
 
-    from gefen_titan.checkpoint.format import schema
     from gefen_titan.optim import registry
     from gefen_titan.optim.kind_validation import KindValidation
     from gefen_titan.validation import compare_rank
 
     ref = _global_dump()
     res = copy.deepcopy(ref)
-    rec = json.loads(res["state"][schema.optimizer_key("w")])
+    rec = json.loads(res["state"][gefen_keys.optimizer_key("w")])
     rec["params"][0]["period"] = 8  # one field of Gefen's record
-    res["state"][schema.optimizer_key("w")] = json.dumps(rec, sort_keys=True)
+    res["state"][gefen_keys.optimizer_key("w")] = json.dumps(rec, sort_keys=True)
     st = compare_global.compare_global_state([ref], [res])
-    assert st["entries_differ"] == [f"{schema.optimizer_key('w')} (params w period 8 != saved 4)"]
+    assert st["entries_differ"] == [f"{gefen_keys.optimizer_key('w')} (params w period 8 != saved 4)"]
     assert any("have no optimizer state" in p for p in st["problems"])  # its blocks no longer fit the record
 
     seen = []

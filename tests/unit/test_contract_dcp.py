@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _split_by_si
 
 from gefen_titan.checkpoint.format import schema, schema_records
 from gefen_titan.checkpoint.io import storage
+from gefen_titan.optim.kinds.gefen import keys as gefen_keys
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
 
@@ -30,7 +31,7 @@ def state() -> dict:
     g = torch.Generator().manual_seed(0)
     return {"model.w": torch.randn(16, 8, generator=g), "step": torch.tensor(3),
             "optimizer." + schema.header_key(): schema_records.Header.for_blocking("agreed").to_json(),
-            "optimizer." + schema.grid_key("w"): torch.rand(16, 2, 2, generator=g)}
+            "optimizer." + gefen_keys.grid_key("w"): torch.rand(16, 2, 2, generator=g)}
 
 
 def test_storage_info_and_split_signatures():
@@ -120,7 +121,7 @@ def test_a_stock_reader_has_no_registry_of_ours_to_join(tmp_path):
     assert sorted(stock.transforms.extension_registry.extensions) == ["stream.zstd"]
     assert not any(info.transform_descriptors for info in storage.read_metadata(path).storage_data.values())
 
-    grid = "optimizer." + schema.grid_key("w")
+    grid = "optimizer." + gefen_keys.grid_key("w")
     with pytest.raises(CheckpointException, match="torch.load"):  # raw bytes are no torch.save frame
         dcp.load({grid: torch.zeros_like(want[grid])}, checkpoint_id=str(path), no_dist=True)
     out = {grid: torch.zeros_like(want[grid])}

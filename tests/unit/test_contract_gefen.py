@@ -797,5 +797,8 @@ def test_muon_apply_takes_a_dtensor_shards_slice(fsdp):
         with torch.no_grad():
             gx.muon_apply(opt, {**opt.param_groups[0], **group}, p, update)
     expected = w0 * (1 - 0.1 * 0.1) - update.float() * 0.1 * math.sqrt(24 / 8)
-    contract(torch.equal(dw.to_local(), pw.detach()) and torch.allclose(pw.detach(), expected, rtol=1e-6),
+    # atol: a small element of the result has a large relative error from the rounding of the two orders of
+    # operations alone. Measured with the global RNG as a fresh process leaves it: 1 of the 192 (expected -0.0177,
+    # off by 3.7e-8: 2.1e-6 relative), largest error 2.4e-7, so the test failed run alone and passed after others.
+    contract(torch.equal(dw.to_local(), pw.detach()) and torch.allclose(pw.detach(), expected, rtol=1e-6, atol=1e-6),
              "GefenMuon's apply on a DTensor shard no longer equals the plain apply with sqrt(rows/cols) lr")

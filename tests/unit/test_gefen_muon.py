@@ -12,18 +12,18 @@ import torch.nn as nn
 from gefen import GefenMuon
 
 from gefen_titan.checkpoint.format.schema import FormatError
-from gefen_titan.checkpoint.format.schema_muon import (
+from gefen_titan.optim import gefenx as gx
+from gefen_titan.optim import registry, state_size
+from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
+from gefen_titan.optim.kinds.gefen_muon import entry as gefen_muon_entry
+from gefen_titan.optim.kinds.gefen_muon.options import MuonOptions
+from gefen_titan.optim.kinds.gefen_muon.records import (
     MUON_HYPER,
     MuonOptimizerRecord,
     MuonParamRecord,
     check_muon_counters,
     check_muon_hyper,
 )
-from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim import registry, state_size
-from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
-from gefen_titan.optim.kinds.gefen_muon import entry as gefen_muon_entry
-from gefen_titan.optim.kinds.gefen_muon.options import MuonOptions
 
 
 class Net(nn.Module):

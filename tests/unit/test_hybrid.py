@@ -23,6 +23,8 @@ from torchtitan.components.optimizer import ParamGroupConfig
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import hybrid, registry
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
+from gefen_titan.optim.kinds.gefen import keys as gefen_keys
+from gefen_titan.optim.kinds.gefen_muon import keys as muon_keys
 from gefen_titan.recipe import RecipeError, load_recipe
 from gefen_titan.recipe.cli import load_cli
 
@@ -288,13 +290,12 @@ def test_kinds_check_refuses_the_other_backup_naming_backup_optimizer(saved_back
     ``param_groups.<fqn>.lr`` entries, against the other backup live."""
     import json
 
-    from gefen_titan.checkpoint.format import schema
     from gefen_titan.optim import checkpointing
 
-    records = {schema.muon_optimizer_key("0"): json.dumps({"params": [{"fqn": "layers.0.w1.weight"}]})}
+    records = {muon_keys.muon_optimizer_key("0"): json.dumps({"params": [{"fqn": "layers.0.w1.weight"}]})}
     flat = []
     if saved_backup == "gefen":
-        records[schema.optimizer_key("1")] = json.dumps({"params": [{"fqn": "norm.weight"}]})
+        records[gefen_keys.optimizer_key("1")] = json.dumps({"params": [{"fqn": "norm.weight"}]})
     else:
         flat = ["param_groups.norm.weight.lr", "state.norm.weight.exp_avg"]
     ctx = checkpointing.LoadContext("ckpt", {k: None for k in [*records, *flat]}, records, None)
@@ -313,11 +314,10 @@ def test_kinds_check_refuses_the_other_backup_naming_backup_optimizer(saved_back
 def test_kinds_check_refuses_a_hybrid_checkpoint_in_a_gefen_recipe():
     import json
 
-    from gefen_titan.checkpoint.format import schema
     from gefen_titan.optim import checkpointing
 
-    records = {schema.muon_optimizer_key("0"): json.dumps({"params": [{"fqn": "layers.0.w1.weight"}]}),
-               schema.optimizer_key("1"): json.dumps({"params": [{"fqn": "norm.weight"}]})}
+    records = {muon_keys.muon_optimizer_key("0"): json.dumps({"params": [{"fqn": "layers.0.w1.weight"}]}),
+               gefen_keys.optimizer_key("1"): json.dumps({"params": [{"fqn": "norm.weight"}]})}
     ctx = checkpointing.LoadContext("ckpt", {k: None for k in records}, records, None)
     config = Config(name="Gefen")
     refusal = checkpointing.kinds_refusal(ctx, {"layers.0.w1.weight": "Gefen", "norm.weight": "Gefen"},

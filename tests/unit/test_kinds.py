@@ -12,9 +12,12 @@ from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorag
 
 from gefen_titan.checkpoint.checks import record_checks
 from gefen_titan.checkpoint.format import kinds, schema, schema_records
-from gefen_titan.checkpoint.format.schema_muon import MuonOptimizerRecord, MuonParamRecord
 from gefen_titan.checkpoint.io import storage
 from gefen_titan.optim import registry
+from gefen_titan.optim.kinds.gefen import keys as gefen_keys
+from gefen_titan.optim.kinds.gefen import records as gefen_records
+from gefen_titan.optim.kinds.gefen_muon import keys as muon_keys
+from gefen_titan.optim.kinds.gefen_muon.records import MuonOptimizerRecord, MuonParamRecord
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "v2_debug_fsdp2_step3"
 GROUP = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.0}
@@ -31,12 +34,12 @@ def _records(header: schema_records.Header, gefen_fqns=(), muon_fqns=()):
     """(entries, small values) of a checkpoint whose parameters (8 x 8) have no state yet."""
     values = {schema.header_key(): header.to_json()}
     if gefen_fqns:
-        rec = schema_records.OptimizerRecord(False, 0, [schema_records.ParamRecord(f, (8, 8), 0, 0, 0, GROUP)
+        rec = gefen_records.OptimizerRecord(False, 0, [gefen_records.ParamRecord(f, (8, 8), 0, 0, 0, GROUP)
                                                         for f in gefen_fqns])
-        values[schema.optimizer_key(gefen_fqns[0])] = rec.to_json()
+        values[gefen_keys.optimizer_key(gefen_fqns[0])] = rec.to_json()
     if muon_fqns:
         rec = MuonOptimizerRecord(False, 0, [MuonParamRecord(f, (8, 8), 0, 0, 0, dict(MUON_GROUP)) for f in muon_fqns])
-        values[schema.muon_optimizer_key(muon_fqns[0])] = rec.to_json()
+        values[muon_keys.muon_optimizer_key(muon_fqns[0])] = rec.to_json()
     return {n: None for n in values}, values
 
 
@@ -64,7 +67,7 @@ def test_a_kinds_state_in_a_format_it_does_not_write_is_refused():
 
 def test_a_state_tensor_of_no_record_is_refused():
     entries, values = _records(schema_records.Header.for_blocking("agreed"), ("a",))
-    entries[schema.grid_key("ghost")] = _tensor((8, 2, 2))
+    entries[gefen_keys.grid_key("ghost")] = _tensor((8, 2, 2))
     whats, _ = _whats(entries, values)
     assert whats == ["gefen/grid/ghost belongs to no optimizer record"]
 
@@ -74,7 +77,8 @@ def test_a_description_cannot_take_another_kinds_key_kinds():
     with pytest.raises(ValueError, match="is described already"):
         kinds.register(gefen)
     with pytest.raises(ValueError, match=r"\['muon'\]"):
-        kinds.register(kinds.KindDescription("Other", frozenset({"muon"}), gefen.read, gefen.versions))
+        kinds.register(kinds.KindDescription("Other", (schema.KeyRow("muon", "gefen/other/{opt}"),), gefen.read,
+                                              gefen.versions))
     assert [d.name for d in kinds.descriptions()] == ["Gefen", "GefenMuon"]
 
 
@@ -114,13 +118,13 @@ MUON_JSON = (
 
 def test_each_kinds_record_writes_and_reads_the_pinned_json():
     group = {**GROUP, "weight_decay": 0}
-    gefen = schema_records.OptimizerRecord(True, 7, [schema_records.ParamRecord("layers.0.w", (8, 16), 4, 7, 6, group),
-                                                     schema_records.ParamRecord("norm.w", (16,), 0, 0, 0, group)])
+    gefen = gefen_records.OptimizerRecord(True, 7, [gefen_records.ParamRecord("layers.0.w", (8, 16), 4, 7, 6, group),
+                                                     gefen_records.ParamRecord("norm.w", (16,), 0, 0, 0, group)])
     muon_group = {**MUON_GROUP, "weight_decay": 0, "ns_coefficients": (3.4445, -4.775, 2), "normuon": True}
     muon = MuonOptimizerRecord(False, 9, [MuonParamRecord("experts.w1", (2, 8, 16), 8, 9, 4, muon_group)])
     assert gefen.to_json() == GEFEN_JSON and muon.to_json() == MUON_JSON
 
-    back = schema_records.OptimizerRecord.from_json(GEFEN_JSON, "layers.0.w")
+    back = gefen_records.OptimizerRecord.from_json(GEFEN_JSON, "layers.0.w")
     assert (back.deterministic, back.global_step, back.blocking) == (True, 7, "agreed")
     assert [(p.fqn, p.shape, p.period, p.step, p.vmean_step) for p in back.params] == [
         ("layers.0.w", (8, 16), 4, 7, 6), ("norm.w", (16,), 0, 0, 0)]
@@ -131,7 +135,7 @@ def test_each_kinds_record_writes_and_reads_the_pinned_json():
     assert (p.fqn, p.shape, p.period, p.step, p.rows_step, p.grid) == ("experts.w1", (2, 8, 16), 8, 9, 4, (2, 8, 2))
     assert back_muon.to_json() == MUON_JSON
 
-    refused = [(schema_records.OptimizerRecord, MUON_JSON.replace("agreed", "per_rank"),
+    refused = [(gefen_records.OptimizerRecord, MUON_JSON.replace("agreed", "per_rank"),
                 "optimizer record o is not an agreed-blocking record"),
                (MuonOptimizerRecord, GEFEN_JSON, "GefenMuon record o is not an agreed-blocking GefenMuon record"),
                (MuonOptimizerRecord, MUON_JSON.replace('"step": 9', '"stp": 9'),

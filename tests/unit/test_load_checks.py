@@ -46,6 +46,7 @@ from gefen_titan.ckpt_tools.inspection import inspect_checkpoint
 from gefen_titan.ckpt_tools.inspection import render as render_inspection
 from gefen_titan.ckpt_tools.verify import verify_checkpoint
 from gefen_titan.optim import gefenx as gx
+from gefen_titan.optim.kinds.gefen import keys as gefen_keys
 from tests.helpers.bad_checkpoints import edited
 from tests.helpers.tiny_checkpoint import STEP, Loader, build, edit_metadata, manager, resume, save
 from tests.helpers.untrusted import Payload, replace_item, rewrite_digests
@@ -97,7 +98,7 @@ def _past_end(md) -> None:
 
 
 def _short_raw_item(md) -> None:
-    key = "optimizer." + schema.qcodes_key("0.weight")
+    key = "optimizer." + gefen_keys.qcodes_key("0.weight")
     md.storage_data[_item(md, key)].length -= 1
 
 

@@ -14,11 +14,11 @@ Checks pinned, one test (or parametrized set) each:
 * the items no rank's plan reads are checked too (``check_unread``);
 * an item without a row in ``.digests`` is refused;
 * a codebook is refused when a middle value is out of order, NaN or inf;
-* NaN or negative Gefen hyperparameters are refused (``schema_records.check_hyper``);
+* NaN or negative Gefen hyperparameters are refused (``gefen_records.check_hyper``);
 * a parameter step above its optimizer's global step is refused (Gefen v3,
   GefenMuon, Gefen v1);
 * GefenMuon's group keys: present, ``normuon_eps > 0``, ``ns_steps`` and
-  the schedule's length below 100 (``schema_muon.check_muon_hyper``);
+  the schedule's length below 100 (``muon_records.check_muon_hyper``);
 * a raw item that a request takes only part of reads back bit for bit.
 """
 
@@ -47,6 +47,7 @@ from gefen_titan.checkpoint.io import storage
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
+from gefen_titan.optim.kinds.gefen import keys as gefen_keys
 from tests.helpers.bad_checkpoints import edited
 from tests.helpers.loader_checkpoint import Blob
 
@@ -199,7 +200,7 @@ def test_an_item_without_a_digest_is_refused(saved, tmp_path):
     root, _, _ = saved
     path = copy_of(step_dir(root), tmp_path / "step")
     md, record = storage.read_checked_metadata(path)
-    dropped = schema.qcodes_key("embed.weight")
+    dropped = gefen_keys.qcodes_key("embed.weight")
     items: dict[str, dict[int, tuple[int, str]]] = {}
     for index, info in md.storage_data.items():
         if index.fqn != "optimizer." + dropped and int(info.length):
@@ -255,7 +256,7 @@ def test_a_codebook_damaged_in_the_middle_is_refused(saved, tmp_path, kind, what
 @pytest.mark.parametrize("key, value", [("lr", float("nan")), ("lr", -1e-3), ("weight_decay", float("nan")),
                                         ("weight_decay", -0.1), ("beta1", -0.5)])
 def test_nan_or_negative_gefen_hyperparameters_are_refused(saved, tmp_path, key, value):
-    """Pins ``schema_records.check_hyper``'s "not NaN, not negative": a Gefen record whose group holds a NaN or
+    """Pins ``gefen_records.check_hyper``'s "not NaN, not negative": a Gefen record whose group holds a NaN or
     negative value that the representability check (betas below 1, eps above 0) lets through is refused,
     naming the parameter and the value; the live group keeps its own."""
     root, _, _ = saved
@@ -280,8 +281,8 @@ def _behind(rec):
 
 @pytest.mark.parametrize("kind", ["gefen", "muon"])
 def test_a_parameter_step_above_the_global_step_is_refused(saved, tmp_path, kind):
-    """Pins the ``step > global_step`` check of ``schema_records.check_counters`` (Gefen, v3) and
-    ``schema_muon.check_muon_counters`` (GefenMuon) on load: a record whose global step is below a
+    """Pins the ``step > global_step`` check of ``gefen_records.check_counters`` (Gefen, v3) and
+    ``muon_records.check_muon_counters`` (GefenMuon) on load: a record whose global step is below a
     parameter's step is refused, naming both, by the records stage (the load's, which ``ckpt verify``
     runs: the adapters plan from its records and no longer check them again)."""
     root, _, _ = saved
@@ -329,7 +330,7 @@ _MISSING = object()
     ("normuon_eps", _MISSING, "'normuon_eps' missing from the checkpoint"),
 ], ids=["normuon_eps_zero", "ns_steps_100", "ns_coefficients_100", "normuon_eps_missing"])
 def test_gefen_muon_group_keys_out_of_range_are_refused(saved, tmp_path, key, value, match):
-    """Pins ``schema_muon.check_muon_hyper`` on load beyond what test_gefen_muon tries: every key present,
+    """Pins ``muon_records.check_muon_hyper`` on load beyond what test_gefen_muon tries: every key present,
     ``normuon_eps > 0`` (0 passes the non-negative check), ``ns_steps < 100`` and fewer than 100
     coefficient triples (the upper bounds); each refused naming the key, the live group unchanged."""
     root, _, _ = saved
@@ -363,8 +364,8 @@ def test_raw_items_taken_in_part_read_back_bit_for_bit(saved, world):
     gefen = next(o for o in opt.optimizers if gx.is_gefen(o))
     st = gx.read(gefen, net.embed.weight)
     grid = schema.grid_shape(tuple(net.embed.weight.shape), st.period)
-    want = {"optimizer." + schema.qcodes_key("embed.weight"): st.codes.reshape(net.embed.weight.shape),
-            "optimizer." + schema.grid_key("embed.weight"): schema.pack_blocks(st.magnitude.view(grid),
+    want = {"optimizer." + gefen_keys.qcodes_key("embed.weight"): st.codes.reshape(net.embed.weight.shape),
+            "optimizer." + gefen_keys.grid_key("embed.weight"): gefen_keys.pack_blocks(st.magnitude.view(grid),
                                                                                 st.vmean.view(grid))}
     md = storage.read_metadata(step_dir(root))
     for key, value in want.items():  # stored raw, one chunk of the whole tensor

@@ -18,7 +18,7 @@ import torch.nn as nn
 from gefen import Gefen
 
 from gefen_titan.checkpoint.errors import GefenCheckpointError
-from gefen_titan.checkpoint.format import gefen_records, kinds, schema, schema_records
+from gefen_titan.checkpoint.format import kinds, schema, schema_records
 from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools.convert import convert
 from gefen_titan.ckpt_tools.inspection import inspect_checkpoint
@@ -28,6 +28,8 @@ from gefen_titan.ckpt_tools.view import CkptError
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
+from gefen_titan.optim.kinds.gefen import description as gefen_description
+from gefen_titan.optim.kinds.gefen import records as gefen_records
 from gefen_titan.optim.kinds.gefen.sharded import GefenShardedAdapter
 from tests.helpers.tiny_checkpoint import manager
 
@@ -127,7 +129,7 @@ class _Variant(Gefen):
     """A Gefen variant with state of Gefen's shape and records of its own."""
 
 
-class _VariantRecord(schema_records.OptimizerRecord):
+class _VariantRecord(gefen_records.OptimizerRecord):
     """Its records: Gefen's, with a kind (so neither kind's reader takes the other's)."""
 
     def to_json(self) -> str:
@@ -138,7 +140,7 @@ class _VariantRecord(schema_records.OptimizerRecord):
         data = schema_records.loads_json(raw, f"variant record {opt}")
         if data.pop("kind", None) != "Variant":
             raise schema.FormatError(f"variant record {opt} is not a Variant record")
-        rec = schema_records.OptimizerRecord.from_json(json.dumps(data), opt)
+        rec = gefen_records.OptimizerRecord.from_json(json.dumps(data), opt)
         return cls(rec.deterministic, rec.global_step, rec.params)
 
 
@@ -161,14 +163,10 @@ def _variant(groups, **kw):
 
 @pytest.fixture
 def variant_registered(monkeypatch):
-    """The things a kind adds: its records' keys (schema), its registry entry with its state type and
-    its checkpoint description (``checkpoint.format.kinds``: what the load's records stage and the offline
+    """The things a kind adds: its registry entry with its state type and its checkpoint description
+    (``checkpoint.format.kinds``: its records' key rows, what the load's records stage and the offline
     tools know of it), registered for this test and dropped after."""
-    monkeypatch.setattr(schema, "PATTERNS", dict(schema.PATTERNS))
-    monkeypatch.setattr(schema, "SMALL_KINDS", dict(schema.SMALL_KINDS))
-    monkeypatch.setattr(schema, "_NAMED_KINDS", dict(schema._NAMED_KINDS))
-    schema.register_kinds({"variant": "record", "variant_codebook": "codebook"})
-    described = dataclasses.replace(gefen_records.description("Variant", "variant", "variant_codebook",
+    described = dataclasses.replace(gefen_description.description("Variant", "variant", "variant_codebook",
                                                                _VariantRecord),
                                     convert_refusal="a Variant converts to nothing (a test's kind)")
     registry.register(registry.OptimizerSpec(

@@ -17,12 +17,15 @@ import torch.distributed.checkpoint as dcp
 from gefen_titan.checkpoint.format import digests, schema, schema_records
 from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools.verify import verify_checkpoint
+from gefen_titan.optim.kinds.gefen import keys as gefen_keys
+from gefen_titan.optim.kinds.gefen import records as gefen_records
+from gefen_titan.optim.kinds.gefen_muon import keys as muon_keys
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
 
-CODES = "optimizer." + schema.qcodes_key("layers.0.w")
-GRID = "optimizer." + schema.grid_key("layers.0.w")
-EMPTY = "optimizer." + schema.grid_key("layers.1.w")
+CODES = "optimizer." + gefen_keys.qcodes_key("layers.0.w")
+GRID = "optimizer." + gefen_keys.grid_key("layers.0.w")
+EMPTY = "optimizer." + gefen_keys.grid_key("layers.1.w")
 GROUP = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
 
 
@@ -31,14 +34,14 @@ def state(empty: bool = False) -> dict:
     (``empty``: and a zero-byte raw entry, as an empty shard writes, of a parameter without records)."""
     g = torch.Generator().manual_seed(0)
     mag, vmean = torch.rand(8, 4, generator=g), torch.rand(8, 4, generator=g)
-    record = schema_records.OptimizerRecord(False, 3,
-                                            [schema_records.ParamRecord("layers.0.w", (8, 16), 4, 3, 3, GROUP)])
+    record = gefen_records.OptimizerRecord(False, 3,
+                                            [gefen_records.ParamRecord("layers.0.w", (8, 16), 4, 3, 3, GROUP)])
     sd = {"model.w": torch.randn(8, 16, generator=g),
           CODES: torch.randint(0, 256, (8, 16), dtype=torch.uint8, generator=g),
-          GRID: schema.pack_blocks(mag, vmean),
+          GRID: gefen_keys.pack_blocks(mag, vmean),
           "optimizer." + schema.header_key(): schema_records.Header.for_blocking("agreed").to_json(),
-          "optimizer." + schema.optimizer_key("layers.0.w"): record.to_json(),
-          "optimizer." + schema.codebook_key("layers.0.w"): torch.linspace(-1, 1, schema.K),
+          "optimizer." + gefen_keys.optimizer_key("layers.0.w"): record.to_json(),
+          "optimizer." + gefen_keys.codebook_key("layers.0.w"): torch.linspace(-1, 1, schema.K),
           "step": torch.tensor(7)}
     if empty:
         sd[EMPTY] = torch.empty(0, 4, 2)
@@ -52,33 +55,33 @@ def blank(empty: bool = False) -> dict:
 def test_which_entries_are_raw():
     """v3's own keys, and no key an earlier format wrote (their items are framed)."""
     assert schema.is_raw_entry(CODES) and schema.is_raw_entry(GRID)
-    assert set(schema.param_tensor_keys("x").values()) == {schema.qcodes_key("x"), schema.grid_key("x")}
-    earlier = [*schema.param_tensor_keys("x", schema.V2).values(), *schema.muon_tensor_keys("x").values(),
-               schema.records_key("x", 0), schema.blocks_key("x", 0), schema.rank_codebook_key("x", 0)]
+    assert set(gefen_keys.param_tensor_keys("x").values()) == {gefen_keys.qcodes_key("x"), gefen_keys.grid_key("x")}
+    earlier = [*gefen_keys.param_tensor_keys("x", schema.V2).values(), *muon_keys.muon_tensor_keys("x").values(),
+               gefen_keys.records_key("x", 0), gefen_keys.blocks_key("x", 0), gefen_keys.rank_codebook_key("x", 0)]
     for name in earlier:
         assert not schema.is_raw_entry("optimizer." + name), name
     grid_bytes = 8 * 4 * 2 * 4
     assert schema.is_raw_item(GRID, grid_bytes, torch.float32, (8, 4, 2))
     assert not schema.is_raw_item(GRID, grid_bytes + 1500, torch.float32, (8, 4, 2))  # framed: longer
     assert not schema.is_raw_item("model.w", grid_bytes, torch.float32, (8, 4, 2))
-    for flat in ("model.w", "optimizer." + schema.header_key(), "optimizer." + schema.optimizer_key("x"),
-                 "optimizer." + schema.codebook_key("x"), "optimizer.state.w.exp_avg", "step"):
+    for flat in ("model.w", "optimizer." + schema.header_key(), "optimizer." + gefen_keys.optimizer_key("x"),
+                 "optimizer." + gefen_keys.codebook_key("x"), "optimizer.state.w.exp_avg", "step"):
         assert not schema.is_raw_entry(flat), flat
 
 
 def test_pack_unpack_and_specs():
     mag, vmean = torch.rand(3, 5), torch.rand(3, 5)
-    grid = schema.pack_blocks(mag, vmean)
+    grid = gefen_keys.pack_blocks(mag, vmean)
     assert grid.shape == (3, 5, 2)
-    m, v = schema.unpack_blocks(schema.VERSION, {"grid": grid})
+    m, v = gefen_keys.unpack_blocks(schema.VERSION, {"grid": grid})
     assert torch.equal(m, mag) and torch.equal(v, vmean)
-    m, v = schema.unpack_blocks(schema.V2, {"magnitude": mag, "vmean": vmean})
+    m, v = gefen_keys.unpack_blocks(schema.V2, {"magnitude": mag, "vmean": vmean})
     assert m is mag and v is vmean
     with pytest.raises(schema.FormatError):
-        schema.unpack_blocks(schema.VERSION, {"grid": torch.zeros(3, 5)})
-    v3 = schema.param_tensor_specs("w", (6, 12), 4)
+        gefen_keys.unpack_blocks(schema.VERSION, {"grid": torch.zeros(3, 5)})
+    v3 = gefen_keys.param_tensor_specs("w", (6, 12), 4)
     assert v3 == {"gefen/qcodes/w": (torch.uint8, (6, 12)), "gefen/grid/w": (torch.float32, (6, 3, 2))}
-    v2 = schema.param_tensor_specs("w", (6, 12), 4, schema.V2)
+    v2 = gefen_keys.param_tensor_specs("w", (6, 12), 4, schema.V2)
     assert sorted(v2) == ["gefen/codes/w", "gefen/magnitude/w", "gefen/vmean/w"]
 
 

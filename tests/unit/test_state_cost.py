@@ -116,7 +116,9 @@ def tripled_registered():
     registry.register(registry.OptimizerSpec(
         name="Tripled", factory=torch.optim.SGD, owns=lambda o: False, group_keys=("lr",),
         cost=StateCost(lambda sizes, period, element_size: 3 * math.prod(sizes) + period, optimizer_bytes=5),
-        checkpoint=kinds.KindDescription(name="Tripled", key_kinds=frozenset({"tripled", "tripled_record"}),
+        checkpoint=kinds.KindDescription(name="Tripled", key_rows=(
+                                             schema.KeyRow("tripled", "gefen/tripled/{fqn}"),
+                                             schema.KeyRow("tripled_record", "gefen/tripled_record/{opt}", "str")),
                                          read=lambda inp, problems: kinds.KindRecords("Tripled", []),
                                          versions=frozenset({schema.VERSION}), planned_entries=planned)))
     yield

@@ -86,9 +86,10 @@ def test_the_launcher_check_catches_what_it_is_for():
 
 
 # ------------------------------------------------------------------ optimizer kinds
-# A kind's knowledge lives in its own files (its folder under optim/kinds/, and what the checkpoint
-# layer below still holds of it) and reaches everything else through its registry entry (registered by
-# optim/kinds/__init__.py, which may name every kind) and its checkpoint description (checkpoint/format/kinds.py):
+# A kind's knowledge lives in its own files (its folder under optim/kinds/, with its key rows, records and
+# checkpoint description; its step and gefen-x accessors) and reaches everything else through its registry
+# entry (registered by optim/kinds/__init__.py, which may name every kind) and its checkpoint description
+# (checkpoint/format/kinds.py, which registers its key rows with checkpoint/format/schema.py):
 # a module outside a kind's files that names it is a place a new kind would have to be added by hand.
 # Names are code, not prose: identifiers and string constants (messages included), not docstrings or
 # comments, which may speak of the kinds.
@@ -97,26 +98,22 @@ KIND_FILES = {
     "GefenMuon": (
         "gefen_titan/optim/muon/",  # its sharded step (step, schedule, exchange, matrices)
         "gefen_titan/optim/gefenx/muon.py",  # its accessors of gefen-x's private state
-        "gefen_titan/optim/kinds/gefen_muon/",  # its entry, options table and state <-> checkpoint entries
-        "gefen_titan/checkpoint/format/schema_muon.py",  # its records in the format
-        "gefen_titan/checkpoint/format/gefen_muon_records.py",  # its checkpoint description
+        "gefen_titan/optim/kinds/gefen_muon/",  # its entry, options, key rows, records, description, state
     ),
     "Gefen": (
         "gefen_titan/optim/gefenx/gefen.py",
-        "gefen_titan/optim/kinds/gefen/",  # its entry, options table, state adapters and validation part
+        "gefen_titan/optim/kinds/gefen/",  # its entry, options, key rows, records, description, state, validation
         "gefen_titan/optim/quant/",  # its dequantize / re-block / requantize arithmetic
-        "gefen_titan/checkpoint/format/schema_records.py",
-        "gefen_titan/checkpoint/format/schema_v1.py",
-        "gefen_titan/checkpoint/format/gefen_records.py",  # its checkpoint description
         "gefen_titan/ckpt_tools/convert.py",  # Gefen <-> AdamW: its arithmetic is Gefen's
     ),
+    # A third kind laid out as a built-in one, in the tests (tests/unit/test_load_path.py registers it):
+    # no package module may name it, so adding it took no package edit.
+    "Variant": ("tests/kinds/variant/",),
 }
 # Shared by both kinds by what they are, so owned by both.
 BOTH = (
     REGISTRY,
     "gefen_titan/optim/kinds/__init__.py",  # register_builtins: the list of the built-in kinds
-    "gefen_titan/checkpoint/format/schema.py",  # the one definition of the format: every kind's keys
-    "gefen_titan/checkpoint/format/schema_doc.py",  # the format's key table, every kind's rows
     "gefen_titan/optim/gefenx/__init__.py",  # the one importer of gefen-x: every kind's accessors
     "gefen_titan/optim/gefenx/routing.py",
     "gefen_titan/optim/cpu_step/",  # the CPU kernels: Gefen's step and GefenMuon's momentum
@@ -129,6 +126,7 @@ NAMES_KIND_STILL = {
     "gefen_titan/ckpt_tools/cli.py": "the help of convert, whose conversion is Gefen <-> AdamW (ckpt_tools/convert.py)",
 }
 _KIND_NAMES = {
+    "Variant": (re.compile(r"(?i)(?<![a-z])variant"), re.compile(r"(?i)\bvariant\b")),  # not "invariant"
     "GefenMuon": (re.compile(r"(?i)(?<!dist)muon"), re.compile(r"(?i)(?<!dist)muon")),  # not torchtitan's DistMuon
     "Gefen": (re.compile(r"^(is_gefen|new_gefen|build_gefen)$|Gefen(Sharded|PerRank|Param\b|Optimizer\b|Options\b)|"
                          r"gefen_(sharded|per_rank|records)"), re.compile(r"\bGefen\b")),
@@ -200,4 +198,7 @@ def test_the_kind_name_check_catches_what_it_is_for():
            'x = gx.is_gefen(o) or "GefenMuon state" or "Gefen state" or "DistMuon" or "gefen-titan"\n')
     assert _names_kind(src, "GefenMuon") == ["2: 'GefenMuonShardedAdapter'", "3: 'GefenMuon state'"]
     assert _names_kind(src, "Gefen") == ["3: 'Gefen state'", "3: 'is_gefen'"]
+    variant = ('from tests.kinds.variant import entry as variant_entry\nspec = registry.get("Variant")\n'
+               'ok = loader.dp_invariant or "a DP-invariant loader"\n')
+    assert _names_kind(variant, "Variant") == ["1: 'variant'", "1: 'variant_entry'", "2: 'Variant'"]
     assert all(p in NAMES_KIND_STILL or (ROOT / p).exists() for p in NAMES_KIND_STILL)

@@ -2,7 +2,7 @@
 
 An optimizer kind with records of its own (Gefen, GefenMuon, a kind a test
 adds) describes its state once, in a ``KindDescription`` its own files
-build: the key kinds it writes (``schema.parse_key``), how its records are
+build: the key kinds it writes (its rows of the format, ``schema.KeyRow``), how its records are
 parsed and checked without a live model (the records stage of
 ``load_checks``: the load runs it on its one small read, ``ckpt verify`` on
 its own), which of its tensors ``verify`` requires to be non-negative, its
@@ -118,8 +118,9 @@ class KindDescription:
 
     name: str
     """The registry name (``OptimizerSpec.name``)."""
-    key_kinds: frozenset[str]
-    """Every key kind it writes: records, codebooks, its parameters' tensors (v1's too)."""
+    key_rows: tuple[schema.KeyRow, ...]
+    """Every key kind it writes, as rows of the format (records, codebooks, its parameters' tensors, v1's
+    too): ``register`` registers them with ``schema``, which names no kind."""
     read: Callable[[RecordsInput, list[Problem]], KindRecords]
     """Its records parsed and checked (counters, hyperparameters, the tensors they imply, codebooks);
     problems appended. Called only where one of ``key_kinds`` is present."""
@@ -143,6 +144,14 @@ class KindDescription:
     """Why ``ckpt convert`` refuses a checkpoint holding its state and what to do instead (None: it converts)."""
     planned_entries: PlannedEntries | None = None
     """The entries one of its optimizers writes, for a plan (None: no plan of its checkpoint)."""
+    key_docs: dict[int, tuple[tuple[str, str, str], ...]] = field(default_factory=dict)
+    """``docs/checkpoint_format.md``'s rows of its keys: format version -> (key kind, value, written by),
+    in the doc's order (``schema_doc``)."""
+
+    @property
+    def key_kinds(self) -> frozenset[str]:
+        """Every key kind it writes (its rows')."""
+        return frozenset(r.kind for r in self.key_rows)
 
 
 _DESCRIPTIONS: dict[str, KindDescription] = {}
@@ -154,13 +163,16 @@ def register(desc: KindDescription) -> KindDescription:
     if desc.name in _DESCRIPTIONS or desc.key_kinds & taken:
         raise ValueError(f"kind {desc.name!r} or one of its key kinds {sorted(desc.key_kinds & taken)} is described "
                          "already")
+    schema.register_rows(desc.key_rows)  # all or none: ValueError before anything is registered
     _DESCRIPTIONS[desc.name] = desc
     return desc
 
 
 def unregister(name: str) -> None:
-    """Drop a description (a test's kind, restored after)."""
-    _DESCRIPTIONS.pop(name, None)
+    """Drop a description and its key rows (a test's kind, restored after)."""
+    desc = _DESCRIPTIONS.pop(name, None)
+    if desc is not None:
+        schema.unregister_rows(desc.key_kinds)
 
 
 def descriptions() -> tuple[KindDescription, ...]:

@@ -1,8 +1,9 @@
-"""The Gefen checkpoint format's records: the header, Gefen's v2/v3 optimizer records, and the checks of
-their values (hyperparameters, codebooks, counters).
+"""The Gefen checkpoint format's records: the header, the frame every kind's v2/v3 optimizer record
+shares, and the checks of values every kind shares (the codebook).
 
-Part of the one module family that defines the format (``schema``: keys and
-tensors; ``schema_v1``, ``schema_muon``). The JSON of every record is part of
+With ``schema`` (keys), the format's definition; each kind's own records
+subclass the frame in its folder (``optim.kinds.gefen.records``,
+``optim.kinds.gefen_muon.records``). The JSON of every record is part of
 the format: ranks compare the bytes of the records they write (DCP keeps one
 copy), so ``to_json`` must stay byte-for-byte what earlier versions wrote.
 """
@@ -21,7 +22,6 @@ import torch
 from gefen_titan.checkpoint.format.schema import (
     AGREED_VERSIONS,
     FORMAT,
-    HYPER,
     V1,
     V2,
     VERSION,
@@ -32,8 +32,8 @@ from gefen_titan.checkpoint.format.schema import (
     header_key,
 )
 
-__all__ = ["Header", "KindParamRecord", "KindOptimizerRecord", "ParamRecord", "OptimizerRecord", "loads_json",
-           "record_fields", "record_fqns", "check_hyper", "check_codebook", "check_counters"]
+__all__ = ["Header", "KindParamRecord", "KindOptimizerRecord", "loads_json", "record_fields", "record_fqns",
+           "check_codebook"]
 
 
 def loads_json(raw: Any, what: str) -> Any:
@@ -80,7 +80,7 @@ class Header:
     @classmethod
     def from_json(cls, raw: Any) -> Header:
         """Raises FormatError for anything but a gefen-titan v1, v2 or v3 header."""
-        data = loads_json(raw, f"the Gefen header {header_key()}")
+        data = loads_json(raw, f"the gefen-titan header {header_key()}")
         if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") not in VERSIONS:
             raise FormatError(
                 f"checkpoint format {data} is not {FORMAT} v{V1}, v{V2} or v{VERSION}; it was written by another "
@@ -89,9 +89,9 @@ class Header:
 
 
 # ------------------------------------------------------------------ v2, v3: every kind's optimizer record
-# A kind's records (Gefen's here, GefenMuon's in ``schema_muon``) subclass these two: what they share is written
-# once, so the kinds' JSON keeps one frame. Their text is the format: keys sorted, the same keys and types as
-# before (tests/unit/test_kinds.py pins one record of each kind).
+# A kind's records (Gefen's in ``optim.kinds.gefen.records``, GefenMuon's in ``...gefen_muon.records``)
+# subclass these two: what they share is written once, so the kinds' JSON keeps one frame. Their text is
+# the format: keys sorted, the same keys and types as before (tests/unit/test_kinds.py pins one record of each kind).
 @dataclass
 class KindParamRecord(ABC):
     """One parameter in a kind's optimizer record: name, shape, period (0: no state yet), step, then the
@@ -162,27 +162,6 @@ class KindOptimizerRecord(Generic[P]):
                        [cls.PARAM.from_dict(p) for p in data["params"]])
 
 
-@dataclass
-class ParamRecord(KindParamRecord):
-    """v2, v3: one parameter's period, counters and group hyperparameters."""
-
-    COUNTER: ClassVar[str] = "vmean_step"
-
-    vmean_step: int
-    group: dict[str, float]
-
-    def group_json(self) -> dict[str, float]:
-        return {k: float(self.group[k]) for k in HYPER}
-
-
-@dataclass
-class OptimizerRecord(KindOptimizerRecord[ParamRecord]):
-    """v2, v3: ``gefen/optimizer/{opt}``, one Gefen optimizer's parameters in order."""
-
-    PARAM: ClassVar[type[KindParamRecord]] = ParamRecord
-    WHAT: ClassVar[str] = "optimizer record"
-
-
 def record_fqns(raw: Any, what: str) -> list[str]:
     """The parameter names of an optimizer record of any kind and version
     (``gefen/optimizer/{opt}`` v1, v2 or v3, ``gefen/muon/{opt}``): which
@@ -193,28 +172,9 @@ def record_fqns(raw: Any, what: str) -> list[str]:
 
 
 # ------------------------------------------------------------------ checks
-def check_hyper(fqn: str, group: dict[str, Any]) -> None:
-    """Group hyperparameters that Gefen can represent (else FormatError)."""
-    for k in HYPER:
-        v = group.get(k)
-        if not isinstance(v, (int, float)) or not (v == v) or v < 0:
-            raise FormatError(f"{fqn}: hyperparameter {k}={v!r} in the checkpoint is invalid")
-    if not (group["beta1"] < 1 and group["beta2"] < 1 and group["eps"] > 0):
-        raise FormatError(f"{fqn}: checkpoint hyperparameters {group} cannot be represented by Gefen")
-
-
 def check_codebook(cb: torch.Tensor, what: str) -> torch.Tensor:
     """Gefen's load validation: fp32 [256], finite, sorted, ends exactly -1 and +1."""
     cb = cb.float()
     if cb.numel() != K or not torch.isfinite(cb).all() or cb[0] != -1 or cb[-1] != 1 or (cb[1:] < cb[:-1]).any():
         raise FormatError(f"{what} is corrupt (must be {K} sorted finite values from -1 to 1)")
     return cb
-
-
-def check_counters(fqn: str, period: int, step: int, vmean_step: int, global_step: int | None = None) -> str | None:
-    """Why a parameter's period and counters cannot be Gefen's, or None."""
-    if period < 0 or step < 0 or vmean_step < 0 or vmean_step > step or (period == 0) != (step == 0):
-        return f"{fqn}: counters do not add up (period {period}, step {step}, vmean_step {vmean_step})"
-    if global_step is not None and step > global_step:
-        return f"{fqn}: global step {global_step} < parameter step {step}"
-    return None

@@ -23,7 +23,6 @@ from gefen.gefen_muon import NS_SCHEDULES, _adjust_lr, _zeropower_via_newtonschu
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint.format.schema_muon import MUON_HYPER
 from gefen_titan.optim.gefenx.constructor import (
     CAPTURABLE,
     IMPLEMENTATION,
@@ -58,8 +57,9 @@ __all__ = [
 # it builds are ``ShardedGefenMuon``, whose ``step()`` is the sharded step
 # (``gefen_titan.optim.muon``), which calls the pieces below in gefen-x's order.
 
-# The group keys gefen_titan supports, checkpoints and restores on load.
-MUON_GROUP_KEYS = MUON_HYPER
+# The group keys gefen_titan supports, checkpoints and restores on load (its records' ``MUON_HYPER``).
+MUON_GROUP_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn",
+                   "normuon", "normuon_beta2", "normuon_eps")
 
 # Every keyword of GefenMuon's constructor: applied in [optimizer.muon], routed, or refused (gefenx.constructor).
 # Refused: each makes the arithmetic depend on the layout or the machine, which the sharded step and the

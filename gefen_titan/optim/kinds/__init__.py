@@ -4,17 +4,21 @@
 gefen-titan knows about each built-in kind is here:
 
 * ``gefen/``: Gefen (``entry``: its registry entry and factory; ``options``:
-  ``[optimizer.gefen]``; ``sharded`` and ``per_rank``: its state adapters,
-  formats v3/v2 and v1, with ``per_rank_regions``; ``validation``: its part of
-  the reshard validation);
+  ``[optimizer.gefen]``; ``keys``: its rows of the checkpoint format;
+  ``records`` and ``records_v1``: its records; ``description``: its
+  checkpoint description, read by the load's records stage and the offline
+  tools; ``sharded`` and ``per_rank``: its state adapters, formats v3/v2 and
+  v1, with ``per_rank_regions``; ``validation``: its part of the reshard
+  validation);
 * ``gefen_muon/``: GefenMuon (``entry``, ``options``: ``[optimizer.muon]``,
-  ``sharded``); its sharded step is ``optim.muon``;
+  ``keys``, ``records``, ``description``, ``sharded``); its sharded step is
+  ``optim.muon``;
 * ``torch_optimizers``: torch's AdamW and Adam;
 * ``groups``: what both gefen-x factories do to torchtitan's param groups.
 
-Their checkpoint records and key rows are still ``gefen_titan.checkpoint``'s
-(``gefen_records``, ``gefen_muon_records``, ``schema_*``): that layer sits
-below this one.
+A kind's checkpoint knowledge reaches the layer below (``gefen_titan.checkpoint``,
+which names no kind) only through its description, which its registry entry
+carries: registering the entry registers the description and its key rows.
 
 ``register_builtins()`` registers them (and ``GefenMuonHybrid``, a composite
 name: ``optim.hybrid``) in one fixed order, the same on every rank (the

@@ -6,11 +6,11 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint.format import gefen_records
 from gefen_titan.distributed import local
 from gefen_titan.optim import cpu_step
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.checkpointing import StateAdapter
+from gefen_titan.optim.kinds.gefen import description as gefen_description
 from gefen_titan.optim.kinds.gefen.per_rank import GefenPerRankAdapter
 from gefen_titan.optim.kinds.gefen.sharded import GefenShardedAdapter
 from gefen_titan.optim.kinds.gefen.validation import VALIDATION
@@ -89,7 +89,7 @@ def spec() -> OptimizerSpec:
         check_built=_check_gefen,
         after_agreed_step=_count_empty_shards,
         group_key_hint=_gefen_group_key_hint,
-        checkpoint=gefen_records.description(),
+        checkpoint=gefen_description.description(),
         validation=VALIDATION,
         cost=gx.STATE_COST,
         constructor=gx.GEFEN_CONSTRUCTOR,

@@ -1,7 +1,7 @@
 """Save Gefen state compactly and load it at any data-parallel degree.
 
 The adapter sits behind ``GefenOptimizersContainer.state_dict()`` /
-``load_state_dict()``. Saving hands DCP the state as it is (the v1 records: ``checkpoint/format/schema_v1.py``).
+``load_state_dict()``. Saving hands DCP the state as it is (the v1 records: ``checkpoint/format/records_v1.py``).
 Loading is two-phase because Gefen's per-rank state differs in size:
 
 1. ``prepare_load`` (all ranks, before torchtitan's ``dcp.load``) takes the
@@ -35,13 +35,16 @@ import torch
 from torch.optim import Optimizer
 
 from gefen_titan.checkpoint.errors import GefenCheckpointError, other_model_advice
-from gefen_titan.checkpoint.format import kinds, schema, schema_records, schema_v1
-from gefen_titan.checkpoint.format.schema import HYPER
+from gefen_titan.checkpoint.format import kinds, schema, schema_records
 from gefen_titan.distributed import like_param, local
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.checkpointing.adapter import StagedLoad, blocking_refusal
 from gefen_titan.optim.checkpointing.codebook_merge import K, merge_codebooks
 from gefen_titan.optim.checkpointing.load_context import LoadContext
+from gefen_titan.optim.kinds.gefen import keys as gefen_keys
+from gefen_titan.optim.kinds.gefen import records as gefen_records
+from gefen_titan.optim.kinds.gefen import records_v1
+from gefen_titan.optim.kinds.gefen.keys import HYPER
 from gefen_titan.optim.kinds.gefen.per_rank_regions import Region, UnsupportedLayout, param_region, target_period
 from gefen_titan.optim.quant.requant import Segment, block_mean_segments, dequantize_segments, requantize
 
@@ -131,15 +134,15 @@ class GefenPerRankAdapter(StagedLoad):
         opt_id, label = slots[0].opt_id, slots[0].region.label
         device = slots[0].device
         out: dict[str, Any] = {}
-        meta = schema_v1.V1OptimizerRecord(slots[0].region.nshards, [])
-        rows: list[schema_v1.V1RankRow] = []
+        meta = records_v1.V1OptimizerRecord(slots[0].region.nshards, [])
+        rows: list[records_v1.V1RankRow] = []
         blocks, nblocks = [], 0
         for slot in slots:
             try:
                 st = gx.read(slot.optim, slot.param)
             except ValueError as e:
                 raise GefenCheckpointError(f"{slot.fqn}: {e}") from e
-            meta.params.append(schema_v1.V1ParamRecord(slot.fqn, tuple(slot.param.shape),
+            meta.params.append(records_v1.V1ParamRecord(slot.fqn, tuple(slot.param.shape),
                                                     {k: float(slot.group[k]) for k in HYPER}))
             r = slot.region
             if st is not None:
@@ -152,15 +155,15 @@ class GefenPerRankAdapter(StagedLoad):
                 codes = torch.zeros(slot.local_shape, dtype=torch.uint8, device=device)
                 b = torch.zeros(0, 2, dtype=torch.float32, device=device)
                 period, step, vstep = 0, 0, 0
-            rows.append(schema_v1.V1RankRow(r.start, r.length, period, step, vstep, nblocks, b.shape[0]))
+            rows.append(records_v1.V1RankRow(r.start, r.length, period, step, vstep, nblocks, b.shape[0]))
             blocks.append(b)
             nblocks += b.shape[0]
-            out[schema.codes_key(slot.fqn)] = like_param(slot.param, codes, tuple(slot.param.shape))
-        out[schema.optimizer_key(opt_id)] = meta.to_json()
-        out[schema.records_key(opt_id, label)] = schema_v1.v1_rank_table(gx.global_step(optim), rows)
-        out[schema.blocks_key(opt_id, label)] = torch.cat(blocks).to(device)
+            out[gefen_keys.codes_key(slot.fqn)] = like_param(slot.param, codes, tuple(slot.param.shape))
+        out[gefen_keys.optimizer_key(opt_id)] = meta.to_json()
+        out[gefen_keys.records_key(opt_id, label)] = records_v1.v1_rank_table(gx.global_step(optim), rows)
+        out[gefen_keys.blocks_key(opt_id, label)] = torch.cat(blocks).to(device)
         if gx.codebook(optim) is not None:
-            out[schema.rank_codebook_key(opt_id, label)] = gx.codebook(optim).detach().float().clone()
+            out[gefen_keys.rank_codebook_key(opt_id, label)] = gx.codebook(optim).detach().float().clone()
         return out
 
     # ------------------------------------------------------------------ load
@@ -197,7 +200,7 @@ class GefenPerRankAdapter(StagedLoad):
                 f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})"
             )
         for s in self.slots:
-            codes = ours.get(schema.codes_key(s.fqn))
+            codes = ours.get(gefen_keys.codes_key(s.fqn))
             if codes is None:
                 return f"{s.fqn}: codes missing from the checkpoint (truncated or foreign checkpoint)"
             if tuple(codes.size) != tuple(s.param.shape):
@@ -206,11 +209,11 @@ class GefenPerRankAdapter(StagedLoad):
 
     def _plan_from_records(self, small: dict[str, Any], ours: dict[str, Any]) -> _Plan:
         # Every saved parameter: which optimizer, its index there, its record.
-        where: dict[str, tuple[str, int, schema_v1.V1ParamRecord, int, int]] = {}
+        where: dict[str, tuple[str, int, records_v1.V1ParamRecord, int, int]] = {}
         for key, value in small.items():
             pk = schema.parse_key(key)
             if pk and pk.kind == "gefen":
-                meta = schema_v1.V1OptimizerRecord.from_json(value, pk.name)
+                meta = records_v1.V1OptimizerRecord.from_json(value, pk.name)
                 for i, rec in enumerate(meta.params):
                     where[rec.fqn] = (pk.name, i, rec, meta.nshards, len(meta.params))
         params, sources = {}, {}
@@ -221,19 +224,19 @@ class GefenPerRankAdapter(StagedLoad):
                     f"{slot.fqn}: no record in the checkpoint (another model or optimizer grouping)")
             opt_id, index, rec, nshards, nparams = where[slot.fqn]
             params[slot.fqn] = rec
-            schema_records.check_hyper(slot.fqn, rec.group)
+            gefen_records.check_hyper(slot.fqn, rec.group)
             srcs = []
             for label in range(nshards):
-                rk = schema.records_key(opt_id, label)
+                rk = gefen_keys.records_key(opt_id, label)
                 if rk not in small:
                     raise GefenCheckpointError(
                         f"{slot.fqn}: records of source rank {label} missing (truncated checkpoint?)")
-                global_step, table = schema_v1.read_v1_rank_table(small[rk], nparams, rk)
+                global_step, table = records_v1.read_v1_rank_table(small[rk], nparams, rk)
                 row = table[index]
-                bk = ours.get(schema.blocks_key(opt_id, label))
+                bk = ours.get(gefen_keys.blocks_key(opt_id, label))
                 rows = bk.size[0] if bk is not None else -1
                 block_rows[(opt_id, label)] = rows
-                why = row.check(slot.fqn, label, rows) or schema_records.check_counters(
+                why = row.check(slot.fqn, label, rows) or gefen_records.check_counters(
                     f"{slot.fqn}: source rank {label}", row.period, row.step, row.vmean_step)
                 if why:
                     raise GefenCheckpointError(why)
@@ -245,7 +248,7 @@ class GefenPerRankAdapter(StagedLoad):
                     raise GefenCheckpointError(
                         f"{slot.fqn}: global step {global_steps[key]} < parameter step {row.step}")
                 if row.period and key not in codebooks:
-                    ck = schema.rank_codebook_key(*key)
+                    ck = gefen_keys.rank_codebook_key(*key)
                     if ck not in small:
                         raise GefenCheckpointError(f"codebook of source rank {label} for optimizer {opt_id} missing")
                     codebooks[key] = schema_records.check_codebook(small[ck],
@@ -278,9 +281,9 @@ class GefenPerRankAdapter(StagedLoad):
             if not plan.needed[slot.fqn]:
                 continue
             dest = torch.empty(slot.local_shape, dtype=torch.uint8, device=slot.device)
-            sd[schema.codes_key(slot.fqn)] = like_param(slot.param, dest, tuple(slot.param.shape))
+            sd[gefen_keys.codes_key(slot.fqn)] = like_param(slot.param, dest, tuple(slot.param.shape))
             for src in plan.needed[slot.fqn]:
-                key = schema.blocks_key(src.opt_id, src.label)
+                key = gefen_keys.blocks_key(src.opt_id, src.label)
                 if key not in sd:  # a source rank's blocks of the whole optimizer, read once
                     rows = plan.block_rows[(src.opt_id, src.label)]
                     sd[key] = torch.empty(rows, 2, dtype=torch.float32, device=slot.device)
@@ -296,9 +299,9 @@ class GefenPerRankAdapter(StagedLoad):
         for slot in self.slots:
             if not plan.needed[slot.fqn]:
                 continue
-            codes_of[slot.fqn] = local(sd[schema.codes_key(slot.fqn)]).reshape(-1)
+            codes_of[slot.fqn] = local(sd[gefen_keys.codes_key(slot.fqn)]).reshape(-1)
             for s in plan.needed[slot.fqn]:
-                b = sd[schema.blocks_key(s.opt_id, s.label)][s.block0 : s.block0 + s.length // s.period]
+                b = sd[gefen_keys.blocks_key(s.opt_id, s.label)][s.block0 : s.block0 + s.length // s.period]
                 why = kinds.nonnegative_problem(b)  # verify's check of them too
                 if why:
                     raise GefenCheckpointError(f"{slot.fqn}: source rank {s.label} has non-finite or negative "

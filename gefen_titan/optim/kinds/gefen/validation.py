@@ -23,11 +23,13 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint.format import schema, schema_records
-from gefen_titan.checkpoint.format.schema import HYPER
+from gefen_titan.checkpoint.format import schema
 from gefen_titan.distributed import local
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.kind_validation import KindValidation, rel_l2
+from gefen_titan.optim.kinds.gefen import keys as gefen_keys
+from gefen_titan.optim.kinds.gefen import records as gefen_records
+from gefen_titan.optim.kinds.gefen.keys import HYPER
 from gefen_titan.optim.kinds.gefen.per_rank_regions import param_region
 
 __all__ = ["TOL_MOMENTUM", "TOL_UPDATE", "TOL_VMEAN", "VALIDATION", "compare_rank", "dense", "first_update",
@@ -147,18 +149,18 @@ def dense(entries: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
         parsed = schema.parse_key(key)
         if parsed is None or parsed.kind != "gefen":
             continue
-        codebook = entries.get(schema.codebook_key(parsed.name))
+        codebook = entries.get(gefen_keys.codebook_key(parsed.name))
         try:
-            records = schema_records.OptimizerRecord.from_json(value, parsed.name).params
+            records = gefen_records.OptimizerRecord.from_json(value, parsed.name).params
         except schema.FormatError:
             continue
         for rec in records:
-            version = schema.VERSION if schema.grid_key(rec.fqn) in entries else schema.V2
-            tensors = {name: entries.get(k) for name, k in schema.param_tensor_keys(rec.fqn, version).items()}
+            version = schema.VERSION if gefen_keys.grid_key(rec.fqn) in entries else schema.V2
+            tensors = {name: entries.get(k) for name, k in gefen_keys.param_tensor_keys(rec.fqn, version).items()}
             if not rec.period or codebook is None or any(t is None for t in tensors.values()):
                 continue
             codes = tensors["codes"]
-            mag, vmean = schema.unpack_blocks(version, tensors)
+            mag, vmean = gefen_keys.unpack_blocks(version, tensors)
             if codes.dim() and (mag.shape[-1] * rec.period != codes.shape[-1] or mag.shape != vmean.shape):
                 continue
             m = codebook.float().index_select(0, codes.reshape(-1).long()).reshape(codes.shape)

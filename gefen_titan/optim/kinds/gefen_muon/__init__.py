@@ -1,2 +1,3 @@
-"""GefenMuon: its registry entry (``entry``), options table (``options``) and state adapter
-(``sharded``). Its sharded step is ``optim.muon``; its records are ``checkpoint.format.gefen_muon_records``."""
+"""GefenMuon: its registry entry (``entry``), options table (``options``), its rows of the checkpoint format
+(``keys``), its records (``records``), its checkpoint description (``description``) and its state adapter
+(``sharded``). Its sharded step is ``optim.muon``."""

@@ -6,9 +6,9 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint.format import gefen_muon_records
 from gefen_titan.optim import cpu_step
 from gefen_titan.optim import gefenx as gx
+from gefen_titan.optim.kinds.gefen_muon import description as muon_description
 from gefen_titan.optim.kinds.gefen_muon.sharded import GefenMuonShardedAdapter
 from gefen_titan.optim.kinds.groups import split_options
 from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB, ShardedMuonStep
@@ -89,7 +89,7 @@ def spec() -> OptimizerSpec:
         # eps is the Newton-Schulz normalisation floor here (default 1e-7), not Adam's.
         shorthand_keys=("lr", "weight_decay"),
         step_stats=lambda optim: gx.sharded_step(optim).stats,
-        checkpoint=gefen_muon_records.DESCRIPTION,
+        checkpoint=muon_description.DESCRIPTION,
         cost=gx.MUON_STATE_COST,
         constructor=gx.MUON_CONSTRUCTOR,
     )

@@ -5,7 +5,7 @@ its shard of the parameter: the codes are the shard's elements, the
 magnitudes its block grid, NorMuon's rows its rows (``[rows]``, placed like
 the parameter's dim 0; a grouped experts' weight ``(E, out, in)`` keeps
 ``[E, out]``, placed like its first two dims). The records carry every group key gefen-titan
-supports (``schema_muon.MUON_HYPER``), restored on load.
+supports (``muon_records.MUON_HYPER``), restored on load.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint.format import schema
 from gefen_titan.checkpoint.format.schema import grid_shape
-from gefen_titan.checkpoint.format.schema_muon import (
+from gefen_titan.distributed import like_param_rows
+from gefen_titan.optim import gefenx as gx
+from gefen_titan.optim.checkpointing.sharded import ShardedAdapter, Slot, check_finite_nonnegative
+from gefen_titan.optim.kinds.gefen_muon import keys as muon_keys
+from gefen_titan.optim.kinds.gefen_muon.records import (
     MuonOptimizerRecord,
     MuonParamRecord,
     muon_tensor_specs,
 )
-from gefen_titan.distributed import like_param_rows
-from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim.checkpointing.sharded import ShardedAdapter, Slot, check_finite_nonnegative
 
 __all__ = ["GefenMuonShardedAdapter"]
 
@@ -43,7 +43,7 @@ class GefenMuonShardedAdapter(ShardedAdapter):
         return muon_tensor_specs(fqn, shape, rec.period, rec.rows_step > 0)
 
     def _placed(self, s: Slot, key: str, tensor: torch.Tensor, global_shape: tuple[int, ...]) -> Any:
-        if key == schema.muon_tensor_keys(s.fqn)["rows"]:
+        if key == muon_keys.muon_tensor_keys(s.fqn)["rows"]:
             return like_param_rows(s.param, tensor)
         return super()._placed(s, key, tensor, global_shape)
 
@@ -54,7 +54,7 @@ class GefenMuonShardedAdapter(ShardedAdapter):
         if st is None:
             return MuonParamRecord(s.fqn, shape, 0, 0, 0, s.group), {}
         local_shape = tuple(s.local.shape)
-        keys = schema.muon_tensor_keys(s.fqn)
+        keys = muon_keys.muon_tensor_keys(s.fqn)
         entries = {keys["codes"]: self._copy(st.codes.view(local_shape)),
                    keys["magnitude"]: self._copy(st.magnitude.view(grid_shape(local_shape, st.period)))}
         if st.rows is not None:
@@ -67,7 +67,7 @@ class GefenMuonShardedAdapter(ShardedAdapter):
     # ------------------------------------------------------------------ load
     def _stage_param(self, s: Slot, rec: MuonParamRecord, tensors: dict[str, torch.Tensor],
                      version: int) -> gx.MuonState:
-        keys = schema.muon_tensor_keys(s.fqn)
+        keys = muon_keys.muon_tensor_keys(s.fqn)
         codes, mag = tensors[keys["codes"]], tensors[keys["magnitude"]]
         rows = tensors[keys["rows"]] if rec.rows_step else None
         check_finite_nonnegative(s.fqn, "magnitude", mag)

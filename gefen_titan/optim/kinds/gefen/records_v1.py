@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from gefen_titan.checkpoint.format.schema import HYPER, FormatError
+from gefen_titan.checkpoint.format.schema import FormatError
 from gefen_titan.checkpoint.format.schema_records import loads_json, record_fields
+from gefen_titan.optim.kinds.gefen.keys import HYPER
 
 __all__ = ["RECORD_FIELDS", "V1ParamRecord", "V1OptimizerRecord", "V1RankRow", "v1_rank_table",
            "read_v1_rank_table"]

@@ -1,7 +1,7 @@
-"""GefenMuon's records in the Gefen checkpoint format (v2), and the checks of their values.
+"""GefenMuon's records in the Gefen checkpoint format (v2, v3), and the checks of their values.
 
-The keys are ``schema_doc.KEYS``'s ``gefen/muon*`` rows (built by
-``schema.muon_optimizer_key``, ``muon_codebook_key``, ``muon_tensor_keys``).
+The keys are its rows (``keys``: ``muon_optimizer_key``, ``muon_codebook_key``,
+``muon_tensor_keys``).
 A GefenMuon optimizer writes one record naming its kind and, per parameter
 in order, its period, counters and every group key gefen-titan supports
 (``MUON_HYPER``): the load checks them against the live model and restores
@@ -12,7 +12,7 @@ placed like the parameter's dim 0, ``[experts, rows]`` for a grouped experts'
 weight ``(E, out, in)``, placed like its first two dims), all DTensors with
 the parameter's placements, so DCP reshards them as it does Gefen's.
 
-As in ``schema``, the JSON is part of the format: ranks compare the bytes of
+As every kind's, the JSON is part of the format: ranks compare the bytes of
 the records they write, so ``to_json`` is canonical (sorted keys, group
 values normalized to JSON types).
 """
@@ -25,17 +25,18 @@ from typing import Any, ClassVar
 
 import torch
 
-from gefen_titan.checkpoint.format.schema import FormatError, grid_shape, muon_tensor_keys
+from gefen_titan.checkpoint.format.schema import FormatError, grid_shape
 from gefen_titan.checkpoint.format.schema_records import KindOptimizerRecord, KindParamRecord
+from gefen_titan.optim import gefenx as gx
+from gefen_titan.optim.kinds.gefen_muon.keys import muon_tensor_keys
 
 __all__ = ["KIND", "MUON_HYPER", "MuonParamRecord", "MuonOptimizerRecord", "muon_group", "muon_tensor_specs",
            "check_muon_hyper", "check_muon_counters"]
 
 KIND = "GefenMuon"
 
-# GefenMuon's group keys that the records carry and a load restores.
-MUON_HYPER = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn",
-              "normuon", "normuon_beta2", "normuon_eps")
+# GefenMuon's group keys that the records carry and a load restores: those gefen-titan supports.
+MUON_HYPER = gx.MUON_GROUP_KEYS
 _FLOATS = ("lr", "weight_decay", "momentum", "eps", "normuon_beta2", "normuon_eps")
 _ADJUST = (None, "original", "match_rms_adamw")
 

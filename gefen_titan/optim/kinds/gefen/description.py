@@ -9,9 +9,10 @@ one for the job in v2 and v3, v1's source shards tile each parameter), its
 rows in ``ckpt inspect``, its line in ``ckpt verify`` and the entries an
 optimizer writes (``kinds.PlannedEntries``, the scale plan's). What needs the
 live model (the parameters' shapes, the mesh's cuts, ``deterministic``) stays
-with its state adapters (``optim.checkpointing``). A kind whose state is Gefen's
-under records of its own (a test's third kind) builds its description here
-with its own names.
+with its state adapters (``sharded``, ``per_rank``). A kind whose state is Gefen's
+under records of its own (a test's kind) builds its description here with its
+own names, and its two key rows with them (``gefen/{record_kind}/{opt}``,
+``gefen/{codebook_kind}/{opt}``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from gefen_titan.checkpoint import report_text as text
-from gefen_titan.checkpoint.format import schema, schema_records, schema_v1
+from gefen_titan.checkpoint.format import schema, schema_records
 from gefen_titan.checkpoint.format.kinds import (
     CODEBOOKS,
     RECORD_TENSORS,
@@ -39,10 +40,12 @@ from gefen_titan.checkpoint.format.kinds import (
     check_codebooks,
     check_tensor,
 )
+from gefen_titan.optim.kinds.gefen import keys as gefen_keys
+from gefen_titan.optim.kinds.gefen import records as gefen_records
+from gefen_titan.optim.kinds.gefen import records_v1
 
 __all__ = ["GefenParam", "GefenOptimizer", "description"]
 
-_V1_KINDS = frozenset({"records", "blocks", "rank_codebook", "codes"})
 
 
 @dataclass
@@ -55,7 +58,7 @@ class GefenParam:
     period: int = 0
     step: int = 0
     vmean_step: int = 0
-    ranks: dict[int, schema_v1.V1RankRow] = field(default_factory=dict)
+    ranks: dict[int, records_v1.V1RankRow] = field(default_factory=dict)
 
     @property
     def grid(self) -> tuple[int, ...] | None:
@@ -73,7 +76,7 @@ class GefenOptimizer:
 
 def _hyper_problem(fqn: str, group: dict[str, Any]) -> str | None:
     try:
-        schema_records.check_hyper(fqn, group)
+        gefen_records.check_hyper(fqn, group)
     except schema.FormatError as e:
         return str(e)
     return None
@@ -85,7 +88,7 @@ def _read_agreed(inp: RecordsInput, problems: list[Problem], name: str, record_k
     if inp.header.blocking != "agreed":
         problems.append((RECORDS, schema.header_key(), f"v{inp.header.version} header {inp.header.to_json()} does "
                                                        "not say blocking \"agreed\""))
-    out = KindRecords(name, [], tensor_kinds=frozenset(schema.param_key_kinds(inp.header.version)))
+    out = KindRecords(name, [], tensor_kinds=frozenset(gefen_keys.param_key_kinds(inp.header.version)))
     for rec_name in inp.names_of(record_kind):
         opt_id = inp.parsed[rec_name].name
         try:
@@ -113,7 +116,7 @@ def _read_agreed(inp: RecordsInput, problems: list[Problem], name: str, record_k
 
 def _check_agreed_param(entries: dict[str, Any], p: GefenParam, global_step: int,
                         version: int) -> list[tuple[str, str | None]]:
-    out = [(RECORDS, schema_records.check_counters(p.fqn, p.period, p.step, p.vmean_step, global_step)),
+    out = [(RECORDS, gefen_records.check_counters(p.fqn, p.period, p.step, p.vmean_step, global_step)),
            (RECORDS, _hyper_problem(p.fqn, p.group))]
     if not p.period:
         return out
@@ -121,7 +124,7 @@ def _check_agreed_param(entries: dict[str, Any], p: GefenParam, global_step: int
         return out + [(RECORDS, f"{p.fqn}: period {p.period} does not divide the last dimension of {p.shape}")]
     if p.period != 1 and len(p.shape) < 2:
         out.append((RECORDS, f"{p.fqn}: period {p.period} on a {len(p.shape)}-D parameter (agreed blocking uses 1)"))
-    for key, (dtype, shape) in schema.param_tensor_specs(p.fqn, p.shape, p.period, version).items():
+    for key, (dtype, shape) in gefen_keys.param_tensor_specs(p.fqn, p.shape, p.period, version).items():
         why = f"the shape of {p.fqn}" if dtype == torch.uint8 else f"period {p.period} of {p.fqn}"
         out.append((RECORD_TENSORS, check_tensor(entries, key, shape, dtype, why)))
     return out
@@ -130,12 +133,12 @@ def _check_agreed_param(entries: dict[str, Any], p: GefenParam, global_step: int
 # ------------------------------------------------------------------ v1
 def _read(inp: RecordsInput, problems: list[Problem]) -> KindRecords:
     if inp.header.version in schema.AGREED_VERSIONS:
-        return _read_agreed(inp, problems, "Gefen", "gefen", "codebook", schema_records.OptimizerRecord)
+        return _read_agreed(inp, problems, "Gefen", "gefen", "codebook", gefen_records.OptimizerRecord)
     out = KindRecords("Gefen", [])
     for name in inp.names_of("gefen"):
         opt_id = inp.parsed[name].name
         try:
-            meta = schema_v1.V1OptimizerRecord.from_json(inp.values[name], opt_id)
+            meta = records_v1.V1OptimizerRecord.from_json(inp.values[name], opt_id)
         except schema.FormatError as e:
             problems.append((RECORDS, name, str(e)))
             continue
@@ -148,7 +151,7 @@ def _read(inp: RecordsInput, problems: list[Problem]) -> KindRecords:
             why = _hyper_problem(p.fqn, p.group)
             if why:
                 problems.append((RECORDS, name, why))
-            codes = schema.codes_key(p.fqn)
+            codes = gefen_keys.codes_key(p.fqn)
             why = check_tensor(inp.entries, codes, p.shape, torch.uint8, f"the shape of {p.fqn}")
             if why:
                 problems.append((RECORD_TENSORS, codes, why))
@@ -165,25 +168,25 @@ def _read(inp: RecordsInput, problems: list[Problem]) -> KindRecords:
 
 def _read_v1_rank(entries: dict[str, Any], values: dict[str, Any], o: GefenOptimizer, label: int,
                   codebooks: dict[str, torch.Tensor]) -> list[Problem]:
-    rk = schema.records_key(o.opt, label)
+    rk = gefen_keys.records_key(o.opt, label)
     if rk not in values:
         return [(RECORDS, rk, f"records of source rank {label} of optimizer {o.opt} missing (truncated checkpoint?)")]
     try:
-        global_step, rows = schema_v1.read_v1_rank_table(values[rk], len(o.params), rk)
+        global_step, rows = records_v1.read_v1_rank_table(values[rk], len(o.params), rk)
     except schema.FormatError as e:
         return [(RECORDS, rk, str(e))]
-    bk = entries.get(schema.blocks_key(o.opt, label))
+    bk = entries.get(gefen_keys.blocks_key(o.opt, label))
     block_rows = bk.size[0] if isinstance(bk, TensorStorageMetadata) and len(bk.size) else -1
     o.global_step = max(o.global_step, global_step)
     out: list[Problem] = []
     for p, row in zip(o.params, rows, strict=True):
         p.ranks[label] = row
         for why in (row.check(p.fqn, label, block_rows),
-                    schema_records.check_counters(p.fqn, row.period, row.step, row.vmean_step, global_step)):
+                    gefen_records.check_counters(p.fqn, row.period, row.step, row.vmean_step, global_step)):
             if why:
                 out.append((RECORDS, rk, why if why.startswith(f"{p.fqn}: source rank")
                             else f"source rank {label}: {why}"))
-    ck_name = schema.rank_codebook_key(o.opt, label)
+    ck_name = gefen_keys.rank_codebook_key(o.opt, label)
     if any(row.period for row in rows):
         if ck_name not in values:
             out.append((CODEBOOKS, ck_name, f"codebook of source rank {label} for optimizer {o.opt} missing"))
@@ -229,7 +232,8 @@ def _rows(name: str, record_kind: str, codebook_kind: str):
         for o in state.optimizers:
             params = []
             for p in o.params:
-                names = list(schema.param_tensor_keys(p.fqn, version).values()) if agreed else [schema.codes_key(p.fqn)]
+                names = (list(gefen_keys.param_tensor_keys(p.fqn, version).values()) if agreed
+                         else [gefen_keys.codes_key(p.fqn)])
                 row = {"fqn": p.fqn, "shape": list(p.shape), "period": p.period, "step": p.step,
                        "vmean_step": p.vmean_step, "group": p.group, **view.tensors(names)}
                 if agreed:
@@ -242,9 +246,10 @@ def _rows(name: str, record_kind: str, codebook_kind: str):
                 cb_names = [schema.entry_key(codebook_kind, o.opt)]
                 shared = [schema.entry_key(record_kind, o.opt)]
             else:
-                cb_names = [schema.rank_codebook_key(o.opt, r) for r in range(o.nshards)]
-                shared = ([schema.optimizer_key(o.opt)] + [schema.records_key(o.opt, r) for r in range(o.nshards)]
-                          + [schema.blocks_key(o.opt, r) for r in range(o.nshards)])
+                cb_names = [gefen_keys.rank_codebook_key(o.opt, r) for r in range(o.nshards)]
+                shared = ([gefen_keys.optimizer_key(o.opt)]
+                          + [gefen_keys.records_key(o.opt, r) for r in range(o.nshards)]
+                          + [gefen_keys.blocks_key(o.opt, r) for r in range(o.nshards)])
             row = view.optimizer_row(name, o, params, [n for n in cb_names if n in books], shared + cb_names,
                                      {} if agreed else {"source_ranks": o.nshards})
             row["records"] = shared[0]
@@ -279,26 +284,26 @@ def _planned(record_kind: str, codebook_kind: str, record_type: Any) -> PlannedE
     """``GefenShardedAdapter``'s entries: per parameter its codes and block grid, then the optimizer's record
     (every parameter's period and counters, ``vmean_step`` = ``step``) and its codebook."""
     def optimizer_entries(opt: str, params: list[PlannedParam], step: int, deterministic: bool) -> dict[str, Any]:
-        records = [schema_records.ParamRecord(p.fqn, p.shape, p.period, p.step, p.step, p.group) for p in params]
+        records = [gefen_records.ParamRecord(p.fqn, p.shape, p.period, p.step, p.step, p.group) for p in params]
         return {schema.entry_key(record_kind, opt): record_type(deterministic, step, records).to_json(),
                 schema.entry_key(codebook_kind, opt): (torch.float32, (schema.K,))}
-    return PlannedEntries(lambda p: schema.param_tensor_specs(p.fqn, p.shape, p.period), optimizer_entries)
+    return PlannedEntries(lambda p: gefen_keys.param_tensor_specs(p.fqn, p.shape, p.period), optimizer_entries)
 
 
 def description(name: str = "Gefen", record_kind: str = "gefen", codebook_kind: str = "codebook",
-                record_type: Any = schema_records.OptimizerRecord) -> KindDescription:
+                record_type: Any = gefen_records.OptimizerRecord) -> KindDescription:
     """Gefen's description; with other names, that of a kind keeping Gefen's state under records of
     its own (agreed blocking only: formats v2 and v3)."""
     if name == "Gefen":
-        read, versions = _read, frozenset(schema.VERSIONS)
-        own = frozenset({record_kind, codebook_kind} | _V1_KINDS
-                        | {k for v in schema.AGREED_VERSIONS for k in schema.param_key_kinds(v)})
+        read, versions, rows, docs = _read, frozenset(schema.VERSIONS), gefen_keys.ROWS, gefen_keys.KEY_DOCS
     else:
         def read(inp: RecordsInput, problems: list[Problem]) -> KindRecords:
             return _read_agreed(inp, problems, name, record_kind, codebook_kind, record_type)
-        versions, own = frozenset(schema.AGREED_VERSIONS), frozenset({record_kind, codebook_kind})
+        versions, docs = frozenset(schema.AGREED_VERSIONS), {}
+        rows = (schema.KeyRow(record_kind, f"gefen/{record_kind}/{{opt}}", small="str"),
+                schema.KeyRow(codebook_kind, f"gefen/{codebook_kind}/{{opt}}", small="tensor"))
     return KindDescription(
-        name=name, key_kinds=own, read=read, versions=versions,
+        name=name, key_rows=rows, key_docs=docs, read=read, versions=versions,
         nonnegative=frozenset({"magnitude", "vmean", "grid", "blocks"}) if name == "Gefen" else frozenset(),
         report_key=name.lower(), summary=_summary, summary_line=_summary_line(name),
         rows=_rows(name, record_kind, codebook_kind), render=_render,

@@ -18,7 +18,8 @@ import torch
 
 from gefen_titan.checkpoint import report_text as text
 from gefen_titan.checkpoint.format import kinds, schema
-from gefen_titan.checkpoint.format.schema_muon import (
+from gefen_titan.optim.kinds.gefen_muon import keys as muon_keys
+from gefen_titan.optim.kinds.gefen_muon.records import (
     KIND,
     MuonOptimizerRecord,
     MuonParamRecord,
@@ -29,9 +30,7 @@ from gefen_titan.checkpoint.format.schema_muon import (
 
 __all__ = ["DESCRIPTION", "MuonOptimizer"]
 
-# parse_key's kinds of a GefenMuon parameter's tensors (muon_codes, ...), of its records and codebooks.
-_TENSOR_KINDS = frozenset(k.kind for k in map(schema.parse_key, schema.muon_tensor_keys("x").values()) if k)
-_RECORD_KIND, _CODEBOOK_KIND = "muon", "muon_codebook"
+_TENSOR_KINDS, _RECORD_KIND, _CODEBOOK_KIND = muon_keys.TENSOR_KINDS, muon_keys.RECORD_KIND, muon_keys.CODEBOOK_KIND
 # GefenMuon's group keys the table shows (--json has every key the record holds).
 _SHOWN = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr_fn", "normuon")
 
@@ -81,7 +80,7 @@ def _check_param(entries: dict[str, Any], p: MuonParamRecord, global_step: int) 
         return out
     if len(p.shape) < 2 or p.shape[-1] % p.period:
         return out + [(kinds.RECORDS, f"{p.fqn}: period {p.period} does not fit the {KIND} matrix of shape {p.shape}")]
-    rows_key = schema.muon_tensor_keys(p.fqn)["rows"]
+    rows_key = muon_keys.muon_tensor_keys(p.fqn)["rows"]
     for key, (dtype, shape) in muon_tensor_specs(p.fqn, p.shape, p.period, p.rows_step > 0).items():
         why = (f"the shape of {p.fqn}" if dtype == torch.uint8 else
                f"rows_step {p.rows_step} of {p.fqn}" if key == rows_key else f"period {p.period} of {p.fqn}")
@@ -112,7 +111,7 @@ def _rows(view: kinds.InspectView, state: kinds.KindRecords, version: int) -> li
                    "grid": list(p.grid) if p.period and p.shape and not p.shape[-1] % p.period else None,
                    "matrices": p.shape[0] if _grouped(p.shape) else 1, "matrix_shape": list(p.shape[-2:]),
                    "step": p.step, "rows_step": p.rows_step, "group": p.group,
-                   **view.tensors(list(schema.muon_tensor_keys(p.fqn).values()))} for p in o.params]
+                   **view.tensors(list(muon_keys.muon_tensor_keys(p.fqn).values()))} for p in o.params]
         cb_names = [schema.entry_key(_CODEBOOK_KIND, o.opt)]
         row = view.optimizer_row(KIND, o, params, [n for n in cb_names if n in books],
                                  [schema.entry_key(_RECORD_KIND, o.opt), *cb_names], {})
@@ -138,7 +137,7 @@ def _render(o: dict[str, Any]) -> list[str]:
 
 
 DESCRIPTION = kinds.KindDescription(
-    name=KIND, key_kinds=_TENSOR_KINDS | {_RECORD_KIND, _CODEBOOK_KIND}, read=_read,
+    name=KIND, key_rows=muon_keys.ROWS, key_docs=muon_keys.KEY_DOCS, read=_read,
     versions=frozenset(schema.AGREED_VERSIONS), nonnegative=frozenset({"muon_magnitude", "muon_rows"}),
     report_key="gefen_muon", summary=_summary, summary_line=_summary_line, rows=_rows, render=_render,
     convert_refusal=(f"{KIND}'s momentum (with NorMuon's per-row second moment) has no AdamW equivalent, and "
