@@ -36,7 +36,7 @@ from gefen_titan.checkpoint import kinds, schema, schema_records
 from gefen_titan.checkpoint.errors import GefenCheckpointError, other_model_advice, refuse_on_any_rank
 from gefen_titan.distributed import like_param, local
 from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim.blocking import check_period_fits
+from gefen_titan.optim.block_periods import check_period_fits
 from gefen_titan.optim.checkpointing.adapter import StagedLoad, check_replicated
 from gefen_titan.optim.checkpointing.load_context import LoadContext
 
