@@ -707,7 +707,7 @@ def muon_plan(built: Built, bucket_mib: float, specs: list | None = None) -> dic
     exchange bytes and in-flight bytes per rank."""
     from gefen_titan.optim.muon import build_schedule
     from gefen_titan.optim.muon.schedule import exchange_bytes, owner_loads, rank_bytes
-    from gefen_titan.optim.muon.step import COPIES, SLOTS
+    from gefen_titan.optim.muon.stats import COPIES, SLOTS
 
     specs = muon_specs(built) if specs is None else specs
     sched = build_schedule(specs, int(bucket_mib * 2**20))

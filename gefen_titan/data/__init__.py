@@ -11,7 +11,9 @@ ones above it in this list:
 * ``stream``: local multi-file corpora read as a ``datasets`` stream;
 * ``corpus``: the tiny corpus and tokenizer shipped in the package, and the
   ``gefen_tiny`` / ``gefen_tiny_stream`` datasets registered with torchtitan;
-* ``indexed_build``: builds token datasets (and caches one per file);
+* ``build_inputs``, ``build_encoder``, ``indexed_build``: builds token
+  datasets (what a build reads, how it tokenizes, the resumable build; and
+  caches one per file);
 * ``global_order`` / ``global_loader``: one global sample order that every
   data-parallel size reads in the same batches;
 * ``loader_state``, ``stream_reshard``, ``elastic_passes``,

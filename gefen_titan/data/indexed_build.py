@@ -22,18 +22,19 @@ complete, checked dataset or does not exist.
 (what the data loader does with the embedded ``gefen_tiny`` corpus): the key
 is the file's content hash and the tokenizer's identity, so the same inputs
 always give the same bytes and a change of either gives a new build.
+
+Beside this module: ``build_inputs`` reads the inputs, ``build_encoder`` runs the tokenizer.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ import numpy as np
 from torchtitan.components.tokenizer import HuggingFaceTokenizer
 from torchtitan.tools.logging import logger
 
+from gefen_titan.data.build_encoder import Encoder, document_chunks
 from gefen_titan.data.build_inputs import describe, iter_documents, source_files
 from gefen_titan.data.cache import default_cache_dir, locked
 from gefen_titan.data.corpus import DEFAULT_TOKENIZER_PATH
@@ -123,71 +125,6 @@ def _same_build(a: dict[str, Any], b: dict[str, Any]) -> str | None:
         if (x["size"], x["mtime_ns"]) != (y["size"], y["mtime_ns"]):
             return f"{x['path']} (size or modification time)"
     return None
-
-
-def _chunks(docs: Iterator[tuple[str, int]], size: int) -> Iterator[tuple[list[str], int]]:
-    """Documents in lists of ``size``, each with the input bytes read after it."""
-    texts: list[str] = []
-    at = 0
-    for text, at in docs:
-        texts.append(text)
-        if len(texts) == size:
-            yield texts, at
-            texts = []
-    if texts:
-        yield texts, at
-
-
-_worker_tokenizer: Any = None
-
-
-def _worker_init(tokenizer: Any) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = tokenizer
-
-
-def _encode(texts: list[str], tokenizer: Any = None) -> tuple[np.ndarray, np.ndarray]:
-    """(lengths, flat ids) of ``texts`` as torchtitan's text dataset encodes them."""
-    tok = tokenizer if tokenizer is not None else _worker_tokenizer
-    ids = [tok.encode(t, add_bos=True, add_eos=True) for t in texts]
-    lengths = np.fromiter((len(x) for x in ids), dtype="<i8", count=len(ids))
-    flat = np.fromiter((t for x in ids for t in x), dtype=np.int64, count=int(lengths.sum()))
-    return lengths, flat
-
-
-class _Encoder:
-    """Tokenizes chunks in order, in this process or in a pool of ``workers``.
-    At most ``2 * workers`` chunks are in flight, so memory does not grow with
-    the corpus. Workers are forked where the platform can (they only run the
-    tokenizer, and a spawned one would spend seconds importing torch first),
-    else spawned with the tokenizer pickled to each."""
-
-    def __init__(self, tokenizer: Any, workers: int):
-        self.tokenizer, self.workers, self.pool = tokenizer, workers, None
-
-    def __enter__(self) -> _Encoder:
-        if self.workers > 1:
-            methods = multiprocessing.get_all_start_methods()
-            ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-            self.pool = ctx.Pool(self.workers, initializer=_worker_init, initargs=(self.tokenizer,))
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
-
-    def map(self, chunks: Iterator[tuple[list[str], int]]) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-        if self.pool is None:
-            for texts, at in chunks:
-                yield (*_encode(texts, self.tokenizer), at)
-            return
-        while True:
-            window = [c for _, c in zip(range(2 * self.workers), chunks)]
-            if not window:
-                return
-            for (lengths, flat), (_, at) in zip(self.pool.map(_encode, [t for t, _ in window]), window):
-                yield lengths, flat, at
 
 
 def build_indexed_dataset(
@@ -285,8 +222,8 @@ def _tokenize(files: list[Path], plan: dict[str, Any], partial: Path, state: dic
         _, at = next(docs)
     if bar is not None:
         bar.update(at)
-    with _Encoder(tokenizer, workers) as encoder, open(tok_path, "ab") as ftok, open(len_path, "ab") as flen:
-        for lengths, flat, at_ in encoder.map(_chunks(docs, chunk_documents)):
+    with Encoder(tokenizer, workers) as encoder, open(tok_path, "ab") as ftok, open(len_path, "ab") as flen:
+        for lengths, flat, at_ in encoder.map(document_chunks(docs, chunk_documents)):
             if flat.size and (flat.min() < 0 or flat.max() >= plan["vocab_size"]):
                 raise IndexedDataError(
                     f"the tokenizer produced id {int(flat.max())}, outside its vocab size {plan['vocab_size']}"

@@ -6,6 +6,8 @@
   optimizer state;
 * ``blocking``: agreed blocking, the first-step agreement that makes the
   state a function of the model (periods and one codebook for the job);
+  ``block_periods``: the periods a parameter may have and the one Gefen's
+  scoring picks (shapes and placements only, no communication);
 * ``codebook_solver``: gefen-x's exact codebook DP, fast;
 * ``hybrid``: ``name = "GefenMuonHybrid"``, GefenMuon and Gefen/AdamW
   param groups routed by module (a registry ``CompositeSpec``), and its

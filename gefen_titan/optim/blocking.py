@@ -13,8 +13,9 @@ does on a resume) and the state is a function of the model alone:
   its *row unit*: the gcd of the last dimension, of every last-dim cut of its
   live placements, and of the cuts that a tensor-parallel degree dividing
   ``max_tensor_parallel_degree`` would make. FSDP cuts dim 0, between rows,
-  so it never constrains them. Every rank sums, per candidate, the block
-  variances of grad² over its shard (Gefen's error measure) in exact int64
+  so it never constrains them (these rules: ``block_periods``). Every rank
+  sums, per candidate, the block variances of grad² over its shard (Gefen's
+  error measure) in exact int64
   fixed point, on a grid set by the parameter's largest grad² (one small
   all-reduce MAX of exponents first; ``block_stats``), and one all-reduce
   adds the integers: exact in any order, so the sums are the same integers
@@ -59,20 +60,19 @@ size), the histograms (64 KiB) and the codebooks (2 KiB).
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torchtitan.tools.logging import logger
 
 from gefen_titan.distributed import comm_device, is_distributed, local, raise_on_any_rank
-from gefen_titan.distributed.layout import dcp_disagreement, holds_first_copy, last_dim_cuts
-from gefen_titan.errors import UserError
+from gefen_titan.distributed.layout import dcp_disagreement, holds_first_copy
 from gefen_titan.optim import gefenx as gx
+from gefen_titan.optim.block_periods import BlockingError, candidate_periods, period_from_sums, row_unit
 from gefen_titan.optim.block_stats import (
     HIST_BINS,
     LIMBS,
@@ -86,93 +86,12 @@ from gefen_titan.optim.block_stats import (
 )
 from gefen_titan.optim.codebook_solver import codebook_from_counts
 
-__all__ = ["AgreedBlocking", "BlockingError", "row_unit", "candidate_periods", "check_period_fits",
-           "block_variance_sums", "histogram", "period_from_sums", "agreement_collectives"]
+# The period rules (``block_periods``) and the statistics (``block_stats``) that the agreement applies
+# stay importable here, the entry point of agreed blocking: ``ckpt_tools.convert`` scores periods with them.
+__all__ = ["AgreedBlocking", "BlockingError", "agreement_collectives", "block_variance_sums", "candidate_periods",
+           "histogram", "period_from_sums", "row_unit"]
 
 
-class BlockingError(UserError, RuntimeError):
-    """Agreed blocking cannot be set up for this model, mesh or recipe."""
-
-
-# ----------------------------------------------------------------- layout
-def row_unit(fqn: str, param: torch.Tensor, max_tp_degree: int = 1) -> int:
-    """The largest block that no last-dim cut of any allowed layout crosses.
-
-    Raises ``BlockingError`` for layouts whose local shard is not a box of
-    whole rows of that unit (a strided shard of the last dim).
-    """
-    shape = tuple(param.shape)
-    last = shape[-1]
-    unit = last
-    if isinstance(param, DTensor):
-        placements = tuple(param.placements)
-        dims = []
-        for i, pl in enumerate(placements):
-            if pl.is_shard() and pl.dim % len(shape) == len(shape) - 1:
-                if type(pl) is not Shard:
-                    raise BlockingError(
-                        f"{fqn}: placements {placements} shard the last dimension with a strided "
-                        "layout; agreed blocking needs plain Shard placements on the last dimension"
-                    )
-                dims.append(i)
-        if dims:
-            mesh_shape = tuple(param.device_mesh.shape)
-            unit = math.gcd(unit, *last_dim_cuts(shape, mesh_shape, placements, dims))
-    for t in range(2, max_tp_degree + 1):
-        if max_tp_degree % t == 0:
-            unit = math.gcd(unit, *last_dim_cuts(shape, (t,), (Shard(len(shape) - 1),), [0]))
-    return unit
-
-
-def candidate_periods(unit: int) -> list[int]:
-    """Ascending divisors of the row unit (the unit itself included)."""
-    small, large = [], []
-    for i in range(1, math.isqrt(unit) + 1):
-        if unit % i == 0:
-            small.append(i)
-            if i != unit // i:
-                large.append(unit // i)
-    return small + large[::-1]
-
-
-def period_from_sums(candidates: list[int], sums: torch.Tensor, numel: int, unit: int) -> int:
-    """Gefen's period among ``candidates`` from the global ``block_variance_sums``.
-
-    Gefen's error of a candidate is sqrt(mean over blocks of the within-block
-    variance of grad²); its own scoring (``gefenx.finalize_period``) and
-    memory-safe fallback (the whole row unit) pick the period. Shared by the
-    agreement and by ``gefen_titan.ckpt_tools.convert`` (which scores the AdamW
-    second moment instead of a gradient's square).
-    """
-    results = [(p, math.sqrt(float(sums[i]) / (numel // p))) for i, p in enumerate(candidates)]
-    best = gx.finalize_period(results)
-    if best == 1 and gx.fallback_enabled():
-        best = unit if unit >= 8 else 1  # gefen-x's fallback: the whole row
-    return best
-
-
-def check_period_fits(fqn: str, param: torch.Tensor, period: int) -> str | None:
-    """None if blocks of ``period`` fit the param's live layout, else why not."""
-    if period == 1:
-        return None
-    if param.dim() < 2:
-        return f"{fqn}: period {period} on a {param.dim()}-D parameter (agreed blocking uses 1)"
-    try:
-        unit = row_unit(fqn, param)
-    except BlockingError as e:
-        return str(e)
-    if unit % period:
-        return (
-            f"{fqn}: saved block period {period} crosses a shard cut of the live layout "
-            f"{tuple(param.placements) if isinstance(param, DTensor) else ()} (row unit {unit}); the run that "
-            "wrote the checkpoint did not declare this tensor-parallel degree: set "
-            "optimizer.max_tensor_parallel_degree there, or resume at a layout whose "
-            "last-dim cuts are multiples of the period"
-        )
-    return None
-
-
-# -------------------------------------------------------------- agreement
 @dataclass
 class _Param:
     fqn: str

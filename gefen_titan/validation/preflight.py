@@ -37,7 +37,7 @@ def _tp_problem(source: dict[str, int], target: dict[str, int], config: object) 
     """Agreed blocking cuts blocks that no last-dim cut of the source's TP
     degree or of a TP degree dividing ``optimizer.max_tensor_parallel_degree``
     crosses; a resume at another TP degree is refused at the load unless the
-    periods happen to fit (``optim.blocking.check_period_fits``)."""
+    periods happen to fit (``optim.block_periods.check_period_fits``)."""
     opt = config.optimizer
     tp, declared = target["tp"], int(opt.max_tensor_parallel_degree)
     if opt.blocking != "agreed" or tp == 1 or tp == source["tp"] or declared % tp == 0:

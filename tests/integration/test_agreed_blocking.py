@@ -30,7 +30,8 @@ import torch.nn as nn
 
 from gefen_titan.checkpoint.format.schema import grid_shape
 from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim.blocking import BlockingError, candidate_periods, histogram, row_unit
+from gefen_titan.optim.block_periods import BlockingError, candidate_periods, row_unit
+from gefen_titan.optim.blocking import histogram
 from gefen_titan.optim.container import GefenOptimizersContainer
 from gefen_titan.optim.kinds.gefen import keys as gefen_keys
 from gefen_titan.optim.kinds.gefen.options import GefenOptions

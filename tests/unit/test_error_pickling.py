@@ -49,7 +49,7 @@ EXAMPLES = {
     "gefen_titan.data.registry.UnknownLoaderError": lambda m: m.UnknownLoaderError("no"),
     "gefen_titan.data.stream_reshard.StreamNotResumable": lambda m: m.StreamNotResumable("no"),
     "gefen_titan.distributed.layout.LayoutError": lambda m: m.LayoutError("no"),
-    "gefen_titan.optim.blocking.BlockingError": lambda m: m.BlockingError("no"),
+    "gefen_titan.optim.block_periods.BlockingError": lambda m: m.BlockingError("no"),
     "gefen_titan.optim.live_state.LiveStateError": lambda m: m.LiveStateError("no"),
     "gefen_titan.optim.muon.matrices.MuonLayoutError": lambda m: m.MuonLayoutError("no"),
     "gefen_titan.optim.kinds.gefen.per_rank_regions.UnsupportedLayout": lambda m: m.UnsupportedLayout("no"),

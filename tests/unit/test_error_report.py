@@ -126,7 +126,7 @@ def test_unexpected_errors_pass_through(env, capsys):
     "gefen_titan.data.elastic_dataset.DataLoaderReshardError",
     "gefen_titan.distributed.layout.LayoutError",
     "gefen_titan.optim.kinds.gefen.per_rank_regions.UnsupportedLayout",
-    "gefen_titan.optim.blocking.BlockingError",
+    "gefen_titan.optim.block_periods.BlockingError",
     "gefen_titan.optim.live_state.LiveStateError",
 ])
 def test_the_package_user_errors_are_reported_as_such(cls):

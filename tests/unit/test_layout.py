@@ -291,7 +291,7 @@ def test_the_optimizer_refuses_a_shard_dcp_would_misplace_before_its_first_step(
     """FSDP 3 x TP 2 at 7 rows on the rank DCP would misplace: agreed blocking's first error check
     refuses it (on every rank: it is one of the check's verdicts), before Gefen learns anything."""
     from gefen_titan.optim import gefenx as gx
-    from gefen_titan.optim.blocking import BlockingError
+    from gefen_titan.optim.block_periods import BlockingError
     from gefen_titan.optim.container import GefenOptimizersContainer
 
     with fake_rank(5, 6):

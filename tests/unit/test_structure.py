@@ -96,7 +96,7 @@ def test_the_launcher_check_catches_what_it_is_for():
 REGISTRY = "gefen_titan/optim/registry.py"
 KIND_FILES = {
     "GefenMuon": (
-        "gefen_titan/optim/muon/",  # its sharded step (step, schedule, exchange, matrices)
+        "gefen_titan/optim/muon/",  # its sharded step (step, bucket, stats, schedule, exchange, ...)
         "gefen_titan/optim/gefenx/muon.py",  # its accessors of gefen-x's private state
         "gefen_titan/optim/kinds/gefen_muon/",  # its entry, options, key rows, records, description, state
     ),

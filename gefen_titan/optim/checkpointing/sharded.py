@@ -36,7 +36,7 @@ from gefen_titan.checkpoint.errors import GefenCheckpointError, other_model_advi
 from gefen_titan.checkpoint.format import kinds, schema, schema_records
 from gefen_titan.distributed import like_param, local
 from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim.blocking import check_period_fits
+from gefen_titan.optim.block_periods import check_period_fits
 from gefen_titan.optim.checkpointing.adapter import StagedLoad, check_replicated
 from gefen_titan.optim.checkpointing.load_context import LoadContext
 
