@@ -86,7 +86,7 @@ def method_label(method: str) -> str:
         from gefen_titan.checkpoint.format import schema
         from gefen_titan.optim.container import GefenOptimizersContainer
 
-        blocking = GefenOptimizersContainer.Config().blocking
+        blocking = GefenOptimizersContainer.Config().blocking.mode
         version = schema.VERSION if blocking == "agreed" else schema.V1
         suffix = {"digests": " (paired digests)", "checks": " (paired metadata checks)",
                   "reads": " (paired read stage)"}.get(method, "")
@@ -103,7 +103,7 @@ def _blocking(method: str) -> str:
         return "agreed"  # GefenMuon's sharded step needs it
     from gefen_titan.optim.container import GefenOptimizersContainer
 
-    return GefenOptimizersContainer.Config().blocking
+    return GefenOptimizersContainer.Config().blocking.mode
 
 
 # --------------------------------------------------------------------- worker
@@ -129,6 +129,7 @@ def _worker(args) -> None:
     flavors.register_flavors()  # --model 150M
     from torchtitan.models.llama3 import model_registry
 
+    from gefen_titan.optim.blocking_options import BlockingOptions
     from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
 
     dist.init_process_group("gloo")
@@ -149,7 +150,7 @@ def _worker(args) -> None:
         # Set, not left to the catch-all: with param_groups only set keys reach the groups.
         name="AdamW" if args.method == "adamw" else "Gefen", lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
         implementation="for-loop",
-        blocking=_blocking(args.method),
+        blocking=BlockingOptions(mode=_blocking(args.method)),
         param_groups=[ParamGroup(pattern=MUON_PATTERN, optimizer_name="GefenMuon", optimizer_kwargs=MUON_KWARGS),
                       ParamGroup(pattern=".*")] if args.method == "gefen-muon" else [],
     ).build(model_parts=[model])

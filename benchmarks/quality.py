@@ -84,13 +84,13 @@ def configurations(n: int) -> dict[str, tuple[int, list[str], str]]:
     """Every configuration --runs may name: (ranks, overrides, recipe)."""
     batch = ["--training.global_batch_size", str(4 * n)]
     return {
-        "per_rank": (n, ["--optimizer.blocking", "per_rank", *batch], "llama_gefen.toml"),
-        "agreed": (n, ["--optimizer.blocking", "agreed", *batch], "llama_gefen.toml"),
-        "one process": (1, ["--optimizer.blocking", "per_rank", *batch], "llama_gefen.toml"),
-        "per_rank, seed 1 (noise)": (n, ["--optimizer.blocking", "per_rank", "--debug.seed", "1", *batch],
+        "per_rank": (n, ["--optimizer.blocking.mode", "per_rank", *batch], "llama_gefen.toml"),
+        "agreed": (n, ["--optimizer.blocking.mode", "agreed", *batch], "llama_gefen.toml"),
+        "one process": (1, ["--optimizer.blocking.mode", "per_rank", *batch], "llama_gefen.toml"),
+        "per_rank, seed 1 (noise)": (n, ["--optimizer.blocking.mode", "per_rank", "--debug.seed", "1", *batch],
                                      "llama_gefen.toml"),
         "adamw": (n, ["--optimizer.name", "AdamW", *batch], "llama_gefen.toml"),
-        "gefen-muon": (n, ["--optimizer.blocking", "agreed", *batch], "llama_gefen_muon.toml"),
+        "gefen-muon": (n, ["--optimizer.blocking.mode", "agreed", *batch], "llama_gefen_muon.toml"),
     }
 
 

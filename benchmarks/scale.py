@@ -224,7 +224,7 @@ def build(flavor: str, mesh: Mesh, max_tp: int = 8, recipe: str = RECIPE) -> Bui
     if flavor in MOE_FLAVORS:
         recipe, model_flavor = MOE_FLAVORS[flavor]
     overrides = {"model": {"flavor": model_flavor}, "parallelism": mesh.parallelism(),
-                 "optimizer": {"max_tensor_parallel_degree": max_tp}}
+                 "optimizer": {"blocking": {"max_tensor_parallel_degree": max_tp}}}
     built = build_on_meta(str(ROOT / recipe) if not Path(recipe).exists() else recipe, mesh.world, overrides)
     config = built.config
     muon: dict[str, Any] = {}
@@ -235,7 +235,7 @@ def build(flavor: str, mesh: Mesh, max_tp: int = 8, recipe: str = RECIPE) -> Bui
         muon = {"muon_fqns": frozenset(hybrid.route(built.model)[0]),
                 "muon_ns_steps": int(groups[0].optimizer_kwargs["ns_steps"])}
     ckpt_id = str(Path(config.dump_folder) / config.checkpoint.folder / f"step-{config.training.steps}")
-    return built_from(flavor, mesh, built.numel, built.optimizers, config.optimizer.max_tensor_parallel_degree,
+    return built_from(flavor, mesh, built.numel, built.optimizers, config.optimizer.blocking.max_tensor_parallel_degree,
                       ckpt_id, _adamw_template(config), **muon)
 
 
@@ -904,7 +904,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tp", type=int, default=8, help="TP degree of the fsdp_tp meshes")
     ap.add_argument("--hsdp-shard", type=int, default=8, help="shard degree of the hsdp meshes")
     ap.add_argument("--max-tp-degree", type=int, default=8,
-                    help="optimizer.max_tensor_parallel_degree of every run (periods fit TP degrees dividing it)")
+                    help="optimizer.blocking.max_tensor_parallel_degree of every run (periods fit TP degrees "
+                         "dividing it)")
     ap.add_argument("--exact-items", type=int, default=100_000,
                     help="build the metadata in full up to this many plan items, else extrapolate over layers")
     ap.add_argument("--recipe", default=RECIPE)

@@ -18,11 +18,19 @@ it (``ParamGroupConfig``: "no implicit defaults"): a key its
 AdamW and Adam, gefen-x's for Gefen and GefenMuon), unless the shorthand key
 was *set* (not None), which then stands for every group that leaves it out.
 So a torchtitan config moved to this container trains the same, and a set
-key that no group takes is reported (``unused_defaults``). The Config holds
-only keys every optimizer kind shares; each kind's own options are a table
-of it (``[optimizer.gefen]``, ``[optimizer.muon]``, ``[optimizer.hybrid]``)
-that the kind's registry entry names, as torchtitan nests a component's
-options in its own Config.
+key that no group takes is reported (``optim.param_groups``, whose functions
+take the Config: it is data, with no methods of theirs). The Config holds
+only keys every optimizer kind shares and the container's own
+``[optimizer.blocking]`` table; each kind's options are a table of it
+(``[optimizer.gefen]``, ``[optimizer.muon]``, ``[optimizer.hybrid]``), as
+torchtitan nests a component's options in its own Config. Those fields are
+generated from the registry, not written here. How (``optim.config_tables``):
+each entry carries its table's name and class (``options``,
+``options_type``); ``with_registered_tables``, under ``@dataclass``, adds
+one ``field(default_factory=options_type)`` per registered table, so tyro
+sees static fields (help: the options class's docstring); a kind registered
+after import gets its table from ``config_class()``, a generated subclass,
+through which the recipe layer builds ``[optimizer]``.
 
 Checkpointing: each registered optimizer kind with state of its own shape
 (Gefen) is saved and loaded through its ``StateAdapter``
@@ -51,28 +59,25 @@ from torchtitan.tools.logging import logger
 
 from gefen_titan.checkpoint.errors import Verdict
 from gefen_titan.distributed import any_rank
+from gefen_titan.optim import config_tables, kinds, option_routes, param_groups, registry
 from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim import kinds, option_routes, param_groups, registry
 from gefen_titan.optim.blocking import AgreedBlocking
+from gefen_titan.optim.blocking_options import BlockingOptions
 from gefen_titan.optim.checkpointing import StateAdapter, kinds_refusal, read_load_context
-from gefen_titan.optim.hybrid import HybridOptions, RoutedGroup
-from gefen_titan.optim.kinds.gefen.options import GefenOptions
-from gefen_titan.optim.kinds.gefen_muon.options import MuonOptions
+from gefen_titan.optim.hybrid import RoutedGroup
 from gefen_titan.optim.param_groups import GROUP_DEFAULTS, SHORTHAND_DEFAULTS
 from gefen_titan.optim.state_size import state_bytes
 
 __all__ = ["GefenOptimizersContainer", "GROUP_DEFAULTS", "SHORTHAND_DEFAULTS", "ParamGroup"]
 
-# The names ``[optimizer] name`` accepts (its type, so the recipe check and
-# the command line both list them): the registry's optimizers and composites.
-# The Config types ``name`` with the registered names, which tyro needs as they are when the
-# class is defined: the built-in kinds are registered here, explicitly, before it (a second
-# call, by a tool, does nothing). A kind registered later (a test's) is looked up at run time.
+# ``[optimizer] name``'s type (the recipe check and the command line list it) and the generated tables
+# need the registered kinds when the Config is defined: the built-ins are registered here, explicitly
+# (a second call, by a tool, does nothing). A kind registered later is looked up at run time.
 kinds.register_builtins()
 _REGISTERED = registry.names() + registry.composite_names()
 
-# The Config's per-kind tables (field -> options class), for ``flat_keys``.
-_TABLES = {"gefen": GefenOptions, "muon": MuonOptions, "hybrid": HybridOptions}
+# The container's own options tables (field -> options class); the kinds' come from the registry.
+_OWN_TABLES = {"blocking": BlockingOptions}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -94,13 +99,14 @@ class GefenOptimizersContainer(OptimizersContainer):
     """torchtitan's ``OptimizersContainer`` that also knows ``"Gefen"``."""
 
     @dataclass(kw_only=True, slots=True)
+    @config_tables.with_registered_tables
     class Config(OptimizersContainer.Config):
         param_groups: list[ParamGroup] = field(default_factory=list)
         """Per-parameter-group optimizers, first matching pattern wins (as in
         torchtitan). Empty: one catch-all group of ``name`` with ``lr``,
         ``betas``, ``eps``, ``weight_decay``; otherwise each of those that is
         set stands for the groups that leave it out, and an unset one leaves
-        them their optimizer's default (see ``resolved_param_groups``)."""
+        them their optimizer's default (``param_groups.resolved_param_groups``)."""
 
         name: Literal[_REGISTERED] = "Gefen"
         """Optimizer of the catch-all group (no param_groups), else of each
@@ -122,60 +128,29 @@ class GefenOptimizersContainer(OptimizersContainer):
         Gefen and AdamW, coupled L2 for Adam), set or unset as lr (catch-all:
         0.1; torch's default: AdamW 0.01, Adam 0)."""
 
-        blocking: Literal["agreed", "per_rank"] = "agreed"
-        """How the block periods and codebook of Gefen-family kinds are chosen on the first step.
+        blocking: BlockingOptions = field(default_factory=BlockingOptions)
+        """``[optimizer.blocking]``: agreed or per-rank blocking (``mode``) and the TP degrees a checkpoint
+        must resume at, container-wide (``optim.blocking_options``; older recipes' flat ``blocking`` and
+        ``max_tensor_parallel_degree`` keys are read into it)."""
 
-        ``"agreed"`` (default): from global statistics, the same on every rank
-        (``gefen_titan.optim.blocking``), so the state is a function of the model
-        alone: the same recipe trains the same optimizer at any mesh, and a
-        checkpoint (format v3) resumes bit-exactly at any FSDP / TP / HSDP /
-        pipeline layout. Costs one small all-gather and one 4096-bin
-        all-reduce on step 1; periods are limited to divisors of the row
-        length (and of the TP cuts), which can make blocks finer than
-        gefen-x would choose (a few hundredths of a byte per parameter).
-        ``"per_rank"``: gefen-x's own behaviour, each rank learns from its
-        shard (format v1); resumes at another layout requantize, and TP
-        layouts cannot be checkpointed. Container-wide: one agreement sets
-        every kind's periods, and it picks every kind's checkpoint format."""
-
-        max_tensor_parallel_degree: int = 1
-        """Agreed blocking: the largest tensor-parallel degree a checkpoint of
-        this run must resume at. Blocks then never cross the last-dim cut of
-        any TP degree that divides it (the live layout's cuts always count).
-        A resume at a TP degree not declared here is refused unless the
-        periods happen to fit. Container-wide, as ``blocking``."""
-
-        # Each kind's own options: a table per kind, which its registry entry
-        # names (``OptimizerSpec.options``); flat [optimizer] keys of older
-        # recipes are read into them by the recipe layer (``flat_keys``).
-        gefen: GefenOptions = field(default_factory=GefenOptions)
-        """Gefen's options (``optim.kinds.gefen.options``), for every Gefen optimizer."""
-        muon: MuonOptions = field(default_factory=MuonOptions)
-        """GefenMuon's options (``optim.kinds.gefen_muon.options``), for every GefenMuon optimizer."""
-        hybrid: HybridOptions = field(default_factory=HybridOptions)
-        """``name = "GefenMuonHybrid"``'s options (``optim.hybrid``)."""
+        # Each kind's options table is a field generated from its entry (``with_registered_tables``).
 
         def __post_init__(self) -> None:
             if registry.get(self.name) is None and registry.composite(self.name) is None:
-                raise ValueError(
-                    f"optimizer.name must be one of {list(_REGISTERED)}, "
-                    f"got {self.name!r}"
-                )
-            if self.blocking not in ("agreed", "per_rank"):
-                raise ValueError(f"optimizer.blocking must be 'agreed' or 'per_rank', got {self.blocking!r}")
-            if self.max_tensor_parallel_degree < 1:
-                raise ValueError("optimizer.max_tensor_parallel_degree must be >= 1")
-            self.gefen.check_blocking(self.blocking)
+                raise ValueError(f"optimizer.name must be one of {list(_REGISTERED)}, got {self.name!r}")
+            for options in config_tables.tables_of(self, _OWN_TABLES).values():
+                options.check_config(self)
 
         @staticmethod
         def flat_keys() -> dict[str, list[str]]:
-            """A flat ``[optimizer]`` key of recipes written before the kinds' tables -> the
-            ``table.field`` places it sets (``deterministic`` and ``cpu_step``: Gefen's and GefenMuon's)."""
-            places: dict[str, list[str]] = {}
-            for table, options in _TABLES.items():
-                for old, new in options.FLAT_KEYS.items():
-                    places.setdefault(old, []).append(f"{table}.{new}")
-            return places
+            """A flat ``[optimizer]`` key of recipes written before the tables -> the ``table.field`` places
+            it sets (``deterministic`` and ``cpu_step``: Gefen's and GefenMuon's), every registered table's."""
+            return config_tables.flat_keys(_OWN_TABLES)
+
+        @staticmethod
+        def scalar_fields() -> dict[str, str]:
+            """A table an older recipe gave a plain value -> the field it sets (``blocking``: ``mode``)."""
+            return config_tables.scalar_fields(_OWN_TABLES)
 
         @classmethod
         def from_torchtitan(cls, stock: OptimizersContainer.Config) -> GefenOptimizersContainer.Config:
@@ -209,30 +184,11 @@ class GefenOptimizersContainer(OptimizersContainer):
                 values["param_groups"] = groups
             return cls(**values)
 
-        # The resolution of the groups lives in ``optim.param_groups`` (each method is its function).
-        def shorthand(self) -> dict[str, Any]:
-            """lr, betas, eps and weight_decay as the catch-all group takes them."""
-            return param_groups.shorthand(self)
-
-        def shorthand_set(self) -> dict[str, Any]:
-            """The shorthand keys set (not None), which stand for a group's own."""
-            return param_groups.shorthand_set(self)
-
-        def hyperparameters(self, name: str | None = None) -> dict[str, Any]:
-            """The catch-all group's hyperparameters that optimizer ``name`` takes."""
-            return param_groups.hyperparameters(self, name)
-
-        def resolved_param_groups(self) -> list[ParamGroupConfig]:
-            """The groups the container builds, each with its optimizer and kwargs."""
-            return param_groups.resolved_param_groups(self)
-
-        def unused_defaults(self) -> list[str]:
-            """The ``GROUP_DEFAULTS`` keys that no param group takes."""
-            return param_groups.unused_defaults(self)
-
-        def check_param_groups(self) -> None:
-            """Refuse group settings that would build an optimizer that ignores them."""
-            param_groups.check_param_groups(self, GefenOptimizersContainer._resolve_optimizer_factory)
+    @classmethod
+    def config_class(cls) -> type[Config]:
+        """``cls.Config``, or its generated subclass with the tables of kinds registered after it was
+        defined (``optim.config_tables.config_class``): build ``[optimizer]`` through it."""
+        return config_tables.config_class(cls.Config)
 
     def __init__(self, config: Config, *, model_parts: list[torch.nn.Module]) -> None:
         # Before any optimizer exists: a gefen-x option given as a factory kwarg has its place elsewhere or is
@@ -241,11 +197,11 @@ class GefenOptimizersContainer(OptimizersContainer):
         # Optimizer-wide options come from the kind's own table even when the
         # recipe spells out param_groups, so every group of an optimizer agrees on them.
         groups = []
-        for g in config.resolved_param_groups():
+        for g in param_groups.resolved_param_groups(config):
             spec = registry.get(g.optimizer_name)
             kwargs = dict(g.optimizer_kwargs)
             if spec is not None and spec.options is not None:
-                options = getattr(config, spec.options).kwargs()
+                options = config_tables.table(config, spec.options).kwargs()
                 kwargs = {**{k: options[k] for k in spec.option_keys}, **kwargs}
             groups.append(dataclasses.replace(g, optimizer_kwargs=kwargs))
         # A composite name (GefenMuonHybrid) routes by module: exact-name patterns from the parts.
@@ -269,28 +225,27 @@ class GefenOptimizersContainer(OptimizersContainer):
                     "(a factory, a state adapter and its records)")
             if spec is not None and spec.check_built is not None:
                 spec.check_built(optim)
-            if spec is not None and spec.needs_agreed_blocking and config.blocking != "agreed":
+            if spec is not None and spec.needs_agreed_blocking and config.blocking.mode != "agreed":
                 raise ValueError(f"{spec.name} {spec.needs_agreed_blocking}")
-        # Report the state size once it exists (Gefen allocates on step 1).
-        # A flag, not a self-removing hook: torch iterates the hook dict.
+        # Report the state size once it exists (step 1). A flag, not a self-removing hook: torch iterates the hooks.
         self._size_logged = False
         self.register_step_post_hook(self._log_state_size_once)
 
-        self.blocking = config.blocking
+        self.blocking = config.blocking.mode
         self.agreement: AgreedBlocking | None = None  # None: per-rank blocking (a heal copies `needed`)
-        if config.blocking == "agreed":
-            self.agreement = AgreedBlocking(config.max_tensor_parallel_degree, family_of=registry.codebook_family,
+        if self.blocking == "agreed":
+            self.agreement = AgreedBlocking(config.blocking.max_tensor_parallel_degree,
+                                            family_of=registry.codebook_family,
                                             families=registry.codebook_families())
-            # One hook for the container, not one per optimizer: every rank
-            # must join the agreement's collectives, also a rank whose stage
-            # holds no Gefen parameter.
+            # One hook for the container, not one per optimizer: every rank must join the agreement's
+            # collectives, also a rank whose stage holds no Gefen parameter.
             self.register_step_pre_hook(self._agree_before_first_step)
             self.register_step_post_hook(self._after_agreed_step)
         # One adapter per registered kind with state of its own, built on
         # every rank (also where no optimizer of the kind lives: a pipeline
         # stage), in registry order, because their saves and loads are
         # collective.
-        state_options = registry.StateOptions(blocking=config.blocking)
+        state_options = registry.StateOptions(blocking=self.blocking)
         self._states: list[StateAdapter] = [
             spec.state([o for o in self.optimizers if spec.owns(o)], state_options)
             for spec in registry.specs() if spec.state is not None
@@ -399,10 +354,7 @@ class GefenOptimizersContainer(OptimizersContainer):
 
     @staticmethod
     def _resolve_optimizer_factory(name: str) -> Callable[..., Optimizer]:
-        spec = registry.get(name)
-        if spec is not None:
-            return spec.factory
-        return OptimizersContainer._resolve_optimizer_factory(name)  # noqa: SLF001 (torchtitan's own dict, DistMuon)
+        return param_groups.resolve_factory(name)  # the registry's, then torchtitan's own dict (DistMuon)
 
     def state_bytes(self) -> tuple[int, int]:
         """(optimizer state bytes, parameter elements) held by this rank (``optim.state_size``)."""

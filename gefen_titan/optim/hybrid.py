@@ -56,6 +56,8 @@ from torchtitan.models.common.moe import GroupedExperts, TokenChoiceTopKRouter
 from torchtitan.tools.logging import logger
 
 from gefen_titan.optim import gefenx as gx
+from gefen_titan.optim import param_groups as groups_of
+from gefen_titan.optim.options_table import OptionsTableBase
 
 __all__ = ["BACKUPS", "HybridOptions", "NAME", "OPTION_KEYS", "REFUSED", "SHARED_KEYS", "RoutedGroup", "bind",
            "check", "kind_hint", "param_groups", "route"]
@@ -104,7 +106,7 @@ REFUSED = {
 
 
 @dataclass(kw_only=True, slots=True)
-class HybridOptions:
+class HybridOptions(OptionsTableBase):
     """``[optimizer.hybrid]``, GefenMuonHybrid's options (``OPTION_KEYS``), a
     table of ``GefenOptimizersContainer.Config``: gefen-x's GefenMuonHybrid
     keywords with its defaults, read only with ``name = "GefenMuonHybrid"``
@@ -147,6 +149,10 @@ class HybridOptions:
     """GefenMuonHybrid: NorMuon's beta2."""
     normuon_eps: float = 1e-8
     """GefenMuonHybrid: NorMuon's eps."""
+
+    def kwargs(self) -> dict[str, Any]:
+        """Its ``OPTION_KEYS``' values (the hybrid's groups are built from them: ``param_groups``)."""
+        return {k: getattr(self, k) for k in OPTION_KEYS}
 
     def __post_init__(self) -> None:
         if self.backup_optimizer not in BACKUPS:
@@ -199,15 +205,11 @@ def route(model: nn.Module) -> tuple[list[str], list[str]]:
     return muon, backup
 
 
-def _options(config: Any) -> dict[str, Any]:
-    return {k: getattr(config.hybrid, k) for k in OPTION_KEYS}
-
-
 def param_groups(config: Any) -> list[ParamGroupConfig]:
     """The hybrid's groups for an ``[optimizer]`` config (``GefenOptimizersContainer.Config``),
     patterns unbound: GefenMuon's, then the backup's (no-decay first when
     ``no_decay_substrings`` is set)."""
-    o, shorthand = _options(config), config.shorthand()
+    o, shorthand = config.hybrid.kwargs(), groups_of.shorthand(config)
     schedule = o["ns_schedule"]
     if schedule not in gx.ns_schedule_names():
         raise ValueError(f"optimizer.hybrid.ns_schedule must be one of {list(gx.ns_schedule_names())}, "

@@ -2,8 +2,10 @@
 optimizers and kwargs, and the checks of what the groups set.
 
 This is the resolution logic of ``GefenOptimizersContainer.Config``, kept out
-of the Config (which, as torchtitan's, is data) so the container module holds
-the container. The Config's methods of the same names call these.
+of the Config (which, as torchtitan's, is data: it has no methods of these
+names) so the container module holds the container. Each function takes the
+Config: ``param_groups.resolved_param_groups(config)``. ``resolve_factory``
+is the container's name -> factory lookup (the registry's, then torchtitan's).
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torchtitan.components.optimizer import ParamGroupConfig
+from torch.optim import Optimizer
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
 
 from gefen_titan.optim import option_routes, registry
 
-__all__ = ["GROUP_DEFAULTS", "SHORTHAND_DEFAULTS", "check_param_groups", "hyperparameters", "resolved_param_groups",
-           "shorthand", "shorthand_set", "unused_defaults"]
+__all__ = ["GROUP_DEFAULTS", "SHORTHAND_DEFAULTS", "check_param_groups", "hyperparameters", "resolve_factory",
+           "resolved_param_groups", "shorthand", "shorthand_set", "unused_defaults"]
 
 # [optimizer] keys that can stand for a param group's own: ``name`` for a
 # group without ``optimizer_name``, the others (once set) for a group of a
@@ -110,7 +113,16 @@ def unused_defaults(config: Any) -> list[str]:
     return unused
 
 
-def check_param_groups(config: Any, resolve_factory: Callable[[str], Any]) -> None:
+def resolve_factory(name: str) -> Callable[..., Optimizer]:
+    """The factory of optimizer ``name``: its registry entry's, else torchtitan's own (DistMuon, and whatever a
+    later torchtitan adds), which raises NotImplementedError for a name it does not know either."""
+    spec = registry.get(name)
+    if spec is not None:
+        return spec.factory
+    return OptimizersContainer._resolve_optimizer_factory(name)  # noqa: SLF001 (torchtitan's own dict)
+
+
+def check_param_groups(config: Any) -> None:
     """Refuse group settings that would build an optimizer that ignores
     them: an optimizer no factory knows, an ``optimizer_kwargs`` key
     the group's optimizer does not read (torch and gefen-x keep unknown
@@ -133,7 +145,7 @@ def check_param_groups(config: Any, resolve_factory: Callable[[str], Any]) -> No
         spec = registry.get(g.optimizer_name)
         if spec is None:  # torchtitan's own (DistMuon): its factory checks its kwargs
             continue
-        if spec.needs_agreed_blocking and config.blocking != "agreed":
+        if spec.needs_agreed_blocking and config.blocking.mode != "agreed":
             raise ValueError(f"{where}: {g.optimizer_name} {spec.needs_agreed_blocking}")
         known = spec.group_keys
         for key in g.optimizer_kwargs:

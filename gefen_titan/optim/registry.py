@@ -25,8 +25,10 @@ container and every tool call before they look a name up:
   which ``optim.option_routes`` applies to every route; None (torch's): factory
   kwargs go to the factory as they are;
 * ``options``: the ``[optimizer]`` table of its own options (``optimizer.gefen``,
-  ``optimizer.muon``: an attribute of the container's Config, a dataclass whose
-  ``kwargs()`` are the ``option_keys``), None for none;
+  ``optimizer.muon``: an attribute of the container's Config), None for none;
+* ``options_type``: that table's class (an ``optim.options_table.OptionsTable``
+  dataclass whose ``kwargs()`` are the ``option_keys``); the container's Config
+  has one field of it per registered table, generated (``optim.config_tables``);
 * ``shorthand_keys``: the ``[optimizer]`` shorthand hyperparameters (lr,
   betas, eps, weight_decay) that are defaults of its groups (GefenMuon takes
   lr and weight_decay; Adam's betas and eps mean nothing to it);
@@ -84,6 +86,7 @@ from gefen_titan.checkpoint.format import kinds
 from gefen_titan.checkpoint.format.kinds import KindDescription
 from gefen_titan.optim.checkpointing import StateAdapter
 from gefen_titan.optim.kind_validation import KindValidation
+from gefen_titan.optim.options_table import OptionsTable
 from gefen_titan.optim.state_cost import StateCost
 
 if TYPE_CHECKING:  # annotations only
@@ -92,8 +95,8 @@ if TYPE_CHECKING:  # annotations only
     from gefen_titan.optim import gefenx as gx
 
 __all__ = ["SHORTHAND_KEYS", "CompositeSpec", "OptimizerSpec", "StateOptions", "codebook_families",
-           "codebook_family", "composite", "composite_names", "get", "names", "record_kinds", "register",
-           "register_composite", "spec_of", "specs", "unregister"]
+           "codebook_family", "composite", "composite_names", "get", "names", "option_tables", "record_kinds",
+           "register", "register_composite", "spec_of", "specs", "unregister"]
 
 # The [optimizer] shorthand hyperparameters a group can take as defaults.
 SHORTHAND_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -114,6 +117,7 @@ class OptimizerSpec:
     group_keys: tuple[str, ...]
     option_keys: tuple[str, ...] = ()
     options: str | None = None
+    options_type: type[OptionsTable] | None = None
     state: Callable[[list[Optimizer], StateOptions], StateAdapter] | None = None
     record_kind: str | None = None
     agreed_blocking: bool = False
@@ -154,15 +158,26 @@ class CompositeSpec:
     gives it) -> the setting that resumes it, for the kinds check ("" if none)."""
     options: str | None = None
     """The ``[optimizer]`` table of its options (``option_keys``; an attribute of the Config)."""
+    options_type: type[OptionsTable] | None = None
+    """That table's class (``optim.options_table.OptionsTable``)."""
 
 
 _REGISTRY: dict[str, OptimizerSpec] = {}
 _COMPOSITES: dict[str, CompositeSpec] = {}
 
 
+def _check_table(spec: OptimizerSpec | CompositeSpec) -> None:
+    if (spec.options is None) != (spec.options_type is None):
+        raise ValueError(f"optimizer {spec.name!r}: options and options_type go together (the table and its class)")
+    if spec.options is not None and option_tables().get(spec.options, spec.options_type) is not spec.options_type:
+        raise ValueError(f"optimizer {spec.name!r}: table optimizer.{spec.options} is already registered with "
+                         f"another class ({option_tables()[spec.options].__name__})")
+
+
 def register(spec: OptimizerSpec) -> OptimizerSpec:
     if spec.name in _REGISTRY:
         raise ValueError(f"optimizer {spec.name!r} is already registered")
+    _check_table(spec)
     if spec.checkpoint is not None:
         kinds.register(spec.checkpoint)
     _REGISTRY[spec.name] = spec
@@ -179,6 +194,7 @@ def unregister(name: str) -> None:
 def register_composite(spec: CompositeSpec) -> CompositeSpec:
     if spec.name in _REGISTRY or spec.name in _COMPOSITES:
         raise ValueError(f"optimizer {spec.name!r} is already registered")
+    _check_table(spec)
     _COMPOSITES[spec.name] = spec
     return spec
 
@@ -199,6 +215,15 @@ def names() -> tuple[str, ...]:
 def composite_names() -> tuple[str, ...]:
     """The names only ``[optimizer] name`` takes (expanded into groups)."""
     return tuple(_COMPOSITES)
+
+
+def option_tables() -> dict[str, type[OptionsTable]]:
+    """Every registered ``[optimizer]`` table -> its class, entries' then composites', in registration order."""
+    tables: dict[str, type[OptionsTable]] = {}
+    for spec in (*_REGISTRY.values(), *_COMPOSITES.values()):
+        if spec.options is not None and spec.options_type is not None:
+            tables.setdefault(spec.options, spec.options_type)
+    return tables
 
 
 def specs() -> tuple[OptimizerSpec, ...]:

@@ -180,7 +180,7 @@ def option_refusal(key: str) -> str | None:
     that table or that is refused (``optim.option_routes.table_refusal``); None
     for any other key."""
     table, _, name = key.rpartition(".")
-    config = GefenOptimizersContainer.Config
+    config = GefenOptimizersContainer.config_class()
     if not table and (name in {f.name for f in dataclasses.fields(config)} or name in config.flat_keys()):
         return None
     for composite in map(optimizers.composite, optimizers.composite_names()):
@@ -200,12 +200,18 @@ def _refuse_option_keys(table: Any, path: str) -> None:
 
 
 def lift_flat_keys(table: Any, path: str) -> None:
-    """Older recipes' flat [optimizer] keys of one optimizer kind (``muon_bucket_mib``,
-    ``backup_optimizer``, ...) into that kind's table (``Config.flat_keys``), in place.
-    A key set both ways is refused: neither could say which one was meant."""
+    """Older recipes' flat [optimizer] keys of one table (``muon_bucket_mib``, ``backup_optimizer``,
+    ``max_tensor_parallel_degree``, ...) into that table (``Config.flat_keys``), and a plain value where
+    a table now is (``blocking = "per_rank"``) into the field it stood for (``Config.scalar_fields``:
+    ``[optimizer.blocking] mode``), in place. A key set both ways is refused: neither could say which
+    one was meant."""
     if not isinstance(table, dict):
         return
-    for old, places in GefenOptimizersContainer.Config.flat_keys().items():
+    config = GefenOptimizersContainer.config_class()
+    for name, field_ in config.scalar_fields().items():
+        if name in table and not isinstance(table[name], dict):
+            table[name] = {field_: table[name]}
+    for old, places in config.flat_keys().items():
         if old not in table:
             continue
         value = table.pop(old)
@@ -303,7 +309,8 @@ def build_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] |
         _rebuild_model_spec(config, module, model.get("flavor"), model.get("attn_backend"), converters,
                             f"{path}: [model]")
 
-    config.optimizer = GefenOptimizersContainer.Config.from_torchtitan(config.optimizer)
+    # config_class(): the Config with a table for every registered kind (one registered after import too).
+    config.optimizer = GefenOptimizersContainer.config_class().from_torchtitan(config.optimizer)
     _refuse_option_keys(data.get("optimizer"), path)
     lift_flat_keys(data.get("optimizer"), path)
     config.checkpoint = GefenCheckpointManager.Config.from_torchtitan(config.checkpoint)

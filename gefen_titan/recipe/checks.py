@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from gefen_titan.data.registry import dp_invariant_names, is_dp_invariant
+from gefen_titan.optim import param_groups
 from gefen_titan.optim.container import GefenOptimizersContainer
 from gefen_titan.recipe.errors import RecipeError
 from gefen_titan.recipe.fault_tolerance import replica_groups
@@ -159,10 +160,10 @@ def check_optimizer(opt: GefenOptimizersContainer.Config, path: str, set_by: dic
     place they were set, not a value lifted from the base config function.
     """
     try:
-        opt.check_param_groups()
+        param_groups.check_param_groups(opt)
     except ValueError as e:
         raise RecipeError(f"{path}: [optimizer] {e}") from None
-    for key in opt.unused_defaults():
+    for key in param_groups.unused_defaults(opt):
         where = set_by.get(f"optimizer.{key}")
         if where is None:  # the base config's, not the recipe's: nothing the recipe can drop
             continue

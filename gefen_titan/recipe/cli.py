@@ -139,9 +139,12 @@ def parse_cli(argv: list[str]) -> CommandLine:
 
 def _lift_flat_flags(args: list[str]) -> list[str]:
     """Older flat optimizer flags (``--optimizer.backup_optimizer adamw``, ``--optimizer.deterministic``,
-    ``--optimizer.muon_bucket_mib 64``) as their kinds' (``--optimizer.hybrid.backup_optimizer adamw``, ...;
-    ``Config.flat_keys``), as the recipe layer reads the TOML keys. A place set both ways is refused."""
-    flat, defaults = GefenOptimizersContainer.Config.flat_keys(), GefenOptimizersContainer.Config()
+    ``--optimizer.muon_bucket_mib 64``, ``--optimizer.max_tensor_parallel_degree 2``) as their tables'
+    (``--optimizer.hybrid.backup_optimizer adamw``, ...; ``Config.flat_keys``), and a table's older plain
+    flag (``--optimizer.blocking per_rank``) as its field's (``--optimizer.blocking.mode per_rank``;
+    ``Config.scalar_fields``), as the recipe layer reads the TOML keys. A place set both ways is refused."""
+    config = GefenOptimizersContainer.config_class()
+    flat, scalars, defaults = config.flat_keys(), config.scalar_fields(), config()
     out: list[str] = []
     lifted: dict[str, str] = {}  # place -> the flat flag that set it
     given: set[str] = set()  # optimizer keys set by their own flags (a bool's no- form as the key)
@@ -151,6 +154,10 @@ def _lift_flat_flags(args: list[str]) -> list[str]:
         name, eq, value = arg.partition("=")
         section, _, key = name[2:].replace("-", "_").partition(".") if name.startswith("--") else ("", "", "")
         prefix, dot, last = key.rpartition(".")
+        if section == "optimizer" and not dot and key in scalars:
+            lifted[f"{key}.{scalars[key]}"] = name
+            out.append(f"--optimizer.{key}.{scalars[key]}{eq}{value}")
+            continue
         last = last[3:] if last.startswith("no_") else last
         if section != "optimizer" or dot or last not in flat:
             given.add(f"{prefix}{dot}{last}")

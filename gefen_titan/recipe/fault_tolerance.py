@@ -45,7 +45,7 @@ def lift_components(config: Any) -> None:
     from gefen_titan.ft.checkpoint import GefenFTCheckpointManager  # noqa: PLC0415
     from gefen_titan.ft.optimizer import GefenFTOptimizersContainer  # noqa: PLC0415
 
-    config.optimizer = GefenFTOptimizersContainer.Config.from_torchtitan(config.optimizer)
+    config.optimizer = GefenFTOptimizersContainer.config_class().from_torchtitan(config.optimizer)
     config.checkpoint = GefenFTCheckpointManager.Config.from_torchtitan(config.checkpoint)
 
 

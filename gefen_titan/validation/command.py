@@ -382,7 +382,7 @@ def add_arguments(ap: argparse.ArgumentParser, *, recipe_default: str | None = N
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="another override for every run (a side's parallelism: name it in the pair, N@LAYOUT)")
     ap.add_argument("--blocking", choices=("agreed", "per_rank"),
-                    help="optimizer.blocking for every run (default: the recipe's, normally agreed)")
+                    help="optimizer.blocking.mode for every run (default: the recipe's, normally agreed)")
     ap.add_argument("--out", default="outputs/validate_reshard", help="folder for the runs, report.json and the plot")
     ap.add_argument("--plot", dest="plot_path", metavar="PNG",
                     help="the figure's PNG path (default <out>/loss_curves.png); with several pairs one figure "

@@ -35,16 +35,17 @@ def _side_problems(settings: Settings, side: Side) -> tuple[list[str], dict[str,
 
 def _tp_problem(source: dict[str, int], target: dict[str, int], config: object) -> str | None:
     """Agreed blocking cuts blocks that no last-dim cut of the source's TP
-    degree or of a TP degree dividing ``optimizer.max_tensor_parallel_degree``
+    degree or of a TP degree dividing ``optimizer.blocking.max_tensor_parallel_degree``
     crosses; a resume at another TP degree is refused at the load unless the
     periods happen to fit (``optim.block_periods.check_period_fits``)."""
     opt = config.optimizer
-    tp, declared = target["tp"], int(opt.max_tensor_parallel_degree)
-    if opt.blocking != "agreed" or tp == 1 or tp == source["tp"] or declared % tp == 0:
+    tp, declared = target["tp"], int(opt.blocking.max_tensor_parallel_degree)
+    if opt.blocking.mode != "agreed" or tp == 1 or tp == source["tp"] or declared % tp == 0:
         return None
     return (f"tp {tp}: the source's checkpoint is blocked for TP degrees dividing "
-            f"optimizer.max_tensor_parallel_degree = {declared} (and its own TP {source['tp']}); set it to a "
-            f"multiple of {tp} (--set optimizer.max_tensor_parallel_degree={tp}) or resume at one of those")
+            f"optimizer.blocking.max_tensor_parallel_degree = {declared} (and its own TP {source['tp']}); set it "
+            f"to a multiple of {tp} (--set optimizer.blocking.max_tensor_parallel_degree={tp}) or resume at one "
+            "of those")
 
 
 def check_pairs(settings: Settings, pairs: list[tuple[Side, Side]]) -> None:

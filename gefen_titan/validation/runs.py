@@ -92,7 +92,7 @@ class Settings:
     local_batch: int | None = None
     extra: list[str] = field(default_factory=list)  # more "--section.key value" overrides
     backend: str = "gloo"
-    blocking: str | None = None  # optimizer.blocking for every run (None: the recipe's)
+    blocking: str | None = None  # optimizer.blocking.mode for every run (None: the recipe's)
     launcher: str = "torchrun"  # how the ranks start (validation.launchers: "torchrun" or "fork")
     # torch's CPU kernels for every run (ATEN_CPU_CAPABILITY, e.g. "avx2"; None: the host's own). The stored
     # recipe curves pin "avx2", which every x86 CI host runs (docs/validation.md).
@@ -153,7 +153,7 @@ class Settings:
         if self.local_batch:
             args += ["--training.local_batch_size", str(self.local_batch)]
         if self.blocking:
-            args += ["--optimizer.blocking", self.blocking]
+            args += ["--optimizer.blocking.mode", self.blocking]
         return args + list(self.extra)
 
 

@@ -51,6 +51,7 @@ from tests.helpers import worker_jobs
 
 patches.apply_all()  # CPU / gloo FSDP2
 from gefen_titan.optim import gefenx as gx
+from gefen_titan.optim.blocking_options import BlockingOptions
 from gefen_titan.optim.container import GefenOptimizersContainer
 from gefen_titan.optim.kinds.gefen.options import GefenOptions
 from tests.helpers import small_model as sm
@@ -97,7 +98,8 @@ def build(layout: str, world: int, max_tp: int, **config):
             sm.shard(model, mesh["dp_shard"])
     else:
         raise ValueError(layout)
-    return model, sm.optimizer(model, max_tensor_parallel_degree=max_tp, **config)
+    blocking = BlockingOptions(mode=config.pop("blocking", "agreed"), max_tensor_parallel_degree=max_tp)
+    return model, sm.optimizer(model, blocking=blocking, **config)
 
 
 def set_grads(model: nn.Module, step: int) -> None:

@@ -53,6 +53,7 @@ from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 from torchtitan.trainer import Trainer
 
 from gefen_titan.distributed.layout import local_box
+from gefen_titan.optim.blocking_options import BlockingOptions
 from gefen_titan.optim.container import ParamGroup
 from gefen_titan.optim.kinds.gefen_muon.options import MuonOptions
 from gefen_titan.recipe.moe_flavors import qwen3_moe
@@ -139,7 +140,8 @@ def set_grads(model: nn.Module, step: int) -> None:
 def build(layout: str, world: int, experts: int):
     model = build_model(layout, world, experts)
     shard(model, layout, world)
-    opt = sm.optimizer(model, max_tensor_parallel_degree=2, muon=MuonOptions(bucket_mib=MUON_BUCKET_MIB), param_groups=[
+    opt = sm.optimizer(model, blocking=BlockingOptions(max_tensor_parallel_degree=2),
+                       muon=MuonOptions(bucket_mib=MUON_BUCKET_MIB), param_groups=[
         ParamGroup(pattern=MUON_PATTERN, optimizer_name="GefenMuon", optimizer_kwargs=dict(MUON_KWARGS)),
         ParamGroup(pattern=".*")])
     return model, opt

@@ -39,6 +39,7 @@ from tests.helpers import worker_jobs
 
 patches.apply_all()  # CPU / gloo FSDP2
 from gefen_titan.optim import gefenx as gx
+from gefen_titan.optim.blocking_options import BlockingOptions
 from gefen_titan.optim.kinds.gefen.per_rank_regions import param_region
 from tests.helpers import small_model as sm
 
@@ -58,7 +59,7 @@ def build(world: int, args):
     model = sm.build_model(SIZES)
     # HSDP: replicate x shard, the replicas hold identical Gefen state.
     sm.shard(model, sm.dp_mesh(world, replicate=args.hsdp or 1))
-    opt = sm.optimizer(model, name=args.optimizer, blocking=args.blocking)
+    opt = sm.optimizer(model, name=args.optimizer, blocking=BlockingOptions(mode=args.blocking))
     sched = sm.schedulers(opt, args.save_step + args.steps)
     train_state = sm.TrainState()
     ckpt = sm.checkpointer(model, opt, sched, train_state, args.ckpt, args.save_step, async_mode=args.async_mode)

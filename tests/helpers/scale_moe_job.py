@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from gefen_titan.checkpoint.io.storage import storage_writer
 from gefen_titan.distributed import local
 from gefen_titan.optim import gefenx as gx
+from gefen_titan.optim.blocking_options import BlockingOptions
 from tests.helpers import moe_worker, worker_jobs
 from tests.helpers import small_model as sm
 
@@ -42,7 +43,7 @@ OPTIMIZERS = {"gefen": {}, "hybrid": {"name": "GefenMuonHybrid"}}
 def build(experts: int, world: int, optimizer: str):
     model = moe_worker.build_model(LAYOUT, world, experts)
     moe_worker.shard(model, LAYOUT, world)
-    return model, sm.optimizer(model, max_tensor_parallel_degree=2, **OPTIMIZERS[optimizer])
+    return model, sm.optimizer(model, blocking=BlockingOptions(max_tensor_parallel_degree=2), **OPTIMIZERS[optimizer])
 
 
 def periods(opt) -> dict[str, int]:

@@ -224,7 +224,8 @@ def moe_muon() -> dict:
                "kinds": scale.layer_kinds(gefen), "extrapolation": extrapolation(built)}
         recipe, flavor = scale.MOE_FLAVORS["DSv3-debug"]
         real = build_on_meta(recipe, world, {"model": {"flavor": flavor}, "parallelism": mesh.parallelism(),
-                                             "optimizer": {"name": "GefenMuonHybrid", "max_tensor_parallel_degree": 2,
+                                             "optimizer": {"name": "GefenMuonHybrid",
+                                                           "blocking": {"max_tensor_parallel_degree": 2},
                                                            "muon_bucket_mib": MOE_BUCKET_MIB}}).optimizers
         dist_muon = scale_moe.distmuon_plan(built, planned)
         row.update(distmuon={k: dist_muon[k] for k in ("busiest_experts", "idle_expert_ranks", "max_experts")})

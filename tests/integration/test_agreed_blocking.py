@@ -31,7 +31,8 @@ import torch.nn as nn
 from gefen_titan.checkpoint.format.schema import grid_shape
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.block_periods import BlockingError, candidate_periods, row_unit
-from gefen_titan.optim.blocking import histogram
+from gefen_titan.optim.block_stats import histogram
+from gefen_titan.optim.blocking_options import BlockingOptions
 from gefen_titan.optim.container import GefenOptimizersContainer
 from gefen_titan.optim.kinds.gefen import keys as gefen_keys
 from gefen_titan.optim.kinds.gefen.options import GefenOptions
@@ -115,20 +116,20 @@ def test_parameter_without_gradient_refused_before_any_change():
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"gefen": GefenOptions(codebook_refresh_every=10)}, "optimizer.gefen.codebook_refresh_every > 0"),
-    ({"gefen": GefenOptions(force_1d_period_one=False)}, "optimizer.gefen.force_1d_period_one = false"),
-    ({"max_tensor_parallel_degree": 0}, "max_tensor_parallel_degree"),
-    ({"blocking": "global"}, "blocking"),
+    (lambda: {"gefen": GefenOptions(codebook_refresh_every=10)}, "optimizer.gefen.codebook_refresh_every > 0"),
+    (lambda: {"gefen": GefenOptions(force_1d_period_one=False)}, "optimizer.gefen.force_1d_period_one = false"),
+    (lambda: {"blocking": BlockingOptions(max_tensor_parallel_degree=0)}, "max_tensor_parallel_degree"),
+    (lambda: {"blocking": BlockingOptions(mode="global")}, "blocking"),
 ])
 def test_recipes_that_would_break_agreement_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
-        GefenOptimizersContainer.Config(name="Gefen", **kw)
+        GefenOptimizersContainer.Config(name="Gefen", **kw())
 
 
 def test_per_rank_blocking_keeps_gefens_own_learning():
     """The opt-out accepts what agreed blocking refuses and installs no agreement hook."""
     model = nn.Linear(64, 64)
-    opt = _container(model, blocking="per_rank", gefen=GefenOptions(codebook_refresh_every=5))
+    opt = _container(model, blocking=BlockingOptions(mode="per_rank"), gefen=GefenOptions(codebook_refresh_every=5))
     assert opt.blocking == "per_rank" and opt.agreement is None
     model(torch.randn(4, 64)).sum().backward()
     opt.step()

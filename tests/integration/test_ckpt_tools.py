@@ -289,11 +289,13 @@ def test_verify_inconsistent_records_and_non_finite_grid(copy, tmp_path, capsys)
 # ------------------------------------------------------------------ v1
 def test_inspect_and_verify_format_v1(tmp_path, capsys):
     """A per-rank (v1) checkpoint written by the container itself, one process."""
+    from gefen_titan.optim.blocking_options import BlockingOptions
     from gefen_titan.optim.container import GefenOptimizersContainer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False), torch.nn.LayerNorm(32))
-    opt = GefenOptimizersContainer.Config(name="Gefen", lr=1e-2, blocking="per_rank").build(model_parts=[model])
+    config = GefenOptimizersContainer.Config(name="Gefen", lr=1e-2, blocking=BlockingOptions(mode="per_rank"))
+    opt = config.build(model_parts=[model])
     model(torch.randn(8, 32)).square().mean().backward()
     opt.step()
     path = tmp_path / "step-1"

@@ -339,8 +339,8 @@ def test_state_comparisons_ask_each_kind_through_its_entry():
 def test_blocking_option_reaches_every_run():
     s = runs.Settings(recipe="recipes/llama_gefen.toml", blocking="per_rank", **CI)
     args = s.overrides(2)
-    assert args[args.index("--optimizer.blocking") + 1] == "per_rank"
-    assert "--optimizer.blocking" not in runs.Settings(recipe="recipes/llama_gefen.toml", **CI).overrides(2)
+    assert args[args.index("--optimizer.blocking.mode") + 1] == "per_rank"
+    assert "--optimizer.blocking.mode" not in runs.Settings(recipe="recipes/llama_gefen.toml", **CI).overrides(2)
 
 
 def test_equal_runs_share_one_identity(tmp_path):

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from gefen_titan.optim import live_state
+from gefen_titan.optim.blocking_options import BlockingOptions
 from gefen_titan.optim.container import ParamGroup
 from gefen_titan.recipe.build import load_recipe
 from gefen_titan.recipe.errors import RecipeError
@@ -293,9 +294,9 @@ def test_ft_components_lift_ours_keeping_their_values():
     assert type(ckpt) is GefenFTCheckpointManager.Config
     assert (ckpt.enable, ckpt.interval, ckpt.digest_key_env) == (True, 3, "KEY")
     opt = GefenFTOptimizersContainer.Config.from_torchtitan(
-        GefenOptimizersContainer.Config(name="AdamW", lr=1e-3, max_tensor_parallel_degree=2))
+        GefenOptimizersContainer.Config(name="AdamW", lr=1e-3, blocking=BlockingOptions(max_tensor_parallel_degree=2)))
     assert type(opt) is GefenFTOptimizersContainer.Config
-    assert (opt.name, opt.lr, opt.betas, opt.max_tensor_parallel_degree) == ("AdamW", 1e-3, None, 2)
+    assert (opt.name, opt.lr, opt.betas, opt.blocking.max_tensor_parallel_degree) == ("AdamW", 1e-3, None, 2)
     assert GefenFTOptimizersContainer.Config.from_torchtitan(opt) is opt
 
 

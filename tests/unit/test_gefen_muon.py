@@ -13,7 +13,8 @@ from gefen import GefenMuon
 
 from gefen_titan.checkpoint.format.schema import FormatError
 from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim import registry, state_size
+from gefen_titan.optim import param_groups, registry, state_size
+from gefen_titan.optim.blocking_options import BlockingOptions
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
 from gefen_titan.optim.kinds.gefen_muon import entry as gefen_muon_entry
 from gefen_titan.optim.kinds.gefen_muon.options import MuonOptions
@@ -67,16 +68,16 @@ def test_groups_get_gefen_x_defaults_and_only_lr_and_weight_decay_from_the_short
 def test_layout_dependent_options_are_refused_with_the_reason(key, value):
     config = _config({key: value})
     with pytest.raises(ValueError, match=f"{key}.*refused: {gx.MUON_REFUSED[key][:20]}"):
-        config.check_param_groups()
+        param_groups.check_param_groups(config)
 
 
 def test_refused_constructor_options_and_per_rank_blocking():
     with pytest.raises(ValueError, match="GefenMuon.capturable: .* is refused: capturable keeps"):
         _config(optimizer_factory_kwargs_by_name={"GefenMuon": {"capturable": True}}).build(model_parts=[Net()])
-    with pytest.raises(ValueError, match='needs optimizer.blocking = "agreed"'):
-        _config(blocking="per_rank").check_param_groups()
+    with pytest.raises(ValueError, match='needs optimizer.blocking.mode = "agreed"'):
+        param_groups.check_param_groups(_config(blocking=BlockingOptions(mode="per_rank")))
     with pytest.raises(ValueError, match="momentum"):
-        _config({"betas": [0.9, 0.95]}).check_param_groups()
+        param_groups.check_param_groups(_config({"betas": [0.9, 0.95]}))
 
 
 def test_a_parameter_that_is_not_a_matrix_is_refused():

@@ -21,7 +21,8 @@ import pytest
 import torch.nn as nn
 
 from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim import registry
+from gefen_titan.optim import param_groups, registry
+from gefen_titan.optim.blocking_options import BlockingOptions
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
 from gefen_titan.optim.kinds.gefen.options import GefenOptions
 from gefen_titan.optim.kinds.gefen_muon.options import MuonOptions
@@ -87,7 +88,7 @@ def test_a_keyword_a_new_gefen_x_grows_is_caught(kind, monkeypatch):
     assert registry.get(kind).constructor.unclassified() == ["new_knob"]
     # Until it is classified, no route lets it through to gefen-x.
     with pytest.raises(ValueError, match=f"'new_knob' is no option of gefen-x's {kind}"):
-        _config(kind, optimizer_factory_kwargs_by_name={kind: {"new_knob": True}}).check_param_groups()
+        param_groups.check_param_groups(_config(kind, optimizer_factory_kwargs_by_name={kind: {"new_knob": True}}))
 
 
 def test_applied_options_are_fields_of_the_kinds_table():
@@ -110,7 +111,7 @@ def test_factory_kwargs_are_refused_naming_the_place_or_the_reason_in_the_config
     config = _config(kind, optimizer_factory_kwargs_by_name={kind: {key: VALUE}})
     want = f"optimizer_factory_kwargs_by_name.{kind}.{key}: "
     with pytest.raises(ValueError) as info:
-        config.check_param_groups()
+        param_groups.check_param_groups(config)
     assert str(info.value).startswith(want) and _expected(kind, key, outcome, "factory") in str(info.value)
     # Building the container without the checks says the same, before gefen-x's TypeError could.
     with pytest.raises(ValueError) as info:
@@ -133,14 +134,14 @@ def test_factory_kwargs_are_refused_naming_the_place_or_the_reason_in_a_recipe(k
 def test_gefen_titans_own_options_as_factory_kwargs_go_to_the_table(kind, table, key):
     with pytest.raises(ValueError, match=f"'{key}', gefen-titan's {kind} option, applies to every {kind} "
                                          f"optimizer of the run: set optimizer.{table}.{key} instead"):
-        _config(kind, optimizer_factory_kwargs_by_name={kind: {key: VALUE}}).check_param_groups()
+        param_groups.check_param_groups(_config(kind, optimizer_factory_kwargs_by_name={kind: {key: VALUE}}))
 
 
 def test_the_hybrids_factory_kwargs_name_each_place():
     config = Config(name="GefenMuonHybrid", optimizer_factory_kwargs_by_name={
         "GefenMuonHybrid": {"momentum": 0.9, "fp8_ns": True, "lr": 1e-3}})
     with pytest.raises(ValueError) as info:
-        config.check_param_groups()
+        param_groups.check_param_groups(config)
     text = str(info.value)
     assert text.startswith("optimizer_factory_kwargs_by_name.GefenMuonHybrid: GefenMuonHybrid is no optimizer")
     assert "momentum: set optimizer.hybrid.momentum instead" in text
@@ -165,9 +166,9 @@ def test_a_tables_key_whose_place_is_elsewhere_or_refused_says_so(kind, key, out
     assert _expected(kind, key, outcome, "table") in str(info.value)
 
 
-# field -> (a value other than the default, the [optimizer] keys it needs)
-APPLIED = {"force_1d_period_one": (False, {"blocking": "per_rank"}), "period_one_substrings": (["norm"], {}),
-           "codebook_refresh_every": (3, {"blocking": "per_rank"}), "deterministic": (True, {})}
+# field -> (a value other than the default, the [optimizer.blocking] keys it needs)
+APPLIED = {"force_1d_period_one": (False, {"mode": "per_rank"}), "period_one_substrings": (["norm"], {}),
+           "codebook_refresh_every": (3, {"mode": "per_rank"}), "deterministic": (True, {})}
 
 
 def _built_option(optim, kind: str, key: str):
@@ -179,12 +180,13 @@ def _built_option(optim, kind: str, key: str):
 def test_a_tables_applied_option_reaches_every_optimizer_of_its_kind(kind, key, outcome):
     value, needs = APPLIED[outcome.field]
     table = registry.get(kind).options
-    recipe = load_recipe(RECIPES[kind], {"optimizer": {table: {outcome.field: value}, **needs}}, world_size=2)
+    recipe = load_recipe(RECIPES[kind], {"optimizer": {table: {outcome.field: value}, "blocking": needs}},
+                         world_size=2)
     assert getattr(getattr(recipe.config.optimizer, table), outcome.field) == value
     options = {"gefen": GefenOptions, "muon": MuonOptions}[table](**{outcome.field: value})
     if kind == "GefenMuon":
         needs = {}  # GefenMuon needs agreed blocking
-    opt = _config(kind, **{table: options}, **needs).build(model_parts=[Net()])
+    opt = _config(kind, **{table: options}, blocking=BlockingOptions(**needs)).build(model_parts=[Net()])
     (optim, *_) = opt.optimizers_of(kind)
     built = _built_option(optim, kind, key)
     assert (list(built) if isinstance(built, tuple) else built) == value
@@ -198,10 +200,10 @@ def test_a_group_key_is_read_or_refused_naming_the_place_or_the_reason(kind, key
                          optimizer_kwargs={key: VALUE}), ParamGroup(pattern=".*")]
     config = Config(name="Gefen", param_groups=groups)
     if isinstance(outcome, gx.Routed) and key in spec.group_keys:
-        config.check_param_groups()  # a group key the optimizer reads
+        param_groups.check_param_groups(config)  # a group key the optimizer reads
         return
     with pytest.raises(ValueError) as info:
-        config.check_param_groups()
+        param_groups.check_param_groups(config)
     assert str(info.value).startswith("param_groups[0] optimizer_kwargs: ")
     assert _expected(kind, key, outcome, "group") in str(info.value)
 
@@ -209,7 +211,7 @@ def test_a_group_key_is_read_or_refused_naming_the_place_or_the_reason(kind, key
 def test_factored_v_2d_as_a_group_key_is_not_sent_to_a_table_that_refuses_it():
     groups = [ParamGroup(pattern=".*", optimizer_kwargs={"factored_v_2d": True})]
     with pytest.raises(ValueError) as info:
-        Config(name="Gefen", param_groups=groups).check_param_groups()
+        param_groups.check_param_groups(Config(name="Gefen", param_groups=groups))
     assert "not supported yet" in str(info.value) and "set optimizer.gefen.factored_v_2d" not in str(info.value)
 
 

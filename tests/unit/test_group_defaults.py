@@ -12,6 +12,7 @@ import torch.nn as nn
 from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig, default_adamw
 
 from gefen_titan.optim import gefenx as gx
+from gefen_titan.optim import param_groups
 from gefen_titan.optim.container import SHORTHAND_DEFAULTS, GefenOptimizersContainer
 
 HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -86,17 +87,18 @@ def test_a_set_shorthand_key_stands_for_the_groups_that_leave_it_out():
 
 def test_only_set_shorthand_keys_can_go_unused():
     groups = [ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-3})]
-    assert GefenOptimizersContainer.Config(param_groups=groups).unused_defaults() == ["name"]
-    assert GefenOptimizersContainer.Config(param_groups=groups, lr=2e-3, eps=1e-7).unused_defaults() == ["name", "lr"]
+    assert param_groups.unused_defaults(GefenOptimizersContainer.Config(param_groups=groups)) == ["name"]
+    config = GefenOptimizersContainer.Config(param_groups=groups, lr=2e-3, eps=1e-7)
+    assert param_groups.unused_defaults(config) == ["name", "lr"]
 
 
 @pytest.mark.parametrize("name", ["Gefen", "AdamW", "Adam"])
 def test_the_catch_all_group_takes_the_shorthand_defaults(name):
-    (group,) = GefenOptimizersContainer.Config(name=name).resolved_param_groups()
+    (group,) = param_groups.resolved_param_groups(GefenOptimizersContainer.Config(name=name))
     assert group.pattern == ".*" and group.optimizer_name == name
     assert group.optimizer_kwargs == SHORTHAND_DEFAULTS == {"lr": 8e-4, "betas": (0.9, 0.95), "eps": 1e-8,
                                                             "weight_decay": 0.1}
-    (group,) = GefenOptimizersContainer.Config(name=name, lr=1e-2, betas=(0.8, 0.9)).resolved_param_groups()
+    (group,) = param_groups.resolved_param_groups(GefenOptimizersContainer.Config(name=name, lr=1e-2, betas=(0.8, 0.9)))
     assert group.optimizer_kwargs == {**SHORTHAND_DEFAULTS, "lr": 1e-2, "betas": (0.8, 0.9)}
 
 

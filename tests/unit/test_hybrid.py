@@ -21,7 +21,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torchtitan.components.optimizer import ParamGroupConfig
 
 from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim import hybrid, registry
+from gefen_titan.optim import hybrid, param_groups, registry
+from gefen_titan.optim.blocking_options import BlockingOptions
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
 from gefen_titan.optim.kinds.gefen import keys as gefen_keys
 from gefen_titan.optim.kinds.gefen_muon import keys as muon_keys
@@ -176,9 +177,10 @@ def test_every_gefen_x_keyword_is_a_field_with_its_default_a_shared_key_or_refus
 def test_tuned3_becomes_its_coefficient_list():
     tuned3 = [[float(x) for x in abc] for abc in NS_SCHEDULES["tuned3"]]
     assert gx.ns_schedule_coefficients("tuned3") == tuned3 and len(tuned3) == 3
-    (muon, *_) = Config(name="GefenMuonHybrid").resolved_param_groups()
+    (muon, *_) = param_groups.resolved_param_groups(Config(name="GefenMuonHybrid"))
     assert muon.optimizer_kwargs["ns_coefficients"] == tuned3 and muon.optimizer_kwargs["ns_steps"] == 3
-    (muon, *_) = Config(name="GefenMuonHybrid", hybrid=H(ns_schedule="standard", ns_steps=4)).resolved_param_groups()
+    config = Config(name="GefenMuonHybrid", hybrid=H(ns_schedule="standard", ns_steps=4))
+    (muon, *_) = param_groups.resolved_param_groups(config)
     assert "ns_coefficients" not in muon.optimizer_kwargs and muon.optimizer_kwargs["ns_steps"] == 4
 
 
@@ -231,27 +233,27 @@ def test_explicit_param_groups_win():
     groups = [ParamGroup(pattern=r"^layers\.\d+\.w1\.", optimizer_name="GefenMuon"),
               ParamGroup(pattern=".*", optimizer_name="AdamW")]
     config = Config(name="GefenMuonHybrid", lr=1e-3, param_groups=groups)
-    assert [(g.pattern, g.optimizer_name) for g in config.resolved_param_groups()] == \
+    assert [(g.pattern, g.optimizer_name) for g in param_groups.resolved_param_groups(config)] == \
         [(g.pattern, g.optimizer_name) for g in groups]
-    assert not any(isinstance(g, hybrid.RoutedGroup) for g in config.resolved_param_groups())
+    assert not any(isinstance(g, hybrid.RoutedGroup) for g in param_groups.resolved_param_groups(config))
     muon, adamw = config.build(model_parts=[Net()]).optimizers
     assert muon.param_groups[0]["param_names"] == ["layers.0.w1.weight", "layers.1.w1.weight"]
     # A group without optimizer_name cannot be "GefenMuonHybrid"; hybrid keys do nothing beside groups.
     with pytest.raises(ValueError, match=r"param_groups\[0\]: GefenMuonHybrid is no optimizer of a param group"):
-        Config(name="GefenMuonHybrid", param_groups=[ParamGroup(pattern=".*")]).check_param_groups()
+        param_groups.check_param_groups(Config(name="GefenMuonHybrid", param_groups=[ParamGroup(pattern=".*")]))
     with pytest.raises(ValueError, match="hybrid.muon_lr: has no effect.*param_groups"):
-        Config(name="GefenMuonHybrid", param_groups=groups, hybrid=H(muon_lr=1e-3)).check_param_groups()
+        param_groups.check_param_groups(Config(name="GefenMuonHybrid", param_groups=groups, hybrid=H(muon_lr=1e-3)))
     with pytest.raises(ValueError, match="hybrid.backup_optimizer, hybrid.normuon: have no effect.*'Gefen'"):
-        Config(name="Gefen", hybrid=H(backup_optimizer="adamw", normuon=False)).check_param_groups()
+        param_groups.check_param_groups(Config(name="Gefen", hybrid=H(backup_optimizer="adamw", normuon=False)))
 
 
 def test_bad_keys_are_refused_with_the_reason(tmp_path):
     with pytest.raises(ValueError, match="optimizer.hybrid.backup_optimizer must be 'gefen' or 'adamw', got 'sgd'"):
         H(backup_optimizer="sgd")
     with pytest.raises(ValueError, match=r"ns_schedule must be one of \['standard', 'tuned3', 'tuned4'\]"):
-        Config(name="GefenMuonHybrid", hybrid=H(ns_schedule="tuned9")).check_param_groups()
-    with pytest.raises(ValueError, match="needs optimizer.blocking"):
-        Config(name="GefenMuonHybrid", blocking="per_rank").check_param_groups()
+        param_groups.check_param_groups(Config(name="GefenMuonHybrid", hybrid=H(ns_schedule="tuned9")))
+    with pytest.raises(ValueError, match="needs optimizer.blocking.mode"):
+        param_groups.check_param_groups(Config(name="GefenMuonHybrid", blocking=BlockingOptions(mode="per_rank")))
     base = f'[job]\nextends = "{ROOT / "recipes" / "llama_gefen.toml"}"\n[optimizer]\nname = "GefenMuonHybrid"\n'
     cases = {
         'backup_optimizer = "sgd"': r"backup_optimizer: must be one of \['gefen', 'adamw'\], got 'sgd'",

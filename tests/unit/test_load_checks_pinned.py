@@ -46,6 +46,7 @@ from gefen_titan.checkpoint.format import digests, schema
 from gefen_titan.checkpoint.io import storage
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.optim import gefenx as gx
+from gefen_titan.optim.blocking_options import BlockingOptions
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
 from gefen_titan.optim.kinds.gefen import keys as gefen_keys
 from tests.helpers.bad_checkpoints import edited
@@ -70,7 +71,7 @@ def build(seed: int = 0, blocking: str = "agreed", muon: bool = True) -> tuple[N
     torch.manual_seed(seed)
     net = Net()
     groups = [ParamGroup(pattern=MUON, optimizer_name="GefenMuon", optimizer_kwargs={"normuon": True})] if muon else []
-    config = GefenOptimizersContainer.Config(name="Gefen", lr=3e-3, blocking=blocking,
+    config = GefenOptimizersContainer.Config(name="Gefen", lr=3e-3, blocking=BlockingOptions(mode=blocking),
                                              param_groups=[*groups, ParamGroup(pattern=".*")])
     return net, config.build(model_parts=[net])
 

@@ -63,7 +63,7 @@ def test_moe_recipe_builds_its_model_and_cpu_settings(name):
     config = recipe.config
     assert (recipe.module, recipe.base_config, recipe.flavor) == (module, base, flavor)
     assert config.model_spec.name == module and config.model_spec.flavor == flavor
-    assert config.optimizer.name == "Gefen" and config.optimizer.blocking == "agreed"
+    assert config.optimizer.name == "Gefen" and config.optimizer.blocking.mode == "agreed"
     assert config.parallelism.expert_parallel_degree == 1 and config.parallelism.data_parallel_shard_degree == -1
     assert config.training.disable_cuda_graphs is True  # EP is then one flag (next test)
     assert config.training.mixed_precision_param == "float32" and config.activation_checkpoint is None

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torchtitan.components.optimizer import LRSchedulersContainer, ParamGroupConfig
 
 from gefen_titan.optim import gefenx as gx
-from gefen_titan.optim import registry
+from gefen_titan.optim import param_groups, registry
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
 from gefen_titan.optim.kinds.gefen.options import GefenOptions
 
@@ -190,7 +190,7 @@ def test_a_registered_variant_is_one_entry(monkeypatch):
                                               optimizer_kwargs={"lr": 0.5}),
                                    ParamGroup(pattern=".*", optimizer_name="AdamW")],
                      gefen=GefenOptions(deterministic=True))
-    config.check_param_groups()
+    param_groups.check_param_groups(config)
     opt = config.build(model_parts=[Block()])
     assert [type(o).__name__ for o in opt.optimizers] == ["_GefenVariant", "AdamW"]
     # the option_keys of the table it names ([optimizer.gefen]), for the variant's groups
@@ -205,7 +205,7 @@ def test_a_registered_variant_is_one_entry(monkeypatch):
     bad = _config(param_groups=[ParamGroup(pattern=".*", optimizer_name="GefenVariant",
                                            optimizer_kwargs={"momentum": 0.9})])
     with pytest.raises(ValueError, match="GefenVariant does not read 'momentum'"):
-        bad.check_param_groups()
+        param_groups.check_param_groups(bad)
 
 
 def test_a_container_without_gefen_state_loads_without_the_manager():

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from torchtitan.trainer import Trainer
 
+from gefen_titan.optim import param_groups
 from gefen_titan.optim.container import GefenOptimizersContainer
 from gefen_titan.recipe import RecipeError, declared_world_size, load_recipe
 from gefen_titan.recipe.cli import load_cli, parse_cli
@@ -26,7 +27,7 @@ def test_every_shipped_recipe_parses(path):
     assert isinstance(config.optimizer, GefenOptimizersContainer.Config)
     assert config.model_spec is not None
     # Every recipe in this project trains Gefen somewhere.
-    names = {g.optimizer_name for g in config.optimizer.resolved_param_groups()}
+    names = {g.optimizer_name for g in param_groups.resolved_param_groups(config.optimizer)}
     assert "Gefen" in names
     assert Path(config.hf_assets_path).exists() or "8b" in path.name
 
@@ -48,7 +49,7 @@ def test_debug_recipe_values():
     assert config.activation_checkpoint is None
     assert config.checkpoint.enable is True
     # [optimizer] name replaced the base function's AdamW catch-all group.
-    (group,) = config.optimizer.resolved_param_groups()
+    (group,) = param_groups.resolved_param_groups(config.optimizer)
     assert group.optimizer_name == "Gefen" and group.pattern == ".*"
     assert group.optimizer_kwargs["lr"] == pytest.approx(2e-3)
 
@@ -258,3 +259,36 @@ def test_components_lift_torchtitans_stock_configs_themselves():
     assert type(lifted) is ElasticTextDataLoader.Config and lifted.dataset == "gefen_tiny"
     assert lifted.on_dp_change == "continue"
     assert ElasticTextDataLoader.Config.from_torchtitan(lifted) is lifted
+
+
+OLD_BLOCKING = """
+[job]
+module = "llama3"
+base_config = "llama3_debugmodel"
+
+[optimizer]
+name = "Gefen"
+blocking = "per_rank"
+max_tensor_parallel_degree = 2
+
+[optimizer.gefen]
+force_1d_period_one = false
+"""
+
+
+def test_an_older_recipes_blocking_keys_read_as_the_blocking_table(tmp_path):
+    """``[optimizer] blocking = "per_rank"`` (a string where the table now is) and the flat
+    ``max_tensor_parallel_degree`` give the same config as ``[optimizer.blocking]``."""
+    def write(text, name):
+        (tmp_path / name).write_text(text)
+        return str(tmp_path / name)
+
+    old = load_recipe(write(OLD_BLOCKING, "old.toml")).config.optimizer
+    new_text = OLD_BLOCKING.replace('blocking = "per_rank"\nmax_tensor_parallel_degree = 2\n', "").replace(
+        "[optimizer.gefen]", '[optimizer.blocking]\nmode = "per_rank"\nmax_tensor_parallel_degree = 2\n\n'
+                             "[optimizer.gefen]")
+    assert "blocking = " not in new_text and "[optimizer.blocking]" in new_text
+    new = load_recipe(write(new_text, "new.toml")).config.optimizer
+    assert old == new and (new.blocking.mode, new.blocking.max_tensor_parallel_degree) == ("per_rank", 2)
+    with pytest.raises(RecipeError, match=r"\[optimizer\] blocking.mode: must be one of \['agreed', 'per_rank'\]"):
+        load_recipe(write(OLD_BLOCKING.replace('"per_rank"', '"sometimes"'), "bad.toml"))

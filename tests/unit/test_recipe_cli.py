@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from gefen_titan.optim import param_groups
 from gefen_titan.recipe import RecipeError, declared_world_size, load_recipe
 from gefen_titan.recipe.cli import USAGE, load_cli, parse_cli, parse_flags
 
@@ -83,8 +84,11 @@ def test_help_lists_the_recipes_sections_keys_types_and_values(capsys):
         "How many train steps to run (default: 20)",  # the recipe's value, not the flag's
         "--optimizer.lr {None}|FLOAT",  # None: unset (catch-all 8e-4; groups keep their optimizer's)
         "(default: 0.002)",
-        "--optimizer.blocking {agreed,per_rank}",
-        "--optimizer.gefen.cpu-step {kernel,gefen-x}",  # each kind's own table
+        "--optimizer.blocking.mode {agreed,per_rank}",  # the container's own table
+        "--optimizer.blocking.max-tensor-parallel-degree INT",
+        "--optimizer.gefen.cpu-step {kernel,gefen-x}",  # each kind's own table, a field generated from the registry
+        "``[optimizer.gefen]``:",  # a generated table's help: its options class's docstring
+        "``[optimizer.muon]``:",
         "--optimizer.muon.bucket-mib FLOAT",
         "--optimizer.hybrid.backup-optimizer {gefen,adamw}",
         "--parallelism.data-parallel-shard-degree INT",
@@ -157,7 +161,8 @@ def test_recipe_flags_are_taken_off_and_the_rest_kept_in_order():
 
 
 def _groups(config):
-    return [(g.pattern, g.optimizer_name, dict(g.optimizer_kwargs)) for g in config.optimizer.resolved_param_groups()]
+    return [(g.pattern, g.optimizer_name, dict(g.optimizer_kwargs))
+            for g in param_groups.resolved_param_groups(config.optimizer)]
 
 
 def test_mixed_recipe_groups_take_the_shorthand_as_defaults():
@@ -250,3 +255,19 @@ def test_flat_optimizer_flags_of_older_commands_set_their_kinds_tables():
     assert per_rank.gefen.force_1d_period_one is False
     with pytest.raises(RecipeError, match="--optimizer.deterministic and --optimizer.gefen.deterministic both given"):
         _cli("--optimizer.deterministic", "--optimizer.gefen.no-deterministic")
+
+
+def test_older_blocking_flags_set_the_blocking_table():
+    """``--optimizer.blocking per_rank`` and ``--optimizer.max_tensor_parallel_degree 4`` (older commands) are
+    ``--optimizer.blocking.mode`` and ``--optimizer.blocking.max_tensor_parallel_degree``; both ways is refused."""
+    old = _cli("--optimizer.no_force_1d_period_one", "--optimizer.blocking", "per_rank",
+               "--optimizer.max_tensor_parallel_degree", "4").optimizer
+    new = _cli("--optimizer.no_force_1d_period_one", "--optimizer.blocking.mode", "per_rank",
+               "--optimizer.blocking.max-tensor-parallel-degree", "4").optimizer
+    assert old == new and (new.blocking.mode, new.blocking.max_tensor_parallel_degree) == ("per_rank", 4)
+    assert _cli("--optimizer.blocking=per_rank", "--optimizer.no_force_1d_period_one").optimizer.blocking.mode == \
+        "per_rank"
+    with pytest.raises(RecipeError, match="--optimizer.blocking and --optimizer.blocking.mode both given"):
+        _cli("--optimizer.blocking", "per_rank", "--optimizer.blocking.mode", "agreed")
+    with pytest.raises(RecipeError, match="per_rank"):  # a bad value: one message naming the choices
+        _cli("--optimizer.blocking", "sometimes")

@@ -121,8 +121,8 @@ BOTH = (
 )
 # Modules that still name a kind outside its files, each with why (keep this short; issue 39).
 NAMES_KIND_STILL = {
-    "gefen_titan/optim/container.py": "the kinds' option tables: one field of the Config per kind (gefen, "
-                                      "muon, hybrid), which is how tyro's command line reaches them",
+    "gefen_titan/optim/container.py": "the Config's default name (\"Gefen\") and the refusal of a Gefen "
+                                      "subclass no entry owns (the kinds' tables are generated: config_tables)",
     "gefen_titan/ckpt_tools/cli.py": "the help of convert, whose conversion is Gefen <-> AdamW (ckpt_tools/convert.py)",
 }
 _KIND_NAMES = {

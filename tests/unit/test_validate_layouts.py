@@ -167,7 +167,7 @@ def test_the_cache_key_holds_the_layout_not_its_spelling():
                     f"{ROOT / GLOBAL}: [training] global_batch_size 8 is not a multiple of local_batch_size 2 x "
                     "data-parallel degree 3"),
     (GLOBAL, "2:4@tp4", "pair 2:4@tp4, target side 4@tp4: tp 4: the source's checkpoint is blocked for TP degrees "
-                        "dividing optimizer.max_tensor_parallel_degree = 2"),
+                        "dividing optimizer.blocking.max_tensor_parallel_degree = 2"),
     (TP2, "2:3", "pair 2:3, target side 3 (3 processes): the recipe's degrees (tp 2) do not divide 3 processes"),
 ])
 def test_sides_no_run_can_take_fail_before_any_run(recipe, pairs, message):

@@ -59,4 +59,5 @@ def register_builtins() -> None:
         refused_keys=hybrid.REFUSED,
         kind_hint=hybrid.kind_hint,
         options="hybrid",
+        options_type=hybrid.HybridOptions,
     ))

@@ -11,6 +11,7 @@ from gefen_titan.optim import cpu_step
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.checkpointing import StateAdapter
 from gefen_titan.optim.kinds.gefen import description as gefen_description
+from gefen_titan.optim.kinds.gefen.options import GefenOptions
 from gefen_titan.optim.kinds.gefen.per_rank import GefenPerRankAdapter
 from gefen_titan.optim.kinds.gefen.sharded import GefenShardedAdapter
 from gefen_titan.optim.kinds.gefen.validation import VALIDATION
@@ -82,6 +83,7 @@ def spec() -> OptimizerSpec:
         group_keys=("lr", "betas", "eps", "weight_decay", "fused"),
         option_keys=GEFEN_OPTION_KEYS,
         options="gefen",
+        options_type=GefenOptions,
         state=_gefen_state,
         record_kind=GefenShardedAdapter.record_kind,
         agreed_blocking=True,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from gefen_titan.optim.cpu_step import MODES
+from gefen_titan.optim.options_table import OptionsTableBase
 
 __all__ = ["FACTORED_V_2D", "GefenOptions"]
 
@@ -25,7 +26,7 @@ FACTORED_V_2D = False
 
 
 @dataclass(kw_only=True, slots=True)
-class GefenOptions:
+class GefenOptions(OptionsTableBase):
     """``[optimizer.gefen]``: what every Gefen optimizer of the run is built with."""
 
     # The flat [optimizer] key of older recipes -> this table's field.
@@ -60,20 +61,20 @@ class GefenOptions:
         if self.cpu_step not in MODES:
             raise ValueError(f"optimizer.gefen.cpu_step must be 'kernel' or 'gefen-x', got {self.cpu_step!r}")
 
-    def check_blocking(self, blocking: str) -> None:
-        """Refuse the options that agreed blocking (``optimizer.blocking``, the container's) cannot keep."""
-        if blocking != "agreed":
+    def check_config(self, config: Any) -> None:
+        """Refuse the options that agreed blocking (``optimizer.blocking.mode``, the container's) cannot keep."""
+        if config.blocking.mode != "agreed":
             return
         if self.codebook_refresh_every > 0:
             raise ValueError(
                 "optimizer.gefen.codebook_refresh_every > 0 relearns the codebook on each rank from its own "
                 "gradient shard, which breaks agreed blocking; set it to 0, or set "
-                "optimizer.blocking = \"per_rank\"")
+                "optimizer.blocking.mode = \"per_rank\"")
         if not self.force_1d_period_one:
             raise ValueError(
                 "optimizer.gefen.force_1d_period_one = false lets gefen-x block 1-D parameters across FSDP "
                 "shard cuts, which agreed blocking cannot align; keep it true, or set "
-                "optimizer.blocking = \"per_rank\"")
+                "optimizer.blocking.mode = \"per_rank\"")
 
     def kwargs(self) -> dict[str, Any]:
         """The constructor options (the registry entry's ``option_keys``)."""

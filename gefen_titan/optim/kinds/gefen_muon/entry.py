@@ -9,6 +9,7 @@ from torch.optim import Optimizer
 from gefen_titan.optim import cpu_step
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.kinds.gefen_muon import description as muon_description
+from gefen_titan.optim.kinds.gefen_muon.options import MuonOptions
 from gefen_titan.optim.kinds.gefen_muon.sharded import GefenMuonShardedAdapter
 from gefen_titan.optim.kinds.groups import split_options
 from gefen_titan.optim.muon import DEFAULT_BUCKET_MIB, ShardedMuonStep
@@ -76,14 +77,15 @@ def spec() -> OptimizerSpec:
         group_keys=(*gx.MUON_GROUP_KEYS, "fused"),
         option_keys=MUON_OPTION_KEYS,
         options="muon",
+        options_type=MuonOptions,
         state=lambda optimizers, options: GefenMuonShardedAdapter(optimizers),
         record_kind=GefenMuonShardedAdapter.record_kind,
         agreed_blocking=True,
         codebook_family=1,
         # Its sharded step counts its empty shards' steps itself.
-        needs_agreed_blocking=("needs optimizer.blocking = \"agreed\": its sharded step cuts the momentum along the "
-                               "parameter's shards, which needs blocks that no shard cut crosses and one codebook for "
-                               "the job"),
+        needs_agreed_blocking=("needs optimizer.blocking.mode = \"agreed\": its sharded step cuts the momentum "
+                               "along the parameter's shards, which needs blocks that no shard cut crosses and one "
+                               "codebook for the job"),
         check_built=_check_gefen_muon,
         group_key_hint=_muon_group_key_hint,
         # eps is the Newton-Schulz normalisation floor here (default 1e-7), not Adam's.

@@ -1,7 +1,8 @@
 """GefenMuon's own options, ``[optimizer.muon]``: what every GefenMuon the container builds is built with.
 
 The kind's, not the container's (as ``optim.kinds.gefen.options``): the registry
-entry names this table (``OptimizerSpec.options``) and the container gives
+entry names this table and carries its class (``OptimizerSpec.options``,
+``options_type``) and the container gives
 each GefenMuon ``kwargs()`` as its constructor options. Older recipes' flat
 ``[optimizer]`` keys (``FLAT_KEYS``) are read into it by the recipe layer.
 """
@@ -13,12 +14,13 @@ from typing import Any, ClassVar, Literal
 
 from gefen_titan.optim.cpu_step import MODES
 from gefen_titan.optim.muon.schedule import DEFAULT_BUCKET_MIB
+from gefen_titan.optim.options_table import OptionsTableBase
 
 __all__ = ["MuonOptions"]
 
 
 @dataclass(kw_only=True, slots=True)
-class MuonOptions:
+class MuonOptions(OptionsTableBase):
     """``[optimizer.muon]``: what every GefenMuon optimizer of the run is built with."""
 
     # The flat [optimizer] key of older recipes -> this table's field (deterministic and
