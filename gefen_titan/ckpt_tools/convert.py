@@ -62,14 +62,8 @@ from gefen_titan.checkpoint.format.schema import grid_shape
 from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools.saved_records import codebook_summary, read_records
 from gefen_titan.ckpt_tools.view import Checkpoint, CkptError, split_state_key
-from gefen_titan.optim.blocking import (
-    HIST_BINS,
-    block_variance_sums,
-    candidate_periods,
-    histogram,
-    period_from_sums,
-    row_unit,
-)
+from gefen_titan.optim.block_periods import candidate_periods, period_from_sums, row_unit
+from gefen_titan.optim.block_stats import HIST_BINS, block_variance_sums, histogram
 from gefen_titan.optim.codebook_solver import codebook_from_counts
 from gefen_titan.optim.kinds.gefen import keys as gefen_keys
 from gefen_titan.optim.kinds.gefen import records as gefen_records

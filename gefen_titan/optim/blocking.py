@@ -78,7 +78,6 @@ from gefen_titan.optim.block_stats import (
     LIMBS,
     NO_DATA,
     block_variance_limbs,
-    block_variance_sums,
     check_numel,
     grad_exponent,
     histogram,
@@ -86,10 +85,7 @@ from gefen_titan.optim.block_stats import (
 )
 from gefen_titan.optim.codebook_solver import codebook_from_counts
 
-# The period rules (``block_periods``) and the statistics (``block_stats``) that the agreement applies
-# stay importable here, the entry point of agreed blocking: ``ckpt_tools.convert`` scores periods with them.
-__all__ = ["AgreedBlocking", "BlockingError", "agreement_collectives", "block_variance_sums", "candidate_periods",
-           "histogram", "period_from_sums", "row_unit"]
+__all__ = ["AgreedBlocking", "agreement_collectives"]
 
 
 @dataclass
