@@ -1,5 +1,6 @@
 """The optimizer's load path: one small collective read of the records per load, and a third
-optimizer kind added as one registry entry, one state type and its records (no container code).
+optimizer kind added as a folder of its own (``tests/kinds/variant/``) and one ``register`` call: no
+package code.
 
 Both save a real checkpoint and resume it with ``GefenCheckpointManager``
 (``tests.helpers.tiny_checkpoint.manager``: the train state, a data loader,
@@ -8,17 +9,15 @@ an LR scheduler beside the model and the optimizer), in one process.
 
 from __future__ import annotations
 
-import dataclasses
-import json
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from gefen import Gefen
 
 from gefen_titan.checkpoint.errors import GefenCheckpointError
-from gefen_titan.checkpoint.format import kinds, schema, schema_records
+from gefen_titan.checkpoint.format import kinds, schema
 from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools.convert import convert
 from gefen_titan.ckpt_tools.inspection import inspect_checkpoint
@@ -28,10 +27,13 @@ from gefen_titan.ckpt_tools.view import CkptError
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim import registry
 from gefen_titan.optim.container import GefenOptimizersContainer, ParamGroup
-from gefen_titan.optim.kinds.gefen import description as gefen_description
-from gefen_titan.optim.kinds.gefen import records as gefen_records
-from gefen_titan.optim.kinds.gefen.sharded import GefenShardedAdapter
+from gefen_titan.recipe import load_recipe
 from tests.helpers.tiny_checkpoint import manager
+from tests.kinds.variant import entry as variant_entry
+from tests.kinds.variant.options import VariantOptions
+from tests.kinds.variant.sharded import Variant
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Net(nn.Module):
@@ -125,69 +127,32 @@ def test_a_load_reads_every_kinds_records_in_one_collective_read(tmp_path, monke
 
 
 # ------------------------------------------------------------------ a third kind
-class _Variant(Gefen):
-    """A Gefen variant with state of Gefen's shape and records of its own."""
-
-
-class _VariantRecord(gefen_records.OptimizerRecord):
-    """Its records: Gefen's, with a kind (so neither kind's reader takes the other's)."""
-
-    def to_json(self) -> str:
-        return json.dumps({"kind": "Variant", **json.loads(super().to_json())}, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, raw, opt):
-        data = schema_records.loads_json(raw, f"variant record {opt}")
-        if data.pop("kind", None) != "Variant":
-            raise schema.FormatError(f"variant record {opt} is not a Variant record")
-        rec = gefen_records.OptimizerRecord.from_json(json.dumps(data), opt)
-        return cls(rec.deterministic, rec.global_step, rec.params)
-
-
-class _VariantState(GefenShardedAdapter):
-    """Its state type: Gefen's hooks under its own name, owner and record kinds."""
-
-    kind = "Variant"
-    owns = staticmethod(lambda o: type(o) is _Variant)
-    record_kind, codebook_kind, codebook_what = "variant", "variant_codebook", "Variant codebook"
-
-    def _optimizer_record(self, optim, params):
-        return _VariantRecord(gx.options(optim)["deterministic"], gx.global_step(optim), params)
-
-
-def _variant(groups, **kw):
-    # No factored second moment (gefen-titan's rule); periods and codebook from the agreement.
-    return _Variant([{"params": list(zip(g["param_names"], g["params"])), "lr": g["lr"]} for g in groups],
-                    factored_v_2d=False)
-
-
 @pytest.fixture
-def variant_registered(monkeypatch):
-    """The things a kind adds: its registry entry with its state type and its checkpoint description
-    (``checkpoint.format.kinds``: its records' key rows, what the load's records stage and the offline
-    tools know of it), registered for this test and dropped after."""
-    described = dataclasses.replace(gefen_description.description("Variant", "variant", "variant_codebook",
-                                                               _VariantRecord),
-                                    convert_refusal="a Variant converts to nothing (a test's kind)")
-    registry.register(registry.OptimizerSpec(
-        name="Variant", factory=_variant, owns=_VariantState.owns, group_keys=("lr",),
-        state=lambda optimizers, options: _VariantState(optimizers), record_kind="variant",
-        agreed_blocking=True, codebook_family=registry.codebook_families(),  # a family of its own
-        checkpoint=described))
+def variant_registered():
+    """A third kind, laid out as a built-in one in a folder of its own (``tests/kinds/variant/``: its
+    entry, options table, key rows, records, checkpoint description and state adapter): its registry
+    entry is the one call it needs, registered for this test and dropped after."""
+    registry.register(variant_entry.spec())
     yield
     registry.unregister("Variant")
 
 
 def test_a_third_kind_is_one_entry_one_state_type_and_its_records(tmp_path, monkeypatch, variant_registered):
-    config = GefenOptimizersContainer.Config(param_groups=[
-        ParamGroup(pattern=r"attn", optimizer_name="Variant", optimizer_kwargs={"lr": 1e-3}),
-        ParamGroup(pattern=r".*", optimizer_name="Gefen", optimizer_kwargs={"lr": 1e-3})])
+    # A recipe reaches its options table, [optimizer.variant], as any built-in kind's (the Config's tables
+    # come from the registry: GefenOptimizersContainer.config_class()).
+    config = load_recipe(ROOT / "recipes" / "llama_gefen.toml", {"optimizer": {
+        "variant": {"deterministic": True},
+        # Each group takes [optimizer] lr; the second [optimizer] name (Gefen).
+        "param_groups": [{"pattern": "attn", "optimizer_name": "Variant"}, {"pattern": ".*"}]}},
+        world_size=1).config.optimizer
+    assert config.variant == VariantOptions(deterministic=True)
     model = Net()
     opt = config.build(model_parts=[model])
     _train(opt, model)
     step = _save(opt, model, tmp_path)
     keys = storage.read_metadata(step).state_dict_metadata
-    variant = next(o for o in opt.optimizers if type(o) is _Variant)
+    variant = next(o for o in opt.optimizers if type(o) is Variant)
+    assert gx.options(variant)["deterministic"] and not gx.options(opt.optimizers_of("Gefen")[0])["deterministic"]
     assert "optimizer.gefen/variant/attn.weight" in keys and "optimizer.gefen/variant_codebook/attn.weight" in keys
     assert gx.read(variant, next(gx.named_params(variant))[1]) is not None  # it stepped
     # The first step's agreement set its periods and learned its own codebook, from its own gradients.
@@ -217,7 +182,7 @@ def test_a_third_kind_is_one_entry_one_state_type_and_its_records(tmp_path, monk
     fresh_model = Net()
     fresh = config.build(model_parts=[fresh_model])
     assert len(_small_reads(_load(fresh, fresh_model, tmp_path, monkeypatch))) == 1
-    _same_state(variant, next(o for o in fresh.optimizers if type(o) is _Variant))
+    _same_state(variant, next(o for o in fresh.optimizers if type(o) is Variant))
     _same_state(opt.optimizers_of("Gefen")[0], fresh.optimizers_of("Gefen")[0])
 
     # The kinds check knows it by its entry: its parameter given to Gefen is refused, naming both.
