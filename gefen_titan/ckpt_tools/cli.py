@@ -61,7 +61,7 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
                         "(default: fused, torchtitan's default)")
     p.add_argument("--max-tensor-parallel-degree", type=int, default=1, metavar="N",
                    help="--to gefen: periods also fit the last-dim cuts of every TP degree dividing N "
-                        "(the recipe's optimizer.max_tensor_parallel_degree; default 1)")
+                        "(the recipe's optimizer.blocking.max_tensor_parallel_degree; default 1)")
     p.add_argument("--period-one-substrings", default="", metavar="A,B",
                    help="--to gefen: parameter name substrings kept at period 1 (the recipe's "
                         "optimizer.gefen.period_one_substrings)")

@@ -187,7 +187,7 @@ def _to_adamw(ck: Checkpoint, options: ConvertOptions):
     if saved.version not in schema.AGREED_VERSIONS:
         raise CkptError(f"{ck.path} is Gefen format v{saved.version} (per-rank blocking): convert reads formats "
                         f"v{schema.V2} and v{schema.VERSION} (agreed blocking) only. Resume it with "
-                        "optimizer.blocking = \"per_rank\" instead, or convert a checkpoint of an agreed-blocking run")
+                        "optimizer.blocking.mode = \"per_rank\" instead, or convert a checkpoint of an agreed-blocking run")
     if saved.problems:
         name, what = saved.problems[0]
         raise CkptError(f"{ck.path}: the Gefen records are inconsistent ({name}: {what}); run "
@@ -362,7 +362,7 @@ def _to_gefen(ck: Checkpoint, options: ConvertOptions):
         "deterministic": bool(options.deterministic),
         "written": f"Gefen format v{schema.VERSION} (agreed blocking)",
         "resume": "--optimizer.name Gefen (agreed blocking, the default)"
-                  + (f" with optimizer.max_tensor_parallel_degree = {options.max_tensor_parallel_degree}"
+                  + (f" with optimizer.blocking.max_tensor_parallel_degree = {options.max_tensor_parallel_degree}"
                      if options.max_tensor_parallel_degree > 1 else "")
                   + (" and optimizer.gefen.deterministic = true" if options.deterministic else ""),
         "notes": [],

@@ -100,7 +100,7 @@ def check_period_fits(fqn: str, param: torch.Tensor, period: int) -> str | None:
             f"{fqn}: saved block period {period} crosses a shard cut of the live layout "
             f"{tuple(param.placements) if isinstance(param, DTensor) else ()} (row unit {unit}); the run that "
             "wrote the checkpoint did not declare this tensor-parallel degree: set "
-            "optimizer.max_tensor_parallel_degree there, or resume at a layout whose "
+            "optimizer.blocking.max_tensor_parallel_degree there, or resume at a layout whose "
             "last-dim cuts are multiples of the period"
         )
     return None

@@ -65,7 +65,7 @@ def check_numel(fqn: str, numel: int) -> str | None:
     if numel < MAX_NUMEL:
         return None
     return (f"{fqn}: {numel} elements; agreed blocking sums block variances in int64 fixed point, exact up to "
-            f"{MAX_NUMEL} elements per parameter. Split the parameter, or set optimizer.blocking = \"per_rank\"")
+            f"{MAX_NUMEL} elements per parameter. Split the parameter, or set optimizer.blocking.mode = \"per_rank\"")
 
 
 def grad_exponent(grad: torch.Tensor) -> int:

@@ -163,7 +163,7 @@ class AgreedBlocking:
     def __init__(self, max_tp_degree: int = 1, family_of: Callable[[Optimizer], int] | None = None,
                  families: int = 0) -> None:
         if max_tp_degree < 1:
-            raise ValueError("optimizer.max_tensor_parallel_degree must be >= 1")
+            raise ValueError("optimizer.blocking.max_tensor_parallel_degree must be >= 1")
         self.max_tp_degree = max_tp_degree
         self.family_of, self.families = family_of, families
         self.needed = True
@@ -219,7 +219,7 @@ class AgreedBlocking:
                     f"{len(missing)} parameter(s) of agreed blocking have no gradient on the first step "
                     f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); agreed blocking "
                     "learns every period from the first step's gradients. Freeze them out of the "
-                    "optimizer, or set optimizer.blocking = \"per_rank\""
+                    "optimizer, or set optimizer.blocking.mode = \"per_rank\""
                 )
         except BlockingError as e:
             error = str(e)

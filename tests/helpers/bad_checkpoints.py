@@ -96,8 +96,8 @@ V2_CASES = {
     "codebooks_disagree": ("c_pp2", set_entry("gefen/codebook/layers.1.norm.weight", nudged), "",
                            "codebooks disagree"),
     "deterministic": ("c_fsdp2", None, "|deterministic=1", "optimizer.deterministic"),
-    "blocking": ("c_fsdp2", None, "|blocking=per_rank", 'optimizer.blocking = "agreed"'),
-    "v1_into_agreed": ("c_v1", None, "", 'optimizer.blocking = "per_rank"'),
+    "blocking": ("c_fsdp2", None, "|blocking=per_rank", 'optimizer.blocking.mode = "agreed"'),
+    "v1_into_agreed": ("c_v1", None, "", 'optimizer.blocking.mode = "per_rank"'),
     "truncated": ("c_fsdp2", "truncate", "", "cannot read"),
 }
 

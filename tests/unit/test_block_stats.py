@@ -122,4 +122,4 @@ def test_nonfinite_gradients_give_nan_sums():
 def test_parameters_too_large_for_the_limbs_are_named():
     assert bs.check_numel("w", bs.MAX_NUMEL - 1) is None
     message = bs.check_numel("layers.0.w", bs.MAX_NUMEL)
-    assert message is not None and "layers.0.w" in message and 'blocking = "per_rank"' in message
+    assert message is not None and "layers.0.w" in message and 'optimizer.blocking.mode = "per_rank"' in message
