@@ -187,7 +187,8 @@ def _to_adamw(ck: Checkpoint, options: ConvertOptions):
     if saved.version not in schema.AGREED_VERSIONS:
         raise CkptError(f"{ck.path} is Gefen format v{saved.version} (per-rank blocking): convert reads formats "
                         f"v{schema.V2} and v{schema.VERSION} (agreed blocking) only. Resume it with "
-                        "optimizer.blocking.mode = \"per_rank\" instead, or convert a checkpoint of an agreed-blocking run")
+                        "optimizer.blocking.mode = \"per_rank\" instead, or convert a checkpoint of an "
+                        "agreed-blocking run")
     if saved.problems:
         name, what = saved.problems[0]
         raise CkptError(f"{ck.path}: the Gefen records are inconsistent ({name}: {what}); run "

@@ -70,9 +70,10 @@ from gefen_titan.recipe.checks import check_global_order_batch, check_optimizer,
 from gefen_titan.recipe.coerce import coerce_value, type_hints
 from gefen_titan.recipe.errors import RecipeError
 from gefen_titan.recipe.files import merge_tables, read_recipe_tables
+from gefen_titan.recipe.flat_keys import lift_flat_keys
 
 __all__ = ["BUILTIN_PREFIX", "EXTRA_FLAVORS", "JOB_KEYS", "MODEL_KEYS", "Recipe", "build_recipe", "option_refusal",
-           "finish_recipe", "lift_flat_keys", "load_recipe"]
+           "finish_recipe", "load_recipe"]
 
 JOB_KEYS = ("module", "base_config", "extends", "description", "dump_folder", "hf_assets_path")
 MODEL_KEYS = ("flavor", "attn_backend")  # also command-line flags (recipe.cli)
@@ -199,33 +200,6 @@ def _refuse_option_keys(table: Any, path: str) -> None:
             raise RecipeError(f"{path}: [optimizer] {key}: {why}")
 
 
-def lift_flat_keys(table: Any, path: str) -> None:
-    """Older recipes' flat [optimizer] keys of one table (``muon_bucket_mib``, ``backup_optimizer``,
-    ``max_tensor_parallel_degree``, ...) into that table (``Config.flat_keys``), and a plain value where
-    a table now is (``blocking = "per_rank"``) into the field it stood for (``Config.scalar_fields``:
-    ``[optimizer.blocking] mode``), in place. A key set both ways is refused: neither could say which
-    one was meant."""
-    if not isinstance(table, dict):
-        return
-    config = GefenOptimizersContainer.config_class()
-    for name, field_ in config.scalar_fields().items():
-        if name in table and not isinstance(table[name], dict):
-            table[name] = {field_: table[name]}
-    for old, places in config.flat_keys().items():
-        if old not in table:
-            continue
-        value = table.pop(old)
-        for place in places:
-            kind, _, key = place.partition(".")
-            nested = table.setdefault(kind, {})
-            if isinstance(nested, dict) and key in nested:
-                raise RecipeError(
-                    f"{path}: [optimizer] {old} and [optimizer.{kind}] {key} are both set: {old} is the older "
-                    f"spelling of {place}; keep only [optimizer.{kind}] {key}")
-            if isinstance(nested, dict):
-                nested[key] = value
-
-
 def _base_config(module: str, base_config: str, path: str) -> tuple[Any, list[Any] | None]:
     """The base function's config and the converters its model was built
     with (None: not seen; ``converters.call_base_config``)."""
@@ -275,7 +249,7 @@ def build_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] |
     # Before the first config is constructed: torchtitan warns on each construction (log_once).
     log_once.install()
     path = str(path)
-    data = read_recipe_tables(path)
+    data = read_recipe_tables(path)  # each file's older flat [optimizer] keys lifted before it is merged
     merge_tables(data, overrides or {}, path)
 
     job = _own_section(data, "job", JOB_KEYS, path)

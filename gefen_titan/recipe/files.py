@@ -15,6 +15,7 @@ import tomllib
 from typing import Any
 
 from gefen_titan.recipe.errors import RecipeError
+from gefen_titan.recipe.flat_keys import lift_flat_keys
 
 __all__ = ["declared_world_size", "merge_tables", "read_recipe_tables"]
 
@@ -48,6 +49,7 @@ def read_recipe_tables(path: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]
     variant state only what differs, e.g. its mesh.
     """
     data = _read_toml(path)
+    lift_flat_keys(data.get("optimizer"), path)  # this file's older spellings, before a merge (flat_keys)
     job = data.get("job", {})
     parent = job.get("extends") if isinstance(job, dict) else None
     if parent is None:

@@ -14,9 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gefen_titan.recipe.build import build_recipe, lift_flat_keys, load_recipe
+from gefen_titan.recipe.build import build_recipe, load_recipe
 from gefen_titan.recipe.cli import load_cli, parse_cli, parse_flags
 from gefen_titan.recipe.files import declared_world_size, merge_tables, read_recipe_tables
+from gefen_titan.recipe.flat_keys import lift_flat_keys
 
 __all__ = ["checked_config", "config_of", "merged_tables", "recipe_imports", "recipe_tables", "recipe_world_size",
            "resolve_recipe"]

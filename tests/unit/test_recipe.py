@@ -292,3 +292,19 @@ def test_an_older_recipes_blocking_keys_read_as_the_blocking_table(tmp_path):
     assert old == new and (new.blocking.mode, new.blocking.max_tensor_parallel_degree) == ("per_rank", 2)
     with pytest.raises(RecipeError, match=r"\[optimizer\] blocking.mode: must be one of \['agreed', 'per_rank'\]"):
         load_recipe(write(OLD_BLOCKING.replace('"per_rank"', '"sometimes"'), "bad.toml"))
+
+
+def test_an_older_spelling_in_a_recipe_that_extends_a_table_recipe_wins_as_its_keys_do(tmp_path):
+    """Lifted per file before ``extends`` merges: a child's flat ``max_tensor_parallel_degree`` and string
+    ``blocking`` set the places of the parent's ``[optimizer.blocking]`` table (llama_gefen.toml: degree 2)
+    and win, as any key of the child does."""
+    child = tmp_path / "child.toml"
+    child.write_text(f'[job]\nextends = "{ROOT / "recipes" / "llama_gefen.toml"}"\n\n'
+                     '[optimizer]\nblocking = "agreed"\nmax_tensor_parallel_degree = 4\n')
+    blocking = load_recipe(str(child)).config.optimizer.blocking
+    assert (blocking.mode, blocking.max_tensor_parallel_degree) == ("agreed", 4)
+    # Both spellings in one file still say which one was meant: neither.
+    child.write_text(child.read_text().replace('blocking = "agreed"\n', "")
+                     + '\n[optimizer.blocking]\nmax_tensor_parallel_degree = 2\n')
+    with pytest.raises(RecipeError, match="max_tensor_parallel_degree and .optimizer.blocking. max_tensor_parallel"):
+        load_recipe(str(child))

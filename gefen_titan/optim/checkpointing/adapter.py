@@ -59,9 +59,10 @@ class StateAdapter(Protocol):
 
 
 def blocking_refusal(header: schema_records.Header, blocking: str) -> str:
-    """Why a run of ``optimizer.blocking = blocking`` cannot load a checkpoint of the other blocking."""
-    return (f"it was written with optimizer.blocking.mode = \"{header.implied_blocking}\" (format v{header.version}) and "
-            f"the recipe sets \"{blocking}\"; resume with optimizer.blocking.mode = \"{header.implied_blocking}\" (or "
+    """Why a run of ``optimizer.blocking.mode = blocking`` cannot load a checkpoint of the other blocking."""
+    return (f"it was written with optimizer.blocking.mode = \"{header.implied_blocking}\" "
+            f"(format v{header.version}) and the recipe sets \"{blocking}\"; resume with "
+            f"optimizer.blocking.mode = \"{header.implied_blocking}\" (or "
             "start the optimizer fresh with checkpoint.exclude_from_loading = [\"optimizer\"])")
 
 
