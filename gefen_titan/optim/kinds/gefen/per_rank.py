@@ -51,7 +51,7 @@ __all__ = ["GefenPerRankAdapter"]
 
 
 class GefenPerRankAdapter(StagedLoad):
-    """Format v1: each rank's own codebook and periods (``optimizer.blocking = "per_rank"``)."""
+    """Format v1: each rank's own codebook and periods (``optimizer.blocking.mode = "per_rank"``)."""
 
     kind = "Gefen"
     formats = (schema.V1,)
