@@ -22,7 +22,6 @@ from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, MODEL, OP
 
 from gefen_titan.checkpoint.checks import load_checks
 from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause
-from gefen_titan.checkpoint.format import schema, schema_records
 from gefen_titan.checkpoint.io import storage
 from gefen_titan.optim.kinds import register_builtins
 
@@ -204,13 +203,3 @@ class Checkpoint:
         entries = self.component(component)
         values = self.load([entries[n].key for n in names])
         return {n: values[entries[n].key] for n in names}
-
-    def gefen_header(self) -> schema_records.Header | None:
-        """The ``gefen/format`` header, None when the checkpoint holds no Gefen state."""
-        key = schema.header_key()
-        if key not in self.optimizer:
-            return None
-        try:
-            return schema_records.Header.from_json(self.load_names(OPTIMIZER, [key])[key])
-        except schema.FormatError as e:
-            raise CkptError(f"{self.path}: {e}; run `gefen-titan ckpt verify` on it") from e

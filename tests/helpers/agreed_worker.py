@@ -134,7 +134,7 @@ def snapshot(opt: GefenOptimizersContainer) -> dict:
         out["codebook"] = None if gx.codebook(optim) is None else gx.codebook(optim).clone()
         out["global_step"] = gx.global_step(optim)
         for n, p, group in gx.named_params(optim):
-            st = gx.read(optim, p)
+            st = gx.gefen_read(optim, p)
             out[n] = None if st is None else (st.period, st.step, st.vmean_step, st.codes.clone(),
                                               st.magnitude.clone(), st.vmean.clone(), float(group["lr"]))
     return out

@@ -163,7 +163,7 @@ def global_state(opt) -> dict:
 
     out["schedule"] = []
     for optim in opt.optimizers_of("GefenMuon"):
-        specs, sched = gx.sharded_step(optim).plan()
+        specs, sched = gx.muon_sharded_step(optim).plan()
         out["schedule"] += [[(specs[i].fqn, o) for i, o in zip(b.matrices, b.owners)] for b in sched.buckets]
     return out
 

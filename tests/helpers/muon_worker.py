@@ -64,7 +64,7 @@ def schedule(opt: GefenOptimizersContainer) -> dict:
     out = {"buckets": [], "stats": []}
     for optim, stats in zip(opt.optimizers_of("GefenMuon"), opt.step_stats("GefenMuon"), strict=True):
         names = [fqn for fqn, _, _ in gx.named_params(optim)]
-        sched = gx.sharded_step(optim).schedule
+        sched = gx.muon_sharded_step(optim).schedule
         out["buckets"] += [[(names[i], o) for i, o in zip(b.matrices, b.owners)] for b in sched.buckets]
         out["stats"].append({"peak": stats.peak_inflight_bytes, "bound": stats.bound_bytes,
                              "sent": stats.bytes_sent, "received": stats.bytes_received,

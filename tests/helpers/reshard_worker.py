@@ -85,7 +85,7 @@ def snapshot(opt):
     for optim in opt.optimizers_of("Gefen"):
         cb = gx.codebook(optim)
         for name, p, group in gx.named_params(optim):
-            st = gx.read(optim, p)
+            st = gx.gefen_read(optim, p)
             region, _ = param_region(name, p)
             rec = {"start": region.start, "length": region.length, "shape": tuple(p.shape)}
             if st is not None:

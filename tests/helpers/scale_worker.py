@@ -161,10 +161,10 @@ def planned_and_real(planned: list, optimizers) -> dict:
 
     specs, sched = [], []
     for optim in optimizers.optimizers_of("GefenMuon"):
-        mine, schedule = gx.sharded_step(optim).plan()
+        mine, schedule = gx.muon_sharded_step(optim).plan()
         specs += mine
         sched += [[list(b.matrices), list(b.owners)] for b in schedule.buckets]
-    plan_sched = build_schedule(planned, gx.sharded_step(optimizers.optimizers_of("GefenMuon")[0]).bucket_bytes)
+    plan_sched = build_schedule(planned, gx.muon_sharded_step(optimizers.optimizers_of("GefenMuon")[0]).bucket_bytes)
     return {"planned": [dataclasses.astuple(m) for m in planned], "real": [dataclasses.astuple(m) for m in specs],
             "planned_schedule": [[list(b.matrices), list(b.owners)] for b in plan_sched.buckets],
             "real_schedule": sched, "optimizers": len(optimizers.optimizers_of("GefenMuon"))}

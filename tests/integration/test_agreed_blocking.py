@@ -95,7 +95,7 @@ def test_single_process_agreed_step_presets_what_gefen_would_learn(monkeypatch):
     opt.step()
     (optim,) = opt.optimizers_of("Gefen")
     for name, p, _ in gx.named_params(optim):
-        st = gx.read(optim, p)
+        st = gx.gefen_read(optim, p)
         assert st.step == 1
         if p.dim() == 1:
             assert st.period == 1

@@ -116,7 +116,7 @@ def run_gefen(lib, routed: bool, *, init, grads, cb, period, group, deterministi
     gx.set_period(optim, p, period)
     if zero_start:  # the state gefen-x allocates before its first step, so the kernel takes step 1
         blocks = p.numel() // period
-        gx.write(optim, p, gx.ParamState(period, 0, 0, torch.zeros(blocks, period, dtype=torch.uint8),
+        gx.gefen_write(optim, p, gx.GefenParamState(period, 0, 0, torch.zeros(blocks, period, dtype=torch.uint8),
                                          torch.zeros(blocks, 1), torch.zeros(blocks, 1)))
     step = GefenStep(optim, lib)
     if routed:
@@ -124,7 +124,7 @@ def run_gefen(lib, routed: bool, *, init, grads, cb, period, group, deterministi
     for g in grads:
         p.grad = g.clone()
         optim.step()
-    st = gx.read(optim, p)
+    st = gx.gefen_read(optim, p)
     return {"param": p.detach(), "codes": st.codes, "magnitude": st.magnitude, "vmean": st.vmean,
             "counters": torch.tensor([st.step, st.vmean_step, gx.global_step(optim)])}, step
 
@@ -531,7 +531,7 @@ def test_an_unavailable_kernel_warns_once_and_gefen_x_steps(monkeypatch, caplog)
     for _ in range(2):
         p.grad = torch.randn(16, 8)
         optim.step()
-    assert gx.read(optim, p).step == 2
+    assert gx.gefen_read(optim, p).step == 2
 
 
 def _container(**kw) -> GefenOptimizersContainer:

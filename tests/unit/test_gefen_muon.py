@@ -106,9 +106,9 @@ def test_gefen_x_step_cannot_be_reached():
 def test_the_bucket_size_reaches_the_sharded_step_and_a_bad_one_is_refused():
     opt = _config(muon=MuonOptions(bucket_mib=3)).build(model_parts=[Net()])
     (muon,) = opt.optimizers_of("GefenMuon")
-    assert gx.sharded_step(muon).bucket_bytes == 3 * 2**20
+    assert gx.muon_sharded_step(muon).bucket_bytes == 3 * 2**20
     (default,) = _config().build(model_parts=[Net()]).optimizers_of("GefenMuon")
-    assert gx.sharded_step(default).bucket_bytes == 512 * 2**20
+    assert gx.muon_sharded_step(default).bucket_bytes == 512 * 2**20
     for bad in (0, -1.0):
         with pytest.raises(ValueError, match="optimizer.muon.bucket_mib must be > 0"):
             MuonOptions(bucket_mib=bad)

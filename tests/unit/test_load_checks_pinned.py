@@ -363,7 +363,7 @@ def test_raw_items_taken_in_part_read_back_bit_for_bit(saved, world):
     every shard holds exactly the values saved there (DTensor's own split of what the optimizer held)."""
     root, net, opt = saved
     gefen = next(o for o in opt.optimizers if gx.is_gefen(o))
-    st = gx.read(gefen, net.embed.weight)
+    st = gx.gefen_read(gefen, net.embed.weight)
     grid = schema.grid_shape(tuple(net.embed.weight.shape), st.period)
     want = {"optimizer." + gefen_keys.qcodes_key("embed.weight"): st.codes.reshape(net.embed.weight.shape),
             "optimizer." + gefen_keys.grid_key("embed.weight"): gefen_keys.pack_blocks(st.magnitude.view(grid),

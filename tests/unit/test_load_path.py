@@ -90,7 +90,7 @@ def _two_kinds_trained():
     return config, model, opt
 
 
-def _same_state(a, b, read=gx.read):
+def _same_state(a, b, read=gx.gefen_read):
     for (fqn, pa, _), (_, pb, _) in zip(gx.named_params(a), gx.named_params(b), strict=True):
         sa, sb = read(a, pa), read(b, pb)
         assert (sa is None) == (sb is None), fqn
@@ -154,7 +154,7 @@ def test_a_third_kind_is_one_entry_one_state_type_and_its_records(tmp_path, monk
     variant = next(o for o in opt.optimizers if type(o) is Variant)
     assert gx.options(variant)["deterministic"] and not gx.options(opt.optimizers_of("Gefen")[0])["deterministic"]
     assert "optimizer.gefen/variant/attn.weight" in keys and "optimizer.gefen/variant_codebook/attn.weight" in keys
-    assert gx.read(variant, next(gx.named_params(variant))[1]) is not None  # it stepped
+    assert gx.gefen_read(variant, next(gx.named_params(variant))[1]) is not None  # it stepped
     # The first step's agreement set its periods and learned its own codebook, from its own gradients.
     (gefen,) = opt.optimizers_of("Gefen")
     assert gx.period(variant, model.attn.weight) > 1

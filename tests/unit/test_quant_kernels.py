@@ -255,12 +255,13 @@ def block_mean_segments_cases(device):
 
 def _build_slot(device, region, sources, g):
     """The adapter's own slot rebuild on synthetic records."""
-    from gefen_titan.optim.kinds.gefen.per_rank import GefenPerRankAdapter, _Source
+    from gefen_titan.optim.kinds.gefen.per_rank import GefenPerRankAdapter
+    from gefen_titan.optim.kinds.gefen.per_rank_plan import Source
     from gefen_titan.optim.kinds.gefen.per_rank_regions import Region
 
     srcs, codebooks, blocks_of = [], {}, {}
     for label, (start, length, period) in enumerate(sources):
-        srcs.append(_Source(label, start, length, period, 7, 7, "opt"))
+        srcs.append(Source(label, start, length, period, 7, 7, "opt"))
         codebooks[("opt", label)] = _codebook(g, device)
         nb = length // period
         blocks_of[("w", label)] = torch.stack([torch.rand(nb, generator=g) * 2,

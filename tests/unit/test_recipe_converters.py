@@ -183,6 +183,6 @@ def test_frozen_parameters_hold_no_gefen_state_and_do_not_block_the_agreement():
     assert torch.equal(model.base.weight, frozen)
     assert gx.codebook(optim) is not None  # the agreement ran, and set the codebook
     for p in (model.lora_a.weight, model.lora_b.weight):
-        assert gx.read(optim, p) is not None
+        assert gx.gefen_read(optim, p) is not None
     assert opt.state_bytes()[1] == 64 * 8 * 2  # elements: the adapters only
     assert not any(k.startswith("gefen/") and "base" in k for k in opt.state_dict())

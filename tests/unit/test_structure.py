@@ -101,7 +101,7 @@ KIND_FILES = {
         "gefen_titan/optim/kinds/gefen_muon/",  # its entry, options, key rows, records, description, state
     ),
     "Gefen": (
-        "gefen_titan/optim/gefenx/gefen.py",
+        "gefen_titan/optim/gefenx/gefen.py",  # its gefen_* accessors of gefen-x's private state
         "gefen_titan/optim/kinds/gefen/",  # its entry, options, key rows, records, description, state, validation
         "gefen_titan/optim/quant/",  # its dequantize / re-block / requantize arithmetic
         "gefen_titan/ckpt_tools/convert.py",  # Gefen <-> AdamW: its arithmetic is Gefen's
@@ -128,8 +128,9 @@ NAMES_KIND_STILL = {
 _KIND_NAMES = {
     "Variant": (re.compile(r"(?i)(?<![a-z])variant"), re.compile(r"(?i)\bvariant\b")),  # not "invariant"
     "GefenMuon": (re.compile(r"(?i)(?<!dist)muon"), re.compile(r"(?i)(?<!dist)muon")),  # not torchtitan's DistMuon
-    "Gefen": (re.compile(r"^(is_gefen|new_gefen|build_gefen)$|Gefen(Sharded|PerRank|Param\b|Optimizer\b|Options\b)|"
-                         r"gefen_(sharded|per_rank|records)"), re.compile(r"\bGefen\b")),
+    # Gefen's accessors are gefen_* (gx.gefen_read, GEFEN_STATE_COST), its types Gefen*; gefen_titan is the package.
+    "Gefen": (re.compile(r"^(is_gefen|new_gefen|build_gefen)$|^gefen_(?!titan|muon)|^GEFEN_|"
+                         r"Gefen(Sharded|PerRank|Param|Optimizer\b|Options\b)"), re.compile(r"\bGefen\b")),
 }
 
 
@@ -195,9 +196,12 @@ def test_no_module_outside_a_kinds_files_names_it():
 def test_the_kind_name_check_catches_what_it_is_for():
     src = ('"""Gefen and GefenMuon in prose."""\n'
            'from gefen_titan.optim.checkpointing import GefenMuonShardedAdapter\n'
-           'x = gx.is_gefen(o) or "GefenMuon state" or "Gefen state" or "DistMuon" or "gefen-titan"\n')
-    assert _names_kind(src, "GefenMuon") == ["2: 'GefenMuonShardedAdapter'", "3: 'GefenMuon state'"]
-    assert _names_kind(src, "Gefen") == ["3: 'Gefen state'", "3: 'is_gefen'"]
+           'x = gx.is_gefen(o) or "GefenMuon state" or "Gefen state" or "DistMuon" or "gefen-titan"\n'
+           'import gefen_titan.optim.kinds.gefen_muon\n'
+           'y = gx.gefen_read(o, p) or gx.GEFEN_STATE_COST or gx.period(o, p)\n')
+    assert _names_kind(src, "GefenMuon") == ["2: 'GefenMuonShardedAdapter'", "3: 'GefenMuon state'", "4: 'gefen_muon'"]
+    assert _names_kind(src, "Gefen") == ["3: 'Gefen state'", "3: 'is_gefen'", "5: 'GEFEN_STATE_COST'",
+                                         "5: 'gefen_read'"]
     variant = ('from tests.kinds.variant import entry as variant_entry\nspec = registry.get("Variant")\n'
                'ok = loader.dp_invariant or "a DP-invariant loader"\n')
     assert _names_kind(variant, "Variant") == ["1: 'variant'", "1: 'variant_entry'", "2: 'Variant'"]

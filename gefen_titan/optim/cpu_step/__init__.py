@@ -67,7 +67,7 @@ def _self_check(lib: Library) -> str | None:
             optim.step()
         if routed and step.taken != len(grads) - 1:
             return f"the kernel took {step.taken} of {len(grads) - 1} steps ({dict(step.declined)})"
-        st = gx.read(optim, p)
+        st = gx.gefen_read(optim, p)
         runs.append((p.detach(), st.codes, st.magnitude, st.vmean))
     names = ("parameter", "codes", "magnitudes", "vmean")
     differ = [n for n, a, b in zip(names, *runs) if not torch.equal(a.view(torch.uint8), b.view(torch.uint8))]

@@ -156,7 +156,7 @@ class GefenStep(_Step):
     """Gefen's step of one parameter (True), or False where gefen-x's own must run."""
 
     def __call__(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
-        st = gx.read(self.optim, p)
+        st = gx.gefen_read(self.optim, p)
         state = None if st is None else (st.period, (st.codes, st.magnitude, st.vmean))
         taken = self._take(p, p, grad, state, GefenArgs)
         if taken is None:
@@ -191,7 +191,7 @@ class GefenStep(_Step):
         # torch.sqrt, as gefen-x takes it: on x86 builds it is MKL's vsSqrt, not always correctly rounded
         torch.sqrt(st.vmean, out=prep.root)
         self._call(self.lib.lib.gt_gefen_apply, a)
-        gx.set_empty_shard_counters(self.optim, p, step, vmean_step)
+        gx.gefen_set_empty_shard_counters(self.optim, p, step, vmean_step)
         self.taken += 1
         return True
 

@@ -3,7 +3,12 @@ and the one package that imports gefen-x at all (``lint-imports`` checks it):
 Gefen's accessors in ``gefen``, GefenMuon's in ``muon``, the CPU kernel's hook into
 their steps in ``routing``, the classification of their constructors' keywords in
 ``constructor``, all re-exported here
-(callers use ``from gefen_titan.optim import gefenx as gx``).
+(callers use ``from gefen_titan.optim import gefenx as gx``). Names say whose
+state they touch: ``family``'s are unprefixed (every gefen-x optimizer keeps
+them: ``gx.period``, ``gx.codebook``, ``gx.global_step``, ``gx.named_params``),
+Gefen's own are ``gefen_*`` (``gx.gefen_read``, ``GefenParamState``) and
+GefenMuon's ``muon_*`` (``gx.muon_read``, ``gx.muon_sharded_step``); a kind's
+constructor and test are ``new_<kind>`` / ``is_<kind>``.
 
 gefen-x 0.5.0 keeps what a checkpoint needs outside any public API: per
 parameter ``automatic_period``, ``step``, ``vmean_step``, ``m_codebook``
@@ -29,12 +34,15 @@ from __future__ import annotations
 # Each part's ``__all__`` is the one list of what it exports; the package
 # re-exports them (a star import takes exactly a module's ``__all__``).
 from gefen_titan.optim.gefenx import constructor as _constructor_part
+from gefen_titan.optim.gefenx import family as _family_part
 from gefen_titan.optim.gefenx import gefen as _gefen_part
 from gefen_titan.optim.gefenx import muon as _muon_part
 from gefen_titan.optim.gefenx import routing as _routing_part
 from gefen_titan.optim.gefenx.constructor import *  # noqa: F403
+from gefen_titan.optim.gefenx.family import *  # noqa: F403
 from gefen_titan.optim.gefenx.gefen import *  # noqa: F403
 from gefen_titan.optim.gefenx.muon import *  # noqa: F403
 from gefen_titan.optim.gefenx.routing import *  # noqa: F403
 
-__all__ = [*_constructor_part.__all__, *_gefen_part.__all__, *_muon_part.__all__, *_routing_part.__all__]
+__all__ = [*_constructor_part.__all__, *_family_part.__all__, *_gefen_part.__all__, *_muon_part.__all__,
+           *_routing_part.__all__]

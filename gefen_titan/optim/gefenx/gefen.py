@@ -6,21 +6,19 @@ per parameter ``automatic_period``, ``step``, ``vmean_step``, ``m_codebook``
 ``[blocks, 1]``) in ``optim.state[p]``, and per optimizer ``_gefen_codebook``
 (fp32 ``[256]``), its per-device caches and ``_gefen_global_step`` as
 attributes; the period search's scoring; the codebook families; what that
-state costs (``STATE_COST``, the registry entry's ``cost``).
+state costs (``GEFEN_STATE_COST``, the registry entry's ``cost``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gefen import Gefen, partitioning
+from gefen import Gefen
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint.format import schema
 from gefen_titan.optim.gefenx.constructor import (
     CAPTURABLE,
     IMPLEMENTATION,
@@ -32,17 +30,14 @@ from gefen_titan.optim.gefenx.constructor import (
     Routed,
     shorthand_place,
 )
+from gefen_titan.optim.gefenx.family import K, codebook_tensors
 from gefen_titan.optim.state_cost import StateCost
 
 __all__ = [
-    "FQNS_KEY", "K", "ParamState", "is_gefen", "is_gefenx_optimizer", "new_gefen", "named_params", "options", "read",
-    "write",
-    "clear", "has_state", "period", "set_period", "codebook", "set_codebook", "global_step", "set_global_step",
-    "count_empty_shard_step", "empty_shard_counters", "set_empty_shard_counters", "finalize_period",
-    "fallback_enabled", "LIVE_BLOCK_FLOATS", "STATE_COST", "codebook_tensors", "GEFEN_CONSTRUCTOR",
+    "GefenParamState", "is_gefen", "new_gefen", "gefen_read", "gefen_write", "gefen_clear", "gefen_has_state",
+    "gefen_count_empty_shard_step", "gefen_empty_shard_counters", "gefen_set_empty_shard_counters",
+    "GEFEN_LIVE_BLOCK_FLOATS", "GEFEN_STATE_COST", "GEFEN_CONSTRUCTOR",
 ]
-
-K = schema.K  # codebook entries (gefen-x: num_codebooks=256)
 
 # Every keyword of Gefen's constructor: applied in [optimizer.gefen], routed, or refused (gefenx.constructor).
 GEFEN_CONSTRUCTOR = Constructor(Gefen, {
@@ -74,7 +69,7 @@ _OWNED = ("automatic_period", "step", "vmean_step", "m_codebook", "m_magnitude",
 
 
 @dataclass
-class ParamState:
+class GefenParamState:
     """One parameter's Gefen state on this rank (tensors are the live ones)."""
 
     period: int
@@ -96,56 +91,18 @@ def is_gefen(optim: Optimizer) -> bool:
     return type(optim) is Gefen
 
 
-def is_gefenx_optimizer(optim: Optimizer) -> bool:
-    """A gefen-x optimizer: ``gefen.Gefen`` or any subclass of it (GefenMuon, a variant), all of which
-    keep gefen-x's per-optimizer codebook and step counters (``is_gefen`` is Gefen exactly)."""
-    return isinstance(optim, Gefen)
-
-
-# The group key that keeps the container's FQNs: gefen-x replaces a group's
-# ``param_names`` with its own lowercased names (torchtitan's MoE weights are
-# ``w1_EFD``, ``expert_bias_E``, ...), so the registry's factories put the
-# FQNs here too, and gefen-x carries the key along as it carries any other.
-FQNS_KEY = "gefen_titan_fqns"
-
-
-def named_params(optim: Optimizer) -> Iterator[tuple[str, torch.Tensor, dict]]:
-    """(canonical name, param, group) in Gefen's param-group order.
-
-    The names are the container's FQNs, as the model names its parameters
-    (``FQNS_KEY``; a group built without it, outside the registry: gefen-x's
-    ``param_names``, lowercased).
-    """
-    for group in optim.param_groups:
-        for name, p in zip(group.get(FQNS_KEY, group["param_names"]), group["params"], strict=True):
-            yield name, p, group
-
-
-def options(optim: Optimizer) -> dict[str, Any]:
-    """The constructor options that change Gefen's arithmetic or layout."""
-    return {
-        "deterministic": bool(optim._deterministic),
-        "factored_v_2d": bool(optim._factored_v_2d),
-        "force_1d_period_one": bool(optim._force_1d_period_one),
-        "force_2d_period_one": bool(optim._force_2d_period_one),
-        "period_one_substrings": tuple(optim._period_one_substrings or ()),
-        "codebook_refresh_every": int(optim._codebook_refresh_every or 0),
-        "capturable": bool(optim.capturable),
-    }
-
-
-def has_state(optim: Optimizer, p: torch.Tensor) -> bool:
+def gefen_has_state(optim: Optimizer, p: torch.Tensor) -> bool:
     return "m_codebook" in optim.state.get(p, {})
 
 
-def read(optim: Optimizer, p: torch.Tensor) -> ParamState | None:
+def gefen_read(optim: Optimizer, p: torch.Tensor) -> GefenParamState | None:
     """The parameter's quantized state, or None before its first step."""
     st = optim.state.get(p, {})
     if "m_codebook" not in st:
         return None
     if "v_row" in st or "factored_step" in st:
         raise ValueError("factored second moment (factored_v_2d) state is not supported by gefen_titan")
-    return ParamState(
+    return GefenParamState(
         period=int(st["automatic_period"]),
         step=int(st["step"]),
         vmean_step=int(st.get("vmean_step", st["step"])),
@@ -155,21 +112,21 @@ def read(optim: Optimizer, p: torch.Tensor) -> ParamState | None:
     )
 
 
-def clear(optim: Optimizer, p: torch.Tensor) -> None:
+def gefen_clear(optim: Optimizer, p: torch.Tensor) -> None:
     """Back to a never-stepped parameter (the name Gefen gave it stays)."""
     st = optim.state[p]
     for key in _OWNED:
         st.pop(key, None)
 
 
-def write(optim: Optimizer, p: torch.Tensor, state: ParamState | None) -> None:
+def gefen_write(optim: Optimizer, p: torch.Tensor, state: GefenParamState | None) -> None:
     """Replace the parameter's state (None: never stepped).
 
     Gefen reads ``m_codebook`` as ``[blocks, period]`` and the per-block
     tensors as ``[blocks, 1]`` and updates all three in place, so they must be
     contiguous tensors of exactly those shapes and dtypes.
     """
-    clear(optim, p)
+    gefen_clear(optim, p)
     if state is None:
         return
     blocks = state.codes.shape[0]
@@ -188,37 +145,7 @@ def write(optim: Optimizer, p: torch.Tensor, state: ParamState | None) -> None:
     st["vmean"] = state.vmean
 
 
-def period(optim: Optimizer, p: torch.Tensor) -> int | None:
-    value = optim.state.get(p, {}).get("automatic_period")
-    return None if value is None else int(value)
-
-
-def set_period(optim: Optimizer, p: torch.Tensor, value: int) -> None:
-    """Pre-set the block period; Gefen then skips its own search for ``p``."""
-    optim.state[p]["automatic_period"] = int(value)
-
-
-def codebook(optim: Optimizer) -> torch.Tensor | None:
-    return optim._gefen_codebook
-
-
-def set_codebook(optim: Optimizer, value: torch.Tensor | None) -> None:
-    """Set the optimizer's codebook; with one set, Gefen learns none."""
-    optim._gefen_codebook = value
-    # Stale per-device copies would otherwise outlive the change.
-    optim._gefen_codebook_by_device.clear()
-    optim._gefen_codebook_lut_by_device.clear()
-
-
-def global_step(optim: Optimizer) -> int:
-    return int(optim._gefen_global_step)
-
-
-def set_global_step(optim: Optimizer, value: int) -> None:
-    optim._gefen_global_step = int(value)
-
-
-def count_empty_shard_step(optim: Optimizer, p: torch.Tensor) -> None:
+def gefen_count_empty_shard_step(optim: Optimizer, p: torch.Tensor) -> None:
     """Advance the counters of a parameter whose local shard is empty.
 
     Gefen returns before touching the state of an empty local shard (an
@@ -227,56 +154,36 @@ def count_empty_shard_step(optim: Optimizer, p: torch.Tensor) -> None:
     checkpoint's counters do not depend on which rank DCP keeps them from.
     Gefen never reads them for an empty shard.
     """
-    step, vstep = empty_shard_counters(optim, p)
-    set_empty_shard_counters(optim, p, step + 1, vstep + 1)
+    step, vstep = gefen_empty_shard_counters(optim, p)
+    gefen_set_empty_shard_counters(optim, p, step + 1, vstep + 1)
 
 
-def empty_shard_counters(optim: Optimizer, p: torch.Tensor) -> tuple[int, int]:
+def gefen_empty_shard_counters(optim: Optimizer, p: torch.Tensor) -> tuple[int, int]:
     st = optim.state.get(p, {})
     return int(st.get("step", 0)), int(st.get("vmean_step", 0))
 
 
-def set_empty_shard_counters(optim: Optimizer, p: torch.Tensor, step: int, vmean_step: int) -> None:
+def gefen_set_empty_shard_counters(optim: Optimizer, p: torch.Tensor, step: int, vmean_step: int) -> None:
     st = optim.state[p]
     st["step"] = int(step)
     st["vmean_step"] = int(vmean_step)
 
 
-def codebook_tensors(optim: Optimizer) -> Iterable[torch.Tensor]:
-    """The tensors a Gefen-family optimizer keeps outside ``optim.state``: its codebook, once it has one."""
-    cb = optim._gefen_codebook
-    return (cb,) if isinstance(cb, torch.Tensor) else ()
-
-
 # fp32 per block in live state: magnitude and vmean (checkpointed), and
 # gefen-x 0.5.0's per-step scratch ``stepsize`` and ``_h_buf``, which it keeps
 # in the state between steps (docs/gefen_internals.md; not checkpointed).
-LIVE_BLOCK_FLOATS = 4
+GEFEN_LIVE_BLOCK_FLOATS = 4
 
 
 def _param_bytes(sizes: tuple[int, ...], period: int, element_size: int) -> int:
-    """Gefen's live state for one parameter shard: a uint8 code per element and ``LIVE_BLOCK_FLOATS`` fp32
+    """Gefen's live state for one parameter shard: a uint8 code per element and ``GEFEN_LIVE_BLOCK_FLOATS`` fp32
     per block. An empty shard holds nothing (Gefen keeps no tensors for it)."""
     numel = math.prod(sizes)
-    return numel + 4 * LIVE_BLOCK_FLOATS * (numel // period) if numel else 0
+    return numel + 4 * GEFEN_LIVE_BLOCK_FLOATS * (numel // period) if numel else 0
 
 
 # What Gefen's state costs (its registry entry's ``cost``): the parameters' state, and the one fp32 [256]
 # codebook per optimizer.
-STATE_COST = StateCost(_param_bytes, optimizer_bytes=K * 4, optimizer_tensors=codebook_tensors)
+GEFEN_STATE_COST = StateCost(_param_bytes, optimizer_bytes=K * 4, optimizer_tensors=codebook_tensors)
 
 
-# ------------------------------------------------------------ period search
-def finalize_period(results: list[tuple[int, float]]) -> int:
-    """Gefen's own scoring of (period, error) candidates, ascending periods.
-
-    The score of a candidate is the increase of its error over the previous
-    candidate's; the smallest score wins (ties: the smaller period); a winner
-    below 8 becomes 1 (``gefen.partitioning._finalize_period_results``).
-    """
-    return int(partitioning._finalize_period_results(results, print_results=False))
-
-
-def fallback_enabled() -> bool:
-    """gefen-x replaces a period-1 result by a coarse block (its memory-safe fallback)."""
-    return bool(partitioning.MEMORY_SAFE_FALLBACK)

@@ -34,15 +34,15 @@ from gefen_titan.optim.gefenx.constructor import (
     Routed,
     shorthand_place,
 )
-from gefen_titan.optim.gefenx.gefen import K, codebook_tensors
+from gefen_titan.optim.gefenx.family import K, codebook_tensors
 from gefen_titan.optim.state_cost import StateCost
 
 __all__ = [
     "MUON_CONSTRUCTOR", "MUON_GROUP_KEYS", "MUON_REFUSED", "MUON_UPDATE_DTYPE", "MuonState", "ShardedGefenMuon",
     "ShardedStep",
-    "new_gefen_muon", "sharded_step", "is_gefen_muon", "muon_defaults", "muon_refused", "muon_deterministic",
+    "new_gefen_muon", "muon_sharded_step", "is_gefen_muon", "muon_defaults", "muon_refused", "muon_deterministic",
     "muon_read", "muon_write", "muon_rows", "muon_set_rows", "muon_momentum", "muon_orthogonalize", "muon_normuon",
-    "muon_apply", "muon_restore_group", "advance_global_step", "hybrid_defaults", "ns_schedule_names",
+    "muon_apply", "muon_restore_group", "hybrid_defaults", "ns_schedule_names",
     "ns_schedule_coefficients", "NORMUON_ROW_BYTES", "MUON_STATE_COST",
 ]
 
@@ -187,7 +187,7 @@ def new_gefen_muon(param_groups: list[dict[str, Any]], sharded_step: Callable[[O
     return ShardedGefenMuon(param_groups, sharded_step=sharded_step, **options)
 
 
-def sharded_step(optim: Optimizer) -> Any:
+def muon_sharded_step(optim: Optimizer) -> Any:
     """The step object a ``ShardedGefenMuon`` runs (its constructor's)."""
     return optim._sharded_step
 
@@ -351,11 +351,6 @@ def muon_restore_group(group: dict, values: dict[str, Any]) -> None:
     the ``beta1``/``beta2`` mirror of ``momentum`` that gefen-x's group keeps."""
     group.update({k: values[k] for k in MUON_GROUP_KEYS})
     group["beta1"], group["beta2"] = values["momentum"], 0.0
-
-
-def advance_global_step(optim: Optimizer) -> None:
-    """The per-optimizer step counter gefen-x's ``step()`` advances last."""
-    optim._advance_gefen_global_step()
 
 
 # GefenMuonHybrid is never built (optim.hybrid expands it into groups): its defaults and NS schedules are read.

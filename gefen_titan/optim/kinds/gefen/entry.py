@@ -69,7 +69,7 @@ def _count_empty_shards(optim: Optimizer) -> None:
     the container does, for the records (which must agree on every rank)."""
     for _, p, _ in gx.named_params(optim):
         if p.grad is not None and local(p).numel() == 0:
-            gx.count_empty_shard_step(optim, p)
+            gx.gefen_count_empty_shard_step(optim, p)
 
 
 def spec() -> OptimizerSpec:
@@ -93,6 +93,6 @@ def spec() -> OptimizerSpec:
         group_key_hint=_gefen_group_key_hint,
         checkpoint=gefen_description.description(),
         validation=VALIDATION,
-        cost=gx.STATE_COST,
+        cost=gx.GEFEN_STATE_COST,
         constructor=gx.GEFEN_CONSTRUCTOR,
     )

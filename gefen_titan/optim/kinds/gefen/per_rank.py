@@ -28,13 +28,12 @@ against a codebook merged from the sources' codebooks weighted by use.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from gefen_titan.checkpoint.errors import GefenCheckpointError, other_model_advice
+from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.checkpoint.format import kinds, schema, schema_records
 from gefen_titan.distributed import like_param, local
 from gefen_titan.optim import gefenx as gx
@@ -42,69 +41,24 @@ from gefen_titan.optim.checkpointing.adapter import StagedLoad, blocking_refusal
 from gefen_titan.optim.checkpointing.codebook_merge import K, merge_codebooks
 from gefen_titan.optim.checkpointing.load_context import LoadContext
 from gefen_titan.optim.kinds.gefen import keys as gefen_keys
-from gefen_titan.optim.kinds.gefen import records as gefen_records
 from gefen_titan.optim.kinds.gefen import records_v1
 from gefen_titan.optim.kinds.gefen.keys import HYPER
+from gefen_titan.optim.kinds.gefen.per_rank_plan import Plan, Slot, check_keys, plan_from_records
 from gefen_titan.optim.kinds.gefen.per_rank_regions import Region, UnsupportedLayout, param_region, target_period
 from gefen_titan.optim.quant.requant import Segment, block_mean_segments, dequantize_segments, requantize
 
 __all__ = ["GefenPerRankAdapter"]
 
 
-@dataclass
-class _Slot:
-    """One live Gefen parameter on this rank."""
-
-    fqn: str
-    param: torch.Tensor
-    optim: Optimizer
-    opt_id: str
-    group: dict
-    region: Region
-    local_shape: tuple[int, ...]
-
-    @property
-    def device(self) -> torch.device:
-        return local(self.param).device
-
-
-@dataclass
-class _Source:
-    """One source rank's record of one parameter (from the checkpoint)."""
-
-    label: int
-    start: int
-    length: int
-    period: int
-    step: int
-    vmean_step: int
-    opt_id: str
-    block0: int = 0  # first row of this parameter in the source rank's blocks
-
-    @property
-    def stop(self) -> int:
-        return self.start + self.length
-
-
-@dataclass
-class _Plan:
-    params: dict[str, dict]  # fqn -> checkpoint param record
-    sources: dict[str, list[_Source]]  # fqn -> source records, by start
-    codebooks: dict[tuple[str, int], torch.Tensor]
-    global_steps: dict[tuple[str, int], int]
-    block_rows: dict[tuple[str, int], int]  # (opt, rank) -> rows of its blocks entry
-    needed: dict[str, list[_Source]] = field(default_factory=dict)  # fqn -> overlapping
-
-
 class GefenPerRankAdapter(StagedLoad):
-    """Format v1: each rank's own codebook and periods (``optimizer.blocking = "per_rank"``)."""
+    """Format v1: each rank's own codebook and periods (``optimizer.blocking.mode = "per_rank"``)."""
 
     kind = "Gefen"
     formats = (schema.V1,)
 
     def __init__(self, optimizers: list[Optimizer]) -> None:
         self.optimizers = [o for o in optimizers if gx.is_gefen(o)]
-        self.slots: list[_Slot] = []
+        self.slots: list[Slot] = []
         # A layout we cannot checkpoint (TP shards) must not stop training
         # without checkpoints: refuse at save/load time instead.
         self._unsupported: str | None = None
@@ -116,7 +70,7 @@ class GefenPerRankAdapter(StagedLoad):
                 except UnsupportedLayout as e:
                     self._unsupported = self._unsupported or str(e)
                     region, local_shape = Region(0, 1, 0, p.numel()), tuple(p.shape)
-                self.slots.append(_Slot(name, p, optim, opt_id, group, region, local_shape))
+                self.slots.append(Slot(name, p, optim, opt_id, group, region, local_shape))
 
     # ------------------------------------------------------------------ save
     def _save(self) -> dict[str, Any]:
@@ -139,7 +93,7 @@ class GefenPerRankAdapter(StagedLoad):
         blocks, nblocks = [], 0
         for slot in slots:
             try:
-                st = gx.read(slot.optim, slot.param)
+                st = gx.gefen_read(slot.optim, slot.param)
             except ValueError as e:
                 raise GefenCheckpointError(f"{slot.fqn}: {e}") from e
             meta.params.append(records_v1.V1ParamRecord(slot.fqn, tuple(slot.param.shape),
@@ -170,112 +124,13 @@ class GefenPerRankAdapter(StagedLoad):
     def _format_refusal(self, header: schema_records.Header) -> str:
         return blocking_refusal(header, "per_rank")
 
-    def _plan_from(self, ctx: LoadContext) -> _Plan:
-        why = self._unsupported or self._check_keys(ctx.entries)
+    def _plan_from(self, ctx: LoadContext) -> Plan:
+        why = self._unsupported or check_keys(self.slots, ctx.entries)
         if why:
             raise GefenCheckpointError(why)
-        return self._plan_from_records(ctx.small, ctx.entries)  # (UnsupportedLayout is a ValueError)
+        return plan_from_records(self.slots, ctx.small, ctx.entries)  # (UnsupportedLayout is a ValueError)
 
-    def _check_keys(self, ours: dict[str, Any]) -> str | None:
-        if not self.slots:
-            return None
-        parsed = [schema.parse_key(k) for k in ours]
-        saved = {pk.name for pk in parsed if pk and pk.kind == "codes"}
-        if schema.header_key() not in ours or not saved:
-            foreign = sorted(k for k in ours if k.startswith("state."))[:3]
-            what = (
-                f"it holds another optimizer's state ({', '.join(foreign)} ...)"
-                if foreign
-                else "it holds no Gefen state in the gefen-titan format"
-            )
-            return (
-                f"{what}. To start Gefen fresh from this checkpoint's model, set "
-                "checkpoint.exclude_from_loading = [\"optimizer\"] (and lr_scheduler if needed)"
-            )
-        live = {s.fqn for s in self.slots}
-        missing = sorted(live - saved)
-        if missing:
-            return other_model_advice(
-                f"it has no Gefen state for {len(missing)} live parameter(s) "
-                f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})"
-            )
-        for s in self.slots:
-            codes = ours.get(gefen_keys.codes_key(s.fqn))
-            if codes is None:
-                return f"{s.fqn}: codes missing from the checkpoint (truncated or foreign checkpoint)"
-            if tuple(codes.size) != tuple(s.param.shape):
-                return other_model_advice(f"{s.fqn} is {tuple(codes.size)} there and {tuple(s.param.shape)} here")
-        return None
-
-    def _plan_from_records(self, small: dict[str, Any], ours: dict[str, Any]) -> _Plan:
-        # Every saved parameter: which optimizer, its index there, its record.
-        where: dict[str, tuple[str, int, records_v1.V1ParamRecord, int, int]] = {}
-        for key, value in small.items():
-            pk = schema.parse_key(key)
-            if pk and pk.kind == "gefen":
-                meta = records_v1.V1OptimizerRecord.from_json(value, pk.name)
-                for i, rec in enumerate(meta.params):
-                    where[rec.fqn] = (pk.name, i, rec, meta.nshards, len(meta.params))
-        params, sources = {}, {}
-        codebooks, global_steps, block_rows = {}, {}, {}
-        for slot in self.slots:
-            if slot.fqn not in where:
-                raise GefenCheckpointError(
-                    f"{slot.fqn}: no record in the checkpoint (another model or optimizer grouping)")
-            opt_id, index, rec, nshards, nparams = where[slot.fqn]
-            params[slot.fqn] = rec
-            gefen_records.check_hyper(slot.fqn, rec.group)
-            srcs = []
-            for label in range(nshards):
-                rk = gefen_keys.records_key(opt_id, label)
-                if rk not in small:
-                    raise GefenCheckpointError(
-                        f"{slot.fqn}: records of source rank {label} missing (truncated checkpoint?)")
-                global_step, table = records_v1.read_v1_rank_table(small[rk], nparams, rk)
-                row = table[index]
-                bk = ours.get(gefen_keys.blocks_key(opt_id, label))
-                rows = bk.size[0] if bk is not None else -1
-                block_rows[(opt_id, label)] = rows
-                why = row.check(slot.fqn, label, rows) or gefen_records.check_counters(
-                    f"{slot.fqn}: source rank {label}", row.period, row.step, row.vmean_step)
-                if why:
-                    raise GefenCheckpointError(why)
-                srcs.append(_Source(label, row.start, row.length, row.period, row.step, row.vmean_step, opt_id,
-                                    row.block0))
-                key = (opt_id, label)
-                global_steps.setdefault(key, global_step)
-                if global_steps[key] < row.step:
-                    raise GefenCheckpointError(
-                        f"{slot.fqn}: global step {global_steps[key]} < parameter step {row.step}")
-                if row.period and key not in codebooks:
-                    ck = gefen_keys.rank_codebook_key(*key)
-                    if ck not in small:
-                        raise GefenCheckpointError(f"codebook of source rank {label} for optimizer {opt_id} missing")
-                    codebooks[key] = schema_records.check_codebook(small[ck],
-                                                                   f"codebook of source rank {label} ({opt_id})")
-            srcs.sort(key=lambda s: s.start)
-            pos = 0
-            for src in srcs:
-                if src.length and src.start != pos:
-                    raise GefenCheckpointError(
-                        f"{slot.fqn}: source shards do not tile the parameter (gap or overlap at element {pos})")
-                pos = src.stop if src.length else pos
-            if pos != slot.param.numel():
-                raise GefenCheckpointError(f"{slot.fqn}: source shards cover {pos} of {slot.param.numel()} elements")
-            steps = {src.step for src in srcs if src.length}
-            if len(steps) > 1:
-                raise GefenCheckpointError(f"{slot.fqn}: source ranks disagree on the step count {sorted(steps)}")
-            sources[slot.fqn] = srcs
-        plan = _Plan(params, sources, codebooks, global_steps, block_rows)
-        for slot in self.slots:
-            r = slot.region
-            plan.needed[slot.fqn] = [
-                src for src in sources[slot.fqn]
-                if src.length and src.period and src.start < r.stop and r.start < src.stop
-            ]
-        return plan
-
-    def _load_destinations(self, plan: _Plan) -> dict[str, Any]:
+    def _load_destinations(self, plan: Plan) -> dict[str, Any]:
         sd: dict[str, Any] = {}
         for slot in self.slots:
             if not plan.needed[slot.fqn]:
@@ -289,10 +144,10 @@ class GefenPerRankAdapter(StagedLoad):
                     sd[key] = torch.empty(rows, 2, dtype=torch.float32, device=slot.device)
         return sd
 
-    def _stage(self, plan: _Plan, sd: dict[str, Any]) -> dict:
+    def _stage(self, plan: Plan, sd: dict[str, Any]) -> dict:
         return self._build(plan, sd)
 
-    def _build(self, plan: _Plan, sd: dict[str, Any]) -> dict:
+    def _build(self, plan: Plan, sd: dict[str, Any]) -> dict:
         """New per-param states and per-optimizer codebooks, nothing committed."""
         codes_of: dict[str, torch.Tensor] = {}
         blocks_of: dict[tuple[str, int], torch.Tensor] = {}
@@ -340,7 +195,7 @@ class GefenPerRankAdapter(StagedLoad):
                 optim_meta[id(optim)] = (cb, max(plan.global_steps[k] for k in keys))
         return {"states": states, "optim": optim_meta}
 
-    def _merged_codebook(self, plan: _Plan, optim: Optimizer, codes_of: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _merged_codebook(self, plan: Plan, optim: Optimizer, codes_of: dict[str, torch.Tensor]) -> torch.Tensor:
         codebooks, weights = [], []
         for slot in self.slots:
             if slot.optim is not optim:
@@ -393,10 +248,10 @@ class GefenPerRankAdapter(StagedLoad):
             "vmean": block_mean_segments(segments, period),
         }
 
-    def _commit(self, plan: _Plan, staged: dict) -> None:
+    def _commit(self, plan: Plan, staged: dict) -> None:
         for slot in self.slots:
             new = staged["states"].get(slot.fqn)
-            gx.write(slot.optim, slot.param, None if new is None else gx.ParamState(
+            gx.gefen_write(slot.optim, slot.param, None if new is None else gx.GefenParamState(
                 period=new["automatic_period"], step=new["step"], vmean_step=new["vmean_step"],
                 codes=new["m_codebook"].contiguous(), magnitude=new["m_magnitude"].contiguous(),
                 vmean=new["vmean"].contiguous()))

@@ -50,7 +50,7 @@ class GefenShardedAdapter(ShardedAdapter):
             return rec, {}
         local_shape = tuple(s.local.shape)
         local_grid = grid_shape(local_shape, period) if local_shape else ()
-        st = gx.read(s.optim, s.param)
+        st = gx.gefen_read(s.optim, s.param)
         if st is None:  # an empty local shard: Gefen keeps no tensors for it
             dev = s.local.device
             codes = torch.empty(local_shape, dtype=torch.uint8, device=dev)
@@ -62,11 +62,11 @@ class GefenShardedAdapter(ShardedAdapter):
         return rec, {keys["codes"]: codes, keys["grid"]: blocks}
 
     def _counters(self, s: Slot) -> tuple[int, int, int]:
-        st = gx.read(s.optim, s.param)
+        st = gx.gefen_read(s.optim, s.param)
         if st is not None:
             return st.period, st.step, st.vmean_step
         period = gx.period(s.optim, s.param)
-        step, vstep = gx.empty_shard_counters(s.optim, s.param)
+        step, vstep = gx.gefen_empty_shard_counters(s.optim, s.param)
         if period and step and s.local.numel() == 0:
             return period, step, vstep
         return 0, 0, 0
@@ -77,24 +77,24 @@ class GefenShardedAdapter(ShardedAdapter):
 
     # ------------------------------------------------------------------ load
     def _stage_param(self, s: Slot, rec: gefen_records.ParamRecord, tensors: dict[str, torch.Tensor],
-                     version: int) -> gx.ParamState:
+                     version: int) -> gx.GefenParamState:
         keys = gefen_keys.param_tensor_keys(s.fqn, version)
         by_name = {name: tensors[key] for name, key in keys.items()}
         mag, vmean = gefen_keys.unpack_blocks(version, by_name)
         check_finite_nonnegative(s.fqn, "magnitude", mag)
         check_finite_nonnegative(s.fqn, "vmean", vmean)
-        return gx.ParamState(period=rec.period, step=rec.step, vmean_step=rec.vmean_step,
+        return gx.GefenParamState(period=rec.period, step=rec.step, vmean_step=rec.vmean_step,
                              codes=by_name["codes"].reshape(-1, rec.period),
                              magnitude=mag.reshape(-1, 1).contiguous(), vmean=vmean.reshape(-1, 1).contiguous())
 
-    def _install(self, s: Slot, st: gx.ParamState | None, rec: gefen_records.ParamRecord) -> None:
+    def _install(self, s: Slot, st: gx.GefenParamState | None, rec: gefen_records.ParamRecord) -> None:
         if st is not None and st.codes.numel() == 0:
             # An empty local shard: Gefen keeps no tensors, only the agreed
             # period and counters (so later saves agree).
-            gx.write(s.optim, s.param, None)
+            gx.gefen_write(s.optim, s.param, None)
             gx.set_period(s.optim, s.param, st.period)
-            gx.set_empty_shard_counters(s.optim, s.param, st.step, st.vmean_step)
+            gx.gefen_set_empty_shard_counters(s.optim, s.param, st.step, st.vmean_step)
         else:
-            gx.write(s.optim, s.param, st)
+            gx.gefen_write(s.optim, s.param, st)
         for k in HYPER:
             s.group[k] = rec.group[k]

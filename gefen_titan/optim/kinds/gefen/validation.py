@@ -70,12 +70,12 @@ def live_facts(optimizers: list[Optimizer]) -> dict[str, Any]:
         opt_id = _opt_id(optim)
         opts[opt_id] = _codebook(optim)
         for fqn, p, group in gx.named_params(optim):
-            st = gx.read(optim, p)
+            st = gx.gefen_read(optim, p)
             if st is not None:
                 period, step, vstep, has_state = st.period, st.step, st.vmean_step, True
             else:  # never stepped, or an empty local shard (counters kept by gefen_titan)
                 period = gx.period(optim, p) or 0
-                step, vstep = gx.empty_shard_counters(optim, p)
+                step, vstep = gx.gefen_empty_shard_counters(optim, p)
                 has_state = False
             params[fqn] = {"optimizer": opt_id, "period": int(period), "step": int(step), "vmean_step": int(vstep),
                            "has_state": has_state, "local_numel": local(p).numel(),
@@ -187,7 +187,7 @@ def rank_state(optimizers: list[Optimizer]) -> dict[str, Any]:
             rec: dict[str, Any] = {"shape": tuple(p.shape), "start": region.start, "length": region.length,
                                    "optimizer": opt_id,
                                    "hyper": {k: float(group[k]) for k in ("lr", "beta1", "beta2", "eps")}}
-            st = gx.read(optim, p)
+            st = gx.gefen_read(optim, p)
             if st is not None:
                 rec.update(period=st.period, step=st.step, vmean_step=st.vmean_step,
                            codes=st.codes.reshape(-1).cpu().clone(),

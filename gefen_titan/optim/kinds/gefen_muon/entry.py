@@ -90,7 +90,7 @@ def spec() -> OptimizerSpec:
         group_key_hint=_muon_group_key_hint,
         # eps is the Newton-Schulz normalisation floor here (default 1e-7), not Adam's.
         shorthand_keys=("lr", "weight_decay"),
-        step_stats=lambda optim: gx.sharded_step(optim).stats,
+        step_stats=lambda optim: gx.muon_sharded_step(optim).stats,
         checkpoint=muon_description.DESCRIPTION,
         cost=gx.MUON_STATE_COST,
         constructor=gx.MUON_CONSTRUCTOR,
