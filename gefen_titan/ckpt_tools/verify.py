@@ -49,7 +49,7 @@ from torchtitan.components.checkpoint import OPTIMIZER
 from gefen_titan.checkpoint import progress
 from gefen_titan.checkpoint.checks import entry_values, load_checks, metadata_fields
 from gefen_titan.checkpoint.errors import GefenCheckpointError, restore_advice
-from gefen_titan.checkpoint.format import digests, kinds, schema, unpickling
+from gefen_titan.checkpoint.format import digest_format, digests, kinds, schema, unpickling
 from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools.saved_records import read_records
 from gefen_titan.ckpt_tools.view import Checkpoint, CkptError, Entry, split_state_key
@@ -345,7 +345,7 @@ def _verify(path: str) -> dict[str, Any]:
         ck = None
     if ck is not None:
         v.digest_sections(ck)
-        if not v.has_digests and digests.expects_digests(ck.metadata):
+        if not v.has_digests and digest_format.expects_digests(ck.metadata):
             v.add(digests.FILE, None, "missing, and .metadata says the save wrote one (deleted or lost since): "
                                       "a load refuses this checkpoint", "digests present")
         unsafe = v.structure(ck)
