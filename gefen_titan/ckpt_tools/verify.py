@@ -138,7 +138,7 @@ class _Verifier:
 
     # ------------------------------------------------------------ pass 1
     def structure(self, ck: Checkpoint) -> set[tuple[str | None, str | None]]:
-        """The load's metadata stage (``ck.problems``: ``load_checks.metadata_problems``); the
+        """The load's metadata stage (``ck.problems``: ``metadata_checks.metadata_problems``); the
         (file, entry) pairs whose items must not be read."""
         self.checked["entries"] += len(ck.entries)
         for p in ck.problems:

@@ -119,7 +119,7 @@ class LoadChecks:
     (off: refused). ``stray_bytes``: ``storage.stray_bytes`` of the checkpoint,
     (file, what) for each byte no item covers; run on rank 0 only (the same
     files for every rank), and only for a checkpoint with ``.digests``.
-    ``bounds``: ``load_checks.metadata_problems`` of the checkpoint (its files'
+    ``bounds``: ``metadata_checks.metadata_problems`` of the checkpoint (its files'
     sizes bound every read), rank 0 only, with digests or without.
     """
 
@@ -249,7 +249,7 @@ class _CheckedReading(ItemReads):
             except OSError as e:
                 return str(unreadable(self._id(), e, dg.step_problem))
             except Exception as e:
-                return _failed_check(self._id(), "the metadata stage (load_checks.metadata_problems)", e)
+                return _failed_check(self._id(), "the metadata stage (metadata_checks.metadata_problems)", e)
             if bounds:
                 return load_checks.refusal(self._id(), bounds)
         if record is not None and checks.stray_bytes is not None:
