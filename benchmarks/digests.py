@@ -28,7 +28,7 @@ import tempfile
 import time
 
 from benchmarks.rss import PeakRSS
-from gefen_titan.checkpoint.format import digests
+from gefen_titan.checkpoint.format import digest_format, digests
 
 __all__ = ["main", "synthetic", "measure"]
 
@@ -52,7 +52,7 @@ def version_1(size: int, digest: str, items: dict[str, dict[int, tuple[int, str]
     body = json.dumps({"metadata": {"size": size, "digest": digest},
                        "items": {f: [[o, n, d] for o, (n, d) in sorted(v.items())] for f, v in sorted(items.items())}},
                       separators=(",", ":")).encode()
-    return f"{digests.MAGIC} 1 {digests.ALGORITHM} {digests.hexdigest(body)}\n".encode() + body
+    return f"{digest_format.MAGIC} 1 {digests.ALGORITHM} {digests.hexdigest(body)}\n".encode() + body
 
 
 def measure(path: str, file: str) -> dict:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| file version | file MiB | read by one rank MiB | seconds | peak RSS growth MiB |")
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        for label, raw in ((f"{digests.FILE_VERSION} (index + sections; current)", current),
+        for label, raw in ((f"{digest_format.FILE_VERSION} (index + sections; current)", current),
                            ("1 (one JSON object)", old)):
             path = os.path.join(tmp, digests.FILE)
             with open(path, "wb") as f:

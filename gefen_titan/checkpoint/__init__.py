@@ -5,7 +5,7 @@ Three wings, each a layer of its own (import-linter's checkpoint contract in
 
 * ``format/`` (bottom): what is on disk and how it decodes, named by no
   reader: the keys and records (``schema``, ``schema_records``), each kind's
-  description (``kinds``), the ``.digests`` file (``digests``, ``digest_keys``),
+  description (``kinds``), the ``.digests`` file (``digests``, ``digest_format``, ``digest_keys``),
   the pickles inside a checkpoint read without running code (``unpickling``,
   ``pickle_budget``) and the bounded opening of its files (``files``);
 * ``checks/``: what a load checks of what it reads, without a live model, in

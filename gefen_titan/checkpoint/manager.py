@@ -23,7 +23,7 @@ reader checks ``.metadata`` against it, checks every stored item, on every
 rank, before the first byte reaches a live tensor (``checkpoint.io.reading``),
 and refuses data files with bytes no item covers or that ``.metadata`` does
 not list (``storage.stray_bytes``). A checkpoint whose ``.metadata`` says its
-save wrote ``.digests`` (``digests.expects_digests``) is refused without
+save wrote ``.digests`` (``digest_format.expects_digests``) is refused without
 one unless ``checkpoint.load_without_digests``; one from before digests
 (formats v1, v2) loads unchecked, with a warning on every rank. With
 ``checkpoint.digest_key_env`` saves sign ``.digests`` and loads check the

@@ -29,7 +29,7 @@ from torchtitan.components.checkpoint import OPTIMIZER
 from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause
 from gefen_titan.checkpoint.format import kinds
 from gefen_titan.checkpoint.io import storage
-from gefen_titan.ckpt_tools.verify import nonnegative_entry
+from gefen_titan.ckpt_tools.verify_items import nonnegative_entry
 from gefen_titan.ckpt_tools.view import CkptError
 from gefen_titan.optim.kinds import register_builtins
 
@@ -52,7 +52,7 @@ def _count(value: Any, acc: dict[str, int]) -> None:
 
 def _check_values(path: str, sd: dict[str, Any]) -> None:
     """The load's value checks of what ``storage.load_all`` read (the byte entries' ran as it read them):
-    a magnitude or second moment non-finite or negative is refused (``verify.nonnegative_entry``)."""
+    a magnitude or second moment non-finite or negative is refused (``verify_items.nonnegative_entry``)."""
     for name, value in (sd.get(OPTIMIZER) or {}).items():
         if isinstance(value, torch.Tensor) and nonnegative_entry(OPTIMIZER, name):
             why = kinds.nonnegative_problem(value)

@@ -24,7 +24,8 @@ the file it is in and the check:
    tensors each kind's description names ``nonnegative`` finite and >= 0,
    by the load's own function (``kinds.nonnegative_problem``, which its
    adapters run). Beyond the load: every other floating value finite (the
-   model's too) and AdamW's ``exp_avg_sq`` >= 0.
+   model's too) and AdamW's ``exp_avg_sq`` >= 0. An item's checks are
+   ``ckpt_tools.verify_items``'.
 3. **Records.** The load's records stage (``checkpoint.checks.record_checks``):
    every registered kind's records, codebooks and the tensors they imply
    (its ``checkpoint.format.kinds.KindDescription``), an entry of a key kind no
@@ -38,24 +39,20 @@ recipe of the run that will resume it (the load checks that, on every rank).
 
 from __future__ import annotations
 
-import io
-import zipfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
-from torchtitan.components.checkpoint import OPTIMIZER
-
 from gefen_titan.checkpoint import progress
-from gefen_titan.checkpoint.checks import entry_values, load_checks, metadata_fields
+from gefen_titan.checkpoint.checks import metadata_fields
 from gefen_titan.checkpoint.errors import GefenCheckpointError, restore_advice
-from gefen_titan.checkpoint.format import digests, kinds, schema, unpickling
+from gefen_titan.checkpoint.format import digest_format, digests, kinds, schema
 from gefen_titan.checkpoint.io import storage
 from gefen_titan.ckpt_tools.saved_records import read_records
+from gefen_titan.ckpt_tools.verify_items import ItemChecks
 from gefen_titan.ckpt_tools.view import Checkpoint, CkptError, Entry, split_state_key
 from gefen_titan.optim.kinds import register_builtins
 
-__all__ = ["Problem", "nonnegative_entry", "verify_checkpoint", "render"]
+__all__ = ["Problem", "verify_checkpoint", "render"]
 
 _READ = 1 << 24  # bytes per read call (large items are read in pieces)
 
@@ -68,19 +65,6 @@ class Problem:
     check: str | None = None  # its name in load_checks.CHECKS (None: a check of verify's own)
 
 
-def nonnegative_entry(component: str, name: str) -> bool:
-    """Whether entry ``name`` of ``component`` holds values that are finite and >= 0 in any state its kind
-    makes (the kinds' ``nonnegative``, which the load refuses otherwise; torch's second moments): ``verify``,
-    ``export`` and ``convert`` check them with the load's function (``kinds.nonnegative_problem``)."""
-    if component != OPTIMIZER:
-        return False
-    key = schema.parse_key(name)
-    if key is not None and any(key.kind in d.nonnegative for d in kinds.descriptions()):
-        return True
-    split = split_state_key(name)
-    return bool(split and split[1] in ("exp_avg_sq", "max_exp_avg_sq"))
-
-
 class _Verifier:
     def __init__(self, path: str) -> None:
         self.path = str(path)
@@ -90,6 +74,7 @@ class _Verifier:
         self.digests: digests.Digests | None = None
         self.has_digests = False
         self.bad_sections: set[str] = set()  # data files whose section of .digests is damaged: items unchecked
+        self.items = ItemChecks(self.path, self.add, self.checked)  # each item's checks once it is read
 
     def digest_file(self) -> bool:
         """``.digests`` and ``.metadata`` against it, as the load checks them; False if either is damaged
@@ -138,7 +123,7 @@ class _Verifier:
 
     # ------------------------------------------------------------ pass 1
     def structure(self, ck: Checkpoint) -> set[tuple[str | None, str | None]]:
-        """The load's metadata stage (``ck.problems``: ``load_checks.metadata_problems``); the
+        """The load's metadata stage (``ck.problems``: ``metadata_checks.metadata_problems``); the
         (file, entry) pairs whose items must not be read."""
         self.checked["entries"] += len(ck.entries)
         for p in ck.problems:
@@ -200,74 +185,7 @@ class _Verifier:
                                              f"({', '.join(info.transform_descriptors)}); its bytes were read, "
                                              "not decoded")
                         continue
-                    self.item(ck, name, index, data, raw)
-
-    def item(self, ck: Checkpoint, name: str, index: Any, data: bytes, raw: bool = False) -> None:
-        """One stored item's checks; ``raw``: format v3's raw bytes (``schema.is_raw_entry``)."""
-        e = ck.entries.get(index.fqn)
-        if e is None:
-            return
-        if raw and not e.is_tensor:
-            self.add(name, e.key, "a raw stored item of an entry that is no tensor")
-            return
-        if not raw and data[:2] == b"PK":
-            try:
-                unpickling.check_archive(io.BytesIO(data), f"entry {e.key}", self.path)  # before testzip inflates
-            except GefenCheckpointError as err:
-                self.add(name, e.key, str(err), err.check)
-                return
-            try:
-                bad = zipfile.ZipFile(io.BytesIO(data)).testzip()
-            except (zipfile.BadZipFile, ValueError, EOFError, OSError) as err:
-                self.add(name, e.key, f"unreadable stored record ({err})")
-                return
-            self.checked["crc_checked"] += 1
-            if bad is not None:
-                self.add(name, e.key, f"corrupt bytes: CRC32 mismatch in its record ({bad})")
-                return
-        elif not e.is_tensor:
-            self.add(name, e.key, "unreadable stored object (not a torch.save record)")
-            return
-        if not e.is_tensor:
-            try:
-                load_checks.read_byte_entry(io.BytesIO(data), e.key, self.path)  # as a resume reads it
-            except unpickling.ForbiddenObjectError as err:
-                check = "loader states" if load_checks.is_loader_state(e.key) else "byte entries"
-                self.add(name, e.key, f"refused: names {err.name}, which a checkpoint may not hold (reading it "
-                                      "could run code)", check)
-            except load_checks.StepMismatchError as err:
-                self.add(name, e.key, str(err), "step binding")
-            except entry_values.EntryValueError as err:  # a type or range no save writes: what the resume refuses
-                self.add(name, e.key, str(err), err.check)
-            except Exception as err:
-                self.add(name, e.key, f"stored object does not load ({type(err).__name__}: {err})", "byte entries")
-            return
-        sizes = next((s for o, s in e.chunks if index.offset is not None and o == tuple(index.offset)), None)
-        if sizes is None:
-            self.add(".metadata", e.key, f"stored item at {tuple(index.offset or ())} is no chunk of the entry")
-            return
-        try:
-            if not raw and data[:2] == b"PK":
-                t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            else:  # raw bytes (v3's, or DCP's non-torch.save serialization)
-                t = torch.frombuffer(bytearray(data), dtype=e.dtype).reshape(sizes) if data else \
-                    torch.empty(sizes, dtype=e.dtype)
-        except Exception as err:
-            self.add(name, e.key, f"stored tensor does not load ({type(err).__name__}: {err})")
-            return
-        why = load_checks.stored_tensor_problem(e.key, t, e.dtype, tuple(sizes))
-        if why:
-            self.add(name, e.key, why, "stored tensors")
-            return
-        if t.is_floating_point() and t.numel():
-            if nonnegative_entry(e.component, e.name):  # the load's own check (its adapters')
-                why = kinds.nonnegative_problem(t)
-                if why:
-                    self.add(name, e.key, f"a magnitude or second moment with {why} (the resume refuses it)")
-                return
-            bad = int((~torch.isfinite(t)).sum())
-            if bad:
-                self.add(name, e.key, f"{bad:,} non-finite value(s) of {t.numel():,}")
+                    self.items.check(ck, name, index, data, raw)
 
     # ------------------------------------------------------------ pass 3
     def records(self, ck: Checkpoint) -> dict[str, Any]:
@@ -345,7 +263,7 @@ def _verify(path: str) -> dict[str, Any]:
         ck = None
     if ck is not None:
         v.digest_sections(ck)
-        if not v.has_digests and digests.expects_digests(ck.metadata):
+        if not v.has_digests and digest_format.expects_digests(ck.metadata):
             v.add(digests.FILE, None, "missing, and .metadata says the save wrote one (deleted or lost since): "
                                       "a load refuses this checkpoint", "digests present")
         unsafe = v.structure(ck)

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torchtitan.components.checkpoint import DATALOADER, LR_SCHEDULER, MODEL, OPTIMIZER, TRAIN_STATE
 
-from gefen_titan.checkpoint.checks import load_checks
+from gefen_titan.checkpoint.checks import load_checks, metadata_checks
 from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause
 from gefen_titan.checkpoint.io import storage
 from gefen_titan.optim.kinds import register_builtins
@@ -112,13 +112,13 @@ class Checkpoint:
         except Exception as e:  # OSError, CheckpointException, unpickling errors
             raise CkptError(f"cannot read {self.path}/.metadata ({root_cause(e)}): restore it from a copy, or "
                             "use another step's folder") from e
-        # The load's metadata stage (load_checks): what a read of these files would allocate is bounded by
+        # The load's metadata stage (metadata_checks): what a read of these files would allocate is bounded by
         # them. ``load`` refuses while any problem stands; inspect flags them, verify lists them.
         try:
             self.problems = storage.metadata_problems(self.path, self.metadata)
         except GefenCheckpointError as e:  # a data file that is no regular file (checkpoint.format.files)
             raise CkptError(str(e), e.check) from e
-        self.allocation = load_checks.allocation(self.metadata)
+        self.allocation = metadata_checks.allocation(self.metadata)
         mapping = self.metadata.planner_data or {}
         self.entries: dict[str, Entry] = {}
         for key, md in self.metadata.state_dict_metadata.items():

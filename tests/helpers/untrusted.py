@@ -6,7 +6,7 @@ import copy
 import pickle
 from pathlib import Path
 
-from gefen_titan.checkpoint.format import digests
+from gefen_titan.checkpoint.format import digest_format, digests
 from gefen_titan.checkpoint.io import storage
 
 
@@ -45,7 +45,7 @@ def digest_rows(step: Path, md, key: bytes | None = None) -> tuple[int, str, dic
 def as_pre_digest(step: Path) -> None:
     """The folder as a save from before digests left it (formats v1, v2): no ``.digests``, no marker."""
     md = storage.read_metadata(step)
-    md.storage_meta.modules.remove(digests.MARKER)
+    md.storage_meta.modules.remove(digest_format.MARKER)
     (step / ".metadata").write_bytes(pickle.dumps(md))
     (step / digests.FILE).unlink()
 

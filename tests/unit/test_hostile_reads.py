@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gefen_titan.checkpoint.checks import load_checks
+from gefen_titan.checkpoint.checks import metadata_checks
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.checkpoint.format import digests, pickle_budget, unpickling
 from gefen_titan.checkpoint.io import storage
@@ -292,7 +292,7 @@ def test_a_check_that_raises_is_a_refusal_naming_it(clean, tmp_path, monkeypatch
     def broken(*args, **kwargs):
         raise TypeError("'int' object is not iterable")
 
-    monkeypatch.setattr(load_checks, "metadata_problems", broken)
+    monkeypatch.setattr(metadata_checks, "metadata_problems", broken)
     net, opt = build(5)
     with pytest.raises(GefenCheckpointError, match=r"the metadata stage .* failed on it \(TypeError: 'int'"):
         manager(step.parents[1], net, opt).load(step=STEP)

@@ -38,7 +38,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from gefen_titan.checkpoint.checks import load_checks
+from gefen_titan.checkpoint.checks import load_checks, metadata_checks
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.checkpoint.format import schema
 from gefen_titan.checkpoint.io import storage
@@ -297,13 +297,13 @@ def test_chunks_tile_their_tensor(chunks, why):
     entry = TensorStorageMetadata(TensorProperties(dtype=torch.uint8), torch.Size([4, 6]), cs)
     md = Metadata({"t": entry}, storage_data={
         MetadataIndex("t", torch.Size(o)): _StorageInfo(f"f{i}", 0, 50) for i, (o, _) in enumerate(chunks)})
-    problems = load_checks.metadata_problems(md, lambda name: 1000)
+    problems = metadata_checks.metadata_problems(md, lambda name: 1000)
     assert [p.what for p in problems if p.check == "chunks tile"] == ([why] if why else []), problems
     # The same chunks in one data file: more chunks than files is no save's layout (one chunk of an entry
     # per rank), refused before the tiling is computed (its cost grows with the chunks).
     md.storage_data = {MetadataIndex("t", torch.Size(o)): _StorageInfo("f", 100 * i, 50)
                        for i, (o, _) in enumerate(chunks)}
-    problems = load_checks.metadata_problems(md, lambda name: 1000)
+    problems = metadata_checks.metadata_problems(md, lambda name: 1000)
     assert [p.what for p in problems if p.check == "chunks tile"] == [
         f"{len(chunks)} chunks, and the save wrote 1 data file(s) (each rank writes one chunk of an entry)"]
 
@@ -338,7 +338,7 @@ def test_the_tiling_check_is_not_quadratic_in_the_chunk_count():
     chunks = [((i,), (1,)) for i in range(n)]
     chunks.reverse()  # cut values out of order
     t = time.perf_counter()
-    assert load_checks._cover_once((n,), chunks) is None
+    assert metadata_checks._cover_once((n,), chunks) is None
     dup = [*chunks[:-1], ((5,), (1,))]  # element 0 left out, element 5 held twice
-    assert load_checks._cover_once((n,), dup) == "its chunks overlap"
+    assert metadata_checks._cover_once((n,), dup) == "its chunks overlap"
     assert time.perf_counter() - t < 60

@@ -25,7 +25,7 @@ Then, in one process:
   loads exactly the state the unchanged checkpoint loads;
 * ``ckpt verify`` agrees with it (fails exactly when the resume refuses);
 * nothing is allocated beyond the files' bytes: a case the metadata stage
-  passes has ``load_checks.allocation`` within them, and a case it refuses
+  passes has ``metadata_checks.allocation`` within them, and a case it refuses
   was refused before any read (every read of a 2^40-element size or a
   2^50-byte length would fail to allocate with another message);
 * each case takes under ``LIMIT_S``.
@@ -51,7 +51,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
 
-from gefen_titan.checkpoint.checks import load_checks
+from gefen_titan.checkpoint.checks import metadata_checks
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 from gefen_titan.checkpoint.format import digests
 from gefen_titan.checkpoint.io import storage
@@ -384,7 +384,7 @@ def _fuzz(tmp_path):
         assert took < LIMIT_S, f"{what}: {took:.1f} s"
         assert report["ok"] == (refused is None), (what, refused, report["problems"])
         if refused is None:
-            assert md is not None and not problems and load_checks.allocation(md) <= files, what
+            assert md is not None and not problems and metadata_checks.allocation(md) <= files, what
             assert _same(_state(net, opt), expected), f"{what}: loaded, and not the saved state"
             outcomes[f"{name}: loaded the same state"] += 1
             continue

@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from gefen_titan.checkpoint.errors import GefenCheckpointError
-from gefen_titan.checkpoint.format import digests, unpickling
+from gefen_titan.checkpoint.format import digest_format, digests, unpickling
 from gefen_titan.checkpoint.io import storage
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.ckpt_tools.verify import verify_checkpoint
@@ -145,7 +145,7 @@ def test_a_checkpoint_without_its_digests_is_refused_unless_opted_out(tmp_path):
 def test_a_checkpoint_from_before_digests_loads_with_a_warning_and_verifies_unchecked(tmp_path, caplog):
     step = _save(tmp_path)
     as_pre_digest(step)
-    assert not digests.expects_digests(storage.read_metadata(step))
+    assert not digest_format.expects_digests(storage.read_metadata(step))
     with caplog.at_level("WARNING"):
         assert _load(tmp_path).loaded["note"]["seen"] == 3
     assert "UNCHECKED" in caplog.text

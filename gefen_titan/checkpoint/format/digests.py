@@ -27,42 +27,25 @@ index holds ``.metadata``'s digest); a load without the key refuses a keyed
 file (it cannot check it). Keyed hashing runs at ~1 GB/s per core, not at
 memory speed: the cost of authenticity (``docs/checkpoints.md``).
 
-Layout (file version 2): an ASCII header line, a JSON index line, then one
-section of rows per data file::
-
-    gefen-digests 2 xxh3_64 <16 hex digits: digest of the index line>
-    {"metadata": {"size": N, "digest": "<hex>"},
-     "files": {"<relative data file>": [start, length, rows, "<hex of the section>"], ...}}
-    <offset> <length> <hex>        one row per item of the first file, by offset
-    ...
-
-``start`` counts from the first byte after the index line. The layout keeps
-what a rank reads flat in the world size: a checkpoint saved by 1,024 ranks
-holds millions of items (one per entry per rank), but a rank reads the
-header, the index (one row per data file) and the sections of the files it
-reads, each checked against the index when it is first needed. File
-version 1 (one JSON object with every item, its digest on the header
-line; written 2026-12-01/02) is still read.
-
-The file's exact size is checked too: bytes appended to it, or cut from
-it, are refused. Whether a checkpoint without ``.digests`` loads is the
-checkpoint manager's rule (``expects_digests``, ``docs/checkpoints.md``).
+The file's bytes (its header, index and sections; version 1 still read)
+and the marker ``.metadata`` carries of it are ``digest_format``'s; here it
+is read back and checked, its exact size too (bytes appended to it, or cut
+from it, are refused), and what does not check out is refused. Whether a
+checkpoint without ``.digests`` loads is the checkpoint manager's rule
+(``digest_format.expects_digests``, ``docs/checkpoints.md``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
 from gefen_titan.checkpoint.errors import GefenCheckpointError, fall_back
-from gefen_titan.checkpoint.format import files, schema
+from gefen_titan.checkpoint.format import digest_format, files
+from gefen_titan.checkpoint.format.digest_format import MAGIC, MAX_ROW_BYTES, READ_VERSIONS
 from gefen_titan.checkpoint.format.digest_keys import (
     ALGORITHM,
     KEYED_ALGORITHM,
@@ -74,29 +57,21 @@ from gefen_titan.checkpoint.format.digest_keys import (
     new_hasher,
 )
 
-__all__ = ["FILE", "METADATA_FILE", "ALGORITHM", "KEYED_ALGORITHM", "MARKER", "PIECE", "key_from_env", "keyed",
-           "current_key", "expects_digests", "CorruptCheckpointError", "Digests", "new_hasher",
+__all__ = ["FILE", "METADATA_FILE", "ALGORITHM", "KEYED_ALGORITHM", "PIECE", "key_from_env", "keyed",
+           "current_key", "CorruptCheckpointError", "Digests", "new_hasher",
            "hexdigest", "read", "parsed_once", "corrupt_message", "MAX_INDEX_BYTES",
-           "MAX_V1_BYTES", "MAX_ROW_BYTES", "step_problem"]
+           "MAX_V1_BYTES", "step_problem"]
 
 FILE = ".digests"
 METADATA_FILE = ".metadata"  # DCP's name for it
-# In .metadata's storage_meta.modules of every save that wrote .digests: such a checkpoint without one is refused.
-MARKER = "gefen-titan.digests"
-MAGIC = "gefen-digests"
-FILE_VERSION = 2
-READ_VERSIONS = (1, 2)
 PIECE = 1 << 20  # bytes the writer and the readers hash at a time: each piece right after its I/O, still in cache
 _FIRST_READ = 1 << 16  # bytes read first: the header and the index of a thousand files, or a whole small file
 # Bounds a reader holds before it trusts the index (docs/checkpoints.md, threat model): the header and index
 # (one ~100-byte line per data file: 64 MiB is ~600,000 data files), a version 1 file (read whole; written
-# 2026-12-01/02 by saves of at most thousands of items), and a row (``<offset> <length> <16 hex>``).
+# 2026-12-01/02 by saves of at most thousands of items); a row's is ``digest_format.MAX_ROW_BYTES``.
 MAX_INDEX_BYTES = 64 << 20
 MAX_V1_BYTES = 256 << 20
-MAX_ROW_BYTES = 20 + 1 + 20 + 1 + 16 + 1
 _MAX_HEADER = 256  # the header line is ~50 bytes
-_HEADER = re.compile(rf"^{MAGIC} (\d+) ([a-z0-9_]+) ([0-9a-f]{{16}})$")
-_ROW = re.compile(rb"(\d+) (\d+) ([0-9a-f]{16})\n")
 
 
 class CorruptCheckpointError(GefenCheckpointError):
@@ -115,27 +90,6 @@ class CorruptCheckpointError(GefenCheckpointError):
         self.what = what or message
 
 
-def expects_digests(metadata: Any) -> bool:
-    """Whether a checkpoint's ``.metadata`` says its save wrote ``.digests``: the
-    save's marker in ``storage_meta.modules`` (every save since 2026-12-03), or
-    a raw item of format v3 (only the digesting writers store one; v3's keys
-    saved again by DCP's own writer are framed, and carry no digests)."""
-    meta = metadata.storage_meta
-    if meta is not None and MARKER in (meta.modules or []):
-        return True
-    sizes = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if schema.is_raw_entry(key) and isinstance(md, TensorStorageMetadata):
-            sizes[key] = (md.properties.dtype, {tuple(c.offsets): tuple(c.sizes) for c in md.chunks})
-    for index, info in metadata.storage_data.items():
-        if index.fqn in sizes and int(info.length):
-            dtype, chunks = sizes[index.fqn]
-            chunk = chunks.get(tuple(index.offset or ()))
-            if chunk is not None and schema.is_raw_item(index.fqn, info.length, dtype, chunk):
-                return True
-    return False
-
-
 def _bad(checkpoint_id: str, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(corrupt_message(checkpoint_id, FILE, None, what), FILE, what=what)
 
@@ -149,11 +103,10 @@ def _unsigned(checkpoint_id: str, what: str) -> CorruptCheckpointError:
 class Digests:
     """What ``.digests`` holds: ``.metadata``'s size and digest, and each item's.
 
-    An item is named by its data file and offset, as DCP's ``.metadata``
-    names it. Built by the writer from ``items[file][offset] = (length,
-    digest)``; read from a file (``read``), each file's section
-    is read and checked when one of its items is first asked for. Shared
-    within ``parsed_once``: read-only, apart from the sections it caches.
+    An item is named by its data file and offset, as DCP's ``.metadata`` names it. Built by the
+    writer from ``items[file][offset] = (length, digest)``; read from a file (``read``), each file's
+    section is read and checked when one of its items is first asked for. Shared within
+    ``parsed_once``: read-only, apart from the sections it caches.
     """
 
     def __init__(self, metadata_size: int, metadata_digest: str,
@@ -229,33 +182,17 @@ class Digests:
             raise _bad(self._source, f"cannot read the section of {file} ({type(e).__name__}: {e})") from e
         if len(raw) != length or self.hexdigest(raw) != digest:
             raise _bad(self._source, f"the section of {file} does not match its digest in the index")
-        rows = {}
-        pos = 0
-        for m in _ROW.finditer(raw):
-            if m.start() != pos:
-                break
-            rows[int(m.group(1))] = (int(m.group(2)), m.group(3).decode())
-            pos = m.end()
-        if pos != length or len(rows) != count:  # a digest that matches yet does not parse: a foreign writer
+        rows = digest_format.parse_rows(raw)
+        if rows is None or len(rows) != count:  # a digest that matches yet does not parse: a foreign writer
             raise _bad(self._source, f"unreadable rows in the section of {file}")
         self._items[file] = rows
         del self._sections[file]
         return rows
 
     def to_bytes(self) -> bytes:
-        """The file's bytes (version ``FILE_VERSION``)."""
-        index: dict[str, list[Any]] = {}
-        parts, start = [], 0
-        for file in self.files():
-            rows = self._rows(file)
-            section = "".join(f"{o} {n} {d}\n" for o, (n, d) in sorted(rows.items())).encode()
-            index[file] = [start, len(section), len(rows), self.hexdigest(section)]
-            parts.append(section)
-            start += len(section)
-        line = json.dumps({"metadata": {"size": self.metadata_size, "digest": self.metadata_digest},
-                           "files": index}, separators=(",", ":")).encode()
-        return (f"{MAGIC} {FILE_VERSION} {self.algorithm} {self.hexdigest(line)}\n".encode() + line + b"\n"
-                + b"".join(parts))
+        """The file's bytes (``digest_format.encode``: version ``digest_format.FILE_VERSION``)."""
+        return digest_format.encode(self.metadata_size, self.metadata_digest,
+                                    {file: self._rows(file) for file in self.files()}, self.algorithm, self.hexdigest)
 
     def check_metadata(self, raw: bytes, checkpoint_id: str, size: int | None = None) -> None:
         """Raise ``CorruptCheckpointError`` unless ``raw`` is the ``.metadata`` this save wrote (``size``:
@@ -307,8 +244,7 @@ def read(open_stream: Callable[[], BinaryIO], checkpoint_id: str, key: Any = Non
     read goes past ``MAX_INDEX_BYTES`` before the index is found
     (``MAX_V1_BYTES`` for a version 1 file, read whole).
     """
-    if key is None:
-        key = current_key()
+    key = current_key() if key is None else key
     with open_stream() as f:
         size = f.seek(0, os.SEEK_END)
         f.seek(0)
@@ -335,8 +271,7 @@ def read(open_stream: Callable[[], BinaryIO], checkpoint_id: str, key: Any = Non
     def read_range(start: int, length: int) -> bytes:
         with open_stream() as f:
             f.seek(start)
-            out = f.read(length)
-        return out
+            return f.read(length)
 
     return _decode(raw, whole, read_range, checkpoint_id, key, size)
 
@@ -348,18 +283,19 @@ def _decode(raw: bytes, whole: bool, read_range: Callable[[int, int], bytes], ch
     that of what it covers (v2: the index line; v1: the rest of the file),
     so a flipped byte anywhere is refused."""
     head, sep, rest = raw.partition(b"\n")
-    m = _HEADER.match(head.decode("ascii", errors="replace")) if sep else None
-    if m is None:
+    header = digest_format.parse_header(head) if sep else None
+    if header is None:
         raise _bad(checkpoint_id, "its first line is not a digest header")
-    version = int(m.group(1))
-    if version not in READ_VERSIONS or m.group(2) not in (ALGORITHM, KEYED_ALGORITHM):
-        raise _bad(checkpoint_id, f"digest file version {m.group(1)} / {m.group(2)}: this gefen-titan reads "
+    number, algo, digest = header
+    version = int(number)
+    if version not in READ_VERSIONS or algo not in (ALGORITHM, KEYED_ALGORITHM):
+        raise _bad(checkpoint_id, f"digest file version {number} / {algo}: this gefen-titan reads "
                                   f"{', '.join(map(str, READ_VERSIONS))} / {ALGORITHM} or {KEYED_ALGORITHM}")
-    if m.group(2) == KEYED_ALGORITHM and key is None:
+    if algo == KEYED_ALGORITHM and key is None:
         raise _unsigned(checkpoint_id, "it is signed with a key (keyed digests), and this process has none to check "
                                   "it with: set checkpoint.digest_key_env (gefen-titan ckpt verify: "
                                   "--digest-key-env) to the variable holding the save's key")
-    if m.group(2) != KEYED_ALGORITHM and key is not None:
+    if algo != KEYED_ALGORITHM and key is not None:
         raise _unsigned(checkpoint_id, "a key is set (checkpoint.digest_key_env) but this checkpoint carries no MAC "
                                   "(its digests are unkeyed): it was not saved with the key, or was rewritten "
                                   "by someone without it")
@@ -368,9 +304,9 @@ def _decode(raw: bytes, whole: bool, read_range: Callable[[int, int], bytes], ch
             raise _bad(checkpoint_id, "a version 1 file is read whole")  # read() reads it to its end
         if key is not None:
             raise _unsigned(checkpoint_id, "a version 1 file carries no MAC")
-        return _decode_v1(rest, m.group(3), checkpoint_id)
+        return _decode_v1(rest, digest, checkpoint_id)
     line, sep, rows = rest.partition(b"\n")
-    if not sep or hexdigest(line, key) != m.group(3):
+    if not sep or hexdigest(line, key) != digest:
         if key is not None:
             raise _unsigned(checkpoint_id, "its index does not match the MAC on its first line under this key "
                                            "(written without the key, with another one, or damaged)")
@@ -379,9 +315,7 @@ def _decode(raw: bytes, whole: bool, read_range: Callable[[int, int], bytes], ch
     if memo is not None and head in memo:
         return memo[head]
     try:
-        doc = json.loads(line)
-        md_size, md_digest = int(doc["metadata"]["size"]), str(doc["metadata"]["digest"])
-        sections = {str(f): (int(s), int(n), int(c), str(d)) for f, (s, n, c, d) in doc["files"].items()}
+        md_size, md_digest, sections = digest_format.parse_index(line)
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # a digest that matches, yet no index
         raise _bad(checkpoint_id, f"unreadable index ({type(e).__name__}: {e})") from e
     base = len(head) + 1 + len(line) + 1  # the sections' first byte in the file
@@ -407,10 +341,7 @@ def _decode_v1(body: bytes, digest: str, checkpoint_id: str) -> Digests:
     if hexdigest(body) != digest:
         raise _bad(checkpoint_id, "its own digest does not match its contents")
     try:
-        doc = json.loads(body)
-        md = doc["metadata"]
-        items = {str(f): {int(o): (int(n), str(d)) for o, n, d in rows} for f, rows in doc["items"].items()}
-        return Digests(int(md["size"]), str(md["digest"]), items)
+        return Digests(*digest_format.parse_v1(body))
     except (ValueError, KeyError, TypeError) as e:  # a digest that matches yet does not parse: a foreign writer
         raise _bad(checkpoint_id, f"unreadable contents ({type(e).__name__}: {e})") from e
 
@@ -446,5 +377,4 @@ def corrupt_message(checkpoint_id: str, file: str, entry: str | None, what: str)
     """The refusal every rank raises: the file, the entry, and what to do."""
     return (f"checkpoint {checkpoint_id} is corrupt: {file}" + (f", entry {entry}" if entry else "")
             + f": {what}. Restore the file from a copy, or {fall_back(checkpoint_id, step_problem)}; "
-            f"`gefen-titan ckpt verify "
-            f"{checkpoint_id}` lists every damaged file. Nothing was loaded.")
+            f"`gefen-titan ckpt verify {checkpoint_id}` lists every damaged file. Nothing was loaded.")

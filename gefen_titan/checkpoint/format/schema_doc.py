@@ -9,7 +9,7 @@ fails when the doc's tables and these rows differ.
 
 from __future__ import annotations
 
-from gefen_titan.checkpoint.format import digests, kinds, schema
+from gefen_titan.checkpoint.format import digest_format, digests, kinds, schema
 
 __all__ = ["keys", "file_table", "key_table"]
 
@@ -42,10 +42,11 @@ def key_table(version: int) -> str:
 
 
 def file_table() -> str:
-    """``docs/checkpoint_format.md``'s table of the ``.digests`` file, generated from ``digests``' constants."""
+    """``docs/checkpoint_format.md``'s table of the ``.digests`` file, generated from the constants of
+    ``digests`` and ``digest_format``."""
     algo, md = digests.ALGORITHM, digests.METADATA_FILE
     rows = [
-        ("line 1", f"`{digests.MAGIC} {digests.FILE_VERSION} {algo} <hex>`",
+        ("line 1", f"`{digest_format.MAGIC} {digest_format.FILE_VERSION} {algo} <hex>`",
          "format name, version, algorithm, and the digest of line 2 (the index); saved with a key "
          f"(`checkpoint.digest_key_env`) the algorithm is `{digests.KEYED_ALGORITHM}` and every digest of the file "
          "is a MAC"),

@@ -5,7 +5,7 @@ or straight into their target, torch.saved items as ``bytes`` that ``io.BytesIO`
 the entry stage of ``load_checks``) and decodes them (raw views, ``torch.load``, safe byte entries).
 
 Every function returns fewer bytes than asked at the end of the file; the caller compares. The caller
-also bounds ``length`` by the file's size before calling (``load_checks``: items inside files), since
+also bounds ``length`` by the file's size before calling (``metadata_checks``: items inside files), since
 each allocates what it is asked for.
 """
 
@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
 from gefen_titan.checkpoint import progress
-from gefen_titan.checkpoint.checks import load_checks
+from gefen_titan.checkpoint.checks import load_checks, metadata_checks
 from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause
 from gefen_titan.checkpoint.format import digests as dg
 from gefen_titan.checkpoint.format import files, schema, unpickling
@@ -186,7 +186,7 @@ class ItemReads:
                     for index in sorted(per_file[file], key=lambda i: int(self.storage_data[i].offset)):
                         entry = index.fqn
                         info = self.storage_data[index]
-                        past = load_checks.item_past_end(file, entry, int(info.offset), int(info.length), size)
+                        past = metadata_checks.item_past_end(file, entry, int(info.offset), int(info.length), size)
                         if past:  # before its buffer is allocated
                             return {}, load_checks.refusal(self._id(), [past])
                         f.seek(int(info.offset))

@@ -57,8 +57,8 @@ from torchtitan.tools.logging import logger
 
 from gefen_titan.checkpoint.checks import load_checks, metadata_fields
 from gefen_titan.checkpoint.errors import GefenCheckpointError, root_cause, unreadable
+from gefen_titan.checkpoint.format import digest_format, files, unpickling
 from gefen_titan.checkpoint.format import digests as dg
-from gefen_titan.checkpoint.format import files, unpickling
 from gefen_titan.checkpoint.io.item_reads import ItemReads, load_bytes
 
 __all__ = ["CheckedFileSystemReader", "CheckedFsspecReader", "LoadChecks", "read_and_check_metadata"]
@@ -115,11 +115,11 @@ class LoadChecks:
     """What a checkpoint manager's load checks of the checkpoint as a whole, on top of every byte.
 
     ``load_without_digests``: load a checkpoint whose ``.metadata`` says its
-    save wrote ``.digests`` (``digests.expects_digests``) without one, unchecked
+    save wrote ``.digests`` (``digest_format.expects_digests``) without one, unchecked
     (off: refused). ``stray_bytes``: ``storage.stray_bytes`` of the checkpoint,
     (file, what) for each byte no item covers; run on rank 0 only (the same
     files for every rank), and only for a checkpoint with ``.digests``.
-    ``bounds``: ``load_checks.metadata_problems`` of the checkpoint (its files'
+    ``bounds``: ``metadata_checks.metadata_problems`` of the checkpoint (its files'
     sizes bound every read), rank 0 only, with digests or without.
     """
 
@@ -233,7 +233,7 @@ class _CheckedReading(ItemReads):
 
     def _check_folder(self, metadata: Metadata, record: dg.Digests | None) -> str | None:
         checks = self._load_checks
-        if record is None and dg.expects_digests(metadata) and not checks.load_without_digests:
+        if record is None and digest_format.expects_digests(metadata) and not checks.load_without_digests:
             return dg.corrupt_message(
                 self._id(), dg.FILE, None, "missing, and its .metadata says the save wrote one (deleted "
                 "or lost since); to load it unchecked anyway, set checkpoint.load_without_digests = true")
@@ -249,7 +249,7 @@ class _CheckedReading(ItemReads):
             except OSError as e:
                 return str(unreadable(self._id(), e, dg.step_problem))
             except Exception as e:
-                return _failed_check(self._id(), "the metadata stage (load_checks.metadata_problems)", e)
+                return _failed_check(self._id(), "the metadata stage (metadata_checks.metadata_problems)", e)
             if bounds:
                 return load_checks.refusal(self._id(), bounds)
         if record is not None and checks.stray_bytes is not None:

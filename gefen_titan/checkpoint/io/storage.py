@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torchtitan.tools import filesystem
 
-from gefen_titan.checkpoint.checks import load_checks
+from gefen_titan.checkpoint.checks import load_checks, metadata_checks
 from gefen_titan.checkpoint.errors import GefenCheckpointError, unreadable
 from gefen_titan.checkpoint.format import digests, files
 from gefen_titan.checkpoint.format.digests import Digests
@@ -73,7 +73,7 @@ def load_reader(checkpoint_id: str | os.PathLike, *, load_without_digests: bool 
 
 
 def metadata_problems(checkpoint_id: str | os.PathLike, metadata: Metadata) -> list[load_checks.Problem]:
-    """``load_checks.metadata_problems`` of a checkpoint: its ``.metadata`` against its data files' sizes
+    """``metadata_checks.metadata_problems`` of a checkpoint: its ``.metadata`` against its data files' sizes
     (one size per data file), before anything is allocated or read."""
     sizes: dict[str, int | None] = {}
 
@@ -82,7 +82,7 @@ def metadata_problems(checkpoint_id: str | os.PathLike, metadata: Metadata) -> l
             sizes[name] = file_size(checkpoint_id, name)
         return sizes[name]
 
-    return load_checks.metadata_problems(metadata, size_of)
+    return metadata_checks.metadata_problems(metadata, size_of)
 
 
 def read_metadata(checkpoint_id: str | os.PathLike) -> Metadata:
@@ -161,7 +161,7 @@ def stray_bytes(checkpoint_id: str | os.PathLike, metadata: Metadata) -> list[tu
     spans: dict[str, list[tuple[int, int, str]]] = {}
     for index, info in metadata.storage_data.items():
         if type(getattr(info, "offset", None)) is not int or type(getattr(info, "length", None)) is not int:
-            continue  # not a place in a file: the metadata stage's to name (load_checks)
+            continue  # not a place in a file: the metadata stage's to name (metadata_checks)
         spans.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length, index.fqn))
     found = []
     for name in list_files(checkpoint_id):

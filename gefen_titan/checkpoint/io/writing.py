@@ -40,8 +40,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from gefen_titan.checkpoint.format import digest_format, schema
 from gefen_titan.checkpoint.format import digests as dg
-from gefen_titan.checkpoint.format import schema
 
 __all__ = ["DigestingFileSystemWriter", "DigestingFsspecWriter"]
 
@@ -259,8 +259,8 @@ class _DigestWriting:
     def storage_meta(self) -> StorageMeta | None:
         # DCP's finish writes this into .metadata: the mark that this save wrote .digests.
         meta = super().storage_meta() or StorageMeta()
-        if self._ledger.hashing and dg.MARKER not in meta.modules:
-            meta.modules.append(dg.MARKER)
+        if self._ledger.hashing and digest_format.MARKER not in meta.modules:
+            meta.modules.append(digest_format.MARKER)
         return meta
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -278,7 +278,7 @@ class _DigestWriting:
                 kept.append(r)
             plain.append(kept)
         # The rename of .metadata writes them (_DigestingFS.rename); .metadata
-        # says so (storage_meta: digests.MARKER), so a load refuses it without them.
+        # says so (storage_meta: digest_format.MARKER), so a load refuses it without them.
         self._ledger.items = items if self._ledger.hashing else None
         try:
             super().finish(metadata, plain)
