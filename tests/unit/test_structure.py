@@ -128,7 +128,7 @@ NAMES_KIND_STILL = {
 _KIND_NAMES = {
     "Variant": (re.compile(r"(?i)(?<![a-z])variant"), re.compile(r"(?i)\bvariant\b")),  # not "invariant"
     "GefenMuon": (re.compile(r"(?i)(?<!dist)muon"), re.compile(r"(?i)(?<!dist)muon")),  # not torchtitan's DistMuon
-    # Gefen's accessors are gefen_* (gx.gefen_read, GEFEN_STATE_COST), its types Gefen*; gefen_titan is the package.
+    # Gefen's accessors are gefen_* (gx.gefen_read, GEFEN_LIVE_BLOCK_FLOATS), its types Gefen*; not gefen_titan.
     "Gefen": (re.compile(r"^(is_gefen|new_gefen|build_gefen)$|^gefen_(?!titan|muon)|^GEFEN_|"
                          r"Gefen(Sharded|PerRank|Param|Optimizer\b|Options\b)"), re.compile(r"\bGefen\b")),
 }
@@ -198,9 +198,9 @@ def test_the_kind_name_check_catches_what_it_is_for():
            'from gefen_titan.optim.checkpointing import GefenMuonShardedAdapter\n'
            'x = gx.is_gefen(o) or "GefenMuon state" or "Gefen state" or "DistMuon" or "gefen-titan"\n'
            'import gefen_titan.optim.kinds.gefen_muon\n'
-           'y = gx.gefen_read(o, p) or gx.GEFEN_STATE_COST or gx.period(o, p)\n')
+           'y = gx.gefen_read(o, p) or gx.GEFEN_CONSTRUCTOR or gx.period(o, p)\n')
     assert _names_kind(src, "GefenMuon") == ["2: 'GefenMuonShardedAdapter'", "3: 'GefenMuon state'", "4: 'gefen_muon'"]
-    assert _names_kind(src, "Gefen") == ["3: 'Gefen state'", "3: 'is_gefen'", "5: 'GEFEN_STATE_COST'",
+    assert _names_kind(src, "Gefen") == ["3: 'Gefen state'", "3: 'is_gefen'", "5: 'GEFEN_CONSTRUCTOR'",
                                          "5: 'gefen_read'"]
     variant = ('from tests.kinds.variant import entry as variant_entry\nspec = registry.get("Variant")\n'
                'ok = loader.dp_invariant or "a DP-invariant loader"\n')

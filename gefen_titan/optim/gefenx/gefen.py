@@ -11,7 +11,6 @@ state costs (``GEFEN_STATE_COST``, the registry entry's ``cost``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,13 +29,11 @@ from gefen_titan.optim.gefenx.constructor import (
     Routed,
     shorthand_place,
 )
-from gefen_titan.optim.gefenx.family import K, codebook_tensors
-from gefen_titan.optim.state_cost import StateCost
 
 __all__ = [
     "GefenParamState", "is_gefen", "new_gefen", "gefen_read", "gefen_write", "gefen_clear", "gefen_has_state",
     "gefen_count_empty_shard_step", "gefen_empty_shard_counters", "gefen_set_empty_shard_counters",
-    "GEFEN_LIVE_BLOCK_FLOATS", "GEFEN_STATE_COST", "GEFEN_CONSTRUCTOR",
+    "GEFEN_LIVE_BLOCK_FLOATS", "GEFEN_CONSTRUCTOR",
 ]
 
 # Every keyword of Gefen's constructor: applied in [optimizer.gefen], routed, or refused (gefenx.constructor).
@@ -173,17 +170,3 @@ def gefen_set_empty_shard_counters(optim: Optimizer, p: torch.Tensor, step: int,
 # gefen-x 0.5.0's per-step scratch ``stepsize`` and ``_h_buf``, which it keeps
 # in the state between steps (docs/gefen_internals.md; not checkpointed).
 GEFEN_LIVE_BLOCK_FLOATS = 4
-
-
-def _param_bytes(sizes: tuple[int, ...], period: int, element_size: int) -> int:
-    """Gefen's live state for one parameter shard: a uint8 code per element and ``GEFEN_LIVE_BLOCK_FLOATS`` fp32
-    per block. An empty shard holds nothing (Gefen keeps no tensors for it)."""
-    numel = math.prod(sizes)
-    return numel + 4 * GEFEN_LIVE_BLOCK_FLOATS * (numel // period) if numel else 0
-
-
-# What Gefen's state costs (its registry entry's ``cost``): the parameters' state, and the one fp32 [256]
-# codebook per optimizer.
-GEFEN_STATE_COST = StateCost(_param_bytes, optimizer_bytes=K * 4, optimizer_tensors=codebook_tensors)
-
-

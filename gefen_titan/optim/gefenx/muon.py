@@ -12,7 +12,6 @@ Newton-Schulz schedules (read, never built); what its state costs
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -34,8 +33,6 @@ from gefen_titan.optim.gefenx.constructor import (
     Routed,
     shorthand_place,
 )
-from gefen_titan.optim.gefenx.family import K, codebook_tensors
-from gefen_titan.optim.state_cost import StateCost
 
 __all__ = [
     "MUON_CONSTRUCTOR", "MUON_GROUP_KEYS", "MUON_REFUSED", "MUON_UPDATE_DTYPE", "MuonState", "ShardedGefenMuon",
@@ -43,7 +40,7 @@ __all__ = [
     "new_gefen_muon", "muon_sharded_step", "is_gefen_muon", "muon_defaults", "muon_refused", "muon_deterministic",
     "muon_read", "muon_write", "muon_rows", "muon_set_rows", "muon_momentum", "muon_orthogonalize", "muon_normuon",
     "muon_apply", "muon_restore_group", "hybrid_defaults", "ns_schedule_names",
-    "ns_schedule_coefficients", "NORMUON_ROW_BYTES", "MUON_STATE_COST",
+    "ns_schedule_coefficients", "NORMUON_ROW_BYTES",
 ]
 
 # ------------------------------------------------------------------ GefenMuon
@@ -193,20 +190,6 @@ def muon_sharded_step(optim: Optimizer) -> Any:
 
 
 NORMUON_ROW_BYTES = 4  # NorMuon's fp32 second moment per row (normuon_v)
-
-
-def _muon_param_bytes(sizes: tuple[int, ...], period: int, element_size: int) -> int:
-    """GefenMuon's state for one parameter shard: a uint8 code per element (``m_codebook``), an fp32
-    magnitude per block (``m_magnitude``), NorMuon's fp32 per row of the shard (``normuon_v``, with
-    ``normuon`` on as GefenMuonHybrid and the muon recipes have it; gefen-x defaults it off, which keeps
-    no rows). An empty shard holds nothing."""
-    numel = math.prod(sizes)
-    return numel + 4 * (numel // period) + NORMUON_ROW_BYTES * (numel // sizes[-1]) if numel else 0
-
-
-# What GefenMuon's state costs (its registry entry's ``cost``): the parameters' state, and the one fp32 [256]
-# codebook per optimizer (Gefen's attribute).
-MUON_STATE_COST = StateCost(_muon_param_bytes, optimizer_bytes=K * 4, optimizer_tensors=codebook_tensors)
 
 
 def is_gefen_muon(optim: Optimizer) -> bool:

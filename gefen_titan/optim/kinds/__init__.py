@@ -7,12 +7,12 @@ gefen-titan knows about each built-in kind is here:
   ``[optimizer.gefen]``; ``keys``: its rows of the checkpoint format;
   ``records`` and ``records_v1``: its records; ``description``: its
   checkpoint description, read by the load's records stage and the offline
-  tools; ``sharded`` and ``per_rank``: its state adapters, formats v3/v2 and
-  v1, with ``per_rank_regions``; ``validation``: its part of the reshard
-  validation);
+  tools; ``cost``: what its state costs; ``sharded`` and ``per_rank``: its
+  state adapters, formats v3/v2 and v1, with ``per_rank_plan`` and
+  ``per_rank_regions``; ``validation``: its part of the reshard validation);
 * ``gefen_muon/``: GefenMuon (``entry``, ``options``: ``[optimizer.muon]``,
-  ``keys``, ``records``, ``description``, ``sharded``); its sharded step is
-  ``optim.muon``;
+  ``keys``, ``records``, ``description``, ``cost``, ``sharded``); its
+  sharded step is ``optim.muon``;
 * ``torch_optimizers``: torch's AdamW and Adam;
 * ``groups``: what both gefen-x factories do to torchtitan's param groups.
 

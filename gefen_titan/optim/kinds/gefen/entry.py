@@ -10,6 +10,7 @@ from gefen_titan.distributed import local
 from gefen_titan.optim import cpu_step
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.checkpointing import StateAdapter
+from gefen_titan.optim.kinds.gefen import cost as gefen_cost
 from gefen_titan.optim.kinds.gefen import description as gefen_description
 from gefen_titan.optim.kinds.gefen.options import GefenOptions
 from gefen_titan.optim.kinds.gefen.per_rank import GefenPerRankAdapter
@@ -93,6 +94,6 @@ def spec() -> OptimizerSpec:
         group_key_hint=_gefen_group_key_hint,
         checkpoint=gefen_description.description(),
         validation=VALIDATION,
-        cost=gx.GEFEN_STATE_COST,
+        cost=gefen_cost.COST,
         constructor=gx.GEFEN_CONSTRUCTOR,
     )

@@ -8,6 +8,7 @@ from torch.optim import Optimizer
 
 from gefen_titan.optim import cpu_step
 from gefen_titan.optim import gefenx as gx
+from gefen_titan.optim.kinds.gefen_muon import cost as muon_cost
 from gefen_titan.optim.kinds.gefen_muon import description as muon_description
 from gefen_titan.optim.kinds.gefen_muon.options import MuonOptions
 from gefen_titan.optim.kinds.gefen_muon.sharded import GefenMuonShardedAdapter
@@ -92,6 +93,6 @@ def spec() -> OptimizerSpec:
         shorthand_keys=("lr", "weight_decay"),
         step_stats=lambda optim: gx.muon_sharded_step(optim).stats,
         checkpoint=muon_description.DESCRIPTION,
-        cost=gx.MUON_STATE_COST,
+        cost=muon_cost.COST,
         constructor=gx.MUON_CONSTRUCTOR,
     )
