@@ -1,12 +1,13 @@
-"""Gefen's private state in gefen-x 0.5.0: its per-parameter and per-optimizer attributes.
+"""Gefen's own private state in gefen-x 0.5.0: its ``gefen_*`` accessors.
 
 Part of ``gefen_titan.optim.gefenx`` (the package doc says why it exists):
-per parameter ``automatic_period``, ``step``, ``vmean_step``, ``m_codebook``
-(uint8 ``[blocks, period]``), ``m_magnitude`` and ``vmean`` (fp32
-``[blocks, 1]``) in ``optim.state[p]``, and per optimizer ``_gefen_codebook``
-(fp32 ``[256]``), its per-device caches and ``_gefen_global_step`` as
-attributes; the period search's scoring; the codebook families; what that
-state costs (``GEFEN_STATE_COST``, the registry entry's ``cost``).
+per parameter ``step``, ``vmean_step``, ``m_codebook`` (uint8
+``[blocks, period]``), ``m_magnitude`` and ``vmean`` (fp32 ``[blocks, 1]``)
+in ``optim.state[p]`` (``GefenParamState``); its constructor's keywords, each
+classified (``GEFEN_CONSTRUCTOR``); how many fp32 a block keeps live
+(``GEFEN_LIVE_BLOCK_FLOATS``, which the kind's cost rule counts:
+``optim.kinds.gefen.cost``). What every gefen-x optimizer keeps alike (the
+period, the codebook, the global step, the names) is ``family``'s.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ per parameter ``automatic_period``, ``step``, ``m_codebook``,
 ``m_magnitude``, NorMuon's ``normuon_v`` and ``normuon_step`` (no
 ``vmean``); the momentum update, Newton-Schulz, NorMuon and the apply that
 ``gefen_titan.optim.muon`` runs on shards; GefenMuonHybrid's defaults and
-Newton-Schulz schedules (read, never built); what its state costs
-(``MUON_STATE_COST``, the registry entry's ``cost``).
+Newton-Schulz schedules (read, never built); NorMuon's bytes per row
+(``NORMUON_ROW_BYTES``, which the kind's cost rule counts:
+``optim.kinds.gefen_muon.cost``).
 """
 
 from __future__ import annotations
