@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import pickle
 import sys
 import tempfile
 import warnings
@@ -29,6 +28,11 @@ sys.path.insert(0, str(Path.cwd()))
 
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.optim.container import GefenOptimizersContainer
+
+try:
+    from gefen_titan.checkpoint.io import storage
+except ImportError:  # a commit before checkpoint/'s three wings (issue 51)
+    from gefen_titan.checkpoint import storage  # type: ignore[no-redef]
 
 KINDS = (("gefen_v3", "Gefen", False), ("gefen_v1", "Gefen", True), ("hybrid_v3", "GefenMuonHybrid", False))
 
@@ -102,7 +106,7 @@ def fingerprint(name: str, per_rank: bool, root: Path) -> tuple[int, str]:
     for f in sorted(step.glob("*.distcp")):
         digest.update(f.name.encode())
         digest.update(f.read_bytes())
-    metadata = pickle.loads((step / ".metadata").read_bytes())  # our own file, just written
+    metadata = storage.read_metadata(step)  # the project's checked reader (digests, restricted unpickling)
     digest.update(repr(sorted((k, repr(v)) for k, v in metadata.state_dict_metadata.items())).encode())
     digest.update(repr(sorted((repr(k), repr(v)) for k, v in metadata.storage_data.items())).encode())
     return len(metadata.state_dict_metadata), digest.hexdigest()

@@ -69,6 +69,8 @@ def rows_restored():
     (schema.KeyRow("codes", "gefen/variant/{fqn}"), "is taken"),
     (schema.KeyRow("variant", "gefen/variant/{opt}", small="bytes"), "small must be"),
     (schema.KeyRow("variant", "gefen/variant/{opt}", small="str", raw=True), "only a parameter's state tensor"),
+    (schema.KeyRow("fine", "gefen/other/{opt}"), "key kind 'fine' is given twice"),  # in one registration
+    (schema.KeyRow("other", "gefen/fine/{fqn}"), "segment 'fine' given twice"),
 ])
 def test_a_row_whose_keys_would_be_another_kinds_cannot_be_registered(rows_restored, row, why):
     """A row's keys must parse back as its own kind: a segment another row of its shape uses (Gefen's records'

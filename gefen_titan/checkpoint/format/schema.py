@@ -50,7 +50,7 @@ from gefen_titan.checkpoint.errors import GefenCheckpointError
 
 __all__ = [
     "FORMAT", "VERSION", "V1", "V2", "VERSIONS", "AGREED_VERSIONS", "PREFIX", "K", "PATTERNS", "SMALL_KINDS",
-    "FormatError", "Key", "KeyRow", "HEADER", "register_rows", "unregister_rows", "row", "header_key", "parse_key",
+    "FormatError", "Key", "KeyRow", "HEADER", "register_rows", "unregister_rows", "header_key", "parse_key",
     "is_gefen_key", "is_raw_entry", "is_raw_item", "optimizer_id", "entry_key", "grid_shape",
 ]
 
@@ -130,13 +130,17 @@ def register_rows(rows: Iterable[KeyRow]) -> None:
     """Register a kind's key rows (``kinds.register`` does, for its description's ``key_rows``): all or none,
     ValueError naming the first that cannot be (a taken key kind, a segment another kind's keys use)."""
     rows = tuple(rows)
-    for i, row in enumerate(rows):
-        why = _refusal(row) or next((f"key kind {row.kind!r} is given twice" for r in rows[:i] if r.kind == row.kind),
-                                    None) or next((f"key kind {row.kind!r}: segment {row.segment!r} given twice"
-                                                   for r in rows[:i] if r.segment == row.segment
-                                                   and r.ranked == row.ranked), None)
+    kinds, segments = set(), set()
+    for row in rows:
+        why = _refusal(row)
+        if why is None and row.kind in kinds:
+            why = f"key kind {row.kind!r} is given twice"
+        if why is None and (row.segment, row.ranked) in segments:
+            why = f"key kind {row.kind!r}: segment {row.segment!r} given twice"
         if why:
             raise ValueError(f"cannot register key rows: {why}")
+        kinds.add(row.kind)
+        segments.add((row.segment, row.ranked))
     for row in rows:
         _ROWS[row.kind] = row
         PATTERNS[row.kind] = row.pattern
@@ -154,11 +158,6 @@ def unregister_rows(kinds: Iterable[str]) -> None:
         del _ROWS[kind], PATTERNS[kind]
         SMALL_KINDS.pop(kind, None)
         (_RANKED if row.ranked else _NAMED).pop(row.segment, None)
-
-
-def row(kind: str) -> KeyRow:
-    """A registered key kind's row (KeyError for one not registered)."""
-    return _ROWS[kind]
 
 
 def entry_key(kind: str, name: str) -> str:
