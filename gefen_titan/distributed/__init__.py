@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from gefen_titan.distributed.layout import leading_placements, placements_from_front
+from gefen_titan.distributed.layout import column_placements, leading_placements, placements_from_front
 
 __all__ = [
     "all_gather_objects",
@@ -39,6 +39,7 @@ __all__ = [
     "free_port",
     "is_distributed",
     "like_param",
+    "like_param_cols",
     "like_param_rows",
     "local",
     "max_over_ranks",
@@ -104,6 +105,18 @@ def like_param_rows(param: torch.Tensor, local_rows: torch.Tensor) -> torch.Tens
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
     return DTensor.from_local(local_rows, param.device_mesh, leading_placements(param, len(shape)),
                               run_check=False, shape=shape, stride=stride)
+
+
+def like_param_cols(param: torch.Tensor, local_cols: torch.Tensor) -> torch.Tensor:
+    """``local_cols`` (one value per local column of every matrix of ``param``: shape[:-2] + shape[-1:]) as
+    the shard of that tensor, placed like those dims of ``param`` (``layout.column_placements``); a cut of
+    the rows replicates it. A plain parameter's columns are returned as they are."""
+    if not isinstance(param, DTensor):
+        return local_cols
+    shape = tuple(param.shape[:-2]) + (param.shape[-1],)
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(local_cols, param.device_mesh, column_placements(param), run_check=False,
+                              shape=shape, stride=stride)
 
 
 def any_rank(flag: bool) -> bool:

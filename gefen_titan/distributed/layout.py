@@ -50,7 +50,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from gefen_titan.errors import UserError
 
 __all__ = [
-    "Box", "LayoutError", "chunk", "copy_groups", "dcp_disagreement", "holds_first_copy", "last_dim_cuts",
+    "Box", "LayoutError", "chunk", "column_placements", "copy_groups", "mesh_dims_cutting",
+    "dcp_disagreement", "holds_first_copy", "last_dim_cuts",
     "leading_placements", "local_box", "mesh_coordinate", "param_box", "placements_from_front", "shard_box",
     "shard_indices",
 ]
@@ -274,4 +275,32 @@ def placements_from_front(param: DTensor) -> tuple[Any, ...]:
             pl = Shard(pl.dim + param.dim()) if type(pl) is Shard else \
                 _StridedShard(pl.dim + param.dim(), split_factor=pl.split_factor)
         out.append(pl)
+    return tuple(out)
+
+
+def mesh_dims_cutting(param: torch.Tensor, dim: int) -> list[int]:
+    """The mesh dims whose placement cuts tensor dim ``dim`` of ``param`` (plain or strided shards), in mesh
+    order; none for a plain tensor. The ranks along such a mesh dim hold different parts of ``dim`` and the
+    same part of every dim no other of these mesh dims cuts: a sum along ``dim`` is completed by adding
+    the partial sums over these mesh dims."""
+    if not isinstance(param, DTensor):
+        return []
+    d = dim % param.dim()
+    return [i for i, pl in enumerate(param.placements) if _is_shard(pl) and pl.dim % param.dim() == d]
+
+
+def column_placements(param: DTensor) -> tuple[Any, ...]:
+    """Placements of a tensor of ``param``'s columns (shape[:-2] + shape[-1:]: one value per column of
+    every matrix, the factored second moment's ``v_col``), so that each rank holds the values of the
+    columns of its box: the cuts of the last dim and of the leading (batch) dims stay, counted for the
+    shorter tensor; a cut of the rows (dim -2) replicates it."""
+    nd = param.dim()
+    out = []
+    for pl in param.placements:
+        if not _is_shard(pl) or pl.dim % nd == nd - 2:
+            out.append(Replicate())
+            continue
+        d = pl.dim % nd
+        d = d - 1 if d == nd - 1 else d
+        out.append(Shard(d) if type(pl) is Shard else _StridedShard(d, split_factor=pl.split_factor))
     return tuple(out)

@@ -32,6 +32,7 @@ and writes ``TAG_rRANK.pt`` into its ``--out``:
                  config overrides) takes one step, tries the load, and dumps
                  the error and its live state before and after
   --tamper-save  a stepped optimizer whose rank 1 has another codebook saves
+  --second-moment  Gefen's ([optimizer.gefen] second_moment) for --ref and --load
 """
 
 from __future__ import annotations
@@ -135,8 +136,12 @@ def snapshot(opt: GefenOptimizersContainer) -> dict:
         out["global_step"] = gx.global_step(optim)
         for n, p, group in gx.named_params(optim):
             st = gx.gefen_read(optim, p)
-            out[n] = None if st is None else (st.period, st.step, st.vmean_step, st.codes.clone(),
-                                              st.magnitude.clone(), st.vmean.clone(), float(group["lr"]))
+            if st is None:
+                out[n] = None
+                continue
+            second = (st.v_row, st.v_col) if st.factored else (st.vmean,)
+            out[n] = (st.period, st.step, st.vmean_step, st.codes.clone(), st.magnitude.clone(),
+                      *(t.clone() for t in second), float(group["lr"]))
     return out
 
 
@@ -161,6 +166,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tp", type=int, default=2)
     ap.add_argument("--blocking", default="agreed", help="for --ref and --load")
     ap.add_argument("--tamper-save", default="", help="a base to save into after rank 1's codebook is changed")
+    ap.add_argument("--second-moment", default="block", help="Gefen's, for --ref and --load")
     return ap
 
 
@@ -173,11 +179,16 @@ def job(args, rank: int, world: int) -> None:
         model, opt = build(args.layout, world, max_tp, **config)
         return model, opt, sm.schedulers(opt, S + K), sm.TrainState()
 
+    def run_config() -> dict:
+        config = {"blocking": args.blocking}
+        if args.second_moment != "block":
+            config["gefen"] = GefenOptions(second_moment=args.second_moment)
+        return config
+
     if args.ref:
-        results["ref"], _ = sm.reference_run(lambda: fresh(blocking=args.blocking), step, args.ref, S, K,
-                                             global_state)
+        results["ref"], _ = sm.reference_run(lambda: fresh(**run_config()), step, args.ref, S, K, global_state)
     if args.load:
-        results["resume"] = sm.resumes(args.load.split(","), lambda: fresh(blocking=args.blocking), step, S, K,
+        results["resume"] = sm.resumes(args.load.split(","), lambda: fresh(**run_config()), step, S, K,
                                        global_state)
     for case in filter(None, args.cases.split(",")):
         # A stepped optimizer (with the case's config) tries a bad checkpoint.

@@ -28,7 +28,8 @@ def test_key_builders_use_the_table():
     assert gefen_keys.blocks_key("o", 3) == "gefen/blocks/o/3"
     assert gefen_keys.rank_codebook_key("o", 3) == "gefen/codebook/o/3"
     assert gefen_keys.grid_key("a.b") == "gefen/grid/a.b"
-    assert schema.VERSION == 3 and schema.V2 == 2 and schema.V1 == 1
+    assert gefen_keys.vrow_key("a.b") == "gefen/vrow/a.b" and gefen_keys.vcol_key("a.b") == "gefen/vcol/a.b"
+    assert schema.VERSION == 4 and schema.V3 == 3 and schema.V2 == 2 and schema.V1 == 1
     assert f"`gefen-titan` v{schema.VERSION}" in DOC
 
 
@@ -45,7 +46,7 @@ def test_gefens_records_keep_their_key_as_kind_gefen():
 
 def test_every_kind_keyed_by_one_name_parses_back_from_its_pattern():
     named = [kind for kind, pattern in schema.PATTERNS.items() if pattern.count("{") == 1]
-    assert len(named) == 12, named
+    assert len(named) == 14, named
     for kind in named:
         key = schema.PATTERNS[kind].format(opt="a.b", fqn="a.b")
         assert schema.entry_key(kind, "a.b") == key and schema.parse_key(key) == schema.Key(kind, "a.b"), kind

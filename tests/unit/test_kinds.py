@@ -61,7 +61,7 @@ def test_a_parameter_with_records_of_two_kinds_is_refused():
 
 def test_a_kinds_state_in_a_format_it_does_not_write_is_refused():
     whats, saved = _whats(*_records(schema_records.Header.for_blocking("per_rank"), (), ("b",)))
-    assert whats == ["gefen/muon/b: GefenMuon state in a format v1 checkpoint (GefenMuon writes v2, v3)"]
+    assert whats == ["gefen/muon/b: GefenMuon state in a format v1 checkpoint (GefenMuon writes v2, v3, v4)"]
     assert "GefenMuon" not in saved.kinds
 
 

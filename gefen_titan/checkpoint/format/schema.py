@@ -23,14 +23,16 @@ named in code; its segment is what is on disk, and renaming a segment is a
 format step (a new version and a reader of the old one). ``gefen/format`` is
 the header, the one row defined here.
 
-Version 3 (agreed blocking, the default) and version 2 are mesh-invariant:
+Version 4 (agreed blocking, the default), 3 and 2 are mesh-invariant:
 the codebook and the periods are the same on every rank, so every tensor is
 saved as a DTensor with the parameter's own placements and DCP reshards all
 of it at any layout. A load is DCP plus views, nothing is recomputed. v3
 writes some state tensors as raw bytes (``KeyRow.raw``: only under keys no
 earlier version wrote); key and length tell a reader how an item is stored
 (``is_raw_item``), at no cost to ``.metadata``. Version 1 (per-rank blocking)
-keeps each rank's own codebook and periods.
+keeps each rank's own codebook and periods. v4 is v3 plus what a kind
+may store of a parameter beside it (Gefen's factored second moment: its
+rows and columns, placed like the parameter's); a record says which.
 
 The JSON of every record is part of the format: ranks compare the bytes of
 the records they write (DCP keeps one copy), so each kind's ``to_json`` must
@@ -49,17 +51,18 @@ import torch
 from gefen_titan.checkpoint.errors import GefenCheckpointError
 
 __all__ = [
-    "FORMAT", "VERSION", "V1", "V2", "VERSIONS", "AGREED_VERSIONS", "PREFIX", "K", "PATTERNS", "SMALL_KINDS",
+    "FORMAT", "VERSION", "V1", "V2", "V3", "VERSIONS", "AGREED_VERSIONS", "PREFIX", "K", "PATTERNS", "SMALL_KINDS",
     "FormatError", "Key", "KeyRow", "HEADER", "register_rows", "unregister_rows", "header_key", "parse_key",
     "is_gefen_key", "is_raw_entry", "is_raw_item", "optimizer_id", "entry_key", "grid_shape",
 ]
 
 FORMAT = "gefen-titan"
-VERSION = 3  # written by agreed blocking
+VERSION = 4  # written by agreed blocking: v3 plus the factored second moment's entries
+V3 = 3  # agreed blocking before v4: every parameter's second moment a block vmean
 V2 = 2  # agreed blocking before v3: magnitude and vmean as two entries, torch.save framing
 V1 = 1  # written by per-rank blocking
-VERSIONS = (V1, V2, VERSION)
-AGREED_VERSIONS = (V2, VERSION)  # mesh-invariant: loaded by DCP plus views
+VERSIONS = (V1, V2, V3, VERSION)
+AGREED_VERSIONS = (V2, V3, VERSION)  # mesh-invariant: loaded by DCP plus views
 PREFIX = "gefen/"
 K = 256  # codebook entries (gefen-x: num_codebooks=256)
 

@@ -15,6 +15,7 @@ __all__ = ["keys", "file_table", "key_table"]
 
 # The header's row per version (the format's own); every other row is a kind's (``KindDescription.key_docs``).
 _HEADER = {
+    4: ('str (json) {"format": "gefen-titan", "version": 4, "blocking": "agreed"}', "every rank (same)"),
     3: ('str (json) {"format": "gefen-titan", "version": 3, "blocking": "agreed"}', "every rank (same)"),
     2: ('str (json) {"format": "gefen-titan", "version": 2, "blocking": "agreed"}', "every rank (same)"),
     1: ('str (json) {"format": "gefen-titan", "version": 1} (newer writers add "blocking": "per_rank")',

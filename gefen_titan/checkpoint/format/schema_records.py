@@ -24,6 +24,7 @@ from gefen_titan.checkpoint.format.schema import (
     FORMAT,
     V1,
     V2,
+    V3,
     VERSION,
     VERSIONS,
     FormatError,
@@ -64,7 +65,7 @@ class Header:
     """``gefen/format``: the format version and the blocking that wrote it."""
 
     version: int
-    blocking: str | None  # "agreed" (v2, v3) | "per_rank" (v1; absent in early v1 writers)
+    blocking: str | None  # "agreed" (v2, v3, v4) | "per_rank" (v1; absent in early v1 writers)
 
     @classmethod
     def for_blocking(cls, blocking: str) -> Header:
@@ -79,11 +80,12 @@ class Header:
 
     @classmethod
     def from_json(cls, raw: Any) -> Header:
-        """Raises FormatError for anything but a gefen-titan v1, v2 or v3 header."""
+        """Raises FormatError for anything but a gefen-titan v1, v2, v3 or v4 header."""
         data = loads_json(raw, f"the gefen-titan header {header_key()}")
         if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") not in VERSIONS:
             raise FormatError(
-                f"checkpoint format {data} is not {FORMAT} v{V1}, v{V2} or v{VERSION}; it was written by another "
+                f"checkpoint format {data} is not {FORMAT} v{V1}, v{V2}, v{V3} or v{VERSION}; it was written by "
+                "another "
                 "gefen-titan version. Load it with that version or exclude the optimizer")
         return cls(int(data["version"]), data.get("blocking"))
 

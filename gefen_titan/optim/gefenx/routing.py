@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 
 from gefen_titan.optim.gefenx.muon import is_gefen_muon
 
-__all__ = ["route_cpu_step"]
+__all__ = ["route_cpu_step", "route_gefen_step"]
 
 
 def route_cpu_step(optim: Optimizer, step: Any) -> None:
@@ -31,5 +31,14 @@ def route_cpu_step(optim: Optimizer, step: Any) -> None:
         optim._prepare_muon_momentum = lambda group, name, p, grad, n: (
             own_m(group, name, p, grad, n) if (d := step(group, p, grad)) is None else (optim.state[p], d))
     else:
-        own = optim._step_automatic
-        optim._step_automatic = lambda group, name, p, grad: step(group, p, grad) or own(group, name, p, grad)
+        route_gefen_step(optim, step)
+
+
+def route_gefen_step(optim: Optimizer, step: Any) -> None:
+    """Offer each parameter of a Gefen to ``step(group, p, grad)`` before what steps it now (True: done).
+
+    The routes chain: the factored second moment's step (``optim.kinds.gefen.factored``), routed after the
+    CPU kernel's, is offered each parameter first; what it declines goes on to the kernel, then to gefen-x.
+    """
+    own = optim._step_automatic
+    optim._step_automatic = lambda group, name, p, grad: step(group, p, grad) or own(group, name, p, grad)

@@ -59,6 +59,7 @@ class GefenParam:
     step: int = 0
     vmean_step: int = 0
     ranks: dict[int, records_v1.V1RankRow] = field(default_factory=dict)
+    factored: bool = False  # v4: its second moment is factored (vrow, vcol)
 
     @property
     def grid(self) -> tuple[int, ...] | None:
@@ -96,8 +97,9 @@ def _read_agreed(inp: RecordsInput, problems: list[Problem], name: str, record_k
         except schema.FormatError as e:
             problems.append((RECORDS, rec_name, str(e)))
             continue
-        o = GefenOptimizer(opt_id, [GefenParam(p.fqn, p.shape, p.group, p.period, p.step, p.vmean_step)
-                                    for p in rec.params], rec.global_step, rec.deterministic)
+        o = GefenOptimizer(opt_id, [GefenParam(p.fqn, p.shape, p.group, p.period, p.step, p.vmean_step,
+                                               factored=p.factored) for p in rec.params],
+                           rec.global_step, rec.deterministic)
         out.optimizers.append(o)
         for p in o.params:
             if p.fqn in out.owner:
@@ -124,7 +126,11 @@ def _check_agreed_param(entries: dict[str, Any], p: GefenParam, global_step: int
         return out + [(RECORDS, f"{p.fqn}: period {p.period} does not divide the last dimension of {p.shape}")]
     if p.period != 1 and len(p.shape) < 2:
         out.append((RECORDS, f"{p.fqn}: period {p.period} on a {len(p.shape)}-D parameter (agreed blocking uses 1)"))
-    for key, (dtype, shape) in gefen_keys.param_tensor_specs(p.fqn, p.shape, p.period, version).items():
+    try:
+        specs = gefen_keys.param_tensor_specs(p.fqn, p.shape, p.period, version, p.factored)
+    except schema.FormatError as e:
+        return out + [(RECORDS, f"{p.fqn}: {e}")]
+    for key, (dtype, shape) in specs.items():
         why = f"the shape of {p.fqn}" if dtype == torch.uint8 else f"period {p.period} of {p.fqn}"
         out.append((RECORD_TENSORS, check_tensor(entries, key, shape, dtype, why)))
     return out
@@ -232,10 +238,12 @@ def _rows(name: str, record_kind: str, codebook_kind: str):
         for o in state.optimizers:
             params = []
             for p in o.params:
-                names = (list(gefen_keys.param_tensor_keys(p.fqn, version).values()) if agreed
+                names = (list(gefen_keys.param_tensor_keys(p.fqn, version, p.factored).values()) if agreed
                          else [gefen_keys.codes_key(p.fqn)])
                 row = {"fqn": p.fqn, "shape": list(p.shape), "period": p.period, "step": p.step,
                        "vmean_step": p.vmean_step, "group": p.group, **view.tensors(names)}
+                if p.factored:
+                    row["second_moment"] = "factored"
                 if agreed:
                     row["grid"] = list(p.grid) if p.grid else None
                 else:  # per source rank: its own period (v1)
@@ -304,7 +312,8 @@ def description(name: str = "Gefen", record_kind: str = "gefen", codebook_kind: 
                 schema.KeyRow(codebook_kind, f"gefen/{codebook_kind}/{{opt}}", small="tensor"))
     return KindDescription(
         name=name, key_rows=rows, key_docs=docs, read=read, versions=versions,
-        nonnegative=frozenset({"magnitude", "vmean", "grid", "blocks"}) if name == "Gefen" else frozenset(),
+        nonnegative=(frozenset({"magnitude", "vmean", "grid", "blocks", "vrow", "vcol"}) if name == "Gefen"
+                     else frozenset()),
         report_key=name.lower(), summary=_summary, summary_line=_summary_line(name),
         rows=_rows(name, record_kind, codebook_kind), render=_render,
         planned_entries=_planned(record_kind, codebook_kind, record_type))

@@ -12,6 +12,7 @@ from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.checkpointing import StateAdapter
 from gefen_titan.optim.kinds.gefen import cost as gefen_cost
 from gefen_titan.optim.kinds.gefen import description as gefen_description
+from gefen_titan.optim.kinds.gefen import factored
 from gefen_titan.optim.kinds.gefen.options import GefenOptions
 from gefen_titan.optim.kinds.gefen.per_rank import GefenPerRankAdapter
 from gefen_titan.optim.kinds.gefen.sharded import GefenShardedAdapter
@@ -22,10 +23,11 @@ from gefen_titan.optim.registry import OptimizerSpec, StateOptions
 __all__ = ["GEFEN_OPTION_KEYS", "build_gefen", "spec"]
 
 # Gefen constructor options that apply to the whole optimizer (the container
-# fills them in from [optimizer.gefen] for every Gefen group); ``cpu_step`` is
-# gefen-titan's (which path runs the step on CPU tensors: ``optim.cpu_step``).
+# fills them in from [optimizer.gefen] for every Gefen group); ``second_moment`` and
+# ``cpu_step`` are gefen-titan's (the factored step: ``optim.kinds.gefen.factored``;
+# which path runs the step on CPU tensors: ``optim.cpu_step``).
 GEFEN_OPTION_KEYS = ("factored_v_2d", "force_1d_period_one", "period_one_substrings", "codebook_refresh_every",
-                     "deterministic", "cpu_step")
+                     "deterministic", "second_moment", "cpu_step")
 
 
 def build_gefen(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Optimizer:
@@ -35,8 +37,11 @@ def build_gefen(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Op
     if "period_one_substrings" in options:
         options["period_one_substrings"] = tuple(options["period_one_substrings"])
     mode = options.pop("cpu_step", "kernel")
+    second_moment = options.pop("second_moment", "block")
     optim = gx.new_gefen(groups, **options, **factory_kwargs)
     cpu_step.install(optim, mode, "Gefen")
+    if second_moment == "factored":
+        factored.install(optim)  # offered each matrix first (gefenx.route_gefen_step)
     return optim
 
 

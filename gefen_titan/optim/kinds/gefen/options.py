@@ -19,9 +19,10 @@ from gefen_titan.optim.options_table import OptionsTableBase
 
 __all__ = ["FACTORED_V_2D", "GefenOptions"]
 
-# Pinned off: FSDP2-sharded 2-D params always use the block second moment
-# (Gefen cannot factor a shard), and keeping one layout at every world size
-# (1 rank included) is what lets a checkpoint move between DP degrees.
+# gefen-x's own factoring is pinned off: it cannot factor a shard (FSDP2-sharded
+# 2-D params fall back to the block second moment), so a run's state would
+# depend on the world size. ``second_moment = "factored"`` is gefen-titan's
+# sharded one (optim.kinds.gefen.factored), the same at every layout.
 FACTORED_V_2D = False
 
 
@@ -47,6 +48,16 @@ class GefenOptions(OptionsTableBase):
     deterministic: bool = False
     """Replica-exact arithmetic on CUDA at some speed cost."""
 
+    second_moment: Literal["block", "factored"] = "block"
+    """``"block"``: one ``vmean`` per block of the momentum (gefen-x's legacy
+    path, 4 B per block). ``"factored"``: for every parameter of two dims or
+    more, fp32 EMAs of grad²'s row and column means, rebuilt per element as
+    ``outer(R, C) / mean(R)`` (gefen-x's ``factored_v_2d``, its AdamW-parity
+    mode, done here on shards with exact cross-rank sums: the state is the same
+    bits at every layout; ``optim.kinds.gefen.factored``). Needs agreed
+    blocking. A resume may switch: the second moment then restarts from zero
+    with its own step count (docs/recipes.md)."""
+
     cpu_step: Literal["kernel", "gefen-x"] = "kernel"
     """On CPU tensors (CPU hosts, CPU offload): ``"kernel"`` runs gefen-titan's
     exact CPU kernel (``optim.cpu_step``: the same bits as gefen-x's own step,
@@ -58,12 +69,20 @@ class GefenOptions(OptionsTableBase):
     def __post_init__(self) -> None:
         if self.codebook_refresh_every < 0:
             raise ValueError("optimizer.gefen.codebook_refresh_every must be >= 0")
+        if self.second_moment not in ("block", "factored"):
+            raise ValueError(
+                f"optimizer.gefen.second_moment must be 'block' or 'factored', got {self.second_moment!r}")
         if self.cpu_step not in MODES:
             raise ValueError(f"optimizer.gefen.cpu_step must be 'kernel' or 'gefen-x', got {self.cpu_step!r}")
 
     def check_config(self, config: Any) -> None:
         """Refuse the options that agreed blocking (``optimizer.blocking.mode``, the container's) cannot keep."""
         if config.blocking.mode != "agreed":
+            if self.second_moment == "factored":
+                raise ValueError(
+                    "optimizer.gefen.second_moment = \"factored\" needs agreed blocking (its row and column "
+                    "sums are agreed across ranks, and only the agreed format stores them); set "
+                    "optimizer.blocking.mode = \"agreed\", or second_moment = \"block\"")
             return
         if self.codebook_refresh_every > 0:
             raise ValueError(
@@ -81,4 +100,4 @@ class GefenOptions(OptionsTableBase):
         return {"factored_v_2d": FACTORED_V_2D, "force_1d_period_one": self.force_1d_period_one,
                 "period_one_substrings": tuple(self.period_one_substrings),
                 "codebook_refresh_every": self.codebook_refresh_every, "deterministic": self.deterministic,
-                "cpu_step": self.cpu_step}
+                "second_moment": self.second_moment, "cpu_step": self.cpu_step}

@@ -18,17 +18,40 @@ from gefen_titan.optim.kinds.gefen.keys import HYPER
 __all__ = ["ParamRecord", "OptimizerRecord", "check_hyper", "check_counters"]
 
 
+SECOND_MOMENT = "second_moment"  # v4: the key of a factored parameter's record ("factored"; absent: block)
+
+
 @dataclass
 class ParamRecord(KindParamRecord):
-    """v2, v3: one parameter's period, counters and group hyperparameters."""
+    """v2, v3, v4: one parameter's period, counters and group hyperparameters; v4: whether its second
+    moment is factored (``vmean_step`` then counts the factored EMAs' steps)."""
 
     COUNTER: ClassVar[str] = "vmean_step"
 
     vmean_step: int
     group: dict[str, float]
+    factored: bool = False
 
     def group_json(self) -> dict[str, float]:
         return {k: float(self.group[k]) for k in HYPER}
+
+    def to_dict(self) -> dict[str, Any]:
+        # A block parameter's JSON stays v3's, byte for byte: the key is written only when factored.
+        out = KindParamRecord.to_dict(self)
+        if self.factored:
+            out[SECOND_MOMENT] = "factored"
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ParamRecord:
+        rec = super().from_dict(raw)
+        mode = raw.get(SECOND_MOMENT)
+        if mode not in (None, "factored"):
+            raise FormatError(f"{rec.fqn}: {SECOND_MOMENT} {mode!r} (a record holds \"factored\" or nothing)")
+        if mode and len(rec.shape) < 2:
+            raise FormatError(f"{rec.fqn}: a factored second moment on a {len(rec.shape)}-D parameter")
+        rec.factored = bool(mode)
+        return rec
 
 
 @dataclass

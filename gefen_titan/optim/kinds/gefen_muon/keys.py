@@ -37,7 +37,7 @@ def muon_tensor_keys(fqn: str) -> dict[str, str]:
     return {name: _ROW["muon_" + name].key(fqn) for name in MUON_TENSORS}
 
 
-# ``docs/checkpoint_format.md``'s rows of these keys (``KindDescription.key_docs``), the same in v2 and v3.
+# ``docs/checkpoint_format.md``'s rows of these keys (``KindDescription.key_docs``), the same in v2, v3 and v4.
 _DOCS = (
     ("muon", 'str (json): "kind" ("GefenMuon"), "blocking", "deterministic", "global_step", and per parameter in '
      'order: "fqn", "shape", "period" (0: no state yet), "step", "rows_step" (NorMuon\'s counter, 0: no '
@@ -51,4 +51,4 @@ _DOCS = (
      "rows_step > 0); [experts, rows] for a grouped experts' weight (E, out, in), placed like its dims 0 and 1",
      "DTensor: each its shard"),
 )
-KEY_DOCS: dict[int, tuple[tuple[str, str, str], ...]] = {3: _DOCS, 2: _DOCS}
+KEY_DOCS: dict[int, tuple[tuple[str, str, str], ...]] = {4: _DOCS, 3: _DOCS, 2: _DOCS}

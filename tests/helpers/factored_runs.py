@@ -1,0 +1,64 @@
+"""The factored second moment's layout runs of ``agreed_worker`` that tests/integration/test_factored.py
+checks (``--second-moment factored``): which jobs, in which launches.
+
+As ``agreed_runs``: a ref job runs S+K steps and saves at S, a job with loads resumes each at S and
+runs K more. Two more resume each other's checkpoint with the other second moment (``switch``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.helpers.worker_jobs import Launch, ordered_launches, reshard_jobs, run_job
+
+WORKER = "agreed"
+S, K = 3, 2
+
+# (layout, nproc, tag, ref base, loads). "f_" jobs run factored, "b_" block.
+RUNS = [
+    ("fsdp", 1, "f_fsdp1", "c_f_fsdp1", []),
+    ("fsdp", 2, "f_fsdp2", "c_f_fsdp2", []),
+    ("fsdp", 2, "b_fsdp2", "c_b_fsdp2", []),
+    ("fsdp_offload", 2, "f_fsdp2_offload", "c_f_fsdp2_offload", ["c_f_fsdp2"]),
+    ("tp", 2, "f_tp2", "c_f_tp2", []),
+    ("pp", 2, "f_pp2", "c_f_pp2", []),
+    ("fsdp", 3, "f_fsdp3", "c_f_fsdp3", ["c_f_fsdp2"]),
+    ("fsdp_tp", 4, "f_fsdp_tp4", "c_f_fsdp_tp4", ["c_f_fsdp2", "c_f_tp2"]),
+    ("hsdp", 4, "f_hsdp4", "c_f_hsdp4", []),
+    ("fsdp", 2, "f_fsdp2_resume", "", ["c_f_fsdp1", "c_f_fsdp3", "c_f_fsdp_tp4", "c_f_hsdp4", "c_f_pp2",
+                                       "c_f_fsdp2_offload", "c_f_tp2"]),
+    ("fsdp", 1, "f_fsdp1_resume", "", ["c_f_fsdp_tp4"]),
+    # A factored run resumes a block checkpoint, a block run a factored one.
+    ("fsdp", 2, "f_switch", "", ["c_b_fsdp2"]),
+    ("fsdp", 2, "b_switch", "", ["c_f_fsdp2"]),
+]
+SWITCHES = {"f_switch": "c_b_fsdp2", "b_switch": "c_f_fsdp2"}
+
+
+def target(tag: str) -> str:
+    """The reference tag whose uninterrupted run a job's resumes must equal."""
+    return tag.split("_resume")[0]
+
+
+# (source checkpoint, target tag) of every resume that keeps its second moment.
+PAIRS = [(src, target(tag)) for _, _, tag, _, loads in RUNS for src in loads if tag not in SWITCHES]
+
+PLAN = [
+    (1, ["f_fsdp1"]),
+    (2, ["f_fsdp2", "b_fsdp2", "f_fsdp2_offload", "f_tp2", "f_pp2"]),
+    (3, ["f_fsdp3"]),
+    (4, ["f_fsdp_tp4", "f_hsdp4"]),
+    (2, ["f_fsdp2_resume", "f_switch", "b_switch"]),
+    (1, ["f_fsdp1_resume"]),
+]
+
+
+def job(layout: str, tag: str, out: Path, *args: str) -> list[str]:
+    return run_job(WORKER, layout, tag, out, S, K, *args)
+
+
+def plan(base: Path) -> list[Launch]:
+    """Every job of PLAN, as launches (``worker_jobs.launch_all``); the folders are made here."""
+    jobs, _, _ = reshard_jobs(base, job, RUNS, lambda tag: ["--second-moment",
+                                                            "factored" if tag.startswith("f_") else "block"])
+    return ordered_launches(PLAN, jobs, RUNS, {})
