@@ -102,7 +102,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import scale_moe
+from benchmarks import scale_factored, scale_moe
 from benchmarks.meta import build_on_meta
 from benchmarks.scale_parts import (
     LAYER,
@@ -629,12 +629,14 @@ def metadata_estimate(entries: list[Entry], world: int, chunks: Chunks, checkpoi
 
 
 # ------------------------------------------------------------------- plan
-def state_bytes(built: Built, name: str, rule: str = "fallback", periods: dict[str, int] | None = None) -> list[int]:
+def state_bytes(built: Built, name: str, rule: str = "fallback", periods: dict[str, int] | None = None,
+                options: Any = None) -> list[int]:
     """Per rank: the state of one optimizer of kind ``name`` over the plan's parameters, by its registry entry's
-    rule (``optim.state_cost.StateCost``), periods by ``rule`` or the given ``periods``."""
+    rule (``optim.state_cost.StateCost``, under the kind's ``options`` table if given), periods by ``rule`` or
+    the given ``periods``."""
     from gefen_titan.optim import registry
 
-    cost = registry.get(name).cost
+    cost = registry.get(name).cost.under(options)
     chunks = Chunks()
     out = [cost.optimizer_bytes] * built.mesh.world
     for p in built.params:
@@ -746,6 +748,7 @@ def plan(built: Built, exact_items: int = 100_000, muon_bucket_mib: float | None
                      "written_max": max(acc.bytes_per_rank), "written_total": sum(acc.bytes_per_rank),
                      "items_max": max(acc.items_per_rank), "metadata": md["metadata"], "gathered": md["gathered"],
                      "exact": md["exact"]}
+    row["factored"] = scale_factored.factored_figures(built, state_bytes)
     coll = collectives(built)
     row["collectives"] = coll
     row["agreement_per_rank"] = sum(c["per_rank"] for c in coll)
@@ -877,6 +880,18 @@ def report(rows: list[dict], max_tp: int) -> list[dict]:
 
         scale_moe.report_moe([r for r in rows if r.get("moe")])
     if rows:
+        print("\nGefen's factored second moment (optimizer.gefen.second_moment = \"factored\"; "
+              "benchmarks/scale_factored.py): state per rank (worst rank; block's beside it), and per step its "
+              "row/column all-reduces against the gradient reduce-scatter (bf16), on the rank where the ratio is "
+              "highest\n")
+        print("| flavor | mesh | W | factored state/rank | block state/rank | factored collectives/rank/step "
+              "| gradient reduce-scatter/rank/step | ratio |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            f = r["factored"]
+            print(f"| {r['flavor']} | {r['label']} | {r['world']} | {fmt_bytes(f['state'])} "
+                  f"| {fmt_bytes(r['gefen_state'])} | {fmt_bytes(f['collective'])} | {fmt_bytes(f['grad'])} "
+                  f"| {100 * f['ratio']:.3f}% |")
         r = rows[-1]
         collectives = "; ".join(f"{c['what']} {c['op']} {c['numel']:,} x {c['dtype']} -> "
                                 f"{fmt_bytes(c['per_rank'])}/rank" for c in r["collectives"])

@@ -67,6 +67,9 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
                         "optimizer.gefen.period_one_substrings)")
     p.add_argument("--deterministic", action="store_true",
                    help="--to gefen: mark the state for optimizer.gefen.deterministic = true")
+    p.add_argument("--second-moment", default="block", choices=("block", "factored"),
+                   help="--to gefen: the second moment to write, as the recipe's optimizer.gefen.second_moment "
+                        "(factored: row and column means of exp_avg_sq for every parameter of two dims or more)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     _key_option(p)
 
@@ -141,7 +144,7 @@ def _run(args: argparse.Namespace) -> int:
                 implementation=args.implementation,
                 max_tensor_parallel_degree=args.max_tensor_parallel_degree,
                 period_one_substrings=tuple(s for s in args.period_one_substrings.split(",") if s),
-                deterministic=args.deterministic)
+                deterministic=args.deterministic, second_moment=args.second_moment)
             with digests.keyed(key):  # read checked with the key; written signed with it
                 report = convert.convert(args.path, args.out, args.to, options)
             _emit(args, report, convert.render(report))

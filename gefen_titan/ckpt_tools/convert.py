@@ -6,9 +6,11 @@ moment (docs/gefen_internals.md b): per block of ``period`` elements,
 + eps``, ``p -= lr * m / (1 - beta1**step) / h``, with AdamW's decoupled weight
 decay. So the state maps onto torch's AdamW one to one:
 
-* ``--to adamw`` (formats v2 and v3): ``exp_avg`` = the dequantized momentum
+* ``--to adamw`` (formats v2, v3 and v4): ``exp_avg`` = the dequantized momentum
   (``optim.quant.requant.dequantize``, Gefen's own arithmetic), ``exp_avg_sq`` =
-  each block's ``vmean`` broadcast over its elements, ``step`` = Gefen's
+  each block's ``vmean`` broadcast over its elements (a factored parameter's:
+  its rebuilt second moment ``outer(vrow, vcol) / mean(vrow)`` per matrix,
+  what its step divides by), ``step`` = Gefen's
   ``step``; the hyperparameters of each record become the AdamW param group.
   AdamW's next step from this state is Gefen's next step except that it
   keeps the new momentum unquantized and the new second moment per element.
@@ -22,8 +24,12 @@ decay. So the state maps onto torch's AdamW one to one:
   ``exp_avg``, the values the codes will hold; the momentum is quantized
   with Gefen's rule (``optim.quant.requant.requantize``) and ``vmean`` is the
   block mean of ``exp_avg_sq`` (``optim.quant.requant.block_mean``);
-  ``step`` = ``vmean_step`` = AdamW's ``step``. The report gives the relative
-  error of both moments.
+  ``step`` = ``vmean_step`` = AdamW's ``step``. With ``--second-moment
+  factored`` a parameter of two dims or more keeps instead the row and column
+  means of ``exp_avg_sq`` (``vrow``, ``vcol``: the factored second moment of
+  ``optim.kinds.gefen.factored``, exact when ``exp_avg_sq`` is rank one), to
+  resume with ``optimizer.gefen.second_moment = "factored"``. The report gives
+  the relative error of both moments.
 
 The state of any other kind whose description says why it cannot be
 converted (``checkpoint.format.kinds.KindDescription.convert_refusal``: GefenMuon's
@@ -67,6 +73,7 @@ from gefen_titan.optim.block_stats import HIST_BINS, block_variance_sums, histog
 from gefen_titan.optim.codebook_solver import codebook_from_counts
 from gefen_titan.optim.kinds.gefen import keys as gefen_keys
 from gefen_titan.optim.kinds.gefen import records as gefen_records
+from gefen_titan.optim.kinds.gefen.factored import rebuilt
 from gefen_titan.optim.kinds.gefen.keys import HYPER
 from gefen_titan.optim.quant.requant import block_mean, dequantize, expand_blocks, requantize
 
@@ -82,6 +89,7 @@ class ConvertOptions:
     max_tensor_parallel_degree: int = 1  # --to gefen: as the recipe's optimizer setting
     period_one_substrings: tuple[str, ...] = ()
     deterministic: bool = False
+    second_moment: str = "block"  # --to gefen: "factored" writes rows and columns (optimizer.gefen.second_moment)
 
 
 def convert(path: str, out: str, to: str, options: ConvertOptions = ConvertOptions()) -> dict[str, Any]:
@@ -186,7 +194,7 @@ def _to_adamw(ck: Checkpoint, options: ConvertOptions):
                         + ": nothing to convert to AdamW")
     if saved.version not in schema.AGREED_VERSIONS:
         raise CkptError(f"{ck.path} is Gefen format v{saved.version} (per-rank blocking): convert reads formats "
-                        f"v{schema.V2} and v{schema.VERSION} (agreed blocking) only. Resume it with "
+                        f"v{schema.V2} to v{schema.VERSION} (agreed blocking) only. Resume it with "
                         "optimizer.blocking.mode = \"per_rank\" instead, or convert a checkpoint of an "
                         "agreed-blocking run")
     if saved.problems:
@@ -200,19 +208,23 @@ def _to_adamw(ck: Checkpoint, options: ConvertOptions):
     for p in gefen.params:
         numel = math.prod(p.shape)
         if p.period:
-            keys = gefen_keys.param_tensor_keys(p.fqn, saved.version)
+            keys = gefen_keys.param_tensor_keys(p.fqn, saved.version, p.factored)
             vals = ck.load_names(OPTIMIZER, list(keys.values()))
             tensors = {name: vals[key] for name, key in keys.items()}
             codes = tensors["codes"].reshape(-1)
-            mag, vmean = (t.reshape(-1) for t in gefen_keys.unpack_blocks(saved.version, tensors))
-            for what, t in (("magnitude", mag), ("vmean", vmean)):  # the load's check of them, before any write
-                why = kinds.nonnegative_problem(t)
+            mag, vmean = gefen_keys.unpack_blocks(saved.version, tensors)
+            checked = {"magnitude": mag, "vmean": vmean, "vrow": tensors.get("vrow"), "vcol": tensors.get("vcol")}
+            for what, t in checked.items():  # the load's check of them, before any write
+                why = None if t is None else kinds.nonnegative_problem(t)
                 if why:
                     raise CkptError(f"{p.fqn}: non-finite or negative {what} in {ck.path} ({why}): the resume "
                                     f"refuses it too; `gefen-titan ckpt verify {ck.path}` lists what is wrong. "
                                     "Nothing was written")
-            exp_avg = dequantize(codes, codebook, mag, p.period).view(p.shape)
-            exp_avg_sq = expand_blocks(vmean, p.period, 0, numel).reshape(p.shape).clone()
+            exp_avg = dequantize(codes, codebook, mag.reshape(-1), p.period).view(p.shape)
+            if p.factored:
+                exp_avg_sq = rebuilt(tensors["vrow"], tensors["vcol"], p.shape)
+            else:
+                exp_avg_sq = expand_blocks(vmean.reshape(-1), p.period, 0, numel).reshape(p.shape).clone()
         else:  # no state yet (saved before its first step): AdamW's fresh state
             exp_avg, exp_avg_sq = torch.zeros(p.shape), torch.zeros(p.shape)
         if p.vmean_step != p.step:
@@ -233,6 +245,13 @@ def _to_adamw(ck: Checkpoint, options: ConvertOptions):
         "resume": "--optimizer.name AdamW",
     }
     return entries, report, replaced
+
+
+def _factors(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row means, column means) of a second moment of two dims or more: what ``--second-moment factored``
+    keeps (``keys.factor_shapes``)."""
+    v = v.double()
+    return v.mean(dim=-1).float(), v.mean(dim=-2).float()
 
 
 # ------------------------------------------------------------------ AdamW -> Gefen
@@ -299,6 +318,8 @@ def _to_gefen(ck: Checkpoint, options: ConvertOptions):
         steps[fqn] = int(step)
     if len({s == 0 for s in steps.values()}) > 1:
         raise CkptError("some parameters have AdamW step 0 and others not: Gefen's agreed state is all or none")
+    if options.second_moment not in ("block", "factored"):
+        raise CkptError(f"--second-moment {options.second_moment!r}: expected block or factored")
 
     def moments(fqn):
         vals = ck.load_names(OPTIMIZER, [f"state.{fqn}.exp_avg", f"state.{fqn}.exp_avg_sq"])
@@ -323,18 +344,25 @@ def _to_gefen(ck: Checkpoint, options: ConvertOptions):
     for fqn in states:
         shape = tuple(states[fqn]["exp_avg"].shape)
         period = periods.get(fqn, 0)
-        params.append(gefen_records.ParamRecord(fqn, shape, period, steps[fqn], steps[fqn], groups[fqn]))
+        factored = options.second_moment == "factored" and len(shape) >= 2
+        params.append(gefen_records.ParamRecord(fqn, shape, period, steps[fqn], steps[fqn], groups[fqn], factored))
         if not period:
             continue
         m, v = moments(fqn)
         codes, mag = requantize(m.reshape(-1), codebook, period)
-        vmean = block_mean(v.reshape(-1), period)
         grid = grid_shape(shape, period)
-        keys = gefen_keys.param_tensor_keys(fqn)
+        keys = gefen_keys.param_tensor_keys(fqn, factored=factored)
         entries[keys["codes"]] = codes.reshape(shape)
-        entries[keys["grid"]] = gefen_keys.pack_blocks(mag.reshape(grid), vmean.reshape(grid))
+        if factored:
+            v_row, v_col = _factors(v)
+            entries[keys["grid"]] = gefen_keys.pack_blocks(mag.reshape(grid), None)
+            entries[keys["vrow"]], entries[keys["vcol"]] = v_row, v_col
+            back_v = rebuilt(v_row, v_col, shape).reshape(-1)
+        else:
+            vmean = block_mean(v.reshape(-1), period)
+            entries[keys["grid"]] = gefen_keys.pack_blocks(mag.reshape(grid), vmean.reshape(grid))
+            back_v = expand_blocks(vmean.reshape(-1), period, 0, m.numel())
         back_m = dequantize(codes.reshape(-1), codebook, mag.reshape(-1), period)
-        back_v = expand_blocks(vmean.reshape(-1), period, 0, m.numel())
         err_m += float((back_m.double() - m.reshape(-1).double()).square().sum())
         norm_m += float(m.double().square().sum())
         err_v += float((back_v.double() - v.reshape(-1).double()).square().sum())
@@ -361,11 +389,14 @@ def _to_gefen(ck: Checkpoint, options: ConvertOptions):
         "second_moment_relative_rms_error": math.sqrt(err_v / norm_v) if norm_v else 0.0,
         "max_tensor_parallel_degree": options.max_tensor_parallel_degree,
         "deterministic": bool(options.deterministic),
+        "second_moment": options.second_moment,
         "written": f"Gefen format v{schema.VERSION} (agreed blocking)",
         "resume": "--optimizer.name Gefen (agreed blocking, the default)"
                   + (f" with optimizer.blocking.max_tensor_parallel_degree = {options.max_tensor_parallel_degree}"
                      if options.max_tensor_parallel_degree > 1 else "")
-                  + (" and optimizer.gefen.deterministic = true" if options.deterministic else ""),
+                  + (" and optimizer.gefen.deterministic = true" if options.deterministic else "")
+                  + (" and optimizer.gefen.second_moment = \"factored\"" if options.second_moment == "factored"
+                     else ""),
         "notes": [],
     }
     return entries, report, replaced

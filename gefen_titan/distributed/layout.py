@@ -52,8 +52,8 @@ from gefen_titan.errors import UserError
 __all__ = [
     "Box", "LayoutError", "chunk", "column_placements", "copy_groups", "mesh_dims_cutting",
     "dcp_disagreement", "holds_first_copy", "last_dim_cuts",
-    "leading_placements", "local_box", "mesh_coordinate", "param_box", "placements_from_front", "shard_box",
-    "shard_indices",
+    "leading_placements", "local_box", "mesh_coordinate", "param_box", "placements_cutting", "placements_from_front",
+    "shard_box", "shard_indices",
 ]
 
 
@@ -285,8 +285,13 @@ def mesh_dims_cutting(param: torch.Tensor, dim: int) -> list[int]:
     the partial sums over these mesh dims."""
     if not isinstance(param, DTensor):
         return []
-    d = dim % param.dim()
-    return [i for i, pl in enumerate(param.placements) if _is_shard(pl) and pl.dim % param.dim() == d]
+    return placements_cutting(param.placements, param.dim(), dim)
+
+
+def placements_cutting(placements: Sequence[Any], ndim: int, dim: int) -> list[int]:
+    """``mesh_dims_cutting`` from a tensor's placements and number of dims (the scale plan's parameters)."""
+    d = dim % ndim
+    return [i for i, pl in enumerate(placements) if _is_shard(pl) and pl.dim % ndim == d]
 
 
 def column_placements(param: DTensor) -> tuple[Any, ...]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
@@ -38,6 +39,13 @@ class StateCost:
     """Bytes one optimizer keeps beyond its parameters' state (a codebook), on every rank."""
     optimizer_tensors: Callable[[Optimizer], Iterable[torch.Tensor]] = _no_tensors
     """Those tensors of a built optimizer (what ``optim.state_size`` adds to its ``optim.state``)."""
+    for_options: Callable[[Any], StateCost] | None = None
+    """The cost under the kind's options table (its ``OptionsTable``), where an option changes what the
+    state holds (Gefen's ``second_moment``); None: the same under every option."""
+
+    def under(self, options: Any) -> StateCost:
+        """This kind's cost with ``options`` (its options table; None: the defaults)."""
+        return self if self.for_options is None or options is None else self.for_options(options)
 
 
 def dense(like_param: int, scalar_bytes: int) -> StateCost:

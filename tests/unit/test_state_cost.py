@@ -38,10 +38,10 @@ class Net(nn.Module):
         return self.out(self.norm(self.attn(x)))
 
 
-def _stepped(groups):
+def _stepped(groups, **config):
     torch.manual_seed(0)
     model = Net()
-    opt = GefenOptimizersContainer.Config(param_groups=groups).build(model_parts=[model])
+    opt = GefenOptimizersContainer.Config(param_groups=groups, **config).build(model_parts=[model])
     model(torch.randn(16, 64)).square().mean().backward()
     opt.step()
     return opt
@@ -65,6 +65,26 @@ def test_every_kinds_rule_is_what_its_real_optimizer_holds(groups):
                 want += cost.param_bytes(tuple(p.shape), gx.period(optim, p) or 0, p.element_size())
     assert {registry.spec_of(o).name for o in opt.optimizers} == {g.optimizer_name for g in groups}
     assert want == opt.state_bytes()[0] > 0
+
+
+def test_gefens_factored_rule_is_what_its_factored_optimizer_holds():
+    """``second_moment = "factored"``: its rule (``COST.under(options)``) is the real optimizer's, and smaller
+    than the block rule on the same parameters (a magnitude per block and one fp32 per row and column,
+    against a magnitude, a vmean and two scratch floats per block)."""
+    from gefen_titan.optim.kinds.gefen.options import GefenOptions
+
+    options = GefenOptions(second_moment="factored")
+    opt = _stepped([ParamGroup(pattern=r".*", optimizer_name="Gefen", optimizer_kwargs={"lr": 1e-3})],
+                   gefen=options)
+    (optim,) = opt.optimizers
+    cost = registry.spec_of(optim).cost
+    factored, block = cost.under(options), cost.under(GefenOptions())
+    assert factored is not block and block is cost
+    shapes = [(tuple(p.shape), gx.period(optim, p), p.element_size()) for g in optim.param_groups for p in g["params"]]
+    assert cost.optimizer_bytes + sum(factored.param_bytes(*s) for s in shapes) == opt.state_bytes()[0]
+    assert sum(factored.param_bytes(*s) for s in shapes) < sum(block.param_bytes(*s) for s in shapes)
+    # An empty shard of a matrix keeps its columns (its rows are none).
+    assert factored.param_bytes((0, 64), 64, 4) == 4 * 64 and block.param_bytes((0, 64), 64, 4) == 0
 
 
 class _Buffered(torch.optim.SGD):

@@ -58,7 +58,7 @@ from gefen_titan.optim import axis_sums
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.kinds.gefen.keys import factor_shapes
 
-__all__ = ["MODES", "FactoredStep", "install", "is_factored", "factors", "collective_bytes"]
+__all__ = ["MODES", "FactoredStep", "install", "is_factored", "factors", "collective_bytes", "rebuilt"]
 
 MODES = ("block", "factored")
 
@@ -86,6 +86,16 @@ def collective_bytes(local_shape: Sequence[int], cuts_rows: bool, cuts_cols: boo
     rows = batch * shape[-2] * per if cuts_cols else 0
     cols = batch * shape[-1] * per + batch * per if cuts_rows else 0
     return rows + cols
+
+
+def rebuilt(v_row: torch.Tensor, v_col: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """A whole factored parameter's per-element second moment, as the step rebuilds it before the bias
+    correction: per matrix ``outer(v_row, v_col) / max(mean(v_row), tiny)`` (for the offline tools and the
+    validation, which hold the whole parameter; the step's mean is the exact sum's, this one fp64's)."""
+    shape = tuple(shape)
+    rows, cols = v_row.float().reshape(-1, shape[-2]), v_col.float().reshape(-1, shape[-1])
+    mean = rows.double().mean(dim=1).float().clamp_(min=torch.finfo(torch.float32).tiny)
+    return (rows.unsqueeze(2) * cols.unsqueeze(1)).div_(mean.view(-1, 1, 1)).reshape(shape)
 
 
 def install(optim: Optimizer) -> FactoredStep:

@@ -6,8 +6,9 @@ What only Gefen knows of its state, for ``gefen_titan.validation``:
   counters and hyperparameters, each optimizer's codebook and global step,
   read through ``optim.gefenx``; after a load every rank's must equal the
   saved job's (a rank that holds no state may have no codebook);
-* its dense state from gathered v3/v2 entries: its dequantization
-  ``codebook[codes] * magnitude`` and the per-element ``vmean``, and the
+* its dense state from gathered v4/v3/v2 entries: its dequantization
+  ``codebook[codes] * magnitude`` and the per-element ``vmean`` (a factored
+  parameter's: its rows and columns rebuilt, ``factored.rebuilt``), and the
   first update of a zero gradient (Adam's form, which Gefen's step takes);
 * under per-rank blocking (format v1, Gefen's alone): each rank's codes,
   magnitudes, ``vmean``, periods and counters, compared where the v1
@@ -29,6 +30,7 @@ from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.kind_validation import KindValidation, rel_l2
 from gefen_titan.optim.kinds.gefen import keys as gefen_keys
 from gefen_titan.optim.kinds.gefen import records as gefen_records
+from gefen_titan.optim.kinds.gefen.factored import rebuilt
 from gefen_titan.optim.kinds.gefen.keys import HYPER
 from gefen_titan.optim.kinds.gefen.per_rank_regions import param_region
 
@@ -156,15 +158,23 @@ def dense(entries: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
             continue
         for rec in records:
             version = schema.VERSION if gefen_keys.grid_key(rec.fqn) in entries else schema.V2
-            tensors = {name: entries.get(k) for name, k in gefen_keys.param_tensor_keys(rec.fqn, version).items()}
+            tensors = {name: entries.get(k)
+                       for name, k in gefen_keys.param_tensor_keys(rec.fqn, version, rec.factored).items()}
             if not rec.period or codebook is None or any(t is None for t in tensors.values()):
                 continue
             codes = tensors["codes"]
-            mag, vmean = gefen_keys.unpack_blocks(version, tensors)
-            if codes.dim() and (mag.shape[-1] * rec.period != codes.shape[-1] or mag.shape != vmean.shape):
+            try:
+                mag, vmean = gefen_keys.unpack_blocks(version, tensors)
+            except schema.FormatError:
+                continue
+            if codes.dim() and (mag.shape[-1] * rec.period != codes.shape[-1]
+                                or (vmean is not None and mag.shape != vmean.shape)):
                 continue
             m = codebook.float().index_select(0, codes.reshape(-1).long()).reshape(codes.shape)
-            if codes.dim():
+            if rec.factored:  # the second moment the step rebuilds from the rows and columns
+                m = m * mag.float().repeat_interleave(rec.period, dim=-1)
+                v = rebuilt(tensors["vrow"], tensors["vcol"], tuple(codes.shape))
+            elif codes.dim():
                 m = m * mag.float().repeat_interleave(rec.period, dim=-1)
                 v = vmean.float().repeat_interleave(rec.period, dim=-1)
             else:
