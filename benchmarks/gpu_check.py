@@ -29,15 +29,28 @@ minutes on an H100/H200 class part). Stages, in order:
    gloo by the test suite only; on NCCL it needs two GPUs or more
    (``gefen-titan validate --recipe recipes/llama_gefen_muon.toml
    --backend nccl``, ``scripts/bench_muon_exchange.py --backend nccl``).
-6. ``converters``: torchtitan's float8 and mxfp8 model converters under Gefen:
+6. ``factored``: Gefen's factored second moment on the GPU
+   (``factored_check``). Its CUDA path is gefen-titan's own step
+   (``optim/kinds/gefen/factored.py``: torch ops on any device), not
+   gefen-x's fused factored kernel, whose row and column sums are unordered
+   float atomics: the sums are int64 fixed point (``optim.axis_sums``,
+   exact in any order), the rest per element or per block. Checked: the
+   fixed-point sums of a matrix cut into uneven parts (as ranks would cut
+   it) equal the whole's on the GPU, bit for bit; and a factored Gefen
+   stepped on the GPU is compared with the same on the CPU (reported:
+   ``cuda_equals_cpu``; a difference there is torch's CUDA rounding of an
+   elementwise op, which is the same at every layout, so not a failure);
+   then one-GPU training of the debug recipe with
+   ``--optimizer.gefen.second_moment factored``, as ``train`` checks it.
+7. ``converters``: torchtitan's float8 and mxfp8 model converters under Gefen:
    one-GPU training of the debug recipe with ``[[model.converters]] kind =
    "float8"``, then ``"mxfp8"`` (``converter_recipe``; NCCL, fused), each as
    ``train`` checks it. They need a GPU and torchao (float8: compute
    capability 8.9+; mxfp8: 10.0+, so on Hopper mxfp8 is reported skipped
    and the stage rests on float8).
 
-Without CUDA only the CPU half of ``checkpoint`` and the shard check of
-``muon`` run (so they cannot rot before a GPU runs them), every GPU stage is reported as skipped, and the exit
+Without CUDA only the CPU half of ``checkpoint``, the shard check of
+``muon`` and the sums check of ``factored`` run (so they cannot rot before a GPU runs them), every GPU stage is reported as skipped, and the exit
 status is 3 with a line saying so. A stage that would start after
 ``--budget-s`` is not run: the report marks it ``"ok": null`` with
 ``"skipped": "not run: budget ..."``, and the run is not a pass, however the
@@ -65,7 +78,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("kernels", "bandwidth", "train", "checkpoint", "muon", "converters")
+STAGES = ("kernels", "bandwidth", "train", "checkpoint", "muon", "factored", "converters")
 RECIPE = "recipes/llama_gefen.toml"
 MUON_RECIPE = "recipes/llama_gefen_muon.toml"
 BANDWIDTH_TARGET, BANDWIDTH_MIN_ELEMENTS = 0.70, 64 << 20
@@ -76,7 +89,7 @@ OK, FAILED, NO_CUDA, NOT_RUN = 0, 1, 3, 4
 CONVERTERS = {"float8": (8, 9), "mxfp8": (10, 0)}
 
 __all__ = ["CONVERTERS", "FAILED", "NOT_RUN", "NO_CUDA", "OK", "STAGES", "converter_recipe", "main",
-           "muon_momentum_check", "parse_args", "stage_converters", "verdict"]
+           "factored_check", "muon_momentum_check", "parse_args", "stage_converters", "verdict"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -169,14 +182,15 @@ _TPS = re.compile(r"tps:\s*([0-9,]+)")
 _MEM = re.compile(r"memory:\s*([0-9.]+)\s*GiB")
 
 
-def stage_train(args, work: Path, recipe: str = RECIPE, name: str = "train") -> dict[str, Any]:
+def stage_train(args, work: Path, recipe: str = RECIPE, name: str = "train", extra: tuple[str, ...] = ()
+                ) -> dict[str, Any]:
     from gefen_titan.validation.runs import free_port
 
     folder = work / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", f"--master-port={free_port()}",
            "-m", "gefen_titan.train", "--job.config", str(ROOT / recipe), "--job.dump_folder", str(folder),
            "--optimizer.implementation", "fused", "--training.steps", str(args.train_steps),
-           "--checkpoint.enable", "false", "--metrics.log_freq", "1"]
+           "--checkpoint.enable", "false", "--metrics.log_freq", "1", *extra]
     begin = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     seconds = time.monotonic() - begin
@@ -292,6 +306,70 @@ def stage_muon(args, work: Path, cuda: bool) -> dict[str, Any]:
     return out
 
 
+def factored_check(device: str, rows: int = 1027, cols: int = 768, steps: int = 3) -> dict[str, Any]:
+    """Gefen's factored second moment on ``device``: the exact row and column sums of grad² over uneven
+    parts equal the whole's (the layout invariance of its cross-rank sums), and ``steps`` factored steps of
+    one matrix there against the CPU's (parameters, codes, magnitudes, rows and columns). Runs on CPU too
+    (then the second comparison is the CPU against itself), so the check is tested without a GPU."""
+    import torch
+
+    from gefen_titan.optim import axis_sums
+    from gefen_titan.optim import gefenx as gx
+    from gefen_titan.optim.container import GefenOptimizersContainer
+    from gefen_titan.optim.kinds.gefen.options import GefenOptions
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(rows, cols, generator=gen) ** 3 * 1e-2 for _ in range(steps)]
+    x = grads[0].to(device).float().square()
+    same = True
+    for dim in (0, 1):
+        whole = axis_sums.exponents(x, dim)
+        total = axis_sums.sums(x, dim, whole, x.shape[dim])
+        cuts = [x.shape[dim] // 3, x.shape[dim] // 3 + 1, 2 * x.shape[dim] // 3 + 5]  # an empty part too
+        parts = torch.tensor_split(x, cuts, dim=dim)
+        codes = torch.stack([axis_sums.exponents(p, dim) for p in parts]).amax(dim=0)
+        split = sum(axis_sums.sums(p, dim, codes, x.shape[dim]) for p in parts)
+        same = same and torch.equal(codes, whole) and torch.equal(split, total)
+    codebook = torch.sort(torch.linspace(-1, 1, gx.K) ** 3).values
+
+    def run(dev: str) -> list[torch.Tensor]:
+        w = torch.nn.Parameter(torch.zeros(rows, cols, device=dev))
+        model = torch.nn.Module()
+        model.w = w
+        opt = GefenOptimizersContainer.Config(name="Gefen", lr=1e-2, gefen=GefenOptions(
+            second_moment="factored", cpu_step="gefen-x")).build(model_parts=[model])
+        opt.agreement = None  # the codebook and period set here, as the agreement would
+        (optim,) = opt.optimizers_of("Gefen")
+        gx.set_codebook(optim, codebook.to(dev))
+        gx.set_period(optim, w, 256)
+        for g in grads:
+            w.grad = g.to(dev)
+            optim.step()
+        st = gx.gefen_read(optim, w)
+        return [t.detach().cpu() for t in (w, st.codes, st.magnitude, st.v_row, st.v_col)]
+
+    here, cpu = run(device), run("cpu")
+    result = {"device": device, "shape": [rows, cols], "sums_split_equal_whole": bool(same),
+              "cuda_equals_cpu": all(torch.equal(a, b) for a, b in zip(here, cpu)),
+              "finite": all(bool(torch.isfinite(t.float()).all()) for t in here)}
+    result["ok"] = result["sums_split_equal_whole"] and result["finite"]
+    result["why"] = "" if result["ok"] else "factored: " + ", ".join(
+        k for k in ("sums_split_equal_whole", "finite") if not result[k])
+    return result
+
+
+def stage_factored(args, work: Path, cuda: bool) -> dict[str, Any]:
+    if not cuda:
+        out = {"cpu": factored_check("cpu")}
+        out.update(ok=out["cpu"]["ok"], why=out["cpu"]["why"], gpu_half="skipped: no CUDA")
+        return out
+    out = {"check": factored_check("cuda")}
+    out["train"] = stage_train(args, work, RECIPE, "factored_train", ("--optimizer.gefen.second_moment", "factored"))
+    out["ok"] = bool(out["check"]["ok"] and out["train"]["ok"])
+    out["why"] = "; ".join(w for w in (out["check"]["why"], out["train"]["why"]) if w)
+    return out
+
+
 def converter_recipe(work: Path, kind: str) -> Path:
     """The debug recipe with one model converter (``[[model.converters]]``), written under ``work``."""
     path = work / f"llama_gefen_{kind}.toml"
@@ -355,13 +433,13 @@ def main(argv: list[str] | None = None) -> int:
             report["stages"][name] = {"ok": None, "skipped": why}
             print(f"gpu_check: {name}: NOT RUN ({why.removeprefix('not run: ')})", flush=True)
             continue
-        if not cuda and name not in ("checkpoint", "muon"):
+        if not cuda and name not in ("checkpoint", "muon", "factored"):
             report["stages"][name] = {"ok": None, "skipped": "no CUDA"}
             continue
         print(f"gpu_check: {name} ...", flush=True)
         t0 = time.monotonic()
         try:
-            if name in ("checkpoint", "muon"):
+            if name in ("checkpoint", "muon", "factored"):
                 result = globals()[f"stage_{name}"](args, work, cuda)
             else:
                 result = globals()[f"stage_{name}"](args, work)

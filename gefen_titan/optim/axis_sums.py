@@ -10,86 +10,101 @@ exact in any order and grouping; the all-reduce then adds integers. The same
 integers come out at every layout and world size, one rank included.
 
 **The grid.** x ≥ 0. For each slice (one row, one column) ``exponents``
-gives e with max(x) < 2^e over the slice's local part (frexp's exponent),
-and the ranks that share the slice agree on the largest (an all-reduce
-MAX: exact in any order). Each value is scaled by 2^(F - e), F =
-``FRACTION_BITS`` = 62 (exact: a power of two, in fp64, which holds every
-fp32 value scaled so), floored, and split into ``LIMBS`` = 2 limbs of 31
-bits, each added as int64.
+gives a one-byte code of e with max(x) < 2^e over the slice's local part
+(frexp's exponent, clamped below at ``E_MIN``: a slice whose values are all
+below 2^-125 is on a coarser grid than it could be, and is zero for any
+second moment anyway), and the ranks that share the slice agree on the
+largest (an all-reduce MAX of uint8: exact in any order). With n the
+slice's length over all ranks, each value is scaled by 2^(F - e),
+F = ``fraction_bits(n)`` = 62 - ceil(log2 n) (exact: a power of two, in fp64,
+which holds every fp32 value scaled so), floored and added as one int64.
 
-**Error bound.** Flooring loses less than 2^(e - F) per value, so for n
-values the sum is low by less than n · 2^(e - 62) ≤ n · 2^-61 · max(x): at
-most 2^-29 of the largest value even for n = 2^32 values, under fp32's own
-rounding of the mean (2^-24). The result is read back in fp64 and rounded to
-fp32 by the caller, as gefen-x's fp32 sum is, but from the same integers on
-every layout.
+**Overflow.** Each floored value is < 2^F, so n of them add to < 2^62: no
+int64 sum of any part of a slice, on any rank or across ranks, overflows.
 
-**Overflow.** A limb is < 2^31; summed over n < 2^32 values it stays below
-2^63: rows and columns of fewer than 2^32 elements (a matrix with a longer
-one would hold over 2^32 elements in one row or column alone).
+**Error bound.** Flooring loses less than 2^(e - F) per value, so the sum is
+low by less than n · 2^(e - F) ≤ n² · 2^(e - 62), while the sum is at least
+its largest value, ≥ 2^(e - 1): a relative error below n² · 2^-61. For a
+slice of 2^17 values (Llama 3's vocabulary, 128,256 rows) that is 2^-27,
+under fp32's own rounding of the mean (2^-24); it reaches fp32's at
+n = 2^18.5. The result is read back in fp64 and rounded to fp32 by the
+caller, as gefen-x's fp32 sum is, but from the same integer on every layout.
 
-**Non-finite values.** A slice holding an inf or a nan gets the exponent
-``NONFINITE`` (larger than any finite one, so the MAX carries it to every
-rank) and reads back as nan, as an fp32 sum of it would.
+**Why one int64, not limbs.** The factored step all-reduces these sums on
+every step, beside the gradient: one byte of exponent and eight of sum per
+slice (the agreement's block sums, ``block_stats``, use four 31-bit limbs:
+they run once). ``benchmarks/scale_factored.py`` holds the traffic to the
+gradient's.
+
+**Non-finite values.** A slice holding an inf or a nan gets the code
+``NONFINITE`` (above every finite one, so the MAX carries it to every rank)
+and reads back as nan, as an fp32 sum of it would. A rank holding no value
+of a slice sends ``NO_DATA`` (below every other).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["LIMBS", "FRACTION_BITS", "NONFINITE", "NO_DATA", "exponents", "limbs", "values"]
+__all__ = ["E_MIN", "NONFINITE", "NO_DATA", "EXPONENT_DTYPE", "SUM_DTYPE", "fraction_bits", "exponents", "sums",
+           "values"]
 
-LIMB_BITS = 31
-LIMBS = 2
-FRACTION_BITS = LIMB_BITS * LIMBS
-# Exponent codes (int32, for the MAX all-reduce): above any finite fp32
-# exponent (the slice holds an inf or a nan), and below any (a rank that holds
-# no element of the slice).
-NONFINITE = 1 << 20
-NO_DATA = -(1 << 20)
+E_MIN = -125  # frexp exponents below it are clamped up (see the module doc)
+E_MAX = 128  # of the largest finite fp32 square
+NO_DATA = 0  # the code of a rank that holds no value of the slice
+NONFINITE = 255  # the code of a slice that holds an inf or a nan
+EXPONENT_DTYPE = torch.uint8
+SUM_DTYPE = torch.int64
+_OFFSET = 1 - E_MIN  # code = e + _OFFSET: E_MIN -> 1, E_MAX -> 254
+
+
+def fraction_bits(n: int) -> int:
+    """F for a slice of ``n`` values over all ranks: 62 - ceil(log2 n), so that n values < 2^F add up below 2^62."""
+    return 62 - max(0, math.ceil(math.log2(max(1, n))))
 
 
 def exponents(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """int32: per slice along ``dim`` (that dim reduced), e with max(x) < 2^e (0 for all zeros)."""
+    """uint8 codes: per slice along ``dim`` (that dim reduced), of e with max(x) < 2^e (``E_MIN`` at least)."""
     shape = list(x.shape)
     del shape[dim]
     if x.shape[dim] == 0:
-        return torch.full(shape, NO_DATA, dtype=torch.int32, device=x.device)
+        return torch.full(shape, NO_DATA, dtype=EXPONENT_DTYPE, device=x.device)
     top = x.amax(dim=dim)
-    e = torch.frexp(top.float()).exponent.to(torch.int32)
+    e = torch.frexp(top.float()).exponent.clamp_(E_MIN, E_MAX)
+    codes = (e + _OFFSET).to(EXPONENT_DTYPE)
     bad = ~torch.isfinite(x).all(dim=dim)
-    return e.masked_fill_(bad, NONFINITE)
+    return codes.masked_fill_(bad, NONFINITE)
 
 
-def limbs(x: torch.Tensor, dim: int, e: torch.Tensor) -> torch.Tensor:
-    """int64 [..., LIMBS]: per slice along ``dim``, the sum of floor(x · 2^(F - e)) as limbs.
+def _shift(codes: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(finite mask, F - e per slice; 0 where not finite or no data)."""
+    e = codes.to(torch.int32) - _OFFSET
+    finite = (codes != NONFINITE) & (codes != NO_DATA)
+    return finite, torch.where(finite, fraction_bits(n) - e, 0)
 
-    ``e`` is the slice's agreed exponent (``exponents`` all-reduced with MAX),
-    shaped like ``x`` with ``dim`` reduced. Limb j holds bits [31 j, 31 j + 31)
-    of every value, summed without carries, so the limbs of any split of a
-    slice add up to the limbs of the whole.
+
+def sums(x: torch.Tensor, dim: int, codes: torch.Tensor, n: int) -> torch.Tensor:
+    """int64: per slice along ``dim``, the sum of floor(x · 2^(F - e)) over this part of the slice.
+
+    ``codes`` are the slices' agreed exponents (``exponents`` all-reduced with
+    MAX), shaped like ``x`` with ``dim`` reduced; ``n`` is the slices' length
+    over all ranks. The sums of any split of a slice add up to the sum of
+    the whole.
     """
     shape = list(x.shape)
     del shape[dim]
-    out = torch.zeros(shape + [LIMBS], dtype=torch.int64, device=x.device)
     if x.numel() == 0:
-        return out
-    finite = e < NONFINITE
-    shift = torch.where(finite, FRACTION_BITS - e, 0).unsqueeze(dim)
+        return torch.zeros(shape, dtype=SUM_DTYPE, device=x.device)
+    finite, shift = _shift(codes, n)
     xs = torch.where(finite.unsqueeze(dim), x.double(), 0.0)
-    scaled = torch.ldexp(xs, shift.double())  # exact: a power of two in fp64
-    unit = float(1 << LIMB_BITS)
-    hi = torch.floor(scaled / unit)  # exact: the division by a power of two, then floor
-    lo = torch.floor(scaled - hi * unit)  # exact: the bits below 2^31
-    out[..., 1] = hi.to(torch.int64).sum(dim=dim)
-    out[..., 0] = lo.to(torch.int64).sum(dim=dim)
-    return out
+    scaled = torch.ldexp(xs, shift.unsqueeze(dim).double())  # exact: a power of two in fp64
+    return torch.floor(scaled).to(SUM_DTYPE).sum(dim=dim)
 
 
-def values(sums: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """fp64: the sums that ``limbs`` (added over ranks) and ``e`` stand for; nan where ``e`` is ``NONFINITE``."""
-    total = sums[..., 1].double() * float(1 << LIMB_BITS) + sums[..., 0].double()
-    finite = e < NONFINITE
-    exp = torch.where(finite, e - FRACTION_BITS, 0)
-    out = torch.ldexp(total, exp.double())
-    return out.masked_fill_(~finite, float("nan"))
+def values(total: torch.Tensor, codes: torch.Tensor, n: int) -> torch.Tensor:
+    """fp64: the sums that ``total`` (``sums`` added over ranks) and ``codes`` stand for; nan where not finite."""
+    finite, shift = _shift(codes, n)
+    out = torch.ldexp(total.double(), (-shift).double())  # one rounding: the integer to fp64
+    return out.masked_fill_(codes == NONFINITE, float("nan"))

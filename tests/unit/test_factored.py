@@ -23,29 +23,31 @@ GROUP = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 
 
 
 # ------------------------------------------------------------------ exact sums
-def _split_sums(x: torch.Tensor, dim: int, cuts: list[int]) -> torch.Tensor:
-    """The limbs of ``x`` along ``dim`` computed per part (cut at ``cuts``) and added, as ranks would."""
+def _split_sums(x: torch.Tensor, dim: int, cuts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sums of ``x`` along ``dim`` computed per part (cut at ``cuts``) and added, as ranks would."""
     parts = torch.tensor_split(x, cuts, dim=dim)
-    e = torch.stack([axis_sums.exponents(p, dim) for p in parts]).amax(dim=0)
-    return sum(axis_sums.limbs(p, dim, e) for p in parts), e
+    codes = torch.stack([axis_sums.exponents(p, dim) for p in parts]).amax(dim=0)
+    n = x.shape[dim]
+    return sum(axis_sums.sums(p, dim, codes, n) for p in parts), codes
 
 
 @pytest.mark.parametrize("dim", [0, 1])
 def test_axis_sums_are_the_same_integers_for_every_split(dim):
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(37, 53, generator=gen) ** 3 * torch.rand(37, 1, generator=gen) * 1e-2).square()
-    whole, e = _split_sums(x, dim, [])
+    x[3] *= 1e-30  # a row far below the others keeps its own grid
+    whole, codes = _split_sums(x, dim, [])
     for cuts in ([5], [1, 2, 30], [x.shape[dim] - 1], [10, 10, 20]):  # an empty part too
-        parts, e2 = _split_sums(x, dim, cuts)
-        assert torch.equal(e, e2) and torch.equal(parts, whole), cuts
-    # ... and they are the sums: off the exact sum by less than n * 2^-61 of the largest value (flooring)
-    # plus fp64's rounding of the result.
-    got = axis_sums.values(whole, e)
+        parts, codes2 = _split_sums(x, dim, cuts)
+        assert torch.equal(codes, codes2) and torch.equal(parts, whole), cuts
+    # ... and they are the sums: below the exact sum by less than n * 2^(e - F) (flooring), plus fp64's
+    # rounding of the result; relative to the sum, under n^2 * 2^-61.
+    n = x.shape[dim]
+    got = axis_sums.values(whole, codes, n)
     slices = x.double().movedim(dim, -1).tolist()
     exact = torch.tensor([math.fsum(s) for s in slices], dtype=torch.float64)
-    n = x.shape[dim]
-    bound = n * 2.0 ** -61 * x.double().amax(dim=dim) + 2.0 ** -52 * exact
-    assert bool(((exact - got).abs() <= bound).all())
+    assert bool(((exact - got).abs() <= exact * (n * n * 2.0 ** -61 + 2.0 ** -52)).all())
+    assert float(((exact - got).abs() / exact).max()) < 2.0 ** -40
 
 
 def test_float_sums_would_depend_on_the_split():
@@ -59,13 +61,23 @@ def test_float_sums_would_depend_on_the_split():
     assert len(exact) == 1
 
 
+def test_a_slice_of_n_values_cannot_overflow():
+    """n values at the top of the grid add up below 2^62 whatever n is (F shrinks with n)."""
+    for n in (1, 2, 3, 1000, 1 << 17, (1 << 20) + 1):
+        x = torch.full((1, n), 3.0e38)  # the largest grad² (frexp exponent 128)
+        codes = axis_sums.exponents(x, 1)
+        total = axis_sums.sums(x, 1, codes, n)
+        assert 0 < int(total) < 1 << 62, n
+        assert math.isclose(float(axis_sums.values(total, codes, n)), 3.0e38 * n, rel_tol=n * n * 2.0 ** -61 + 1e-7)
+
+
 def test_axis_sums_of_zeros_and_of_a_nonfinite_slice():
     x = torch.zeros(3, 4)
     x[1, 2] = float("inf")
     x[2] = 0.25
-    e = axis_sums.exponents(x, 1)
-    assert e.tolist()[1] == axis_sums.NONFINITE
-    got = axis_sums.values(axis_sums.limbs(x, 1, e), e)
+    codes = axis_sums.exponents(x, 1)
+    assert codes.dtype == torch.uint8 and int(codes[1]) == axis_sums.NONFINITE
+    got = axis_sums.values(axis_sums.sums(x, 1, codes, 4), codes, 4)
     assert got[0] == 0 and math.isnan(got[1]) and got[2] == 1.0
     empty = axis_sums.exponents(torch.zeros(3, 0), 1)
     assert empty.tolist() == [axis_sums.NO_DATA] * 3

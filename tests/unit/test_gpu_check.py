@@ -85,6 +85,23 @@ def test_the_muon_momentum_check_passes_on_cpu_and_can_fail(monkeypatch):
     assert bad["ok"] is False and "shards_equal_whole" in bad["why"]
 
 
+def test_the_factored_check_passes_on_cpu_and_can_fail(monkeypatch):
+    good = gc.factored_check("cpu", rows=67, cols=512, steps=2)
+    assert good["ok"] and good["sums_split_equal_whole"] and good["cuda_equals_cpu"] and good["finite"]
+    # Float sums (whose rounding depends on where a row or column is cut) would be caught.
+    from gefen_titan.optim import axis_sums
+
+    real = axis_sums.sums
+
+    def cut_dependent(x, dim, codes, n):
+        out = real(x, dim, codes, n)
+        return out + 1 if x.shape[dim] < n else out
+
+    monkeypatch.setattr(axis_sums, "sums", cut_dependent)
+    bad = gc.factored_check("cpu", rows=67, cols=512, steps=1)
+    assert bad["ok"] is False and "sums_split_equal_whole" in bad["why"]
+
+
 def test_the_converters_stage_trains_each_converter_its_gpu_can_run(tmp_path, monkeypatch):
     """float8, then mxfp8, each a recipe with that converter trained as ``train`` is; a
     converter the GPU's compute capability cannot run is skipped, not failed."""

@@ -52,10 +52,9 @@ GEFEN_CONSTRUCTOR = Constructor(Gefen, {
         "state in optimizer.gefen.period_one_substrings"),
     # gefen-titan builds every Gefen with factored_v_2d=False (optim.kinds.gefen.options.FACTORED_V_2D).
     "factored_v_2d": Refused(
-        "not supported yet (issue 48 will add it sharded): gefen-x falls back to the block second moment (vmean) "
-        "for DTensor parameters (FSDP2 shards), and its factored state (v_row, v_col) is not shard-addressable, so "
-        "it could neither agree across layouts nor reshard; gefen-titan builds every Gefen with factored_v_2d = "
-        "false (docs/gefen_internals.md, 'How each parameter is routed')"),
+        "gefen-x's own factored second moment cannot factor a shard (it falls back to vmean for DTensor "
+        "parameters, so the state would depend on the layout); gefen-titan's, sharded and the same at every "
+        "layout, is optimizer.gefen.second_moment = \"factored\" (docs/recipes.md, 'The second moment')"),
     "stochastic_round": Refused(STOCHASTIC_ROUND),
     "capturable": Refused(CAPTURABLE),
     "verbose": Refused(VERBOSE),

@@ -13,7 +13,7 @@ offload, one rank):
   exact fixed point (``optim.axis_sums``): a row's sum is completed over the
   mesh dims that cut its columns, a column's over those that cut its rows
   (``distributed.layout.mesh_dims_cutting``), as int64 all-reduces, after one
-  all-reduce MAX of each slice's exponent. Integers add exactly in any order,
+  uint8 all-reduce MAX of each slice's exponent. Integers add exactly in any order,
   so the sums do not depend on where the cuts fall; the means are then
   rounded to fp32 once. Replicated mesh dims (HSDP's, a TP-replicated
   parameter's) hold the same values and take no part.
@@ -36,10 +36,12 @@ age, for their bias correction; the records' ``vmean_step``). Under gefen-x's
 own key names, so ``gefenx.gefen_read`` returns it.
 
 Collectives per factored parameter and step, each over one mesh dim that
-cuts the parameter: int32 exponents and int64 limb pairs of the rows (over
-the dims cutting columns) and the columns (over the dims cutting rows), and
-one exponent and limb pair per matrix for mean(R); none on one rank or for
-a dim no mesh dim cuts. ``collective_bytes`` counts them for the scale plan.
+cuts the parameter: uint8 exponents, then int64 sums, of the rows (over the
+dims cutting columns) and of the columns (over the dims cutting rows), and
+one exponent and sum per matrix for mean(R); none on one rank or for a dim
+no mesh dim cuts: 9 bytes per slice. ``collective_bytes`` counts them for the
+scale plan (``benchmarks/scale_factored.py``: under 1% of the gradient's
+reduce-scatter bytes; ``docs/scale.md``).
 """
 
 from __future__ import annotations
@@ -77,12 +79,12 @@ def is_factored(optim: Optimizer, p: torch.Tensor) -> bool:
 
 
 def collective_bytes(local_shape: Sequence[int], cuts_rows: bool, cuts_cols: bool) -> int:
-    """Bytes one rank sends into the factored step's all-reduces for one parameter per step and mesh dim
-    that cuts it (payloads; an all-reduce delivers as much): exponents (4 B) and limbs (8 B each) of the
-    local rows when the columns are cut, of the local columns and of mean(R) when the rows are cut."""
+    """Bytes one rank puts into the factored step's all-reduces for one parameter per step and mesh dim
+    that cuts it (payloads; an all-reduce delivers as much): an exponent byte and an int64 sum per local
+    row when the columns are cut, per local column and per matrix (mean(R)) when the rows are cut."""
     shape = tuple(local_shape)
     batch = math.prod(shape[:-2])
-    per = 4 + 8 * axis_sums.LIMBS
+    per = axis_sums.EXPONENT_DTYPE.itemsize + axis_sums.SUM_DTYPE.itemsize
     rows = batch * shape[-2] * per if cuts_cols else 0
     cols = batch * shape[-1] * per + batch * per if cuts_rows else 0
     return rows + cols
@@ -118,12 +120,12 @@ def _reduce(t: torch.Tensor, param: torch.Tensor, dims: list[int], op: dist.Redu
     return x.to(t.device)
 
 
-def _exact_sums(x: torch.Tensor, dim: int, param: torch.Tensor, over: list[int]) -> torch.Tensor:
+def _exact_sums(x: torch.Tensor, dim: int, param: torch.Tensor, over: list[int], n: int) -> torch.Tensor:
     """fp64: the sums of ``x`` (>= 0) along ``dim``, completed over the mesh dims ``over``, the same at
-    every layout (``axis_sums``)."""
-    e = _reduce(axis_sums.exponents(x, dim), param, over, dist.ReduceOp.MAX)
-    sums = _reduce(axis_sums.limbs(x, dim, e), param, over, dist.ReduceOp.SUM)
-    return axis_sums.values(sums, e)
+    every layout (``axis_sums``; ``n``: the slices' length over all ranks)."""
+    codes = _reduce(axis_sums.exponents(x, dim), param, over, dist.ReduceOp.MAX)
+    total = _reduce(axis_sums.sums(x, dim, codes, n), param, over, dist.ReduceOp.SUM)
+    return axis_sums.values(total, codes, n)
 
 
 class FactoredStep:
@@ -147,8 +149,8 @@ class FactoredStep:
         beta1, beta2, eps = group["beta1"], group["beta2"], group["eps"]
 
         x = g.detach().float().square().reshape(batch, rows_here, cols_here)
-        row_ms = (_exact_sums(x, 2, p, cuts_cols) / cols).float()
-        col_ms = (_exact_sums(x, 1, p, cuts_rows) / rows).float()
+        row_ms = (_exact_sums(x, 2, p, cuts_cols, cols) / cols).float()
+        col_ms = (_exact_sums(x, 1, p, cuts_rows, rows) / rows).float()
         del x
         empty = g.numel() == 0
         if empty:  # no element here, but maybe whole rows or columns: kept, as every rank holding them does
@@ -170,7 +172,7 @@ class FactoredStep:
         v_row_t.mul_(beta2).add_(row_ms.view(v_row_t.shape), alpha=1 - beta2)
         v_col_t.mul_(beta2).add_(col_ms.view(v_col_t.shape), alpha=1 - beta2)
         v_row = v_row_t.view(batch, rows_here)
-        mean = (_exact_sums(v_row, 1, p, cuts_rows) / rows).float()
+        mean = (_exact_sums(v_row, 1, p, cuts_rows, rows) / rows).float()
         if empty:
             return True  # the container counts an empty shard's steps (entry._count_empty_shards)
         mean.clamp_(min=torch.finfo(torch.float32).tiny)
