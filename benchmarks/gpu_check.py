@@ -50,7 +50,8 @@ minutes on an H100/H200 class part). Stages, in order:
    and the stage rests on float8).
 
 Without CUDA only the CPU half of ``checkpoint``, the shard check of
-``muon`` and the sums check of ``factored`` run (so they cannot rot before a GPU runs them), every GPU stage is reported as skipped, and the exit
+``muon`` and the sums check of ``factored`` run (so they cannot rot before
+a GPU runs them), every GPU stage is reported as skipped, and the exit
 status is 3 with a line saying so. A stage that would start after
 ``--budget-s`` is not run: the report marks it ``"ok": null`` with
 ``"skipped": "not run: budget ..."``, and the run is not a pass, however the
