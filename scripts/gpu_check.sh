@@ -5,7 +5,9 @@
 # recipe with fused Gefen and NCCL, a checkpoint saved at 2 CPU ranks
 # loaded onto the GPU with its state compared bit for bit, and GefenMuon
 # (fused momentum on row shards = whole matrix; one-GPU training of its
-# recipe), and the float8 and mxfp8 model converters (a few steps of the debug
+# recipe), Gefen's factored second moment (its exact row/column sums over
+# uneven cuts = whole on the GPU, its step against the CPU's, factored
+# training), and the float8 and mxfp8 model converters (a few steps of the debug
 # model under each with Gefen; mxfp8 needs compute capability 10.0, so it is
 # reported skipped on Hopper); one JSON report.
 #
