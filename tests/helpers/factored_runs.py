@@ -21,7 +21,7 @@ RUNS = [
     ("fsdp", 2, "b_fsdp2", "c_b_fsdp2", []),
     ("fsdp_offload", 2, "f_fsdp2_offload", "c_f_fsdp2_offload", ["c_f_fsdp2"]),
     ("tp", 2, "f_tp2", "c_f_tp2", []),
-    ("pp", 2, "f_pp2", "c_f_pp2", []),
+    ("pp", 2, "f_pp2", "c_f_pp2", ["c_f_fsdp2"]),  # PP 2 <- FSDP 2
     ("fsdp", 3, "f_fsdp3", "c_f_fsdp3", ["c_f_fsdp2"]),
     ("fsdp_tp", 4, "f_fsdp_tp4", "c_f_fsdp_tp4", ["c_f_fsdp2", "c_f_tp2"]),
     ("hsdp", 4, "f_hsdp4", "c_f_hsdp4", []),
@@ -62,3 +62,32 @@ def plan(base: Path) -> list[Launch]:
     jobs, _, _ = reshard_jobs(base, job, RUNS, lambda tag: ["--second-moment",
                                                             "factored" if tag.startswith("f_") else "block"])
     return ordered_launches(PLAN, jobs, RUNS, {})
+
+
+# Mixture of experts (``moe_worker``, Gefen alone with the factored moment: a grouped experts' weight
+# (E, out, in) is E matrices): (layout, nproc, tag, ref base, loads, experts), as ``moe_runs``.
+MOE_RUNS = [
+    ("ep", 2, "fm_ep2_e4", "c_fm_ep2_e4", [], 4),  # EP 2: whole experts
+    ("fsdp", 2, "fm_fsdp2_e4", "c_fm_fsdp2_e4", ["c_fm_ep2_e4"], 4),  # EP 1 x FSDP 2 <- EP 2
+    ("ep", 4, "fm_ep2x2_e2", "c_fm_ep2x2_e2", [], 2),  # EP 2 x efsdp 2: the experts' rows cut (Shard(1))
+    ("one", 1, "fm_one_e4", "c_fm_one_e4", ["c_fm_ep2_e4"], 4),  # 1 rank <- EP 2
+    ("one", 1, "fm_one_e2", "c_fm_one_e2", ["c_fm_ep2x2_e2"], 2),  # 1 rank <- EP 2 x efsdp 2
+]
+MOE_PLAN = [(2, ["fm_ep2_e4", "fm_fsdp2_e4"]), (4, ["fm_ep2x2_e2"]), (1, ["fm_one_e4", "fm_one_e2"])]
+MOE_PAIRS = [(src, tag) for _, _, tag, _, loads, _ in MOE_RUNS for src in loads]
+
+
+def moe_plan(base: Path) -> list[Launch]:
+    """Every job of MOE_PLAN, as launches; the folders are made here."""
+    out = base / "out"
+    out.mkdir(parents=True)
+    jobs = {}
+    for layout, n, tag, ref, loads, e in MOE_RUNS:
+        args = ["moe", "--layout", layout, "--experts", str(e), "--tag", tag, "--out", str(out),
+                "--save-step", str(S), "--steps", str(K), "--second-moment", "factored"]
+        if ref:
+            args += ["--ref", str(base / ref)]
+        if loads:
+            args += ["--load", ",".join(str(base / c) for c in loads)]
+        jobs[tag] = (n, args)
+    return ordered_launches(MOE_PLAN, jobs, [r[:5] for r in MOE_RUNS], {})

@@ -55,6 +55,7 @@ from torchtitan.trainer import Trainer
 from gefen_titan.distributed.layout import local_box
 from gefen_titan.optim.blocking_options import BlockingOptions
 from gefen_titan.optim.container import ParamGroup
+from gefen_titan.optim.kinds.gefen.options import GefenOptions
 from gefen_titan.optim.kinds.gefen_muon.options import MuonOptions
 from gefen_titan.recipe.moe_flavors import qwen3_moe
 from tests.helpers import small_model as sm
@@ -137,9 +138,12 @@ def set_grads(model: nn.Module, step: int) -> None:
             p.grad = full
 
 
-def build(layout: str, world: int, experts: int):
+def build(layout: str, world: int, experts: int, second_moment: str = "block"):
     model = build_model(layout, world, experts)
     shard(model, layout, world)
+    if second_moment != "block":  # Gefen alone, experts included, with its factored second moment
+        return model, sm.optimizer(model, blocking=BlockingOptions(max_tensor_parallel_degree=2),
+                                   gefen=GefenOptions(second_moment=second_moment))
     opt = sm.optimizer(model, blocking=BlockingOptions(max_tensor_parallel_degree=2),
                        muon=MuonOptions(bucket_mib=MUON_BUCKET_MIB), param_groups=[
         ParamGroup(pattern=MUON_PATTERN, optimizer_name="GefenMuon", optimizer_kwargs=dict(MUON_KWARGS)),
@@ -178,6 +182,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tag", required=True)
     ap.add_argument("--save-step", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--second-moment", default="block",
+                    help="factored: Gefen alone (experts too) with optimizer.gefen.second_moment = factored")
     return ap
 
 
@@ -186,7 +192,7 @@ def job(args, rank: int, world: int) -> None:
     results = {"ref": None, "resume": {}}
 
     def fresh():
-        model, opt = build(args.layout, world, args.experts)
+        model, opt = build(args.layout, world, args.experts, args.second_moment)
         return model, opt, sm.schedulers(opt, S + K), sm.TrainState()
 
     if args.ref:

@@ -9,7 +9,10 @@ global gradients) run factored (``tests.helpers.factored_runs``):
 * the reshard matrix (format v4): the loaded global state is the saved one bit for bit, and the
   parameters 2 steps later equal the uninterrupted run's at the target layout;
 * a resume that switches the second moment (block -> factored, factored -> block) keeps the momentum and
-  steps and restarts the second moment from zero.
+  steps and restarts the second moment from zero;
+* mixture of experts (``moe_worker``: Gefen alone, each expert of a grouped ``(E, out, in)`` weight its
+  own matrix): the same bits at EP 2, EP 1 x FSDP 2, EP 2 x efsdp 2 (the experts' rows cut) and one rank,
+  and EP 2 -> EP 1 / one rank, EP 2 x efsdp 2 -> one rank resume bit-exactly.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from gefen_titan.optim.kinds.gefen import keys as gefen_keys
 from tests.helpers import factored_runs, worker_jobs
-from tests.helpers.factored_runs import PAIRS, RUNS, SWITCHES, target
+from tests.helpers.factored_runs import MOE_PAIRS, MOE_RUNS, PAIRS, RUNS, SWITCHES, target
 from tests.integration.test_agreed_blocking import _equal_state, _records, merged
 
 load = worker_jobs.rank_dumps
@@ -122,3 +125,60 @@ def test_records_are_json_a_v3_reader_would_take_for_block_parameters(runs):
         if key.startswith("gefen/optimizer/"):
             for rec in json.loads(value)["params"]:
                 assert set(rec) == {"fqn", "shape", "period", "step", "vmean_step", "group"}
+
+
+# ------------------------------------------------------------------ mixture of experts
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("factored_moe")
+    worker_jobs.launch_all(factored_runs.moe_plan(base), base / "logs")
+    return base / "out"
+
+
+def _moe(ranks: list[dict], src: str | None = None) -> tuple[dict, dict]:
+    """(state, parameters) of a MoE run over its ranks: the ranks that dump an entry agree on it."""
+    state, params = {}, {}
+    for r in ranks:
+        part = r["ref"] if src is None else r["resume"][src]
+        for k, v in part["state"].items():
+            if k == "schedule":
+                continue
+            if k in state:
+                assert (torch.equal(state[k], v) if isinstance(v, torch.Tensor) else state[k] == v), k
+            state[k] = v
+        for s, ps in part["params"].items():
+            params.update({(s, n): p for n, p in ps.items()})
+    return state, params
+
+
+def _same_state(a: dict, b: dict) -> list[str]:
+    return [k for k in sorted(set(a) | set(b)) if not (
+        isinstance(a.get(k), torch.Tensor) and isinstance(b.get(k), torch.Tensor) and torch.equal(a[k], b[k])
+        or a.get(k) == b.get(k))]
+
+
+def test_grouped_experts_are_factored_per_expert(moe_runs):
+    state, _ = _moe(load(moe_runs, "fm_one_e4"))
+    experts = [r for r in _records(state).values() if len(r["shape"]) == 3]
+    assert experts and all(r["second_moment"] == "factored" for r in experts)
+    for rec in experts:
+        e, out_, in_ = rec["shape"]
+        assert state[gefen_keys.vrow_key(rec["fqn"])].shape == (e, out_)
+        assert state[gefen_keys.vcol_key(rec["fqn"])].shape == (e, in_)
+
+
+@pytest.mark.parametrize("tag", ["fm_ep2_e4", "fm_fsdp2_e4", "fm_ep2x2_e2"])
+def test_moe_state_is_bit_identical_at_every_layout(moe_runs, tag):
+    one = "fm_one_e" + tag.rsplit("_e", 1)[1]
+    (a, pa), (b, pb) = _moe(load(moe_runs, one)), _moe(load(moe_runs, tag))
+    assert _same_state(a, b) == []
+    assert pa.keys() == pb.keys() and [k for k in pa if not torch.equal(pa[k], pb[k])] == []
+
+
+@pytest.mark.parametrize("src, tgt", MOE_PAIRS)
+def test_moe_reshard_is_bit_exact(moe_runs, src, tgt):
+    saved, _ = _moe(load(moe_runs, src.removeprefix("c_")))
+    loaded, got = _moe(load(moe_runs, tgt), src)
+    _, want = _moe(load(moe_runs, tgt))
+    assert _same_state(saved, loaded) == []
+    assert got and [k for k in got if not torch.equal(got[k], want[k])] == []
