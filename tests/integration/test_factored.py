@@ -25,7 +25,7 @@ import torch
 
 from gefen_titan.optim.kinds.gefen import keys as gefen_keys
 from tests.helpers import factored_runs, worker_jobs
-from tests.helpers.factored_runs import MOE_PAIRS, MOE_RUNS, PAIRS, RUNS, SWITCHES, target
+from tests.helpers.factored_runs import MOE_PAIRS, PAIRS, RUNS, SWITCHES, target
 from tests.integration.test_agreed_blocking import _equal_state, _records, merged
 
 load = worker_jobs.rank_dumps
