@@ -12,7 +12,9 @@ block row, with every rounding torch makes (``docs/cpu_step.md``);
 * ``probe``: asks the installed torch which roundings the kernel must follow
   in this process (its sum order, whether its lerp is fused);
 * ``codebook``: a codebook's nearest-codeword rule as thresholds and a table;
-* ``steps``: the per-parameter steps the kernel takes and those it hands back;
+* ``steps``: the per-parameter steps the kernel takes and those it hands back
+  (and ``factored_momentum(optim)``: the momentum update alone, for the factored
+  second moment's step);
 * ``install(optim, mode)``: what the registry's factories call on every Gefen
   and GefenMuon they build. ``mode`` is the kind's ``cpu_step`` option: ``"kernel"``
   (the default) or ``"gefen-x"`` (gefen-x's own path, always).
@@ -34,9 +36,9 @@ from gefen_titan.distributed import local
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.cpu_step import probe
 from gefen_titan.optim.cpu_step.build import Built, Library, Unavailable, load
-from gefen_titan.optim.cpu_step.steps import GefenStep, MuonMomentum
+from gefen_titan.optim.cpu_step.steps import GefenMomentum, GefenStep, MuonMomentum
 
-__all__ = ["MODES", "checked", "install", "kernel", "routed_step"]
+__all__ = ["MODES", "checked", "factored_momentum", "install", "kernel", "routed_step"]
 
 MODES = ("kernel", "gefen-x")
 
@@ -71,7 +73,31 @@ def _self_check(lib: Library) -> str | None:
         runs.append((p.detach(), st.codes, st.magnitude, st.vmean))
     names = ("parameter", "codes", "magnitudes", "vmean")
     differ = [n for n, a, b in zip(names, *runs) if not torch.equal(a.view(torch.uint8), b.view(torch.uint8))]
-    return f"its {', '.join(differ)} differ from gefen-x's on this machine" if differ else None
+    if differ:
+        return f"its {', '.join(differ)} differ from gefen-x's on this machine"
+    return _momentum_check(lib, codebook, [g.view(-1, 12) for g in grads])
+
+
+def _momentum_check(lib: Library, codebook: torch.Tensor, grads: list[torch.Tensor]) -> str | None:
+    """The factored step's momentum update alone (``GefenMomentum``) both ways from a zero state; what
+    differs, or None."""
+    runs = []
+    for routed in (False, True):
+        p = torch.nn.Parameter(torch.zeros_like(grads[0]))
+        optim = gx.new_gefen([{"params": [("w", p)], "lr": 1e-2}], fused=False, factored_v_2d=False)
+        gx.set_codebook(optim, codebook.clone())
+        gx.set_period(optim, p, p.shape[1])
+        gx.gefen_factored_init(optim, p, grads[0], (p.shape[0],), (p.shape[1],))
+        momentum = GefenMomentum(optim, lib)
+        for g in grads:
+            m = momentum(p, g, 0.9) if routed else gx.gefen_momentum_update(optim, p, g, 0.9)
+            if m is None:
+                return f"the kernel declined the momentum update ({dict(momentum.declined)})"
+        st = gx.gefen_read(optim, p)
+        runs.append((m, st.codes, st.magnitude))
+    names = ("dense momentum", "codes", "magnitudes")
+    differ = [n for n, a, b in zip(names, *runs) if not torch.equal(a.view(torch.uint8), b.view(torch.uint8))]
+    return f"its momentum update's {', '.join(differ)} differ from gefen-x's on this machine" if differ else None
 
 
 def checked(built: Built | Unavailable) -> Library | Unavailable:
@@ -102,6 +128,13 @@ def kernel() -> Library | Unavailable:
 def routed_step(optim: Optimizer) -> GefenStep | MuonMomentum | None:
     """The kernel step ``install`` routed ``optim`` through, None if it runs gefen-x's own."""
     return _ROUTED.get(optim)
+
+
+def factored_momentum(optim: Optimizer) -> GefenMomentum | None:
+    """The kernel's Gefen momentum update alone for ``optim`` (the factored second moment's step calls it, and
+    gefen-x's ``gefenx.gefen_momentum_update`` where it returns None), None if ``optim`` runs gefen-x's own."""
+    step = _ROUTED.get(optim)
+    return step.momentum if isinstance(step, GefenStep) else None
 
 
 _ROUTED: weakref.WeakKeyDictionary[Optimizer, GefenStep | MuonMomentum] = weakref.WeakKeyDictionary()

@@ -59,6 +59,7 @@ class GefenArgs(ctypes.Structure):
         ("alpha_d", _d),
         ("sqrt_bc2_f", _f), ("eps_f", _f), ("inv_bc1_f", _f),
         ("lr_f", _f), ("wdf_f", _f), ("lr_d", _d), ("wdf_d", _d), ("has_wd", _i32),
+        ("out", _p),  # gt_gefen_momentum's dense momentum (the block step leaves it null)
     ]
 
 

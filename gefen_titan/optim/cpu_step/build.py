@@ -53,7 +53,7 @@ import torch
 __all__ = ["ABI_VERSION", "ISAS", "ISA_ENV", "Built", "Library", "Unavailable", "cache_dir", "isa", "load",
            "source_path"]
 
-ABI_VERSION = 2  # kernel.cpp's gt_abi_version(): the layout of the argument structs
+ABI_VERSION = 3  # kernel.cpp's gt_abi_version(): the layout of the argument structs (3: GefenArgs.out)
 # -ffp-contract=off: no multiply-add may fuse unless the source says so (torch's roundings are the spec).
 _FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-w"]
 # The builds and their own flags. 512-bit vector loops were measured no faster than the AVX2 ones on an
@@ -216,7 +216,7 @@ def _load(which: str) -> Built | Unavailable:
     lib = ctypes.CDLL(str(path))
     if lib.gt_abi_version() != ABI_VERSION:
         return Unavailable(f"{path} has argument layout {lib.gt_abi_version()}, expected {ABI_VERSION}")
-    for name in ("gt_gefen_moments", "gt_gefen_apply", "gt_muon_momentum"):
+    for name in ("gt_gefen_moments", "gt_gefen_apply", "gt_gefen_momentum", "gt_muon_momentum"):
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]

@@ -1,7 +1,8 @@
 // gefen_titan.optim.cpu_step: Gefen's CPU step and GefenMuon's momentum quantize, bit for bit gefen-x 0.5.0's.
 //
 // gefen-x runs its step on CPU tensors as a chain of torch ops (``Gefen._step_automatic``: the vmean update,
-// weight decay, the stepsize, ``_automatic_momentum_update``; GefenMuon: ``_prepare_muon_momentum``). This file
+// weight decay, the stepsize, ``_automatic_momentum_update``; the factored step's momentum,
+// ``_automatic_momentum_update_merged``; GefenMuon: ``_prepare_muon_momentum``). This file
 // computes the same values in one pass per block row. Every rounding is the one torch makes on this CPU:
 //
 // * ``lerp`` with a scalar weight is ``w*(end-self)+self`` for w < 0.5, else ``end-(1-w)*(end-self)``, and
@@ -394,6 +395,8 @@ float sumsq_row(const typename St<D>::raw* g, int64_t n, int width, bool vectori
 // Two calls per parameter, because torch.sqrt on CPU is MKL's vsSqrt (not always correctly rounded), which
 // only torch itself reproduces: ``gt_gefen_moments`` (the vmean update, the momentum update and requantize),
 // then ``torch.sqrt(vmean)`` in Python, then ``gt_gefen_apply`` (the stepsize from it, weight decay, the apply).
+// The factored second moment's step (its own stepsize, in torch) calls ``gt_gefen_momentum``: the momentum
+// update alone, returning the dense requantized momentum.
 // max |x| over a row as torch's max(dim) takes it: the row's first NaN wins (Gefen's and GefenMuon's magnitude).
 template <typename C> struct RowAbsMax {
   C mx = 0, first_nan = 0;
@@ -478,9 +481,13 @@ struct GefenArgs {
   double alpha_d;                 // the add's alpha when the mean is double (fp64 gradients)
   float sqrt_bc2_f, eps_f, inv_bc1_f;  // h = sqrt(vmean) / sqrt(bc2) + eps; stepsize = 1/h * (1/bc1)
   float lr_f, wdf_f; double lr_d, wdf_d; int32_t has_wd;  // p *= 1 - lr*wd (if wd > 0); p -= update * lr
+  void* out;               // gt_gefen_momentum only: the dense momentum, [blocks * period], float (fp64: double)
 };
 
-template <int D>
+// MOMENTUM_ONLY (``gt_gefen_momentum``, the factored second moment's step: ``_automatic_momentum_update_merged``):
+// no vmean; the row's updated momentum is worked in ``out`` and overwritten there by the requantized one,
+// codebook[code] * magnitude (torch: the dtype's codeword promoted by the fp32 magnitude, one rounding).
+template <int D, bool MOMENTUM_ONLY = false>
 void gefen_moments(const GefenArgs& a, int64_t r0, int64_t r1, std::vector<typename St<D>::C>& scratch) {
   using S = St<D>;
   using C = typename S::C;
@@ -490,24 +497,26 @@ void gefen_moments(const GefenArgs& a, int64_t r0, int64_t r1, std::vector<typen
   const bool small = a.w_small != 0, fused = a.fused != 0;
   const C w = D == F64 ? C(a.w_d) : C(a.w_f);
   const C omw = D == F64 ? C(a.omw_d) : C(a.omw_f);
-  scratch.resize(size_t(n));
-  C* upd = scratch.data();
+  if (!MOMENTUM_ONLY) scratch.resize(size_t(n));
   for (int64_t r = r0; r < r1; ++r) {
     const raw* g = g_all + r * n;
     uint8_t* codes = a.codes + r * n;
     const float mag_old = a.magnitude[r];
-    // ---- vmean: torch.mean(g * g, dim=1) (fp16 squares in float), then mul_(beta2).add_(mean, alpha)
-    float v = a.vmean[r] * a.beta2_f;
-    if constexpr (D == F64) {
-      const double mean = torch_row_sum_w<double>([&](int64_t i) { return g[i] * g[i]; }, n, a.sum_width_f64)
-                          / double(n);
-      v = float(madd(mean, a.alpha_d, double(v), fused));
-    } else {
-      float mean = sumsq_row<D>(g, n, a.sum_width) / float(n);
-      if constexpr (D == BF16) mean = round_to<BF16>(mean);
-      v = madd(mean, a.alpha_f, v, fused);
+    C* upd = MOMENTUM_ONLY ? static_cast<C*>(a.out) + r * n : scratch.data();
+    if constexpr (!MOMENTUM_ONLY) {
+      // ---- vmean: torch.mean(g * g, dim=1) (fp16 squares in float), then mul_(beta2).add_(mean, alpha)
+      float v = a.vmean[r] * a.beta2_f;
+      if constexpr (D == F64) {
+        const double mean = torch_row_sum_w<double>([&](int64_t i) { return g[i] * g[i]; }, n, a.sum_width_f64)
+                            / double(n);
+        v = float(madd(mean, a.alpha_d, double(v), fused));
+      } else {
+        float mean = sumsq_row<D>(g, n, a.sum_width) / float(n);
+        if constexpr (D == BF16) mean = round_to<BF16>(mean);
+        v = madd(mean, a.alpha_f, v, fused);
+      }
+      a.vmean[r] = v;
     }
-    a.vmean[r] = v;
     // ---- pass 1: updated_m = lerp(codebook[code] * magnitude, g, 1 - beta1); its max |.| (first NaN kept)
     int64_t i = 0;
     RowAbsMax<C> row;
@@ -520,7 +529,8 @@ void gefen_moments(const GefenArgs& a, int64_t r0, int64_t r1, std::vector<typen
     }
     const float mag = row.value();
     a.magnitude[r] = mag;
-    // ---- pass 2: requantize updated_m / magnitude (0 where magnitude is not > 0)
+    // ---- pass 2: requantize updated_m / magnitude (0 where magnitude is not > 0); MOMENTUM_ONLY: and
+    // codebook[code] * magnitude into ``out``
     const bool live = mag > 0.0f;
     i = 0;
 #if GT_SIMD
@@ -528,13 +538,18 @@ void gefen_moments(const GefenArgs& a, int64_t r0, int64_t r1, std::vector<typen
       const __m256 vmag = _mm256_set1_ps(mag);
       for (; i + 8 <= n; i += 8) {
         const __m256 x = live ? _mm256_div_ps(_mm256_loadu_ps(upd + i), vmag) : _mm256_setzero_ps();
-        store_codes8(codes + i, V8::codes_of(x, a.cb));
+        const __m256i code = V8::codes_of(x, a.cb);
+        store_codes8(codes + i, code);
+        if constexpr (MOMENTUM_ONLY)
+          _mm256_storeu_ps(upd + i, _mm256_mul_ps(_mm256_i32gather_ps(a.cb.values, code, 4), vmag));
       }
     }
 #endif
     for (; i < n; ++i) {
       const C x = live ? upd[i] / C(mag) : C(0);
-      codes[i] = uint8_t(code_of(a.cb, float(x)));
+      const int32_t code = code_of(a.cb, float(x));
+      codes[i] = uint8_t(code);
+      if constexpr (MOMENTUM_ONLY) upd[i] = C(a.cb.values[code]) * C(mag);
     }
   }
 }
@@ -688,7 +703,7 @@ int run_rows(const Args& a, char* err, int errlen, const Rows& rows) {
 extern "C" {
 
 // The layout of the argument structs: the Python side refuses a library whose version differs.
-int gt_abi_version() { return 2; }
+int gt_abi_version() { return 3; }
 
 // Which build this is: 1 with the AVX2 vector loops, 0 portable (plain C++).
 int gt_simd() { return GT_SIMD; }
@@ -699,6 +714,18 @@ int gt_gefen_moments(const GefenArgs* a, char* err, int errlen) {
       constexpr int D = decltype(d)::value;
       std::vector<typename St<D>::C> s;  // the row's updated momentum, in the compute type
       gefen_moments<D>(*a, r0, r1, s);
+    });
+  });
+}
+
+// The factored second moment's momentum update alone (no vmean): codes and magnitudes in place, the dense
+// requantized momentum into ``a->out``. Only the momentum's fields of ``a`` are read.
+int gt_gefen_momentum(const GefenArgs* a, char* err, int errlen) {
+  return run_rows(*a, err, errlen, [&](int64_t r0, int64_t r1) {
+    by_dtype(a->dtype, [&](auto d) {
+      constexpr int D = decltype(d)::value;
+      std::vector<typename St<D>::C> unused;
+      gefen_moments<D, true>(*a, r0, r1, unused);
     });
   });
 }

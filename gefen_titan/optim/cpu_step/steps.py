@@ -5,14 +5,19 @@ CPU (gefen-x's ``_step_automatic`` after the parameter's first step: the
 vmean update, the step counters, weight decay, the stepsize, the momentum
 update and the apply); ``MuonMomentum(group, p, grad)`` is GefenMuon's
 momentum update (``_prepare_muon_momentum``: dequantize, lerp, requantize,
-count, the Nesterov blend), returning the dense momentum for Newton-Schulz.
-``gefenx.route_cpu_step`` offers each parameter to them first. They decline
+count, the Nesterov blend), returning the dense momentum for Newton-Schulz. ``GefenMomentum(p, grad, beta1)``
+is Gefen's momentum update alone (gefen-x's ``_automatic_momentum_update_merged``),
+for the factored second moment's step (``optim.kinds.gefen.factored``), which
+takes the rest itself; it returns the dense requantized momentum.
+``gefenx.route_cpu_step`` offers each parameter to the first two; the factored
+step calls the third (``cpu_step.factored_momentum``). They decline
 (False / None, and gefen-x's own code runs) where gefen-x would do something
 the kernel does not: the parameter's first step (it allocates the state,
 and may search the period and learn the codebook), a CUDA or non-contiguous
 tensor, a dtype other than fp32/bf16/fp16/fp64, and the two ops whose
 rounding torch makes depend on the thread count: a single block row of
-32768+ elements summed on several threads, and GefenMuon's Nesterov blend on
+32768+ elements summed on several threads (the vmean's sum: ``GefenMomentum``,
+which sums no row, takes it), and GefenMuon's Nesterov blend on
 bf16/fp16 gradients. Each decline is counted by reason
 (``declined``), so a run can tell which path its parameters took.
 
@@ -38,7 +43,7 @@ from gefen_titan.optim.cpu_step.args import DTYPES, Codebook, GefenArgs, MuonArg
 from gefen_titan.optim.cpu_step.build import Library
 from gefen_titan.optim.cpu_step.codebook import CodebookTable, table_for
 
-__all__ = ["GRAIN_SIZE", "GefenStep", "MuonMomentum", "VMEAN_CHUNK", "splits_across_threads"]
+__all__ = ["GRAIN_SIZE", "GefenMomentum", "GefenStep", "MuonMomentum", "VMEAN_CHUNK", "splits_across_threads"]
 
 # at::internal::GRAIN_SIZE: above it torch reduces a lone output row in per-thread pieces.
 GRAIN_SIZE = 32768
@@ -74,6 +79,11 @@ class _Prepared:
 
 
 class _Step:
+    # Whether the kernel sums each block row as torch does (Gefen's vmean): then a lone row that torch would
+    # sum across threads is declined. A row's max |.| (the magnitude) is the same at any split: torch's
+    # max(dim) keeps the first NaN by its index.
+    sums_rows = True
+
     def __init__(self, optim: Optimizer, lib: Library) -> None:
         self.optim = optim
         self.lib = lib
@@ -113,7 +123,7 @@ class _Step:
         shapes = [(blocks, period)] + [(blocks, 1)] * (len(state) - 1)
         if not all(_plain_cpu(t) and t.is_contiguous() and tuple(t.shape) == s for t, s in zip(state, shapes)):
             return "state not on the CPU, or not gefen-x's layout"
-        if splits_across_threads(blocks, period, threads):
+        if self.sums_rows and splits_across_threads(blocks, period, threads):
             return "a lone row that torch sums across threads"
         table = table_for(codebook, g.dtype)
         args = new_args(codes=state[0].data_ptr(), magnitude=state[1].data_ptr(), blocks=blocks, period=period,
@@ -152,8 +162,42 @@ class _Step:
         return pl.view(-1), g.reshape(-1).contiguous()
 
 
+class GefenMomentum(_Step):
+    """Gefen's quantized momentum update of one parameter's shard alone (``gefenx.gefen_momentum_update``): the
+    codes and magnitudes updated in place and the dense requantized momentum returned ([blocks, period]: fp32,
+    fp64 for fp64 gradients, as gefen-x's), or None where gefen-x's must run. For the factored second
+    moment's step, which counts the steps and takes the stepsize and the apply itself."""
+
+    sums_rows = False
+
+    def __call__(self, p: torch.Tensor, grad: torch.Tensor, beta1: float) -> torch.Tensor | None:
+        st = gx.gefen_read(self.optim, p)
+        state = None if st is None else (st.period, (st.codes, st.magnitude))
+        grad = local(grad).contiguous()  # read only: a non-contiguous view is taken through a copy
+        taken = self._take(p, grad, grad, state, GefenArgs)
+        if taken is None:
+            return None
+        prep, (_, g) = taken
+        out = torch.empty(st.codes.shape, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
+        a = prep.args
+        a.out, a.g, a.fused = out.data_ptr(), g.data_ptr(), int(self.lib.fused)
+        beta1 = float(beta1)
+        if self._hyper[0] != (beta1,):
+            self._hyper = ((beta1,), lerp_weight(1 - beta1))
+        for name, value in self._hyper[1].items():
+            setattr(a, name, value)
+        self._call(self.lib.lib.gt_gefen_momentum, a)
+        self.taken += 1
+        return out
+
+
 class GefenStep(_Step):
-    """Gefen's step of one parameter (True), or False where gefen-x's own must run."""
+    """Gefen's step of one parameter (True), or False where gefen-x's own must run; ``momentum``: its
+    momentum update alone, for the factored second moment's step."""
+
+    def __init__(self, optim: Optimizer, lib: Library) -> None:
+        super().__init__(optim, lib)
+        self.momentum = GefenMomentum(optim, lib)
 
     def __call__(self, group: dict, p: torch.Tensor, grad: torch.Tensor) -> bool:
         st = gx.gefen_read(self.optim, p)

@@ -21,7 +21,8 @@ offload, one rank):
   the rows.
 * Everything else is elementwise on the local rows and columns (``V``, the
   stepsize, the update) or per block (the quantized momentum: gefen-x's own
-  arithmetic, ``gefenx.gefen_momentum_update``; agreed blocks never cross a
+  arithmetic, ``gefenx.gefen_momentum_update``, or the CPU kernel's, bit for
+  bit the same: ``cpu_step.factored_momentum``; agreed blocks never cross a
   cut), so it is layout-free.
 
 Which parameters: every parameter with two dims or more. A 2-D weight is one
@@ -56,7 +57,7 @@ from torch.optim import Optimizer
 
 from gefen_titan.distributed import comm_device, local
 from gefen_titan.distributed.layout import mesh_dims_cutting
-from gefen_titan.optim import axis_sums
+from gefen_titan.optim import axis_sums, cpu_step
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.kinds.gefen.keys import factor_shapes
 
@@ -182,7 +183,10 @@ class FactoredStep:
         bc2 = 1 - beta2 ** fstep
         v_hat = (v_row.view(batch, rows_here, 1) * v_col_t.view(batch, 1, cols_here)).div_(mean.view(batch, 1, 1))
         stepsize = v_hat.div_(bc2).sqrt_().add_(eps).reciprocal_().mul_(1.0 / bc1)
-        m = gx.gefen_momentum_update(optim, p, grad_view, beta1)
+        kernel = cpu_step.factored_momentum(optim)  # the exact CPU kernel's, where it takes the shard
+        m = None if kernel is None else kernel(p, grad_view, beta1)
+        if m is None:
+            m = gx.gefen_momentum_update(optim, p, grad_view, beta1)
         lr = group["lr"]
         lr = float(lr) if torch.is_tensor(lr) else lr
         if group["weight_decay"] > 0.0:
