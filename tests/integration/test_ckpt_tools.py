@@ -404,7 +404,7 @@ def test_convert_refuses_what_it_cannot_do(runs, capsys, tmp_path):
 
 
 def test_to_gefen_refuses_adam_variants_gefen_cannot_represent():
-    from gefen_titan.ckpt_tools.convert import _gefen_group
+    from gefen_titan.ckpt_tools.convert_to_gefen import _gefen_group
     from gefen_titan.ckpt_tools.view import CkptError
 
     adamw = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,

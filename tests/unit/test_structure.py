@@ -105,6 +105,7 @@ KIND_FILES = {
         "gefen_titan/optim/kinds/gefen/",  # its entry, options, key rows, records, description, state, validation
         "gefen_titan/optim/quant/",  # its dequantize / re-block / requantize arithmetic
         "gefen_titan/ckpt_tools/convert.py",  # Gefen <-> AdamW: its arithmetic is Gefen's
+        "gefen_titan/ckpt_tools/convert_to_gefen.py",  # its AdamW -> Gefen direction
     ),
     # A third kind laid out as a built-in one, in the tests (tests/unit/test_load_path.py registers it):
     # no package module may name it, so adding it took no package edit.
