@@ -60,6 +60,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -74,13 +75,14 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {  # name -> (recipe, flags)
 }
 DEFAULT_LRS = (1e-3, 2e-3, 4e-3)
 BASELINE = "adamw"
+HELD_OUT = "gefen_tiny_held_out"
 
-# Measured on this project's 2-core AMD EPYC VM at 2 ranks (the validation run,
-# see the module's report): used for --dry-run and the ETA until this --out
-# has finished runs of its own to measure.
-DEFAULT_S_PER_STEP = {"adamw": 1.6, "gefen-block": 1.7, "gefen-factored": 1.7, "gefen-muon": 2.0}
-DEFAULT_EVAL_S = 8.0  # one pass over the held-out documents at 2 ranks
-STARTUP_S = 25.0  # torchrun, imports, model build, the first step's codebook learning
+# Measured on this project's 2-core AMD EPYC (AVX512) VM at 2 ranks, otherwise idle (60-step runs, one per
+# configuration; with another job on the cores they were up to 2x slower): used by --dry-run and the ETA
+# until the --out folder has finished runs of its own to measure.
+DEFAULT_S_PER_STEP = {"adamw": 0.71, "gefen-block": 0.74, "gefen-factored": 1.16, "gefen-muon": 0.81}
+DEFAULT_EVAL_S = 5.0  # one pass over the held-out documents at 2 ranks
+STARTUP_S = 12.0  # torchrun, imports, model build, the first step's codebook learning
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STAMP = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
@@ -95,7 +97,7 @@ def held_out_flags(steps: int, every: int) -> list[str]:
     every ``every`` steps (and at step 1, torchtitan's rule), and at ``steps``
     when ``every`` divides it."""
     return ["--dataloader.dataset", "gefen_tiny_train", "--validator.enable", "true",
-            "--validator.dataloader.dataset", "gefen_tiny_held_out", "--validator.steps", "-1",
+            "--validator.dataloader.dataset", HELD_OUT, "--validator.steps", "-1",
             "--validator.freq", str(every), "--training.steps", str(steps)]
 
 
@@ -191,12 +193,13 @@ def load_result(run: Run, out: Path) -> dict | None:
 
 def execute(run: Run, out: Path) -> dict:
     """Train ``run`` with torchrun; write its log and result JSON into ``out``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={run.ranks}",
-           f"--master-port={_free_port()}", str(ROOT / "train.py"), "--job.config", str(ROOT / "recipes" / run.recipe),
-           "--job.dump_folder", str(out / "dump" / run.name), *run.flags()]
-    start = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    wall = time.time() - start
+    with tempfile.TemporaryDirectory(prefix="quality_sweep-") as dump:  # traces and JSONL logs: nothing read here
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={run.ranks}",
+               f"--master-port={_free_port()}", str(ROOT / "train.py"), "--job.config",
+               str(ROOT / "recipes" / run.recipe), "--job.dump_folder", dump, *run.flags()]
+        start = time.time()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        wall = time.time() - start
     log = proc.stdout + proc.stderr
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "logs" / f"{run.name}.log").write_text(log)
@@ -211,6 +214,11 @@ def execute(run: Run, out: Path) -> dict:
     path.with_suffix(".tmp").write_text(json.dumps(result, indent=1))
     os.replace(path.with_suffix(".tmp"), path)
     return result
+
+
+def finished_runs(out: Path) -> list[dict]:
+    """Every run result in ``out`` (for timings: runs of other plans count too)."""
+    return [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
 
 
 def final_eval(result: dict) -> float:
@@ -343,10 +351,12 @@ def table(lrs: dict[str, list[float]], chosen: dict[str, float], results: dict[s
         rows[c] = {"lr": lr, "sweep": sweep, "edge": len(lrs[c]) > 1 and lr in (min(lrs[c]), max(lrs[c])),
                    "finals": finals, "mean": statistics.fmean(finals), "spread": max(finals) - min(finals),
                    "bytes_per_param": seeds[0]["bytes_per_param"],
-                   "s_per_step": statistics.median(r["s_per_step"] for r in seeds if r["s_per_step"])}
+                   "s_per_step": statistics.median(r["s_per_step"] for r in seeds if r["s_per_step"]),
+                   "s_per_step_min": min(r["s_per_step"] for r in results.values()
+                                         if r["config"] == c and r["s_per_step"])}
     base = rows.get(BASELINE)
     lines = [f"| config | chosen LR | sweep: final held-out loss by LR | held-out loss at step {steps}, by seed | mean "
-             f"| seed spread (max-min) | Δ mean vs AdamW | Δ / AdamW spread | opt B/param | s/step |",
+             f"| seed spread (max-min) | Δ mean vs AdamW | Δ / AdamW spread | opt B/param | s/step (median, min) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for c, row in rows.items():
         sweep = ", ".join(("**" if lr == row["lr"] else "") + f"{lr:g}: {_f(loss)}" + ("**" if lr == row["lr"] else "")
@@ -358,7 +368,7 @@ def table(lrs: dict[str, list[float]], chosen: dict[str, float], results: dict[s
                      f"{' / '.join(_f(x) for x in row['finals'])} | {_f(row['mean'])} | {_f(row['spread'])} | "
                      f"{'—' if c == BASELINE or gap is None else f'{gap:+.4f}'} | "
                      f"{'—' if c == BASELINE else _f(row['gap_over_spread'], 2)} | {_f(row['bytes_per_param'], 3)} | "
-                     f"{_f(row['s_per_step'], 2)} |")
+                     f"{_f(row['s_per_step'], 2)}, {_f(row['s_per_step_min'], 2)} |")
     return "\n".join(lines), rows
 
 
@@ -418,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
              f"train: gefen_tiny_train; {held_out_size()}; sweep {args.sweep_steps} steps (seed 0), "
              f"then {args.seeds} seeds x {args.steps} steps; warmup 5% + cosine to 0.1 x LR")
     header = f"machine: {machine()}\n{setup}"
-    print(header, flush=True)
+    print(header, file=sys.stdout if args.dry_run else sys.stderr, flush=True)
 
     planned = sweep_runs(args, lrs)
     results = {r.name: res for r in planned if (res := load_result(r, out)) is not None}
@@ -432,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
         chosen = choose(lrs, results)
         runs = plan()
         results |= {r.name: res for r in runs[len(planned):] if (res := load_result(r, out)) is not None}
-        timing = Timing(list(results.values()))
+        timing = Timing(finished_runs(out))
         print(f"\n{len(runs)} runs planned into {out}:")
         for r in runs:
             lr = f"{r.lr:g}" if r.phase == "sweep" or chosen[r.config] is not None else "best of sweep"
@@ -441,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
         left = sum(timing.seconds(r) for r in runs if r.name not in results)
         rates = ", ".join(f"{c} {timing.step[c]:.2f}" for c in CONFIGS)
         print(f"\nestimated time left: {_hours(left)} (s/step {rates}: "
-              f"{'measured in this --out' if timing.measured else 'defaults, measured on the 2-core VM'}; "
+              f"{'measured in this --out' if timing.measured else 'defaults: the 2-core VM, idle'}; "
               f"held-out pass {timing.eval:.1f} s; start-up {timing.startup:.0f} s)")
         print(f"a full default run (4 configs, 3 LRs x 200 sweep steps, 2 seeds x 1000 steps) at these rates: "
               f"~{_hours(full_default_seconds(timing, args.ranks))}")
@@ -456,11 +466,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[{count}/{total}] {run.name}: already done (held-out {_f(final_eval(results[run.name]))})",
                   file=sys.stderr)
             return
-        timing = Timing(list(results.values()))
+        timing = Timing(finished_runs(out))
         t0 = time.time()
         print(f"[{count}/{total}] {run.name}: running (~{_hours(timing.seconds(run))})", file=sys.stderr)
         results[run.name] = execute(run, out)
-        timing = Timing(list(results.values()))
+        timing = Timing(finished_runs(out))
         left = sum(timing.seconds(r) for r in plan() if r.name not in results)
         print(f"[{count}/{total}] {run.name}: held-out {_f(final_eval(results[run.name]))} in "
               f"{time.time() - t0:.0f} s; elapsed {_hours(time.time() - start)}, ETA {_hours(left)}", file=sys.stderr)
@@ -474,10 +484,12 @@ def main(argv: list[str] | None = None) -> None:
         progress(run)
 
     text, rows = table(lrs, chosen, results, args.steps)
-    timing = Timing(list(results.values()))
+    timing = Timing(finished_runs(out))
     footer = (f"full default run (4 configs, 3 LRs x 200 sweep steps, 2 seeds x 1000 steps) at the s/step measured "
               f"here: ~{_hours(full_default_seconds(timing, args.ranks))}")
-    note = plot(chosen, results, out / "eval_loss.png", f"held-out loss, {setup}"[:160])
+    note = plot(chosen, results, out / "eval_loss.png",
+                f"loss on exactly the {HELD_OUT} documents (step 1 not shown)\n{args.ranks} ranks, global "
+                f"batch {4 * args.ranks} x 256, {args.steps} steps at each configuration's chosen LR")
     report = f"{header}\n\n{text}\n\n{footer}\n{note}\n"
     print("\n" + report)
     (out / "results.md").write_text(report)

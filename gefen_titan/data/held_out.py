@@ -2,7 +2,7 @@
 
 Why: a quality benchmark that compares optimizers on training loss rewards
 memorising the corpus (the embedded one is ~0.86M tokens, and a 1000-step run
-at 2 ranks reads it ~2.4 times). An evaluation needs documents the run never
+at 2 ranks reads it ~2.5 times). An evaluation needs documents the run never
 trained on, and a definition of them that every process, every run and every
 rank count agrees on without coordination.
 
