@@ -9,8 +9,12 @@ ones above it in this list:
   host's ranks build it once;
 * ``indexed``: pre-tokenized, memory-mapped token datasets (the format);
 * ``stream``: local multi-file corpora read as a ``datasets`` stream;
+* ``held_out``: the held-out split (which documents training never sees);
 * ``corpus``: the tiny corpus and tokenizer shipped in the package, and the
-  ``gefen_tiny`` / ``gefen_tiny_stream`` datasets registered with torchtitan;
+  ``gefen_tiny`` / ``gefen_tiny_stream`` datasets registered with torchtitan
+  (and ``gefen_tiny_train`` / ``gefen_tiny_held_out``, the split's sides);
+* ``eval_loader``: the validator's loader, one exact pass over a dataset
+  with the same number of batches on every rank;
 * ``build_inputs``, ``build_encoder``, ``indexed_build``: builds token
   datasets (what a build reads, how it tokenizes, the resumable build; and
   caches one per file);

@@ -7,7 +7,10 @@ byte-level BPE tokenizer trained on it (``scripts/build_assets.py`` rebuilds
 both). This module has one job: make that corpus (or any other local
 ``{"text": ...}`` JSONL file) loadable by torchtitan's text dataloader under
 the name ``gefen_tiny``, and the same corpus as a multi-file stream under
-``gefen_tiny_stream`` (``gefen_titan.data.stream``).
+``gefen_tiny_stream`` (``gefen_titan.data.stream``), and its two sides of
+the held-out split under ``gefen_tiny_train`` / ``gefen_tiny_held_out``
+(``gefen_titan.data.held_out``: opt-in, for evaluating on documents training
+never saw).
 
 The loader parses the file itself and builds an in-memory map-style
 ``datasets.Dataset``. It never calls ``load_dataset``, so ranks loading at
@@ -39,6 +42,7 @@ from datasets import Dataset, IterableDataset
 from torchtitan.hf_datasets import DatasetConfig, text_datasets
 
 from gefen_titan.data.cache import default_cache_dir, locked
+from gefen_titan.data.held_out import HELD_OUT_DATASET_NAME, TRAIN_DATASET_NAME, split_texts
 from gefen_titan.data.indexed import file_sha256
 from gefen_titan.data.stream import STREAM_DATASET_NAME, stream_files, stream_of
 
@@ -50,8 +54,10 @@ __all__ = [
     "EMBEDDED_STREAM",
     "GZIP_MAGIC",
     "embedded_shards",
+    "load_held_out_dataset",
     "load_jsonl_dataset",
     "load_stream_dataset",
+    "load_train_dataset",
     "read_jsonl_texts",
     "register_datasets",
     "sample_text",
@@ -119,6 +125,18 @@ def load_jsonl_dataset(path: str) -> Dataset:
     return Dataset.from_dict({"text": read_jsonl_texts(path)})
 
 
+def load_train_dataset(path: str) -> Dataset:
+    """torchtitan ``DatasetConfig.loader`` of ``gefen_tiny_train``: the file's
+    documents that are not held out (``gefen_titan.data.held_out``), in order."""
+    return Dataset.from_dict({"text": split_texts(read_jsonl_texts(path))[0]})
+
+
+def load_held_out_dataset(path: str) -> Dataset:
+    """torchtitan ``DatasetConfig.loader`` of ``gefen_tiny_held_out``: the
+    file's held-out documents, in order."""
+    return Dataset.from_dict({"text": split_texts(read_jsonl_texts(path))[1]})
+
+
 def sample_text(sample: dict[str, Any]) -> str:
     """torchtitan ``DatasetConfig.sample_processor``: the record's text."""
     return sample["text"]
@@ -156,6 +174,18 @@ _CONFIG = DatasetConfig(
     sample_processor=sample_text,
 )
 
+_TRAIN_CONFIG = DatasetConfig(
+    path=DEFAULT_DATASET_PATH,
+    loader=load_train_dataset,
+    sample_processor=sample_text,
+)
+
+_HELD_OUT_CONFIG = DatasetConfig(
+    path=DEFAULT_DATASET_PATH,
+    loader=load_held_out_dataset,
+    sample_processor=sample_text,
+)
+
 _STREAM_CONFIG = DatasetConfig(
     path=EMBEDDED_STREAM,
     loader=load_stream_dataset,
@@ -165,8 +195,9 @@ _STREAM_CONFIG = DatasetConfig(
 
 def register_datasets() -> None:
     """Add ``gefen_tiny`` (and ``gefen_tiny_stream``, the same corpus read as
-    a multi-file stream, ``gefen_titan.data.stream``) to torchtitan's text
-    DATASETS (idempotent).
+    a multi-file stream, ``gefen_titan.data.stream``; ``gefen_tiny_train`` and
+    ``gefen_tiny_held_out``, its held-out split) to torchtitan's text DATASETS
+    (idempotent).
 
     torchtitan looks the name up in a module-level dict when the dataloader
     is built, so this must have run in every rank's process before that;
@@ -175,3 +206,5 @@ def register_datasets() -> None:
     """
     text_datasets.DATASETS[DATASET_NAME] = _CONFIG
     text_datasets.DATASETS[STREAM_DATASET_NAME] = _STREAM_CONFIG
+    text_datasets.DATASETS[TRAIN_DATASET_NAME] = _TRAIN_CONFIG
+    text_datasets.DATASETS[HELD_OUT_DATASET_NAME] = _HELD_OUT_CONFIG

@@ -23,7 +23,11 @@ this module's dict, and nothing outside the package changes.
 
 ``lift_dataloader_config`` turns the ``HuggingFaceTextDataLoader.Config``
 that torchtitan's base config functions build into the default loader's
-config, so a recipe that names no loader still resumes elastically.
+config, so a recipe that names no loader still resumes elastically;
+``lift_validation_dataloader_config`` does the same for the validator's
+loader (``[validator.dataloader]``): torchtitan's becomes
+``EvalTextDataLoader``, whose pass over the whole set is exact and the same
+length on every rank (``gefen_titan.data.eval_loader``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any
 from torchtitan.components.dataloader import BaseDataLoader
 
 from gefen_titan.data.elastic import ElasticTextDataLoader
+from gefen_titan.data.eval_loader import EvalTextDataLoader
 from gefen_titan.data.global_loader import GlobalOrderDataLoader
 from gefen_titan.errors import UserError
 
@@ -43,6 +48,7 @@ __all__ = [
     "dp_invariant_names",
     "is_dp_invariant",
     "lift_dataloader_config",
+    "lift_validation_dataloader_config",
     "loader_config_class",
     "loader_names",
     "register_loader",
@@ -120,6 +126,15 @@ def lift_dataloader_config(cfg: Any) -> Any:
     ``HuggingFaceTextDataLoader.Config``, same field values); any other
     config, including ours, is returned as is."""
     return ElasticTextDataLoader.Config.from_torchtitan(cfg)
+
+
+def lift_validation_dataloader_config(cfg: Any) -> Any:
+    """The validator's data-loader config (torchtitan's
+    ``HuggingFaceTextDataLoader.Config``, its default) as
+    ``EvalTextDataLoader.Config`` with the same values: with
+    ``validator.steps = -1`` it reads a map-style set once, exactly, with no
+    rank running out first. Any other config is returned as is."""
+    return EvalTextDataLoader.Config.from_torchtitan(cfg)
 
 
 register_loader(DEFAULT_LOADER, ElasticTextDataLoader.Config)  # torchtitan's text loader + on_dp_change

@@ -42,9 +42,9 @@ torchtitan's command line over the built config in between.
 
 This module builds the torchtitan config: the base config function, its
 optimizer, checkpoint and data-loader configs lifted into gefen-titan's
-(each component's ``Config.from_torchtitan``; the loader's through
-``gefen_titan.data.registry``, which also owns the loader names, so this
-layer names no component kind), the model rebuilt from ``[model]`` (with
+(each component's ``Config.from_torchtitan``; the loaders, training's and
+the validator's, through ``gefen_titan.data.registry``, which also owns the
+loader names, so this layer names no component kind), the model rebuilt from ``[model]`` (with
 ``flavors``, ``moe_flavors``; its converters: ``converters``), and the
 ``builtin://`` assets. The rest of the recipe layer, below it: ``files``
 (TOML, ``extends``, override tables), ``coerce`` (the generic TOML ->
@@ -60,7 +60,12 @@ from typing import Any
 
 from gefen_titan.checkpoint.manager import GefenCheckpointManager
 from gefen_titan.data.corpus import DEFAULT_TOKENIZER_PATH
-from gefen_titan.data.registry import UnknownLoaderError, lift_dataloader_config, loader_config_class
+from gefen_titan.data.registry import (
+    UnknownLoaderError,
+    lift_dataloader_config,
+    lift_validation_dataloader_config,
+    loader_config_class,
+)
 from gefen_titan.optim import option_routes
 from gefen_titan.optim import registry as optimizers
 from gefen_titan.optim.container import GROUP_DEFAULTS, GefenOptimizersContainer
@@ -295,6 +300,8 @@ def build_recipe(path: str | os.PathLike, overrides: dict[str, dict[str, Any]] |
     if isinstance(loader_table, dict) and "loader" in loader_table:
         where = f"{path}: [dataloader] loader"
         config.dataloader = _choose_dataloader(config.dataloader, loader_table.pop("loader"), where)
+    if hasattr(config.validator, "dataloader"):  # torchtitan's Validator (a custom one may read none)
+        config.validator.dataloader = lift_validation_dataloader_config(config.validator.dataloader)
     sections = {
         f.name
         for f in dataclasses.fields(type(config))
