@@ -2,14 +2,15 @@
 checks (``--second-moment factored``): which jobs, in which launches.
 
 As ``agreed_runs``: a ref job runs S+K steps and saves at S, a job with loads resumes each at S and
-runs K more. Two more resume each other's checkpoint with the other second moment (``switch``).
+runs K more. Two more resume each other's checkpoint with the other second moment (``switch``). The MoE
+runs (``MOE_RUNS``) share ``moe_runs``'s launches (``MOE_PHASES``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tests.helpers.worker_jobs import Launch, ordered_launches, reshard_jobs, run_job
+from tests.helpers.worker_jobs import Launch, ordered_launches, run_job
 
 WORKER = "agreed"
 S, K = 3, 2
@@ -43,6 +44,10 @@ def target(tag: str) -> str:
 # (source checkpoint, target tag) of every resume that keeps its second moment.
 PAIRS = [(src, target(tag)) for _, _, tag, _, loads in RUNS for src in loads if tag not in SWITCHES]
 
+# Its own launches, not agreed_runs's: a launch that runs two jobs of the same multi-dim mesh layout
+# (agreed's fsdp_tp4 and this fsdp_tp4, its pp2 and this pp2) fails in the second one's first collective:
+# torch 2.13's DeviceMesh resolves the new submesh to the first job's root mesh, whose groups the first
+# job's end destroyed ("Could not resolve the process group registered under the name 3").
 PLAN = [
     (1, ["f_fsdp1"]),
     (2, ["f_fsdp2", "b_fsdp2", "f_fsdp2_offload", "f_tp2", "f_pp2"]),
@@ -59,9 +64,22 @@ def job(layout: str, tag: str, out: Path, *args: str) -> list[str]:
 
 def plan(base: Path) -> list[Launch]:
     """Every job of PLAN, as launches (``worker_jobs.launch_all``); the folders are made here."""
-    jobs, _, _ = reshard_jobs(base, job, RUNS, lambda tag: ["--second-moment",
-                                                            "factored" if tag.startswith("f_") else "block"])
-    return ordered_launches(PLAN, jobs, RUNS, {})
+    out = base / "out"
+    out.mkdir(parents=True)
+    return ordered_launches(PLAN, jobs(base, out), RUNS, {})
+
+
+def jobs(base: Path, out: Path) -> dict[str, tuple[int, list[str]]]:
+    """tag -> (world size, job) of every run here, writing into ``out``, checkpoints under ``base``."""
+    table = {}
+    for layout, n, tag, ref, loads in RUNS:
+        args = ["--second-moment", "factored" if tag.startswith("f_") else "block"]
+        if ref:
+            args += ["--ref", str(base / ref)]
+        if loads:
+            args += ["--load", ",".join(str(base / c) for c in loads)]
+        table[tag] = (n, job(layout, tag, out, *args))
+    return table
 
 
 # Mixture of experts (``moe_worker``, Gefen alone with the factored moment: a grouped experts' weight
@@ -73,15 +91,14 @@ MOE_RUNS = [
     ("one", 1, "fm_one_e4", "c_fm_one_e4", ["c_fm_ep2_e4"], 4),  # 1 rank <- EP 2
     ("one", 1, "fm_one_e2", "c_fm_one_e2", ["c_fm_ep2x2_e2"], 2),  # 1 rank <- EP 2 x efsdp 2
 ]
-MOE_PLAN = [(2, ["fm_ep2_e4", "fm_fsdp2_e4"]), (4, ["fm_ep2x2_e2"]), (1, ["fm_one_e4", "fm_one_e2"])]
+# moe_runs.PLAN's launch (its index) -> the MoE jobs here that run in it.
+MOE_PHASES = {0: ["fm_ep2_e4", "fm_fsdp2_e4"], 1: ["fm_ep2x2_e2"], 3: ["fm_one_e4", "fm_one_e2"]}
 MOE_PAIRS = [(src, tag) for _, _, tag, _, loads, _ in MOE_RUNS for src in loads]
 
 
-def moe_plan(base: Path) -> list[Launch]:
-    """Every job of MOE_PLAN, as launches; the folders are made here."""
-    out = base / "out"
-    out.mkdir(parents=True)
-    jobs = {}
+def moe_jobs(base: Path, out: Path) -> dict[str, tuple[int, list[str]]]:
+    """tag -> (world size, job) of every MoE run here, writing into ``out``, checkpoints under ``base``."""
+    table = {}
     for layout, n, tag, ref, loads, e in MOE_RUNS:
         args = ["moe", "--layout", layout, "--experts", str(e), "--tag", tag, "--out", str(out),
                 "--save-step", str(S), "--steps", str(K), "--second-moment", "factored"]
@@ -89,5 +106,5 @@ def moe_plan(base: Path) -> list[Launch]:
             args += ["--ref", str(base / ref)]
         if loads:
             args += ["--load", ",".join(str(base / c) for c in loads)]
-        jobs[tag] = (n, args)
-    return ordered_launches(MOE_PLAN, jobs, [r[:5] for r in MOE_RUNS], {})
+        table[tag] = (n, args)
+    return table

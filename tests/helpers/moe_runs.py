@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.helpers import factored_runs
 from tests.helpers.worker_jobs import Launch, ordered_launches
 
 WORKER = "moe"
@@ -69,4 +70,7 @@ def plan(base: Path) -> list[Launch]:
         if loads:
             args += ["--load", ",".join(str(base / c) for c in loads)]
         jobs[tag] = (n, args)
-    return ordered_launches(PLAN, jobs, [r[:5] for r in RUNS], {})
+    # The factored second moment's MoE runs (tests/integration/test_factored.py) share these launches.
+    jobs.update(factored_runs.moe_jobs(base, out))
+    plan_ = [(n, tags + factored_runs.MOE_PHASES.get(i, [])) for i, (n, tags) in enumerate(PLAN)]
+    return ordered_launches(plan_, jobs, [r[:5] for r in RUNS + factored_runs.MOE_RUNS], {})

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import reshard_runs, worker_jobs
+from tests.helpers import moe_runs, reshard_runs, worker_jobs
 
 
 @pytest.fixture(scope="session")
@@ -14,3 +14,12 @@ def runs(tmp_path_factory) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("reshard")
     worker_jobs.launch_all(reshard_runs.plan(base), base / "logs")
     return base, base / "out"
+
+
+@pytest.fixture(scope="session")
+def moe_launch(tmp_path_factory) -> Path:
+    """Every job of ``moe_runs.plan`` (test_moe.py's and test_factored.py's MoE runs, in shared launches):
+    the outputs."""
+    base = tmp_path_factory.mktemp("moe")
+    worker_jobs.launch_all(moe_runs.plan(base), base / "logs")
+    return base / "out"

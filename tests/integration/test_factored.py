@@ -33,7 +33,7 @@ MATRICES = ("tok_embeddings.weight", "layers.0.w1.weight", "layers.1.w2.weight",
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
+def factored(tmp_path_factory) -> Path:
     """Every job of ``factored_runs.PLAN``: their outputs."""
     _, out, _ = worker_jobs.launched(tmp_path_factory.mktemp("factored"), factored_runs.plan)
     return out
@@ -43,8 +43,8 @@ def _ref(out: Path, tag: str) -> dict:
     return merged(load(out, tag), "ref")
 
 
-def test_the_second_moment_is_factored_and_no_larger(runs):
-    state = _ref(runs, "f_fsdp1")["state"]
+def test_the_second_moment_is_factored_and_no_larger(factored):
+    state = _ref(factored, "f_fsdp1")["state"]
     records = _records(state)
     for fqn, rec in records.items():
         shape = tuple(rec["shape"])
@@ -58,19 +58,19 @@ def test_the_second_moment_is_factored_and_no_larger(runs):
         assert bool((rows > 0).all()) and bool((cols > 0).all()), fqn
     assert set(MATRICES) <= {f for f, r in records.items() if r.get("second_moment")}
     # Per parameter, the rows and columns replace a vmean per block: the state is no larger than block's.
-    factored_bytes, numel = load(runs, "f_fsdp2")[0]["ref"]["bytes"]
-    block_bytes, block_numel = load(runs, "b_fsdp2")[0]["ref"]["bytes"]
+    factored_bytes, numel = load(factored, "f_fsdp2")[0]["ref"]["bytes"]
+    block_bytes, block_numel = load(factored, "b_fsdp2")[0]["ref"]["bytes"]
     assert numel == block_numel and factored_bytes <= block_bytes, (factored_bytes, block_bytes)
     # ... and it trains differently from block's.
-    f_params, b_params = _ref(runs, "f_fsdp2")["params"], _ref(runs, "b_fsdp2")["params"]
+    f_params, b_params = _ref(factored, "f_fsdp2")["params"], _ref(factored, "b_fsdp2")["params"]
     last = max(f_params)
     assert not torch.equal(f_params[last]["layers.0.w1.weight"], b_params[last]["layers.0.w1.weight"])
 
 
 @pytest.mark.parametrize("tag", ["f_fsdp2", "f_fsdp2_offload", "f_fsdp3", "f_fsdp_tp4", "f_tp2", "f_hsdp4",
                                  "f_pp2"])
-def test_state_is_bit_identical_at_every_layout(runs, tag):
-    one, other = _ref(runs, "f_fsdp1"), _ref(runs, tag)
+def test_state_is_bit_identical_at_every_layout(factored, tag):
+    one, other = _ref(factored, "f_fsdp1"), _ref(factored, tag)
     assert _equal_state(one["state"], other["state"]) == []
     assert _records(one["state"]) == _records(other["state"])
     for s, ps in one["params"].items():
@@ -79,11 +79,11 @@ def test_state_is_bit_identical_at_every_layout(runs, tag):
 
 
 @pytest.mark.parametrize("src, tgt", PAIRS)
-def test_reshard_matrix_is_bit_exact(runs, src, tgt):
+def test_reshard_matrix_is_bit_exact(factored, src, tgt):
     resume_tag = next(tag for _, _, tag, _, loads in RUNS if src in loads and target(tag) == tgt)
-    saved = _ref(runs, src.removeprefix("c_"))
-    loaded = merged(load(runs, resume_tag), "resume", src)
-    uninterrupted = _ref(runs, tgt)
+    saved = _ref(factored, src.removeprefix("c_"))
+    loaded = merged(load(factored, resume_tag), "resume", src)
+    uninterrupted = _ref(factored, tgt)
     assert _equal_state(saved["state"], loaded["state"]) == []
     assert _records(saved["state"]) == _records(loaded["state"])
     for s, ps in loaded["params"].items():
@@ -92,10 +92,10 @@ def test_reshard_matrix_is_bit_exact(runs, src, tgt):
 
 
 @pytest.mark.parametrize("tag", sorted(SWITCHES))
-def test_a_resume_that_switches_restarts_the_second_moment(runs, tag):
+def test_a_resume_that_switches_restarts_the_second_moment(factored, tag):
     src = SWITCHES[tag]
-    saved = _ref(runs, src.removeprefix("c_"))["state"]
-    loaded = merged(load(runs, tag), "resume", src)
+    saved = _ref(factored, src.removeprefix("c_"))["state"]
+    loaded = merged(load(factored, tag), "resume", src)
     state = loaded["state"]
     to_factored = tag.startswith("f_")
     for fqn, rec in _records(state).items():
@@ -118,9 +118,9 @@ def test_a_resume_that_switches_restarts_the_second_moment(runs, tag):
         assert all(bool(torch.isfinite(p).all()) for p in ps.values())
 
 
-def test_records_are_json_a_v3_reader_would_take_for_block_parameters(runs):
+def test_records_are_json_a_v3_reader_would_take_for_block_parameters(factored):
     """A block parameter's record in v4 is v3's, key for key (only the header's version changed)."""
-    state = _ref(runs, "b_fsdp2")["state"]
+    state = _ref(factored, "b_fsdp2")["state"]
     for key, value in state.items():
         if key.startswith("gefen/optimizer/"):
             for rec in json.loads(value)["params"]:
@@ -129,10 +129,9 @@ def test_records_are_json_a_v3_reader_would_take_for_block_parameters(runs):
 
 # ------------------------------------------------------------------ mixture of experts
 @pytest.fixture(scope="module")
-def moe_runs(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("factored_moe")
-    worker_jobs.launch_all(factored_runs.moe_plan(base), base / "logs")
-    return base / "out"
+def moe_runs(moe_launch) -> Path:
+    """Every MoE job of ``factored_runs``, run in the MoE launches (conftest's ``moe_launch``)."""
+    return moe_launch
 
 
 def _moe(ranks: list[dict], src: str | None = None) -> tuple[dict, dict]:

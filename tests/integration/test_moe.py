@@ -32,7 +32,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import moe_runs, worker_jobs
 from tests.helpers.moe_runs import PAIRS, RUNS, experts, target
 
 EXPERTS = "layers.{}.moe.routed_experts.inner_experts.{}"
@@ -45,10 +44,9 @@ def load(out: Path, tag: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("moe")
-    worker_jobs.launch_all(moe_runs.plan(base), base / "logs")
-    return base / "out"
+def moe(moe_launch) -> Path:
+    """Every job of ``moe_runs.plan`` (conftest's ``moe_launch``): their outputs."""
+    return moe_launch
 
 
 def _same(a, b) -> bool:
