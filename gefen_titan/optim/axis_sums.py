@@ -98,9 +98,13 @@ def sums(x: torch.Tensor, dim: int, codes: torch.Tensor, n: int) -> torch.Tensor
     if x.numel() == 0:
         return torch.zeros(shape, dtype=SUM_DTYPE, device=x.device)
     finite, shift = _shift(codes, n)
-    xs = torch.where(finite.unsqueeze(dim), x.double(), 0.0)
-    scaled = torch.ldexp(xs, shift.unsqueeze(dim).double())  # exact: a power of two in fp64
-    return torch.floor(scaled).to(SUM_DTYPE).sum(dim=dim)
+    # 2^(F - e) per slice (a power of two, within fp64's range: F - e <= 62 - E_MIN), 0 where the slice is
+    # not finite: one small pow, then a broadcast multiply, exact in fp64 for every fp32 value.
+    scale = torch.where(finite, torch.exp2(shift.double()), 0.0)
+    scaled = x.double().mul_(scale.unsqueeze(dim)).floor_()
+    if not finite.all():  # inf * 0 is nan, whose cast to int64 is undefined: those slices read back as nan
+        scaled.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    return scaled.to(SUM_DTYPE).sum(dim=dim)
 
 
 def values(total: torch.Tensor, codes: torch.Tensor, n: int) -> torch.Tensor:
