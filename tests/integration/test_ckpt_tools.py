@@ -316,7 +316,7 @@ def test_inspect_and_verify_format_v1(tmp_path, capsys):
     rc, report = ckpt_json(capsys, "verify", tmp_path / "bad")
     assert rc == 1 and any(p["entry"] == blocks and "negative" in p["what"] for p in report["problems"])
     rc, report = ckpt_json(capsys, "convert", path, tmp_path / "out", "--to", "adamw")
-    assert rc == 1 and "formats v2 and v3" in report["error"] and not (tmp_path / "out").exists()
+    assert rc == 1 and "formats v2 to v4" in report["error"] and not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------ convert
