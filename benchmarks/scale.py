@@ -733,12 +733,20 @@ def muon_plan(built: Built, bucket_mib: float, specs: list | None = None) -> dic
             "inflight_max": COPIES * live, "bound": SLOTS * COPIES * sched.limit_bytes, "bucket_mib": bucket_mib}
 
 
+def _block_options() -> Any:
+    """Gefen's options with the block second moment (the plan's default rows are the default's, factored)."""
+    from gefen_titan.optim.kinds.gefen.options import GefenOptions
+
+    return GefenOptions(second_moment="block")
+
+
 def plan(built: Built, exact_items: int = 100_000, muon_bucket_mib: float | None = None) -> dict[str, Any]:
     chunks = Chunks()
     w = built.mesh.world
     row: dict[str, Any] = {"flavor": built.flavor, "mesh": built.mesh.name, "label": built.mesh.label, "world": w,
                            "numel": built.numel}
-    row["gefen_state"] = max(state_bytes(built, "Gefen", "fallback"))
+    row["gefen_state"] = max(state_bytes(built, "Gefen", "fallback"))  # the default's: factored
+    row["gefen_state_block"] = max(state_bytes(built, "Gefen", "fallback", options=_block_options()))
     row["gefen_state_finest"] = max(state_bytes(built, "Gefen", "finest"))
     row["adamw_state"] = max(state_bytes(built, "AdamW"))
     for name, entries in (("gefen", optimizer_entries(built, "Gefen")), ("adamw", adamw_entries(built))):
@@ -890,7 +898,7 @@ def report(rows: list[dict], max_tp: int) -> list[dict]:
         for r in rows:
             f = r["factored"]
             print(f"| {r['flavor']} | {r['label']} | {r['world']} | {fmt_bytes(f['state'])} "
-                  f"| {fmt_bytes(r['gefen_state'])} | {fmt_bytes(f['collective'])} | {fmt_bytes(f['grad'])} "
+                  f"| {fmt_bytes(r['gefen_state_block'])} | {fmt_bytes(f['collective'])} | {fmt_bytes(f['grad'])} "
                   f"| {100 * f['ratio']:.3f}% |")
         r = rows[-1]
         collectives = "; ".join(f"{c['what']} {c['op']} {c['numel']:,} x {c['dtype']} -> "

@@ -67,9 +67,10 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
                         "optimizer.gefen.period_one_substrings)")
     p.add_argument("--deterministic", action="store_true",
                    help="--to gefen: mark the state for optimizer.gefen.deterministic = true")
-    p.add_argument("--second-moment", default="block", choices=("block", "factored"),
+    p.add_argument("--second-moment", default="factored", choices=("block", "factored"),
                    help="--to gefen: the second moment to write, as the recipe's optimizer.gefen.second_moment "
-                        "(factored: row and column means of exp_avg_sq for every parameter of two dims or more)")
+                        "(factored, the default: row and column means of exp_avg_sq for every parameter of two "
+                        "dims or more; block: their block means)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     _key_option(p)
 

@@ -23,13 +23,14 @@ decay. So the state maps onto torch's AdamW one to one:
   (``codebook_solver``) from the 4096-bin histogram of block-normalized
   ``exp_avg``, the values the codes will hold; the momentum is quantized
   with Gefen's rule (``optim.quant.requant.requantize``) and ``vmean`` is the
-  block mean of ``exp_avg_sq`` (``optim.quant.requant.block_mean``);
-  ``step`` = ``vmean_step`` = AdamW's ``step``. With ``--second-moment
-  factored`` a parameter of two dims or more keeps instead the row and column
-  means of ``exp_avg_sq`` (``vrow``, ``vcol``: the factored second moment of
-  ``optim.kinds.gefen.factored``, exact when ``exp_avg_sq`` is rank one), to
-  resume with ``optimizer.gefen.second_moment = "factored"``. The report gives
-  the relative error of both moments.
+  block mean of ``exp_avg_sq`` (``optim.quant.requant.block_mean``) for a
+  vector; ``step`` = ``vmean_step`` = AdamW's ``step``. A parameter of two
+  dims or more keeps the row and column means of ``exp_avg_sq`` (``vrow``,
+  ``vcol``: the factored second moment of ``optim.kinds.gefen.factored``,
+  exact when ``exp_avg_sq`` is rank one), as the recipes' default
+  ``optimizer.gefen.second_moment`` resumes it; ``--second-moment block``
+  writes block means instead, to resume with ``second_moment = "block"``.
+  The report gives the relative error of both moments.
 
 The state of any other kind whose description says why it cannot be
 converted (``checkpoint.format.kinds.KindDescription.convert_refusal``: GefenMuon's
@@ -243,7 +244,8 @@ def render(report: dict[str, Any]) -> str:
                      + (f"; {report['state_bytes_per_param']:.3f} bytes/param of state"
                         if report["state_bytes_per_param"] else ""))
         lines.append(f"          relative RMS error: momentum {report['momentum_relative_rms_error']:.4f}, "
-                     f"second moment {report['second_moment_relative_rms_error']:.4f} (block mean)")
+                     f"second moment {report['second_moment_relative_rms_error']:.4f} "
+                     f"({'row and column means' if report['second_moment'] == 'factored' else 'block mean'})")
     lines.append(f"resume:   train.py with {report['resume']}, this folder as "
                  "<dump_folder>/<checkpoint.folder>/step-N")
     lines += [f"note:     {n}" for n in report["notes"][:5]]

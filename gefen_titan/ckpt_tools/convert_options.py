@@ -13,4 +13,4 @@ class ConvertOptions:
     max_tensor_parallel_degree: int = 1  # --to gefen: as the recipe's optimizer setting
     period_one_substrings: tuple[str, ...] = ()
     deterministic: bool = False
-    second_moment: str = "block"  # --to gefen: "factored" writes rows and columns (optimizer.gefen.second_moment)
+    second_moment: str = "factored"  # --to gefen: as the recipe's optimizer.gefen.second_moment ("block": vmean only)

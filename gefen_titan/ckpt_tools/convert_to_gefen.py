@@ -2,8 +2,8 @@
 
 The periods by agreed blocking's rule on ``exp_avg_sq``, one codebook from the
 histogram of block-normalized ``exp_avg``, the momentum requantized with Gefen's
-rule, and the second moment as the block mean of ``exp_avg_sq`` or, with
-``--second-moment factored``, its row and column means. Apart from ``convert``
+rule, and the second moment as the row and column means of ``exp_avg_sq``
+(a matrix, ``--second-moment factored``, the default) or its block mean. Apart from ``convert``
 because that module holds the other direction and the command's frame.
 """
 
@@ -184,7 +184,7 @@ def to_gefen(ck: Checkpoint, options: ConvertOptions):
                   + (f" with optimizer.blocking.max_tensor_parallel_degree = {options.max_tensor_parallel_degree}"
                      if options.max_tensor_parallel_degree > 1 else "")
                   + (" and optimizer.gefen.deterministic = true" if options.deterministic else "")
-                  + (" and optimizer.gefen.second_moment = \"factored\"" if options.second_moment == "factored"
+                  + (" and optimizer.gefen.second_moment = \"block\"" if options.second_moment == "block"
                      else ""),
         "notes": [],
     }

@@ -201,7 +201,7 @@ class GefenOptimizersContainer(OptimizersContainer):
             spec = registry.get(g.optimizer_name)
             kwargs = dict(g.optimizer_kwargs)
             if spec is not None and spec.options is not None:
-                options = config_tables.table(config, spec.options).kwargs()
+                options = config_tables.table(config, spec.options).kwargs(config)
                 kwargs = {**{k: options[k] for k in spec.option_keys}, **kwargs}
             groups.append(dataclasses.replace(g, optimizer_kwargs=kwargs))
         # A composite name (GefenMuonHybrid) routes by module: exact-name patterns from the parts.

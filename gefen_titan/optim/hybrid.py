@@ -150,7 +150,7 @@ class HybridOptions(OptionsTableBase):
     normuon_eps: float = 1e-8
     """GefenMuonHybrid: NorMuon's eps."""
 
-    def kwargs(self) -> dict[str, Any]:
+    def kwargs(self, config: Any = None) -> dict[str, Any]:
         """Its ``OPTION_KEYS``' values (the hybrid's groups are built from them: ``param_groups``)."""
         return {k: getattr(self, k) for k in OPTION_KEYS}
 

@@ -8,8 +8,10 @@ its table and carries its class (``OptimizerSpec.options`` and
 registry (``optim.config_tables``). The container and the recipe layer know a
 table only through this seam:
 
-* ``kwargs()``: the optimizer-wide constructor options the container gives
-  every optimizer of the kind (the entry's ``option_keys``);
+* ``kwargs(config)``: the optimizer-wide constructor options the container gives
+  every optimizer of the kind (the entry's ``option_keys``), under the
+  container's Config (an option may follow the rest of it: Gefen's
+  ``second_moment = "auto"`` follows the blocking; None: its defaults);
 * ``FLAT_KEYS``: a flat ``[optimizer]`` key of recipes written before the
   table -> the field it sets; the recipe layer lifts them into the table;
 * ``SCALAR_FIELD``: the field that a plain value given where the table now is
@@ -33,7 +35,7 @@ class OptionsTable(Protocol):
     FLAT_KEYS: ClassVar[dict[str, str]]
     SCALAR_FIELD: ClassVar[str | None]
 
-    def kwargs(self) -> dict[str, Any]: ...
+    def kwargs(self, config: Any = None) -> dict[str, Any]: ...
 
     def check_config(self, config: Any) -> None: ...
 
@@ -47,7 +49,7 @@ class OptionsTableBase:
     FLAT_KEYS: ClassVar[dict[str, str]] = {}
     SCALAR_FIELD: ClassVar[str | None] = None
 
-    def kwargs(self) -> dict[str, Any]:
+    def kwargs(self, config: Any = None) -> dict[str, Any]:
         return {}
 
     def check_config(self, config: Any) -> None:

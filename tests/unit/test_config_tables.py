@@ -29,7 +29,7 @@ class ToyOptions(OptionsTableBase):
     scale: float = 1.0
     """A constructor option every ToyAdamW is built with."""
 
-    def kwargs(self) -> dict[str, Any]:
+    def kwargs(self, config: Any = None) -> dict[str, Any]:
         return {"scale": self.scale}
 
 

@@ -168,5 +168,5 @@ def test_factored_needs_agreed_blocking_and_a_known_mode():
     with pytest.raises(ValueError, match="second_moment = \"factored\" needs agreed blocking"):
         GefenOptimizersContainer.Config(name="Gefen", blocking=BlockingOptions(mode="per_rank"),
                                         gefen=GefenOptions(second_moment="factored"))
-    with pytest.raises(ValueError, match="must be 'block' or 'factored'"):
+    with pytest.raises(ValueError, match="must be 'auto', 'block' or 'factored'"):
         GefenOptions(second_moment="diagonal")

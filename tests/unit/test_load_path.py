@@ -96,7 +96,9 @@ def _same_state(a, b, read=gx.gefen_read):
         assert (sa is None) == (sb is None), fqn
         if sa is not None:
             assert sa.period == sb.period and sa.step == sb.step, fqn
-            for name in ("codes", "magnitude", "vmean"):
+            assert getattr(sa, "factored", False) == getattr(sb, "factored", False), fqn
+            names = ("v_row", "v_col") if getattr(sa, "factored", False) else ("vmean",)
+            for name in ("codes", "magnitude", *names):
                 assert torch.equal(getattr(sa, name), getattr(sb, name)), (fqn, name)
     assert torch.equal(gx.codebook(a), gx.codebook(b))
 

@@ -67,7 +67,7 @@ def test_every_kinds_rule_is_what_its_real_optimizer_holds(groups):
     assert want == opt.state_bytes()[0] > 0
 
 
-def test_gefens_factored_rule_is_what_its_factored_optimizer_holds():
+def test_gefens_factored_and_block_rules_are_what_their_optimizers_hold():
     """``second_moment = "factored"``: its rule (``COST.under(options)``) is the real optimizer's, and smaller
     than the block rule on the same parameters (a magnitude per block and one fp32 per row and column,
     against a magnitude, a vmean and two scratch floats per block)."""
@@ -78,13 +78,22 @@ def test_gefens_factored_rule_is_what_its_factored_optimizer_holds():
                    gefen=options)
     (optim,) = opt.optimizers
     cost = registry.spec_of(optim).cost
-    factored, block = cost.under(options), cost.under(GefenOptions())
-    assert factored is not block and block is cost
+    factored, block = cost.under(options), cost.under(GefenOptions(second_moment="block"))
+    assert factored is not block and factored.param_bytes is cost.param_bytes  # the entry's is the default's
+    assert cost.under(GefenOptions()).param_bytes is cost.param_bytes  # "auto": factored under agreed blocking
     shapes = [(tuple(p.shape), gx.period(optim, p), p.element_size()) for g in optim.param_groups for p in g["params"]]
     assert cost.optimizer_bytes + sum(factored.param_bytes(*s) for s in shapes) == opt.state_bytes()[0]
     assert sum(factored.param_bytes(*s) for s in shapes) < sum(block.param_bytes(*s) for s in shapes)
     # An empty shard of a matrix keeps its columns (its rows are none).
     assert factored.param_bytes((0, 64), 64, 4) == 4 * 64 and block.param_bytes((0, 64), 64, 4) == 0
+    # The block rule is the real block optimizer's (same parameters, same periods: the agreed blocking
+    # scores the first gradient alike).
+    blocked = _stepped([ParamGroup(pattern=r".*", optimizer_name="Gefen", optimizer_kwargs={"lr": 1e-3})],
+                       gefen=GefenOptions(second_moment="block"))
+    (optim_b,) = blocked.optimizers
+    shapes_b = [(tuple(p.shape), gx.period(optim_b, p), p.element_size())
+                for g in optim_b.param_groups for p in g["params"]]
+    assert cost.optimizer_bytes + sum(block.param_bytes(*s) for s in shapes_b) == blocked.state_bytes()[0]
 
 
 class _Buffered(torch.optim.SGD):
@@ -163,13 +172,20 @@ def test_the_plan_reads_a_kinds_rules_from_its_entry(tripled_registered):
     assert acc.chunks == 2 * 2 + 2 and sum(acc.items_per_rank) == acc.chunks  # each tensor's two halves
 
 
-def test_gefens_planned_entries_are_what_its_adapter_writes():
-    opt = _stepped([ParamGroup(pattern=r".*", optimizer_name="Gefen", optimizer_kwargs={"lr": 1e-3})])
+@pytest.mark.parametrize("second_moment", ["auto", "block", "factored"])
+def test_gefens_planned_entries_are_what_its_adapter_writes(second_moment):
+    from gefen_titan.optim.kinds.gefen.options import GefenOptions
+
+    options = GefenOptions(second_moment=second_moment)
+    opt = _stepped([ParamGroup(pattern=r".*", optimizer_name="Gefen", optimizer_kwargs={"lr": 1e-3})],
+                   gefen=options)
     (optim,) = opt.optimizers_of("Gefen")
     written = opt.state_dict()
     planned = registry.get("Gefen").checkpoint.planned_entries
-    params = [kinds.PlannedParam(fqn, tuple(p.shape), gx.period(optim, p), 1, group)
+    plan_options = {} if second_moment == "auto" else {"second_moment": second_moment}  # {}: the default's
+    params = [kinds.PlannedParam(fqn, tuple(p.shape), gx.period(optim, p), 1, group, plan_options)
               for fqn, p, group in gx.named_params(optim)]
+    assert any("gefen/vrow/" in k for k in written) == (second_moment != "block")
     want = {}
     for p in params:
         want.update(planned.param_tensors(p))

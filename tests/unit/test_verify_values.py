@@ -24,10 +24,6 @@ from tests.helpers.untrusted import rewrite_digests
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
 
-GRID = "optimizer." + schema.PATTERNS["grid"].format(fqn="0.weight")  # v3: (..., 2) of magnitude, vmean
-BAD_VALUE = "a magnitude or second moment with 1 of its 32 values non-finite or negative"
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("saved")
@@ -41,37 +37,49 @@ def _copy(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
     return root, root / "ckpt" / f"step-{STEP}"
 
 
-def _plant_in_grid(step: Path, column: int, value: float) -> None:
-    """One value of 0.weight's raw grid item set in place, ``.digests`` rewritten to match."""
+def _entry(kind: str, fqn: str) -> str:
+    return "optimizer." + schema.PATTERNS[kind].format(fqn=fqn)
+
+
+def _plant(step: Path, entry: str, index: int, value: float) -> None:
+    """One fp32 value of a raw entry's stored item set in place, ``.digests`` rewritten to match."""
     md = storage.read_metadata(step)
-    (index,) = [i for i in md.storage_data if i.fqn == GRID]
-    info = md.storage_data[index]
+    (item,) = [i for i in md.storage_data if i.fqn == entry]
+    info = md.storage_data[item]
     f = step / info.relative_path
     data = bytearray(f.read_bytes())
-    grid = torch.frombuffer(bytearray(data[info.offset:info.offset + info.length]), dtype=torch.float32).clone()
-    grid.view(-1, 2)[0, column] = value
-    data[info.offset:info.offset + info.length] = grid.numpy().tobytes()
+    values = torch.frombuffer(bytearray(data[info.offset:info.offset + info.length]), dtype=torch.float32).clone()
+    values[index] = value
+    data[info.offset:info.offset + info.length] = values.numpy().tobytes()
     f.write_bytes(bytes(data))
     rewrite_digests(step, md)
 
 
-@pytest.mark.parametrize("column, value, what", [(0, -1.0, "magnitude"), (1, float("nan"), "vmean"),
-                                                 (1, float("-inf"), "vmean")])
-def test_a_value_the_resume_refuses_fails_verify_export_and_convert(saved, tmp_path, capsys, column, value, what):
+# The tiny checkpoint's 0.weight (16 x 16, period 16) has the default factored second moment: its grid
+# holds 16 magnitudes alone, its vrow and vcol 16 floats each; 1.weight (a vector: always block, period 1)
+# has a grid of 16 (magnitude, vmean) pairs.
+@pytest.mark.parametrize("kind, fqn, index, value, what, count", [
+    ("grid", "0.weight", 0, -1.0, "magnitude", 16), ("vrow", "0.weight", 3, float("nan"), "vrow", 16),
+    ("vcol", "0.weight", 5, float("-inf"), "vcol", 16), ("grid", "1.weight", 1, float("nan"), "vmean", 32),
+    ("grid", "1.weight", 2, float("-inf"), "magnitude", 32)])
+def test_a_value_the_resume_refuses_fails_verify_export_and_convert(saved, tmp_path, capsys, kind, fqn, index, value,
+                                                                    what, count):
     root, step = _copy(saved, tmp_path)
-    _plant_in_grid(step, column, value)
-    with pytest.raises(GefenCheckpointError, match=f"0.weight: non-finite or negative {what} in the checkpoint"):
+    entry = _entry(kind, fqn)
+    _plant(step, entry, index, value)
+    with pytest.raises(GefenCheckpointError, match=f"{fqn}: non-finite or negative {what} in the checkpoint"):
         resume(root)
     report = verify_checkpoint(str(step))
-    assert not report["ok"] and any(
-        p["entry"] == GRID and BAD_VALUE in p["what"] for p in report["problems"]), report["problems"]
+    bad = f"a magnitude or second moment with 1 of its {count} values non-finite or negative"
+    assert not report["ok"] and any(p["entry"] == entry and bad in p["what"] for p in report["problems"]), \
+        report["problems"]
     out = tmp_path / "out.pt"
     assert cli.main(["export", str(step), str(out)]) == cli.BAD
-    assert BAD_VALUE in capsys.readouterr().err
+    assert bad in capsys.readouterr().err
     assert not out.exists() and not list(tmp_path.glob("out.pt*"))
     converted = tmp_path / "converted" / f"step-{STEP}"
     assert cli.main(["convert", str(step), str(converted), "--to", "adamw"]) == cli.BAD
-    assert f"0.weight: non-finite or negative {what} in " in capsys.readouterr().err
+    assert f"{fqn}: non-finite or negative {what} in " in capsys.readouterr().err
     assert not (tmp_path / "converted").exists() or not any((tmp_path / "converted").iterdir())
 
 

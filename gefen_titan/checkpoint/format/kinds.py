@@ -98,6 +98,9 @@ class PlannedParam:
     period: int
     step: int
     group: dict[str, Any]  # its param group's keys
+    options: dict[str, Any] = field(default_factory=dict)
+    """Its kind's options that shape the state (Gefen's ``second_moment``, resolved: "block" or "factored");
+    empty: the kind's defaults."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,6 @@ class VariantOptions(OptionsTableBase):
     deterministic: bool = False
     """gefen-x's replica-exact arithmetic (as ``optimizer.gefen.deterministic``)."""
 
-    def kwargs(self) -> dict[str, Any]:
+    def kwargs(self, config: Any = None) -> dict[str, Any]:
         """The constructor options (the entry's ``option_keys``)."""
         return {"deterministic": self.deterministic}

@@ -1,7 +1,8 @@
 """What Gefen's state costs (its registry entry's ``cost``, ``optim.state_cost.StateCost``): read by
 ``optim.state_size`` and the scale plan, held to the real optimizer by ``tests/unit/test_state_cost.py``.
 
-Two rules, by ``[optimizer.gefen] second_moment`` (``COST.under(options)``): ``"block"`` keeps per block
+Two rules, by ``[optimizer.gefen] second_moment`` (``COST.under(options)``; ``COST`` itself is the
+default's, factored): ``"block"`` keeps per block
 the magnitude, ``vmean`` and gefen-x's two per-step scratch floats; ``"factored"`` keeps, for a parameter of
 two dims or more, the magnitude per block (no scratch: the factored step keeps none) and one fp32 per row
 and per column of every matrix of the shard (``optim.kinds.gefen.factored``).
@@ -15,7 +16,7 @@ from typing import Any
 from gefen_titan.optim import gefenx as gx
 from gefen_titan.optim.state_cost import StateCost
 
-__all__ = ["COST", "FACTORED_COST"]
+__all__ = ["BLOCK_COST", "COST", "FACTORED_COST"]
 
 
 def _param_bytes(sizes: tuple[int, ...], period: int, element_size: int) -> int:
@@ -36,10 +37,13 @@ def _factored_param_bytes(sizes: tuple[int, ...], period: int, element_size: int
 
 
 def _for_options(options: Any) -> StateCost:
-    return FACTORED_COST if options.second_moment == "factored" else COST
+    return FACTORED_COST if options.resolved_second_moment() == "factored" else BLOCK_COST
 
 
 # The parameters' state, and the one fp32 [256] codebook per optimizer.
 FACTORED_COST = StateCost(_factored_param_bytes, optimizer_bytes=gx.K * 4, optimizer_tensors=gx.codebook_tensors)
-COST = StateCost(_param_bytes, optimizer_bytes=gx.K * 4, optimizer_tensors=gx.codebook_tensors,
+BLOCK_COST = StateCost(_param_bytes, optimizer_bytes=gx.K * 4, optimizer_tensors=gx.codebook_tensors)
+# The registry entry's: the default options' rule (second_moment "auto": factored under agreed blocking),
+# and ``under(options)`` for others. A plan read without options is the default run's.
+COST = StateCost(_factored_param_bytes, optimizer_bytes=gx.K * 4, optimizer_tensors=gx.codebook_tensors,
                  for_options=_for_options)

@@ -289,13 +289,20 @@ def _render(o: dict[str, Any]) -> list[str]:
 
 
 def _planned(record_kind: str, codebook_kind: str, record_type: Any) -> PlannedEntries:
-    """``GefenShardedAdapter``'s entries: per parameter its codes and block grid, then the optimizer's record
-    (every parameter's period and counters, ``vmean_step`` = ``step``) and its codebook."""
+    """``GefenShardedAdapter``'s entries: per parameter its codes and block grid (a factored one's also its
+    rows and columns), then the optimizer's record (every parameter's period and counters, ``vmean_step`` =
+    ``step``) and its codebook. A parameter's ``options["second_moment"]`` (absent: factored, the default's
+    under agreed blocking) says which; a vector's is block whatever it says (``factored.is_factored``)."""
+    def factored(p: PlannedParam) -> bool:
+        return p.options.get("second_moment", "factored") == "factored" and len(p.shape) >= 2
+
     def optimizer_entries(opt: str, params: list[PlannedParam], step: int, deterministic: bool) -> dict[str, Any]:
-        records = [gefen_records.ParamRecord(p.fqn, p.shape, p.period, p.step, p.step, p.group) for p in params]
+        records = [gefen_records.ParamRecord(p.fqn, p.shape, p.period, p.step, p.step, p.group, factored(p))
+                   for p in params]
         return {schema.entry_key(record_kind, opt): record_type(deterministic, step, records).to_json(),
                 schema.entry_key(codebook_kind, opt): (torch.float32, (schema.K,))}
-    return PlannedEntries(lambda p: gefen_keys.param_tensor_specs(p.fqn, p.shape, p.period), optimizer_entries)
+    return PlannedEntries(lambda p: gefen_keys.param_tensor_specs(p.fqn, p.shape, p.period, factored=factored(p)),
+                          optimizer_entries)
 
 
 def description(name: str = "Gefen", record_kind: str = "gefen", codebook_kind: str = "codebook",

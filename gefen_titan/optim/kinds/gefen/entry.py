@@ -37,7 +37,7 @@ def build_gefen(param_groups: list[dict[str, Any]], **factory_kwargs: Any) -> Op
     if "period_one_substrings" in options:
         options["period_one_substrings"] = tuple(options["period_one_substrings"])
     mode = options.pop("cpu_step", "kernel")
-    second_moment = options.pop("second_moment", "block")
+    second_moment = options.pop("second_moment", "factored")  # GefenOptions.kwargs() resolves "auto"
     optim = gx.new_gefen(groups, **options, **factory_kwargs)
     cpu_step.install(optim, mode, "Gefen")
     if second_moment == "factored":

@@ -48,14 +48,21 @@ class GefenOptions(OptionsTableBase):
     deterministic: bool = False
     """Replica-exact arithmetic on CUDA at some speed cost."""
 
-    second_moment: Literal["block", "factored"] = "block"
-    """``"block"``: one ``vmean`` per block of the momentum (gefen-x's legacy
-    path, 4 B per block). ``"factored"``: for every parameter of two dims or
-    more, fp32 EMAs of grad²'s row and column means, rebuilt per element as
-    ``outer(R, C) / mean(R)`` (gefen-x's ``factored_v_2d``, its AdamW-parity
-    mode, done here on shards with exact cross-rank sums: the state is the same
-    bits at every layout; ``optim.kinds.gefen.factored``). Needs agreed
-    blocking. A resume may switch: the second moment then restarts from zero
+    second_moment: Literal["auto", "block", "factored"] = "auto"
+    """``"factored"``: for every parameter of two dims or more, fp32 EMAs of
+    grad²'s row and column means, rebuilt per element as ``outer(R, C) / mean(R)``
+    (gefen-x's ``factored_v_2d``, its AdamW-parity mode, done here on shards
+    with exact cross-rank sums: the state is the same bits at every layout;
+    ``optim.kinds.gefen.factored``). Needs agreed blocking. ``"block"``: one
+    ``vmean`` per block of the momentum (gefen-x's legacy path, 4 B per block;
+    what gefen-titan ran before format v4). ``"auto"`` (the default):
+    ``"factored"`` under agreed blocking, ``"block"`` under per-rank blocking,
+    whose format (v1) stores only the block moment; the container's config
+    builds each optimizer with the one its blocking implies
+    (``resolved_second_moment``). The
+    default is factored because it trained better than block at every
+    learning rate of the quality benchmark (docs/recipes.md, "The second
+    moment"). A resume may switch: the second moment then restarts from zero
     with its own step count (docs/recipes.md)."""
 
     cpu_step: Literal["kernel", "gefen-x"] = "kernel"
@@ -69,14 +76,15 @@ class GefenOptions(OptionsTableBase):
     def __post_init__(self) -> None:
         if self.codebook_refresh_every < 0:
             raise ValueError("optimizer.gefen.codebook_refresh_every must be >= 0")
-        if self.second_moment not in ("block", "factored"):
+        if self.second_moment not in ("auto", "block", "factored"):
             raise ValueError(
-                f"optimizer.gefen.second_moment must be 'block' or 'factored', got {self.second_moment!r}")
+                f"optimizer.gefen.second_moment must be 'auto', 'block' or 'factored', got {self.second_moment!r}")
         if self.cpu_step not in MODES:
             raise ValueError(f"optimizer.gefen.cpu_step must be 'kernel' or 'gefen-x', got {self.cpu_step!r}")
 
     def check_config(self, config: Any) -> None:
-        """Refuse the options that agreed blocking (``optimizer.blocking.mode``, the container's) cannot keep."""
+        """Resolve ``second_moment = "auto"`` by the blocking (``optimizer.blocking.mode``, the container's), and
+        refuse the options that the blocking cannot keep."""
         if config.blocking.mode != "agreed":
             if self.second_moment == "factored":
                 raise ValueError(
@@ -95,9 +103,18 @@ class GefenOptions(OptionsTableBase):
                 "shard cuts, which agreed blocking cannot align; keep it true, or set "
                 "optimizer.blocking.mode = \"per_rank\"")
 
-    def kwargs(self) -> dict[str, Any]:
-        """The constructor options (the registry entry's ``option_keys``)."""
+    def kwargs(self, config: Any = None) -> dict[str, Any]:
+        """The constructor options (the registry entry's ``option_keys``) under the container's ``config``."""
         return {"factored_v_2d": FACTORED_V_2D, "force_1d_period_one": self.force_1d_period_one,
                 "period_one_substrings": tuple(self.period_one_substrings),
                 "codebook_refresh_every": self.codebook_refresh_every, "deterministic": self.deterministic,
-                "second_moment": self.second_moment, "cpu_step": self.cpu_step}
+                "second_moment": self.resolved_second_moment(config), "cpu_step": self.cpu_step}
+
+    def resolved_second_moment(self, config: Any = None) -> str:
+        """``"block"`` or ``"factored"``: ``"auto"`` by the container ``config``'s blocking (None: agreed, the
+        blocking's default; options read on their own, e.g. by the scale plan). Not written back into the
+        table: a recipe's config is built in steps (its blocking may be set after this table), so the table
+        keeps "auto" and each reader resolves it against the config it is built under."""
+        if self.second_moment != "auto":
+            return self.second_moment
+        return "factored" if config is None or config.blocking.mode == "agreed" else "block"

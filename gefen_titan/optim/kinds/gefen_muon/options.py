@@ -50,6 +50,6 @@ class MuonOptions(OptionsTableBase):
         if self.cpu_step not in MODES:
             raise ValueError(f"optimizer.muon.cpu_step must be 'kernel' or 'gefen-x', got {self.cpu_step!r}")
 
-    def kwargs(self) -> dict[str, Any]:
+    def kwargs(self, config: Any = None) -> dict[str, Any]:
         """The constructor options (the registry entry's ``option_keys``)."""
         return {"deterministic": self.deterministic, "bucket_mib": self.bucket_mib, "cpu_step": self.cpu_step}
