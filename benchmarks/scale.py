@@ -208,7 +208,7 @@ def _adamw_template(config) -> list[tuple[str, str, Any]]:
     return out
 
 
-def build(flavor: str, mesh: Mesh, max_tp: int = 8, recipe: str = RECIPE) -> Built:
+def build(flavor: str, mesh: Mesh, max_tp: int = 8, recipe: str = RECIPE, second_moment: str | None = None) -> Built:
     """The flavor on the meta device under ``mesh``, as the Trainer builds it (collective-free).
 
     A MoE flavor (``MOE_FLAVORS``) builds from its own recipe (``recipe`` is
@@ -216,6 +216,8 @@ def build(flavor: str, mesh: Mesh, max_tp: int = 8, recipe: str = RECIPE) -> Bui
     GefenMuonHybrid routes (``gefen_titan.optim.hybrid.route``: every
     ``nn.Linear`` weight in the blocks but the router's gate, and the routed
     experts' grouped weights), with the hybrid's Newton-Schulz steps.
+
+    ``second_moment``: ``[optimizer.gefen] second_moment`` over the recipe's (None: the recipe's).
 
     Replaces any process group of this process by torchtitan's fake one at
     ``mesh.world`` ranks: run it in a process of its own, never inside a job.
@@ -225,6 +227,8 @@ def build(flavor: str, mesh: Mesh, max_tp: int = 8, recipe: str = RECIPE) -> Bui
         recipe, model_flavor = MOE_FLAVORS[flavor]
     overrides = {"model": {"flavor": model_flavor}, "parallelism": mesh.parallelism(),
                  "optimizer": {"blocking": {"max_tensor_parallel_degree": max_tp}}}
+    if second_moment is not None:
+        overrides["optimizer"]["gefen"] = {"second_moment": second_moment}
     built = build_on_meta(str(ROOT / recipe) if not Path(recipe).exists() else recipe, mesh.world, overrides)
     config = built.config
     muon: dict[str, Any] = {}
@@ -235,12 +239,14 @@ def build(flavor: str, mesh: Mesh, max_tp: int = 8, recipe: str = RECIPE) -> Bui
         muon = {"muon_fqns": frozenset(hybrid.route(built.model)[0]),
                 "muon_ns_steps": int(groups[0].optimizer_kwargs["ns_steps"])}
     ckpt_id = str(Path(config.dump_folder) / config.checkpoint.folder / f"step-{config.training.steps}")
+    gefen = dataclasses.replace(config.optimizer.gefen,
+                                second_moment=config.optimizer.gefen.resolved_second_moment(config.optimizer))
     return built_from(flavor, mesh, built.numel, built.optimizers, config.optimizer.blocking.max_tensor_parallel_degree,
-                      ckpt_id, _adamw_template(config), **muon)
+                      ckpt_id, _adamw_template(config), gefen_options=gefen, **muon)
 
 
 def built_from(flavor: str, mesh: Mesh, numel: int, container, max_tp: int, checkpoint_id: str,
-               adamw_template: list[tuple[str, str, Any]], **muon: Any) -> Built:
+               adamw_template: list[tuple[str, str, Any]], gefen_options: Any = None, **muon: Any) -> Built:
     """The plan's view of a built optimizer container (its Gefen parameters, their layouts and blocking
     rules), for ``build`` and for the checks that build a model of their own."""
     from gefen_titan.optim.blocking import AgreedBlocking
@@ -261,7 +267,7 @@ def built_from(flavor: str, mesh: Mesh, numel: int, container, max_tp: int, chec
     from gefen_titan.optim import gefenx as gx
 
     return Built(flavor, mesh, numel, params, checkpoint_id, adamw_template, hyper,
-                 gx.options(container.optimizers_of("Gefen")[0])["deterministic"], **muon)
+                 gx.options(container.optimizers_of("Gefen")[0])["deterministic"], gefen_options, **muon)
 
 
 # ---------------------------------------------------------------- entries
@@ -288,13 +294,15 @@ def optimizer_entries(built: Built, name: str, rule: str = "fallback", periods: 
     from gefen_titan.optim import registry
 
     planned = registry.get(name).checkpoint.planned_entries
+    plan_options = ({"second_moment": built.gefen_options.resolved_second_moment()}
+                    if name == "Gefen" and built.gefen_options is not None else {})
     pre = "optimizer."
     out = [Entry(pre + schema.header_key(), "bytes",
                  value=schema_records.Header.for_blocking("agreed").to_json())]
     params = []
     for p in built.params:
         period = (periods or {}).get(p.fqn) or p.period(rule)
-        params.append(PlannedParam(p.fqn, tuple(p.shape), period, step, dict(built.gefen_hyper)))
+        params.append(PlannedParam(p.fqn, tuple(p.shape), period, step, dict(built.gefen_hyper), plan_options))
         for key, (dtype, shape) in planned.param_tensors(params[-1]).items():
             out.append(Entry(pre + key, "dtensor", dtype, shape, p, layer=p.layer))
     for key, value in planned.optimizer_entries(built.params[0].fqn, params, step, built.deterministic).items():
@@ -636,6 +644,8 @@ def state_bytes(built: Built, name: str, rule: str = "fallback", periods: dict[s
     the given ``periods``."""
     from gefen_titan.optim import registry
 
+    if options is None and name == "Gefen":
+        options = built.gefen_options  # the recipe's (None: the kind's defaults)
     cost = registry.get(name).cost.under(options)
     chunks = Chunks()
     out = [cost.optimizer_bytes] * built.mesh.world
@@ -932,6 +942,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--exact-items", type=int, default=100_000,
                     help="build the metadata in full up to this many plan items, else extrapolate over layers")
     ap.add_argument("--recipe", default=RECIPE)
+    ap.add_argument("--second-moment", default=None, choices=("auto", "block", "factored"),
+                    help="Gefen's optimizer.gefen.second_moment over the recipe's (default: the recipe's; the "
+                         "recipes leave it at auto: factored)")
     ap.add_argument("--muon-bucket-mib", type=float, default=None,
                     help="optimizer.muon.bucket_mib of the GefenMuon rows (default: its default)")
     ap.add_argument("--no-muon", action="store_true", help="leave out the GefenMuon rows")
@@ -1010,7 +1023,7 @@ def main(argv: list[str] | None = None) -> None:
         for flavor, mesh in cells:
             bar.set_postfix_str(f"{flavor} {mesh.label}")
             begin = time.monotonic()
-            built = build(flavor, mesh, args.max_tp_degree, args.recipe)
+            built = build(flavor, mesh, args.max_tp_degree, args.recipe, args.second_moment)
             row = plan(built, args.exact_items, None if args.no_muon else args.muon_bucket_mib)
             rows.append(row)
             bar.write(f"done: {flavor} {mesh.label} ({time.monotonic() - begin:.1f} s)", file=sys.stderr)

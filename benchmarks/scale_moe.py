@@ -73,6 +73,7 @@ def state_per_rank(built: Built, optimizer: str, periods: dict[str, int] | None 
     from gefen_titan.optim import registry
 
     gefen, gefen_muon, adamw = (registry.get(name).cost for name in ("Gefen", "GefenMuon", "AdamW"))
+    gefen = gefen.under(built.gefen_options)  # the recipe's second moment (None: the default's)
     chunks = Chunks()
     w = built.mesh.world
     out = [0] * w

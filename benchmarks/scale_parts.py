@@ -95,6 +95,9 @@ class Built:
     adamw_template: list[tuple[str, str, Any]]  # (key pattern with {fqn}, kind, dtype or value)
     gefen_hyper: dict[str, float]
     deterministic: bool
+    # Gefen's options table as the recipe (and --second-moment) built it, its second moment resolved
+    # ("block" or "factored"): what the plan's Gefen state and entries follow.
+    gefen_options: Any = None
     # GefenMuon's matrices: the FQNs GefenMuonHybrid routes to it (MoE flavors: the hidden matrices and the
     # routed experts) and its Newton-Schulz steps; None: the muon recipe's pattern (MUON_PATTERN, dense).
     muon_fqns: frozenset[str] | None = None
