@@ -27,7 +27,7 @@ container and every tool call before they look a name up:
 * ``options``: the ``[optimizer]`` table of its own options (``optimizer.gefen``,
   ``optimizer.muon``: an attribute of the container's Config), None for none;
 * ``options_type``: that table's class (an ``optim.options_table.OptionsTable``
-  dataclass whose ``kwargs()`` are the ``option_keys``); the container's Config
+  dataclass whose ``kwargs(config)`` are the ``option_keys``); the container's Config
   has one field of it per registered table, generated (``optim.config_tables``);
 * ``shorthand_keys``: the ``[optimizer]`` shorthand hyperparameters (lr,
   betas, eps, weight_decay) that are defaults of its groups (GefenMuon takes

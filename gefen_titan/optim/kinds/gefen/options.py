@@ -4,7 +4,7 @@ They are the kind's, not the container's: ``GefenOptimizersContainer.Config``
 keeps what every optimizer kind shares (the shorthand, the blocking, torchtitan's
 keys) and holds one options table per kind, which the kind's registry entry
 names (``OptimizerSpec.options``); the container gives each optimizer of the
-kind ``kwargs()`` as its constructor options, so every group of it agrees.
+kind ``kwargs(config)`` as its constructor options, so every group of it agrees.
 Recipes written before the split set these as flat ``[optimizer]`` keys
 (``FLAT_KEYS``); the recipe layer still reads them into this table.
 """

@@ -3,7 +3,7 @@
 The kind's, not the container's (as ``optim.kinds.gefen.options``): the registry
 entry names this table and carries its class (``OptimizerSpec.options``,
 ``options_type``) and the container gives
-each GefenMuon ``kwargs()`` as its constructor options. Older recipes' flat
+each GefenMuon ``kwargs(config)`` as its constructor options. Older recipes' flat
 ``[optimizer]`` keys (``FLAT_KEYS``) are read into it by the recipe layer.
 """
 
