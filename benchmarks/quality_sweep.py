@@ -9,10 +9,13 @@ embedded corpus, gloo CPU) trains on the corpus minus its held-out documents
 Configurations (``--configs``):
 
 * ``adamw``: ``--optimizer.name AdamW``;
-* ``gefen-block``: Gefen, ``--optimizer.gefen.second_moment block`` (the default);
-* ``gefen-factored``: Gefen, ``--optimizer.gefen.second_moment factored``;
+* ``gefen-block``: Gefen, ``--optimizer.gefen.second_moment block`` (the default
+  until these runs);
+* ``gefen-factored``: Gefen, ``--optimizer.gefen.second_moment factored`` (the
+  default since, ``"auto"`` under agreed blocking);
 * ``gefen-muon``: ``recipes/llama_gefen_muon.toml`` (GefenMuon for the hidden
-  matrices, Gefen for the rest). Both groups take ``[optimizer] lr`` (the
+  matrices, Gefen for the rest, its second moment pinned to block: the
+  2026-12-06 runs had it so, the default then). Both groups take ``[optimizer] lr`` (the
   GefenMuon group sets none; its ``match_rms_adamw`` puts its updates at
   AdamW's scale), so the sweep moves both together: their ratio stays 1.
 
@@ -71,7 +74,7 @@ CONFIGS: dict[str, tuple[str, list[str]]] = {  # name -> (recipe, flags)
     "adamw": ("llama_gefen.toml", ["--optimizer.name", "AdamW"]),
     "gefen-block": ("llama_gefen.toml", ["--optimizer.gefen.second_moment", "block"]),
     "gefen-factored": ("llama_gefen.toml", ["--optimizer.gefen.second_moment", "factored"]),
-    "gefen-muon": ("llama_gefen_muon.toml", []),
+    "gefen-muon": ("llama_gefen_muon.toml", ["--optimizer.gefen.second_moment", "block"]),
 }
 DEFAULT_LRS = (1e-3, 2e-3, 4e-3)
 BASELINE = "adamw"
