@@ -284,6 +284,24 @@ class Entry:
     layer: int | None = None
 
 
+def _placed_like(p: Param, key: str, shape: tuple[int, ...]) -> Param:
+    """The layout of one of ``p``'s state entries: the parameter's own, but a factored parameter's rows
+    (``vrow``) and columns (``vcol``), which the adapter places like those dims of it
+    (``distributed.like_param_rows`` / ``like_param_cols``: a cut of the other dim replicates them)."""
+    from torch.distributed.tensor import DTensor
+
+    from gefen_titan.checkpoint.format import schema
+    from gefen_titan.distributed import layout
+
+    parsed = schema.parse_key(key)
+    kind = parsed.kind if parsed is not None else None
+    if kind not in ("vrow", "vcol") or not isinstance(p.tensor, DTensor):
+        return p
+    placements = (layout.leading_placements(p.tensor, len(shape)) if kind == "vrow"
+                  else layout.column_placements(p.tensor))
+    return dataclasses.replace(p, shape=tuple(shape), placements=tuple(placements))
+
+
 def optimizer_entries(built: Built, name: str, rule: str = "fallback", periods: dict[str, int] | None = None,
                       step: int = 1) -> list[Entry]:
     """The v3 entries of one optimizer of kind ``name`` over the plan's parameters: the header, then what its
@@ -304,7 +322,7 @@ def optimizer_entries(built: Built, name: str, rule: str = "fallback", periods: 
         period = (periods or {}).get(p.fqn) or p.period(rule)
         params.append(PlannedParam(p.fqn, tuple(p.shape), period, step, dict(built.gefen_hyper), plan_options))
         for key, (dtype, shape) in planned.param_tensors(params[-1]).items():
-            out.append(Entry(pre + key, "dtensor", dtype, shape, p, layer=p.layer))
+            out.append(Entry(pre + key, "dtensor", dtype, shape, _placed_like(p, key, shape), layer=p.layer))
     for key, value in planned.optimizer_entries(built.params[0].fqn, params, step, built.deterministic).items():
         if isinstance(value, tuple):  # a plain tensor: (dtype, shape)
             out.append(Entry(pre + key, "tensor", value[0], value[1]))

@@ -166,7 +166,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tp", type=int, default=2)
     ap.add_argument("--blocking", default="agreed", help="for --ref and --load")
     ap.add_argument("--tamper-save", default="", help="a base to save into after rank 1's codebook is changed")
-    ap.add_argument("--second-moment", default="block", help="Gefen's, for --ref and --load")
+    ap.add_argument("--second-moment", default="auto", choices=("auto", "block", "factored"),
+                    help="Gefen's, for --ref and --load (auto, the default: factored under agreed blocking)")
     return ap
 
 
@@ -180,10 +181,7 @@ def job(args, rank: int, world: int) -> None:
         return model, opt, sm.schedulers(opt, S + K), sm.TrainState()
 
     def run_config() -> dict:
-        config = {"blocking": args.blocking}
-        if args.second_moment != "block":
-            config["gefen"] = GefenOptions(second_moment=args.second_moment)
-        return config
+        return {"blocking": args.blocking, "gefen": GefenOptions(second_moment=args.second_moment)}
 
     if args.ref:
         results["ref"], _ = sm.reference_run(lambda: fresh(**run_config()), step, args.ref, S, K, global_state)

@@ -147,11 +147,14 @@ def extrapolation(built) -> dict:
 
 def hand(built) -> dict:
     from gefen_titan.optim import registry
+    from gefen_titan.optim.kinds.gefen.options import GefenOptions
 
     p = next(q for q in built.params if q.fqn == "tok_embeddings.weight")
     return {"shape": list(p.shape), "unit": p.unit, "fallback": p.period("fallback"), "finest": p.period("finest"),
             "chunks": scale.Chunks().per_rank(p.shape, p),
-            "state": registry.get("Gefen").cost.param_bytes((1024, 256), p.period("fallback"), 4)}
+            "state": registry.get("Gefen").cost.param_bytes((1024, 256), p.period("fallback"), 4),
+            "state_block": registry.get("Gefen").cost.under(GefenOptions(second_moment="block")).param_bytes(
+                (1024, 256), p.period("fallback"), 4)}
 
 
 def planned_and_real(planned: list, optimizers) -> dict:

@@ -78,18 +78,23 @@ def convert_json(*args) -> tuple[int, dict]:
     return rc, json.loads(buf.getvalue())
 
 
+# The Gefen runs here keep the block second moment (their packed (magnitude, vmean) grids are what these
+# tests read by hand); the factored default's entries through the same tools: tests/unit/test_factored_tools.py.
+BLOCK = ("--optimizer.gefen.second_moment", "block")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("ckpt_tools")
-    gefen = train(base / "gefen", "--training.steps", "4")
+    gefen = train(base / "gefen", "--training.steps", "4", *BLOCK)
     assert sorted(gefen) == [1, 2, 3, 4]
     to_adamw = convert_json("convert", step_dir(base, "gefen", 2), step_dir(base, "as_adamw", 2), "--to", "adamw")
     assert to_adamw[0] == 0, to_adamw
     as_adamw = train(base / "as_adamw", "--training.steps", "5", "--optimizer.name", "AdamW")
     to_gefen = convert_json("convert", step_dir(base, "as_adamw", 3), step_dir(base, "as_gefen", 3), "--to",
-                            "gefen", "--max-tensor-parallel-degree", "2")
+                            "gefen", "--max-tensor-parallel-degree", "2", "--second-moment", "block")
     assert to_gefen[0] == 0, to_gefen
-    as_gefen = train(base / "as_gefen", "--training.steps", "5")
+    as_gefen = train(base / "as_gefen", "--training.steps", "5", *BLOCK)
     return {"base": base, "gefen": gefen, "as_adamw": as_adamw, "as_gefen": as_gefen,
             "to_adamw": to_adamw[1], "to_gefen": to_gefen[1]}
 

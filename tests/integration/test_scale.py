@@ -124,7 +124,10 @@ def test_plan_by_hand(worker):
     # (2048, 256) embedding, FSDP 2: rows 0-1023 and 1024-2047. Row unit: gcd(256, TP 2's cut at 128) = 128.
     assert h["shape"] == [2048, 256] and h["unit"] == 128 and h["fallback"] == 128 and h["finest"] == 8
     assert h["chunks"] == [[[1024, 256], [0, 0]], [[1024, 256], [1024, 0]]]
-    assert h["state"] == 1024 * 256 + 16 * (1024 * 256 // 128)  # codes; magnitude, vmean, 2 scratch fp32 per block
+    # The default (factored): codes; a magnitude per block; an fp32 per local row and per (whole) column.
+    assert h["state"] == 1024 * 256 + 4 * (1024 * 256 // 128) + 4 * 1024 + 4 * 256
+    # Block: codes; magnitude, vmean, 2 scratch fp32 per block.
+    assert h["state_block"] == 1024 * 256 + 16 * (1024 * 256 // 128)
 
 
 def test_plan_schedules_gefen_muon_as_the_real_step_does(worker):

@@ -8,7 +8,11 @@ state that the container then holds, gathered to global tensors (as a v3
 save would write it), must be the fixture's entries bit for bit: every code,
 block magnitude and ``vmean`` (v3 packs the two in one grid entry), the
 codebook, and the JSON records (periods, counters, hyperparameters); the
-header is v3's.
+header is v3's. The fixture was written under the block second moment, so the
+3-rank load resumes it as it ran (``second_moment = "block"``); the 1-rank load
+takes the default (factored), which keeps every code, magnitude and period
+and restarts the matrices' second moment (docs/recipes.md, "Switching on a
+resume"): what a v2 run resumed after the default changed does.
 """
 
 from __future__ import annotations
@@ -42,14 +46,14 @@ def saved() -> dict:
     return values
 
 
-def _load(nproc: int, out: Path) -> dict:
+def _load(nproc: int, out: Path, *flags: str) -> dict:
     hook = json.dumps({"dir": str(out / "dumps")})
     # train.py's main on nproc ranks started as torchrun would (processes.run_ranks).
     processes.run_ranks(nproc, gefen_titan.train.main, [
         "--job.config", "recipes/llama_gefen.toml", "--training.steps", str(STEP),
         "--checkpoint.initial_load_path", str(FIXTURE), "--checkpoint.no-initial-load-model-only",
         "--dump_folder", str(out), "--override.imports", "gefen_titan.patches.sdpa_attention.sdpa_attention",
-        f"tests.helpers.fixture_hooks.without_model={hook}"], logs=out / "logs", timeout=600)
+        f"tests.helpers.fixture_hooks.without_model={hook}", *flags], logs=out / "logs", timeout=600)
     dump = torch.load(out / "dumps" / f"load-{STEP}-global-rank0.pt", weights_only=False)
     assert dump["world"] == nproc and dump["blocking"] == "agreed"
     return dump
@@ -70,9 +74,8 @@ def _as_v3(v2: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("nproc", [1, 3])
-def test_v2_fixture_loads_bit_exactly(saved, nproc, tmp_path):
-    dump = _load(nproc, tmp_path)
+def test_v2_fixture_loads_bit_exactly(saved, tmp_path):
+    dump = _load(3, tmp_path, "--optimizer.gefen.second_moment", "block")
     loaded = dump["state"]
     # The next save writes the current format: v4, whose block state is v3's entries (``_as_v3``).
     assert json.loads(loaded[schema.header_key()])["version"] == schema.VERSION == 4
@@ -94,3 +97,26 @@ def test_v2_fixture_loads_bit_exactly(saved, nproc, tmp_path):
         for opt in live["Gefen"]["optimizers"].values():
             assert torch.equal(opt["codebook"], codebook)
             assert opt["global_step"] == STEP
+
+
+def test_v2_fixture_resumes_into_the_factored_default(saved, tmp_path):
+    loaded = _load(1, tmp_path)["state"]
+    expected = _as_v3(saved)
+    (rec_key,) = [k for k in expected if k.startswith("gefen/optimizer/")]
+    before = {r["fqn"]: r for r in json.loads(expected[rec_key])["params"]}
+    after = {r["fqn"]: r for r in json.loads(loaded[rec_key])["params"]}
+    assert sorted(before) == sorted(after) and len(after) == 45
+    factored = 0
+    for fqn, rec in after.items():
+        old = before[fqn]
+        assert (rec["step"], rec["period"], rec["group"]) == (old["step"], old["period"], old["group"]), fqn
+        assert torch.equal(loaded[gefen_keys.qcodes_key(fqn)], expected[gefen_keys.qcodes_key(fqn)]), fqn
+        grid, saved_grid = loaded[gefen_keys.grid_key(fqn)], expected[gefen_keys.grid_key(fqn)]
+        assert torch.equal(grid[..., 0], saved_grid[..., 0]), fqn  # the magnitudes, as saved
+        if len(rec["shape"]) < 2:  # a vector keeps its block second moment, as saved
+            assert rec == old and torch.equal(grid, saved_grid), fqn
+            continue
+        factored += 1
+        assert rec["second_moment"] == "factored" and rec["vmean_step"] == 0, fqn  # restarted
+        assert grid.shape[-1] == 1 and gefen_keys.vrow_key(fqn) in loaded and gefen_keys.vcol_key(fqn) in loaded
+    assert factored > 0

@@ -157,9 +157,14 @@ def dense(entries: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
         except schema.FormatError:
             continue
         for rec in records:
-            version = schema.VERSION if gefen_keys.grid_key(rec.fqn) in entries else schema.V2
-            tensors = {name: entries.get(k)
-                       for name, k in gefen_keys.param_tensor_keys(rec.fqn, version, rec.factored).items()}
+            # A factored record is v4's whether or not its tensors are there (a parameter without state yet
+            # has none: e.g. after a resume that dropped the optimizer).
+            version = schema.VERSION if rec.factored or gefen_keys.grid_key(rec.fqn) in entries else schema.V2
+            try:
+                keys = gefen_keys.param_tensor_keys(rec.fqn, version, rec.factored)
+            except schema.FormatError:
+                continue
+            tensors = {name: entries.get(k) for name, k in keys.items()}
             if not rec.period or codebook is None or any(t is None for t in tensors.values()):
                 continue
             codes = tensors["codes"]
