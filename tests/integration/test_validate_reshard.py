@@ -156,7 +156,7 @@ def test_dropped_optimizer_state_fails_naming_pair_and_figure(standard, tmp_path
     assert _row(proc.stdout, "4->2")[6] == "DIFFER"
     err = proc.stderr
     assert "FAILED" in err
-    assert "4->2: Gefen state after the load is not bit-exact (format v3 promises it)" in err
+    assert "4->2: Gefen state after the load is not bit-exact (agreed blocking promises it, format v3 and later)" in err
     assert "4->2: first-update error 1 > 0" in err
     assert "4->2: momentum error 1 > 0" in err
     assert "have no optimizer state after the load" in err
