@@ -104,7 +104,9 @@ def test_plan_matches_a_real_checkpoint(worker):
     assert c["keys_plan"] == c["keys_real"] and len(c["keys_plan"]) > 90  # v3: 2 per parameter, 3 shared
     assert c["chunks_plan"] == c["chunks_real"]
     assert c["files_plan"] == c["files_real"]  # bytes each rank wrote, to the byte
-    assert c["replicated"] == 3 and c["writers_plan"] == c["writers_real"]  # format, record, codebook
+    # Replicated on FSDP: format, record, codebook, and each factored matrix's columns (the default).
+    columns = sum("gefen/vcol/" in k for k in c["keys_real"])
+    assert columns > 0 and c["replicated"] == 3 + columns and c["writers_plan"] == c["writers_real"]
     assert abs(c["metadata_plan"] - c["metadata_real"]) <= 0.005 * c["metadata_real"]
 
 
