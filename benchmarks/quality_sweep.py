@@ -421,6 +421,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="held-out eval period of the seed runs (default steps/20; a divisor of --steps)")
     ap.add_argument("--out", default=str(ROOT / "outputs" / "quality_sweep"))
     ap.add_argument("--dry-run", action="store_true", help="print the planned runs and the estimated time")
+    ap.add_argument("--report", action="store_true",
+                    help="run nothing: the table and plot of the runs finished in --out (a configuration with fewer "
+                         "seed runs than --seeds is shown with those it has; one with none, left out)")
     args = ap.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if not configs or any(c not in CONFIGS for c in configs):
@@ -478,13 +481,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[{count}/{total}] {run.name}: held-out {_f(final_eval(results[run.name]))} in "
               f"{time.time() - t0:.0f} s; elapsed {_hours(time.time() - start)}, ETA {_hours(left)}", file=sys.stderr)
 
-    for run in planned:
-        progress(run)
+    if not args.report:
+        for run in planned:
+            progress(run)
     chosen = choose(lrs, results)
-    finals = seed_runs(args, chosen)
+    finals = seed_runs(args, {c: lr for c, lr in chosen.items() if lr is not None})
     results |= {r.name: res for r in finals if (res := load_result(r, out)) is not None}
-    for run in finals:
-        progress(run)
+    if args.report:  # the configurations with a finished seed run at their chosen LR
+        chosen = {c: lr for c, lr in chosen.items()
+                  if any(r.config == c and r.name in results for r in finals)}
+    else:
+        for run in finals:
+            progress(run)
 
     text, rows = table(lrs, chosen, results, args.steps)
     timing = Timing(finished_runs(out))
