@@ -171,8 +171,9 @@ def compare_global_state(ref_dumps: list[dict], res_dumps: list[dict]) -> dict[s
     for name in [d.name for d in kinds.descriptions()]:
         mine = [what for key, what in differ if owners[key] == name]
         if mine:
-            problems.append(f"{name} state after the load is not bit-exact (agreed blocking promises it, format v3 and later): {len(mine)} "
-                            f"of {sum(owners[k] == name for k in rs)} checkpoint entries differ, e.g. "
+            problems.append(f"{name} state after the load is not bit-exact (agreed blocking promises it, "
+                            f"format v3 and later): {len(mine)} of {sum(owners[k] == name for k in rs)} "
+                            "checkpoint entries differ, e.g. "
                             f"{', '.join(mine[:3])}")
     shared = [what for key, what in differ if owners[key] is None and schema.parse_key(key) is not None]
     if shared:  # the format's own entries (the header), no kind's

@@ -88,7 +88,7 @@ def test_v2_fixture_loads_bit_exactly(saved, tmp_path):
             assert got == value, name
             continue
         assert got.dtype == value.dtype and got.shape == value.shape, name
-        assert torch.equal(got, value), f"{name} differs after loading at {nproc} rank(s)"
+        assert torch.equal(got, value), f"{name} differs after loading at 3 ranks"
         stateful += name.startswith("gefen/qcodes/")
     assert stateful == 45  # every parameter of the debug model has Gefen state after 3 steps
     # The live optimizer on every rank holds the fixture's codebook.
