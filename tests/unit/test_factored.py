@@ -170,3 +170,20 @@ def test_factored_needs_agreed_blocking_and_a_known_mode():
                                         gefen=GefenOptions(second_moment="factored"))
     with pytest.raises(ValueError, match="must be 'auto', 'block' or 'factored'"):
         GefenOptions(second_moment="diagonal")
+
+
+@pytest.mark.parametrize("mode, second_moment, factored", [
+    ("agreed", "auto", True), ("per_rank", "auto", False), ("agreed", "block", False), ("agreed", "factored", True)])
+def test_auto_is_factored_under_agreed_blocking_and_block_under_per_rank(mode, second_moment, factored):
+    """The default, ``"auto"``, follows the blocking where each optimizer is built (``kwargs(config)``): a
+    per-rank run (format v1: ``vmean`` only) keeps block without being told; the table keeps "auto"."""
+    from gefen_titan.optim.kinds.gefen import factored as factored_step
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    options = GefenOptions(second_moment=second_moment)
+    config = GefenOptimizersContainer.Config(name="Gefen", blocking=BlockingOptions(mode=mode), gefen=options)
+    assert config.gefen.second_moment == second_moment  # not written back
+    assert options.kwargs(config)["second_moment"] == ("factored" if factored else "block")
+    (optim,) = config.build(model_parts=[model]).optimizers
+    assert factored_step.is_factored(optim, model[0].weight) == factored
+    assert not factored_step.is_factored(optim, model[0].bias)
