@@ -59,9 +59,9 @@ class GefenOptions(OptionsTableBase):
     ``"factored"`` under agreed blocking, ``"block"`` under per-rank blocking,
     whose format (v1) stores only the block moment; the container's config
     builds each optimizer with the one its blocking implies
-    (``resolved_second_moment``). The
-    default is factored because it trained better than block at every
-    learning rate of the quality benchmark (docs/recipes.md, "The second
+    (``resolved_second_moment``). The default is factored because it trained
+    better than block at every learning rate of the quality benchmark and
+    closed most of block's gap to AdamW (docs/recipes.md, "The second
     moment"). A resume may switch: the second moment then restarts from zero
     with its own step count (docs/recipes.md)."""
 
@@ -83,8 +83,8 @@ class GefenOptions(OptionsTableBase):
             raise ValueError(f"optimizer.gefen.cpu_step must be 'kernel' or 'gefen-x', got {self.cpu_step!r}")
 
     def check_config(self, config: Any) -> None:
-        """Resolve ``second_moment = "auto"`` by the blocking (``optimizer.blocking.mode``, the container's), and
-        refuse the options that the blocking cannot keep."""
+        """Refuse the options that the blocking (``optimizer.blocking.mode``, the container's) cannot keep
+        (``second_moment = "auto"`` is not one: ``resolved_second_moment`` follows the blocking)."""
         if config.blocking.mode != "agreed":
             if self.second_moment == "factored":
                 raise ValueError(
