@@ -96,8 +96,8 @@ def _same_state(a, b, read=gx.gefen_read):
         assert (sa is None) == (sb is None), fqn
         if sa is not None:
             assert sa.period == sb.period and sa.step == sb.step, fqn
-            assert getattr(sa, "factored", False) == getattr(sb, "factored", False), fqn
-            names = ("v_row", "v_col") if getattr(sa, "factored", False) else ("vmean",)
+            assert sa.factored == sb.factored, fqn
+            names = ("v_row", "v_col") if sa.factored else ("vmean",)
             for name in ("codes", "magnitude", *names):
                 assert torch.equal(getattr(sa, name), getattr(sb, name)), (fqn, name)
     assert torch.equal(gx.codebook(a), gx.codebook(b))
